@@ -1,0 +1,1 @@
+//! Rank runtime (being built): leader, worker processes, step responses, aggregation.

@@ -1,0 +1,25 @@
+//! kvferry: moves the KV cache of LLM inference between engine memory (GPU or host),
+//! a pinned host staging arena, and peer instances — without corrupting, leaking or
+//! hanging when a transfer is cancelled, times out, or a device or peer stalls.
+//!
+//! Layers, bottom up (see `docs/architecture.md`):
+//!
+//! - [`mem`]: the staging arena, its pages and leases, and registered regions.
+//! - [`copy`]: dedicated copy threads executing [`copy::CopyPlan`]s; a cancelled or
+//!   failed copy releases nothing until every started slice has stopped.
+//!
+//! The central design move: the memory a job touches is *owned by the job* until the
+//! job has drained. Dropping a future (Rust's cancellation) therefore cannot free
+//! memory under a live writer, and no `Drop` ever blocks.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod cluster;
+pub mod copy;
+pub mod device;
+pub mod mem;
+pub mod net;
+pub mod peer;
+pub mod sync;
+pub mod wire;

@@ -1,0 +1,1 @@
+//! Producer and consumer (being built).

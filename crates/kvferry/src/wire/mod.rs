@@ -1,0 +1,1 @@
+//! Wire format (being built): frames, control messages, limits, checksums.
