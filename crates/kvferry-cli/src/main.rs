@@ -1,1 +1,49 @@
-fn main() {}
+//! The `kvferry` command.
+//!
+//! Each subcommand lives in its own `cmd_*.rs` file; this file only parses arguments
+//! and dispatches.
+
+mod cmd_bench;
+
+use clap::{Parser, Subcommand};
+
+/// kvferry: a cancel-safe KV-cache transfer engine for LLM inference.
+///
+/// Moves KV cache between engine memory, a pinned host staging arena and peer
+/// instances. It never corrupts, leaks or hangs when a transfer is cancelled, times
+/// out, or a device or peer stalls.
+#[derive(Parser, Debug)]
+#[command(name = "kvferry", version, propagate_version = true)]
+struct Cli {
+    /// Log as JSON lines instead of text (filter with RUST_LOG, e.g. RUST_LOG=kvferry=debug).
+    #[arg(long, global = true)]
+    log_json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run benchmarks (default: the end-to-end transfer benchmark).
+    Bench(cmd_bench::BenchArgs),
+}
+
+fn init_tracing(json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        let _ = builder.json().try_init();
+    } else {
+        let _ = builder.try_init();
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing(cli.log_json);
+    match cli.command {
+        Command::Bench(args) => cmd_bench::run(args),
+    }
+}

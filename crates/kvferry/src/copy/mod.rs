@@ -27,10 +27,12 @@ mod engine;
 mod job;
 mod ledger;
 mod plan;
+mod stage;
 
 pub use engine::{CopyBody, CopyConfig, CopyEngine, CopyStats, MemcpyBody, SliceWork};
 pub use job::{CopyFailure, CopyJob, DrainFence};
 pub use plan::{CopyPlan, Endpoint, RawBuffer, Segment};
+pub use stage::{stage, StageError, Staged};
 
 #[cfg(loom)]
 pub use ledger::SliceLedger;

@@ -207,15 +207,16 @@ mod tests {
         let a = Arena::new(ArenaConfig::new(4096, 8).unpinned()).unwrap();
         let hold = [a.try_alloc(1).unwrap(), a.try_alloc(1).unwrap(), a.try_alloc(1).unwrap()];
         drop(hold.into_iter().nth(1)); // leave a hole so the next lease is scattered
-        let mut l = a.try_alloc(3).unwrap();
-        let data: Vec<u8> = (0..3 * 4096).map(|i| (i * 7 % 251) as u8).collect();
+        let mut l = a.try_alloc(6).unwrap(); // pages 3..8 then 1: not adjacent
+        let data: Vec<u8> = (0..6 * 4096).map(|i| (i * 7 % 251) as u8).collect();
         l.write_at(0, &data).unwrap();
         assert_eq!(l.to_vec(0, data.len()).unwrap(), data);
         assert_eq!(l.to_vec(4000, 300).unwrap(), data[4000..4300]);
         let mut runs = 0;
         l.for_each_run(0, l.len(), &mut |_, _| runs += 1).unwrap();
         assert!(runs >= 2, "scattered lease must yield several runs");
-        assert!(l.write_at(3 * 4096 - 1, b"xx").is_err());
+        assert!(l.write_at(6 * 4096 - 1, b"xx").is_err());
+        assert_eq!(l.to_vec(5 * 4096 - 10, 20).unwrap(), data[5 * 4096 - 10..5 * 4096 + 10]);
     }
 
     #[test]

@@ -1,1 +1,27 @@
-//! Wire format (being built): frames, control messages, limits, checksums.
+//! Wire format: frames, control messages, limits, checksums.
+//!
+//! A connection carries a sequence of frames, each a fixed 32-byte [`FrameHeader`]
+//! followed by its payload: a postcard-encoded control message ([`FrameKind::Control`])
+//! or raw chunk bytes ([`FrameKind::Bulk`]). Both are crc32c-checksummed.
+//!
+//! Invariant of this layer: malformed input is a typed [`WireError`], never a panic or
+//! an unbounded allocation. Every peer-announced length is checked against [`Limits`]
+//! before anything is allocated for it.
+//!
+//! - [`frame`]: header layout, encode/decode.
+//! - [`limits`]: the size bounds.
+//! - [`codec`]: async header/control reading and writing, skipping payloads.
+//! - [`bulk`]: gather-write and scatter-read of bulk payloads.
+//! - [`error`]: [`WireError`].
+
+pub mod bulk;
+pub mod codec;
+pub mod error;
+pub mod frame;
+pub mod limits;
+
+pub use bulk::{read_bulk_body, write_bulk};
+pub use codec::{read_control, read_control_body, read_frame_header, skip_body, write_control};
+pub use error::WireError;
+pub use frame::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, VERSION};
+pub use limits::Limits;

@@ -1,0 +1,92 @@
+//! Test helpers: a copy body that parks inside slices and counts the threads in it.
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry::copy::{CopyBody, SliceWork};
+use parking_lot::{Condvar, Mutex};
+
+/// Parks every slice (after copying it) until `release()`; counts threads inside.
+/// Slices listed in `fail` return an error at once, without parking.
+#[derive(Default)]
+pub struct ParkingBody {
+    pub inside: AtomicUsize,
+    pub ran: AtomicUsize,
+    open: Mutex<bool>,
+    cv: Condvar,
+    pub fail: Mutex<HashSet<usize>>,
+}
+
+impl ParkingBody {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    pub fn failing(slices: &[usize]) -> Arc<Self> {
+        let b = Self::default();
+        b.fail.lock().extend(slices.iter().copied());
+        Arc::new(b)
+    }
+
+    pub fn release(&self) {
+        *self.open.lock() = true;
+        self.cv.notify_all();
+    }
+
+    pub fn inside(&self) -> usize {
+        self.inside.load(Ordering::SeqCst)
+    }
+
+    /// Waits (bounded) until `n` threads are parked inside.
+    pub fn wait_inside(&self, n: usize) {
+        let t = Instant::now();
+        while self.inside() < n {
+            assert!(t.elapsed() < Duration::from_secs(10), "only {} threads entered", self.inside());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+impl CopyBody for ParkingBody {
+    fn run(&self, work: &SliceWork<'_>) -> Result<(), String> {
+        if self.fail.lock().contains(&work.index) {
+            return Err(format!("injected failure in slice {}", work.index));
+        }
+        self.inside.fetch_add(1, Ordering::SeqCst);
+        self.ran.fetch_add(1, Ordering::SeqCst);
+        work.copy();
+        let mut open = self.open.lock();
+        while !*open {
+            self.cv.wait(&mut open);
+        }
+        drop(open);
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Asserts `check()` holds every 10 ms for `window`.
+pub async fn holds_for(window: Duration, mut check: impl FnMut() -> Result<(), String>) {
+    let t = Instant::now();
+    let mut samples = 0;
+    while t.elapsed() < window {
+        if let Err(e) = check() {
+            panic!("invariant broken after {:?} ({samples} samples): {e}", t.elapsed());
+        }
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(samples >= 10, "window too short to sample");
+}
+
+/// Waits (bounded) for `cond`.
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < Duration::from_secs(10), "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
