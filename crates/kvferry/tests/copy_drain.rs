@@ -19,7 +19,14 @@ const WINDOW: Duration = Duration::from_millis(500);
 
 fn setup(body: Arc<ParkingBody>) -> (CopyEngine, Arena, Arc<Region>) {
     // 2 threads, 256 KiB slices: a 1 MiB plan has 4 slices, 2 run at once.
-    let engine = CopyEngine::with_body(CopyConfig { threads: 2, slice_bytes: 256 << 10 }, body).unwrap();
+    let engine = CopyEngine::with_body(
+        CopyConfig {
+            threads: 2,
+            slice_bytes: 256 << 10,
+        },
+        body,
+    )
+    .unwrap();
     let arena = Arena::new(ArenaConfig::new(PAGE, 32).unpinned()).unwrap();
     let src = Arc::new(Region::host("src", 1 << 20).unwrap());
     for i in 0..16 {
@@ -46,7 +53,9 @@ async fn dropped_copy_releases_nothing_until_threads_leave() {
         if inside == 2 && free == 16 {
             Ok(())
         } else {
-            Err(format!("{inside} threads inside while {free} pages free (want 2 inside, 16 free)"))
+            Err(format!(
+                "{inside} threads inside while {free} pages free (want 2 inside, 16 free)"
+            ))
         }
     })
     .await;
@@ -66,7 +75,9 @@ async fn repeated_cancel_still_drains() {
     let mut cancel = Box::pin(job.cancel());
     // Three cancels in a row: each gives up waiting (as a timeout or loop teardown would).
     for _ in 0..3 {
-        assert!(tokio::time::timeout(Duration::from_millis(50), &mut cancel).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_millis(50), &mut cancel)
+            .await
+            .is_err());
         assert_eq!((body.inside(), arena.stats().free_pages), (2, 16));
     }
     drop(cancel);
@@ -145,7 +156,11 @@ async fn error_in_one_slice_waits_for_siblings() {
     .await;
     body.release();
     let failure = task.await.unwrap().unwrap_err();
-    assert!(matches!(failure.error, CopyError::SliceFailed { slice: 1, .. }), "{}", failure.error);
+    assert!(
+        matches!(failure.error, CopyError::SliceFailed { slice: 1, .. }),
+        "{}",
+        failure.error
+    );
     assert_eq!(body.inside(), 0);
     drop(failure);
     assert_eq!(arena.stats().free_pages, 32);
@@ -159,7 +174,14 @@ async fn cancelled_staging_returns_pages_only_after_drain() {
     let (engine, arena, src) = setup(body.clone());
     let (e2, a2, s2) = (engine.clone(), arena.clone(), src.clone());
     let staging = tokio::spawn(async move {
-        stage(&e2, &a2, s2, &[(0, 512 << 10), (PAGE * 8, 512 << 10)], Instant::now() + Duration::from_secs(5)).await
+        stage(
+            &e2,
+            &a2,
+            s2,
+            &[(0, 512 << 10), (PAGE * 8, 512 << 10)],
+            Instant::now() + Duration::from_secs(5),
+        )
+        .await
     });
     body.wait_inside(2);
     staging.abort(); // the caller gives up: the staging future is dropped
@@ -182,20 +204,39 @@ async fn failed_staging_returns_pages_after_drain() {
     let body = ParkingBody::failing(&[0]);
     let (engine, arena, src) = setup(body.clone());
     body.release();
-    let err = stage(&engine, &arena, src, &[(0, 1 << 20)], Instant::now() + Duration::from_secs(5)).await.unwrap_err();
-    assert!(matches!(err, StageError::Copy(CopyError::SliceFailed { slice: 0, .. })), "{err}");
+    let err = stage(
+        &engine,
+        &arena,
+        src,
+        &[(0, 1 << 20)],
+        Instant::now() + Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, StageError::Copy(CopyError::SliceFailed { slice: 0, .. })),
+        "{err}"
+    );
     assert_eq!(arena.stats().free_pages, 32);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staging_gathers_ranges_in_order() {
-    let engine = CopyEngine::new(CopyConfig { threads: 2, slice_bytes: 64 << 10 }).unwrap();
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 2,
+        slice_bytes: 64 << 10,
+    })
+    .unwrap();
     let arena = Arena::new(ArenaConfig::new(PAGE, 8).unpinned()).unwrap();
     let src = Arc::new(Region::host("src", 1 << 20).unwrap());
-    let data: Vec<u8> = (0..1 << 20).map(|i: usize| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..1 << 20)
+        .map(|i: usize| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     src.write(0, &data).unwrap();
     let ranges = [(700_000, 1000), (5, 70_000), (300_000, 100_000)];
-    let staged = stage(&engine, &arena, src, &ranges, Instant::now() + Duration::from_secs(5)).await.unwrap();
+    let staged = stage(&engine, &arena, src, &ranges, Instant::now() + Duration::from_secs(5))
+        .await
+        .unwrap();
     let mut at = 0;
     for (off, len) in ranges {
         assert_eq!(staged.lease.to_vec(at, len).unwrap(), data[off..off + len]);
@@ -208,7 +249,10 @@ async fn staging_gathers_ranges_in_order() {
 fn shutdown_joins_threads_and_fails_queued_copies_with_memory_handed_back() {
     let body = ParkingBody::new();
     let (engine, arena, src) = setup(body.clone());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let running = engine.copy(plan(&arena, &src));
     body.wait_inside(2);
     let b2 = body.clone();
@@ -218,7 +262,10 @@ fn shutdown_joins_threads_and_fails_queued_copies_with_memory_handed_back() {
     });
     let t = std::time::Instant::now();
     engine.shutdown(); // blocks until the parked slices finish and threads are joined
-    assert!(t.elapsed() >= Duration::from_millis(150), "shutdown must wait for running slices");
+    assert!(
+        t.elapsed() >= Duration::from_millis(150),
+        "shutdown must wait for running slices"
+    );
     assert_eq!(body.inside(), 0);
     releaser.join().unwrap();
     let failure = rt.block_on(running).unwrap_err();

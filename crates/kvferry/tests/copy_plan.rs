@@ -14,7 +14,11 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_scatter_gather_round_trips() {
-    let engine = CopyEngine::new(CopyConfig { threads: 2, slice_bytes: 64 << 10 }).unwrap();
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 2,
+        slice_bytes: 64 << 10,
+    })
+    .unwrap();
     let arena = Arena::new(ArenaConfig::new(16 << 10, 1024).unpinned()).unwrap();
     // Fragment the free list so leases are scattered.
     let holes: Vec<_> = (0..64).map(|_| arena.try_alloc(1).unwrap()).collect();
@@ -71,11 +75,18 @@ async fn random_scatter_gather_round_trips() {
 
 #[tokio::test]
 async fn invalid_plan_fails_at_once_and_hands_the_lease_back() {
-    let engine = CopyEngine::new(CopyConfig { threads: 1, slice_bytes: 64 << 10 }).unwrap();
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 1,
+        slice_bytes: 64 << 10,
+    })
+    .unwrap();
     let arena = Arena::new(ArenaConfig::new(4096, 4).unpinned()).unwrap();
     let src = Arc::new(Region::host("src", 4096).unwrap());
     let lease = arena.try_alloc(1).unwrap();
-    let failure = engine.copy(CopyPlan::new(src, lease).with(0, 0, 8192)).await.unwrap_err();
+    let failure = engine
+        .copy(CopyPlan::new(src, lease).with(0, 0, 8192))
+        .await
+        .unwrap_err();
     assert!(matches!(failure.error, CopyError::InvalidPlan(_)));
     assert_eq!(arena.stats().leased_pages, 1, "the lease is handed back, not dropped");
     drop(failure);
@@ -85,8 +96,17 @@ async fn invalid_plan_fails_at_once_and_hands_the_lease_back() {
 #[test]
 fn bad_engine_config_is_rejected() {
     assert!(matches!(
-        CopyEngine::new(CopyConfig { threads: 0, slice_bytes: 1 << 20 }),
+        CopyEngine::new(CopyConfig {
+            threads: 0,
+            slice_bytes: 1 << 20
+        }),
         Err(CopyError::InvalidConfig(_))
     ));
-    assert!(matches!(CopyEngine::new(CopyConfig { threads: 1, slice_bytes: 10 }), Err(CopyError::InvalidConfig(_))));
+    assert!(matches!(
+        CopyEngine::new(CopyConfig {
+            threads: 1,
+            slice_bytes: 10
+        }),
+        Err(CopyError::InvalidConfig(_))
+    ));
 }

@@ -34,7 +34,13 @@ pub struct CopyBenchArgs {
 
 impl Default for CopyBenchArgs {
     fn default() -> Self {
-        CopyBenchArgs { bytes: ByteSize(1 << 30), threads: None, page_size: ByteSize(2 << 20), reps: 3, json: false }
+        CopyBenchArgs {
+            bytes: ByteSize(1 << 30),
+            threads: None,
+            page_size: ByteSize(2 << 20),
+            reps: 3,
+            json: false,
+        }
     }
 }
 
@@ -74,24 +80,55 @@ pub fn run(args: CopyBenchArgs) -> anyhow::Result<()> {
     // Case 1: contiguous, 1 MiB segments.
     let seg = 1 << 20;
     let segs: Vec<(usize, usize, usize)> = (0..bytes / seg).map(|i| (i * seg, i * seg, seg)).collect();
-    rows.push(case(&rt, &engine, &arena, &src, "contiguous-1m", &segs, args.reps, threads)?);
+    rows.push(case(
+        &rt,
+        &engine,
+        &arena,
+        &src,
+        "contiguous-1m",
+        &segs,
+        args.reps,
+        threads,
+    )?);
 
     // Case 2: gather of randomly placed 32 KiB segments into contiguous pages.
     let seg = 32 << 10;
     let mut order: Vec<usize> = (0..bytes / seg).collect();
     order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(7));
-    let segs: Vec<(usize, usize, usize)> = order.iter().enumerate().map(|(i, &s)| (s * seg, i * seg, seg)).collect();
-    rows.push(case(&rt, &engine, &arena, &src, "gather-32k", &segs, args.reps, threads)?);
+    let segs: Vec<(usize, usize, usize)> = order
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| (s * seg, i * seg, seg))
+        .collect();
+    rows.push(case(
+        &rt,
+        &engine,
+        &arena,
+        &src,
+        "gather-32k",
+        &segs,
+        args.reps,
+        threads,
+    )?);
 
     engine.shutdown();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        println!("{:<15} {:>10} {:>12} {:>7} {:>10} {:>9} {:>8}", "case", "GB/s", "memcpy GB/s", "ratio", "bytes", "segments", "threads");
+        println!(
+            "{:<15} {:>10} {:>12} {:>7} {:>10} {:>9} {:>8}",
+            "case", "GB/s", "memcpy GB/s", "ratio", "bytes", "segments", "threads"
+        );
         for r in &rows {
             println!(
                 "{:<15} {:>10.2} {:>12.2} {:>7.2} {:>10} {:>9} {:>8}",
-                r.name, r.gbps, r.limit_gbps, r.ratio, ByteSize(r.bytes).to_string(), r.segments, r.threads
+                r.name,
+                r.gbps,
+                r.limit_gbps,
+                r.ratio,
+                ByteSize(r.bytes).to_string(),
+                r.segments,
+                r.threads
             );
         }
     }
@@ -131,7 +168,9 @@ fn case(
             plan.push(s, d, n);
         }
         let t = Instant::now();
-        let plan = rt.block_on(engine.copy(plan)).map_err(|f| anyhow::anyhow!("copy failed: {}", f.error))?;
+        let plan = rt
+            .block_on(engine.copy(plan))
+            .map_err(|f| anyhow::anyhow!("copy failed: {}", f.error))?;
         best = best.min(t.elapsed().as_secs_f64());
         let (_, dst) = plan.into_parts();
         lease = dst.into_lease();

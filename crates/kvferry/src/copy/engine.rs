@@ -142,7 +142,9 @@ pub struct CopyEngine {
 
 impl std::fmt::Debug for CopyEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopyEngine").field("config", &self.inner.config).finish()
+        f.debug_struct("CopyEngine")
+            .field("config", &self.inner.config)
+            .finish()
     }
 }
 
@@ -155,7 +157,10 @@ impl CopyEngine {
     /// Starts the copy threads with a custom slice body.
     pub fn with_body(config: CopyConfig, body: Arc<dyn CopyBody>) -> Result<CopyEngine, CopyError> {
         if config.threads == 0 || config.threads > 1024 {
-            return Err(CopyError::InvalidConfig(format!("threads must be 1..=1024, got {}", config.threads)));
+            return Err(CopyError::InvalidConfig(format!(
+                "threads must be 1..=1024, got {}",
+                config.threads
+            )));
         }
         if config.slice_bytes < 4096 {
             return Err(CopyError::InvalidConfig(format!(
@@ -183,7 +188,13 @@ impl CopyEngine {
                 .map_err(|e| CopyError::InvalidConfig(format!("cannot spawn copy thread: {e}")))?;
             threads.push(h);
         }
-        Ok(CopyEngine { inner: Arc::new(EngineInner { shared, threads: Mutex::new(threads), config }) })
+        Ok(CopyEngine {
+            inner: Arc::new(EngineInner {
+                shared,
+                threads: Mutex::new(threads),
+                config,
+            }),
+        })
     }
 
     /// The engine's configuration.
@@ -209,7 +220,10 @@ impl CopyEngine {
     pub fn copy(&self, plan: CopyPlan) -> CopyJob {
         let shared = &self.inner.shared;
         if shared.shutdown.load(Ordering::Acquire) {
-            return CopyJob::finished(Err(CopyFailure { error: CopyError::ShutDown, plan }));
+            return CopyJob::finished(Err(CopyFailure {
+                error: CopyError::ShutDown,
+                plan,
+            }));
         }
         if let Err(error) = plan.validate() {
             return CopyJob::finished(Err(CopyFailure { error, plan }));
@@ -242,7 +256,10 @@ impl CopyEngine {
                 return CopyJob::running(job);
             }
             for slice in 0..n {
-                q.push_back(Task { job: job.clone(), slice });
+                q.push_back(Task {
+                    job: job.clone(),
+                    slice,
+                });
             }
         }
         if n == 1 {
@@ -309,7 +326,11 @@ fn worker(shared: Arc<Shared>) {
             job.fail(CopyError::ShutDown);
         }
         if job.ledger.begin() {
-            let work = SliceWork { job: job.id, index: slice, pieces: &job.pieces[job.slices[slice].clone()] };
+            let work = SliceWork {
+                job: job.id,
+                index: slice,
+                pieces: &job.pieces[job.slices[slice].clone()],
+            };
             let bytes = work.bytes();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.body.run(&work)));
             match result {
@@ -317,7 +338,10 @@ fn worker(shared: Arc<Shared>) {
                     shared.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
                 }
                 Ok(Err(message)) => job.fail(CopyError::SliceFailed { slice, message }),
-                Err(_) => job.fail(CopyError::SliceFailed { slice, message: "copy body panicked".into() }),
+                Err(_) => job.fail(CopyError::SliceFailed {
+                    slice,
+                    message: "copy body panicked".into(),
+                }),
             }
         } else {
             job.skipped.fetch_add(1, Ordering::Relaxed);
@@ -347,8 +371,10 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
     for seg in plan.segments() {
         src_runs.clear();
         dst_runs.clear();
-        src.for_each_run(seg.src, seg.len, &mut |p, n| src_runs.push((p, n))).map_err(oob)?;
-        dst.for_each_run(seg.dst, seg.len, &mut |p, n| dst_runs.push((p, n))).map_err(oob)?;
+        src.for_each_run(seg.src, seg.len, &mut |p, n| src_runs.push((p, n)))
+            .map_err(oob)?;
+        dst.for_each_run(seg.dst, seg.len, &mut |p, n| dst_runs.push((p, n)))
+            .map_err(oob)?;
         let (mut si, mut di) = (0, 0);
         let (mut so, mut doff) = (0, 0);
         while si < src_runs.len() && di < dst_runs.len() {
@@ -356,13 +382,20 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
             let (dp, dl) = dst_runs[di];
             let n = (sl - so).min(dl - doff).min(target);
             // SAFETY (address arithmetic only): `so < sl`, `doff < dl`, in their runs.
-            let piece = Piece { src: unsafe { sp.add(so) }, dst: unsafe { dp.add(doff) }, len: n };
+            let piece = Piece {
+                src: unsafe { sp.add(so) },
+                dst: unsafe { dp.add(doff) },
+                len: n,
+            };
             // Merge with the previous piece when both sides continue contiguously.
             match pieces.last_mut() {
-                Some(Piece { src: ps, dst: pd, len: pl })
-                    if *pl + n <= target
-                        && ps.wrapping_add(*pl) == piece.src as *const u8
-                        && pd.wrapping_add(*pl) == piece.dst =>
+                Some(Piece {
+                    src: ps,
+                    dst: pd,
+                    len: pl,
+                }) if *pl + n <= target
+                    && ps.wrapping_add(*pl) == piece.src as *const u8
+                    && pd.wrapping_add(*pl) == piece.dst =>
                 {
                     *pl += n
                 }

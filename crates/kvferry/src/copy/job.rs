@@ -104,9 +104,16 @@ impl Job {
             slices,
             skipped: AtomicUsize::new(0),
             error: Mutex::new(None),
-            slot: Mutex::new(PlanSlot { plan: Some(plan), settled: false, handle_gone: false }),
+            slot: Mutex::new(PlanSlot {
+                plan: Some(plan),
+                settled: false,
+                handle_gone: false,
+            }),
             waker: AtomicWaker::new(),
-            settle: Arc::new(Settle { done: AtomicBool::new(false), notify: Notify::new() }),
+            settle: Arc::new(Settle {
+                done: AtomicBool::new(false),
+                notify: Notify::new(),
+            }),
         }
     }
 
@@ -149,24 +156,34 @@ pub struct CopyJob {
 
 impl std::fmt::Debug for CopyJob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopyJob").field("id", &self.job.as_ref().map(|j| j.id)).finish()
+        f.debug_struct("CopyJob")
+            .field("id", &self.job.as_ref().map(|j| j.id))
+            .finish()
     }
 }
 
 impl CopyJob {
     pub(crate) fn running(job: Arc<Job>) -> CopyJob {
-        CopyJob { job: Some(job), immediate: None }
+        CopyJob {
+            job: Some(job),
+            immediate: None,
+        }
     }
 
     pub(crate) fn finished(result: Result<CopyPlan, CopyFailure>) -> CopyJob {
-        CopyJob { job: None, immediate: Some(result) }
+        CopyJob {
+            job: None,
+            immediate: Some(result),
+        }
     }
 
     /// A fence that fires once this copy has drained (and, if the job was dropped,
     /// after its memory was released). Holding a fence does not keep memory alive.
     pub fn fence(&self) -> DrainFence {
         match &self.job {
-            Some(job) => DrainFence { settle: Some(job.settle.clone()) },
+            Some(job) => DrainFence {
+                settle: Some(job.settle.clone()),
+            },
             None => DrainFence { settle: None },
         }
     }
@@ -206,9 +223,11 @@ impl Future for CopyJob {
             }
         }
         let plan = job.slot.lock().plan.take().expect("plan present until taken once");
-        let error = job.error.lock().take().or_else(|| {
-            (job.skipped.load(Ordering::Acquire) > 0).then_some(CopyError::Cancelled)
-        });
+        let error = job
+            .error
+            .lock()
+            .take()
+            .or_else(|| (job.skipped.load(Ordering::Acquire) > 0).then_some(CopyError::Cancelled));
         self.job = None;
         Poll::Ready(match error {
             None => Ok(plan),
@@ -243,7 +262,9 @@ pub struct DrainFence {
 
 impl std::fmt::Debug for DrainFence {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DrainFence").field("drained", &self.is_drained()).finish()
+        f.debug_struct("DrainFence")
+            .field("drained", &self.is_drained())
+            .finish()
     }
 }
 

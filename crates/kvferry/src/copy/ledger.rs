@@ -20,7 +20,10 @@ pub struct SliceLedger {
 impl SliceLedger {
     /// A ledger for `slices` slices (at least one).
     pub fn new(slices: usize) -> Self {
-        SliceLedger { remaining: AtomicUsize::new(slices), stop: AtomicBool::new(false) }
+        SliceLedger {
+            remaining: AtomicUsize::new(slices),
+            stop: AtomicBool::new(false),
+        }
     }
 
     /// Asks that no further slice start (cancel, or a sibling failed).

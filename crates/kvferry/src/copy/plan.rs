@@ -59,7 +59,11 @@ impl HostMemory for RawBuffer {
                 }
                 Ok(())
             }
-            _ => Err(MemError::OutOfBounds { offset, len, size: self.len }),
+            _ => Err(MemError::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
         }
     }
 }
@@ -142,7 +146,11 @@ pub struct CopyPlan {
 impl CopyPlan {
     /// An empty plan between two endpoints.
     pub fn new(src: impl Into<Endpoint>, dst: impl Into<Endpoint>) -> CopyPlan {
-        CopyPlan { src: src.into(), dst: dst.into(), segments: Vec::new() }
+        CopyPlan {
+            src: src.into(),
+            dst: dst.into(),
+            segments: Vec::new(),
+        }
     }
 
     /// Adds a segment.
@@ -195,7 +203,8 @@ impl CopyPlan {
             }
         }
         let same = matches!((self.src.identity(), self.dst.identity()), (Some(a), Some(b)) if a == b);
-        let mut ranges: Vec<(usize, usize, bool)> = self.segments.iter().map(|s| (s.dst, s.dst + s.len, true)).collect();
+        let mut ranges: Vec<(usize, usize, bool)> =
+            self.segments.iter().map(|s| (s.dst, s.dst + s.len, true)).collect();
         if same {
             ranges.extend(self.segments.iter().map(|s| (s.src, s.src + s.len, false)));
         }

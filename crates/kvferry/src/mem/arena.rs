@@ -32,7 +32,11 @@ pub struct ArenaConfig {
 impl ArenaConfig {
     /// `page_count` pages of `page_size` bytes, pinned if possible.
     pub fn new(page_size: usize, page_count: usize) -> Self {
-        ArenaConfig { page_size, page_count, backing: BackingRequest::PinnedIfPossible }
+        ArenaConfig {
+            page_size,
+            page_count,
+            backing: BackingRequest::PinnedIfPossible,
+        }
     }
 
     /// Do not try to lock the memory.
@@ -176,7 +180,10 @@ impl Arena {
             return Err(MemError::InvalidConfig("page count must be at least 1".into()));
         }
         if c.page_count > u32::MAX as usize {
-            return Err(MemError::InvalidConfig(format!("page count {} is too large", c.page_count)));
+            return Err(MemError::InvalidConfig(format!(
+                "page count {} is too large",
+                c.page_count
+            )));
         }
         c.page_size
             .checked_mul(c.page_count)
@@ -235,7 +242,10 @@ impl Arena {
         }
         // FIFO fairness: do not overtake queued waiters.
         if !st.waiters.is_empty() || st.free.len() < pages {
-            return Err(MemError::Exhausted { requested: pages, free: st.free.len() });
+            return Err(MemError::Exhausted {
+                requested: pages,
+                free: st.free.len(),
+            });
         }
         Ok(self.take_locked(&mut st, pages))
     }
@@ -271,7 +281,10 @@ impl Arena {
             Err(_) => match rx.try_recv() {
                 // Handed over in the same instant as the deadline: take it.
                 Ok(lease) => Ok(lease),
-                Err(_) => Err(MemError::Timeout { requested: pages, waited: started.elapsed() }),
+                Err(_) => Err(MemError::Timeout {
+                    requested: pages,
+                    waited: started.elapsed(),
+                }),
             },
         }
     }
@@ -281,7 +294,10 @@ impl Arena {
             return Err(MemError::ZeroPages);
         }
         if pages > self.inner.page_count {
-            return Err(MemError::TooLarge { requested: pages, total: self.inner.page_count });
+            return Err(MemError::TooLarge {
+                requested: pages,
+                total: self.inner.page_count,
+            });
         }
         Ok(())
     }
@@ -467,7 +483,10 @@ impl ArenaInner {
 impl Lease {
     #[cfg(test)]
     pub(crate) fn page_states(&self) -> Vec<PageState> {
-        self.page_ids().iter().map(|p| self.arena_inner().page_state(*p)).collect()
+        self.page_ids()
+            .iter()
+            .map(|p| self.arena_inner().page_state(*p))
+            .collect()
     }
 }
 
@@ -482,7 +501,11 @@ mod tests {
 
     fn check(a: &Arena) {
         let s = a.stats();
-        assert_eq!(s.free_pages + s.leased_pages + s.quarantined_pages, s.total_pages, "{s:?}");
+        assert_eq!(
+            s.free_pages + s.leased_pages + s.quarantined_pages,
+            s.total_pages,
+            "{s:?}"
+        );
     }
 
     #[test]
@@ -491,7 +514,10 @@ mod tests {
         let l = a.try_alloc(3).unwrap();
         assert_eq!(a.stats().free_pages, 1);
         assert!(l.page_states().iter().all(|s| *s == PageState::Leased));
-        assert!(matches!(a.try_alloc(2), Err(MemError::Exhausted { requested: 2, free: 1 })));
+        assert!(matches!(
+            a.try_alloc(2),
+            Err(MemError::Exhausted { requested: 2, free: 1 })
+        ));
         drop(l);
         assert_eq!(a.stats().free_pages, 4);
         check(&a);
@@ -500,16 +526,31 @@ mod tests {
     #[test]
     fn too_large_and_zero_fail_at_once() {
         let a = arena(4);
-        assert!(matches!(a.try_alloc(5), Err(MemError::TooLarge { requested: 5, total: 4 })));
+        assert!(matches!(
+            a.try_alloc(5),
+            Err(MemError::TooLarge { requested: 5, total: 4 })
+        ));
         assert!(matches!(a.try_alloc(0), Err(MemError::ZeroPages)));
     }
 
     #[test]
     fn invalid_configs_are_rejected() {
-        assert!(matches!(Arena::new(ArenaConfig::new(0, 4)), Err(MemError::InvalidConfig(_))));
-        assert!(matches!(Arena::new(ArenaConfig::new(1000, 4)), Err(MemError::InvalidConfig(_))));
-        assert!(matches!(Arena::new(ArenaConfig::new(4096, 0)), Err(MemError::InvalidConfig(_))));
-        assert!(matches!(Arena::new(ArenaConfig::new(1 << 30, usize::MAX >> 10)), Err(MemError::InvalidConfig(_))));
+        assert!(matches!(
+            Arena::new(ArenaConfig::new(0, 4)),
+            Err(MemError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            Arena::new(ArenaConfig::new(1000, 4)),
+            Err(MemError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            Arena::new(ArenaConfig::new(4096, 0)),
+            Err(MemError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            Arena::new(ArenaConfig::new(1 << 30, usize::MAX >> 10)),
+            Err(MemError::InvalidConfig(_))
+        ));
     }
 
     #[tokio::test(start_paused = true)]

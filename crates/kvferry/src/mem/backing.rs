@@ -151,7 +151,13 @@ impl Backing {
     /// else for the lifetime of the returned value, and `free(ptr, len)` must release it
     /// correctly exactly once.
     pub unsafe fn from_external(ptr: NonNull<u8>, len: usize, kind: BackingKind, free: ExternalFree) -> Backing {
-        Backing { ptr, len, kind, fallback_reason: None, free: Some(free) }
+        Backing {
+            ptr,
+            len,
+            kind,
+            fallback_reason: None,
+            free: Some(free),
+        }
     }
 
     /// The base address.
@@ -223,7 +229,10 @@ unsafe fn prefault(ptr: *mut u8, len: usize) {
 }
 
 fn memlock_limit_text() -> String {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit writes into the struct we pass; no other preconditions.
     let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
     if rc != 0 {
@@ -271,6 +280,9 @@ mod tests {
 
     #[test]
     fn zero_size_is_an_error() {
-        assert!(matches!(Backing::allocate(0, BackingRequest::Unlocked), Err(BackingError::ZeroSize)));
+        assert!(matches!(
+            Backing::allocate(0, BackingRequest::Unlocked),
+            Err(BackingError::ZeroSize)
+        ));
     }
 }

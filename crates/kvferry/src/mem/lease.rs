@@ -67,7 +67,11 @@ impl Lease {
     fn check(&self, offset: usize, len: usize) -> Result<(), MemError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() => Ok(()),
-            _ => Err(MemError::OutOfBounds { offset, len, size: self.len() }),
+            _ => Err(MemError::OutOfBounds {
+                offset,
+                len,
+                size: self.len(),
+            }),
         }
     }
 
@@ -124,14 +128,20 @@ impl Lease {
         let extra: Vec<u32> = self.pages.split_off(keep);
         // Account the extra pages as a separate lease being dropped.
         self.arena.split_lease();
-        drop(Lease { arena: self.arena.clone(), pages: extra });
+        drop(Lease {
+            arena: self.arena.clone(),
+            pages: extra,
+        });
     }
 
     /// Withholds these pages from reuse: hardware may still target them.
     pub fn quarantine(mut self) -> Quarantined {
         let pages = std::mem::take(&mut self.pages);
         self.arena.quarantine(&pages);
-        Quarantined { arena: self.arena.clone(), pages }
+        Quarantined {
+            arena: self.arena.clone(),
+            pages,
+        }
     }
 }
 
@@ -205,7 +215,11 @@ mod tests {
     #[test]
     fn scattered_pages_read_back_what_was_written() {
         let a = Arena::new(ArenaConfig::new(4096, 8).unpinned()).unwrap();
-        let hold = [a.try_alloc(1).unwrap(), a.try_alloc(1).unwrap(), a.try_alloc(1).unwrap()];
+        let hold = [
+            a.try_alloc(1).unwrap(),
+            a.try_alloc(1).unwrap(),
+            a.try_alloc(1).unwrap(),
+        ];
         drop(hold.into_iter().nth(1)); // leave a hole so the next lease is scattered
         let mut l = a.try_alloc(6).unwrap(); // pages 3..8 then 1: not adjacent
         let data: Vec<u8> = (0..6 * 4096).map(|i| (i * 7 % 251) as u8).collect();

@@ -27,7 +27,10 @@ pub trait HostMemory: Send + Sync {
 
 enum RegionMem {
     Owned(Backing),
-    External { ptr: NonNull<u8>, _keepalive: Box<dyn Any + Send + Sync> },
+    External {
+        ptr: NonNull<u8>,
+        _keepalive: Box<dyn Any + Send + Sync>,
+    },
 }
 
 /// A contiguous block of registered host memory.
@@ -45,7 +48,10 @@ unsafe impl Sync for Region {}
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Region").field("name", &self.name).field("len", &self.len).finish()
+        f.debug_struct("Region")
+            .field("name", &self.name)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -53,7 +59,11 @@ impl Region {
     /// Allocates a zeroed host region of `len` bytes (not pinned: engine memory).
     pub fn host(name: impl Into<String>, len: usize) -> Result<Region, MemError> {
         let backing = Backing::allocate(len.max(1), BackingRequest::Unlocked)?;
-        Ok(Region { mem: RegionMem::Owned(backing), len, name: name.into() })
+        Ok(Region {
+            mem: RegionMem::Owned(backing),
+            len,
+            name: name.into(),
+        })
     }
 
     /// Registers memory owned by the caller.
@@ -65,8 +75,20 @@ impl Region {
     /// references the region has drained. The caller must not free or reuse the memory
     /// by other means while the region lives, and must only touch bytes that kvferry has
     /// reported quiet (no copy job in flight targeting them).
-    pub unsafe fn from_raw(name: impl Into<String>, ptr: NonNull<u8>, len: usize, keepalive: Box<dyn Any + Send + Sync>) -> Region {
-        Region { mem: RegionMem::External { ptr, _keepalive: keepalive }, len, name: name.into() }
+    pub unsafe fn from_raw(
+        name: impl Into<String>,
+        ptr: NonNull<u8>,
+        len: usize,
+        keepalive: Box<dyn Any + Send + Sync>,
+    ) -> Region {
+        Region {
+            mem: RegionMem::External {
+                ptr,
+                _keepalive: keepalive,
+            },
+            len,
+            name: name.into(),
+        }
     }
 
     /// The region's name (for errors and stats).
@@ -94,7 +116,11 @@ impl Region {
     fn check(&self, offset: usize, len: usize) -> Result<(), MemError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(MemError::OutOfBounds { offset, len, size: self.len }),
+            _ => Err(MemError::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
         }
     }
 
@@ -154,8 +180,14 @@ mod tests {
         let r = Region::host("kv", 1 << 16).unwrap();
         r.write(100, b"hello").unwrap();
         assert_eq!(r.to_vec(100, 5).unwrap(), b"hello");
-        assert!(matches!(r.write((1 << 16) - 2, b"abc"), Err(MemError::OutOfBounds { .. })));
-        assert!(matches!(r.read(usize::MAX, &mut [0; 2]), Err(MemError::OutOfBounds { .. })));
+        assert!(matches!(
+            r.write((1 << 16) - 2, b"abc"),
+            Err(MemError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            r.read(usize::MAX, &mut [0; 2]),
+            Err(MemError::OutOfBounds { .. })
+        ));
     }
 
     #[test]

@@ -49,9 +49,7 @@ impl FromStr for ByteSize {
         if t.is_empty() {
             return Err(ByteSizeError::Empty);
         }
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         let unit = unit.trim();
         let mult: u64 = match unit {
@@ -75,18 +73,14 @@ impl FromStr for ByteSize {
             return Err(ByteSizeError::BadNumber(s.to_string()));
         }
         if num.contains('.') {
-            let v: f64 = num
-                .parse()
-                .map_err(|_| ByteSizeError::BadNumber(s.to_string()))?;
+            let v: f64 = num.parse().map_err(|_| ByteSizeError::BadNumber(s.to_string()))?;
             let total = v * mult as f64;
             if !total.is_finite() || total >= u64::MAX as f64 {
                 return Err(ByteSizeError::Overflow(s.to_string()));
             }
             Ok(ByteSize(total.round() as u64))
         } else {
-            let v: u64 = num
-                .parse()
-                .map_err(|_| ByteSizeError::Overflow(s.to_string()))?;
+            let v: u64 = num.parse().map_err(|_| ByteSizeError::Overflow(s.to_string()))?;
             v.checked_mul(mult)
                 .map(ByteSize)
                 .ok_or_else(|| ByteSizeError::Overflow(s.to_string()))
@@ -128,10 +122,19 @@ mod tests {
     #[test]
     fn rejects_garbage_with_typed_errors() {
         assert_eq!("".parse::<ByteSize>(), Err(ByteSizeError::Empty));
-        assert!(matches!("12 parsecs".parse::<ByteSize>(), Err(ByteSizeError::BadUnit { .. })));
+        assert!(matches!(
+            "12 parsecs".parse::<ByteSize>(),
+            Err(ByteSizeError::BadUnit { .. })
+        ));
         assert!(matches!("MiB".parse::<ByteSize>(), Err(ByteSizeError::BadNumber(_))));
-        assert!(matches!("99999999999TiB".parse::<ByteSize>(), Err(ByteSizeError::Overflow(_))));
-        assert!(matches!("-5MiB".parse::<ByteSize>(), Err(ByteSizeError::BadUnit { .. }) | Err(ByteSizeError::BadNumber(_))));
+        assert!(matches!(
+            "99999999999TiB".parse::<ByteSize>(),
+            Err(ByteSizeError::Overflow(_))
+        ));
+        assert!(matches!(
+            "-5MiB".parse::<ByteSize>(),
+            Err(ByteSizeError::BadUnit { .. }) | Err(ByteSizeError::BadNumber(_))
+        ));
     }
 
     #[test]

@@ -44,7 +44,11 @@ impl ParkingBody {
     pub fn wait_inside(&self, n: usize) {
         let t = Instant::now();
         while self.inside() < n {
-            assert!(t.elapsed() < Duration::from_secs(10), "only {} threads entered", self.inside());
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "only {} threads entered",
+                self.inside()
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
     }
