@@ -18,6 +18,7 @@
 pub mod cluster;
 pub mod copy;
 pub mod device;
+pub mod layout;
 pub mod mem;
 pub mod net;
 pub mod peer;

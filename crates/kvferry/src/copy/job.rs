@@ -268,7 +268,32 @@ impl std::fmt::Debug for DrainFence {
     }
 }
 
+/// Fires its [`DrainFence`]s when dropped — on every path, including panics and
+/// cancellation of whatever owns it. Used by work other than a single copy job (e.g. a
+/// transfer whose receive, landing copy and release must all finish).
+pub struct DrainSignal {
+    settle: Arc<Settle>,
+}
+
+impl std::fmt::Debug for DrainSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DrainSignal")
+    }
+}
+
+impl Drop for DrainSignal {
+    fn drop(&mut self) {
+        self.settle.set();
+    }
+}
+
 impl DrainFence {
+    /// A signal and the fence it fires (when the signal is dropped).
+    pub fn pair() -> (DrainSignal, DrainFence) {
+        let settle = Arc::new(Settle { done: AtomicBool::new(false), notify: Notify::new() });
+        (DrainSignal { settle: settle.clone() }, DrainFence { settle: Some(settle) })
+    }
+
     /// A fence that has already fired.
     pub fn ready() -> DrainFence {
         DrainFence { settle: None }

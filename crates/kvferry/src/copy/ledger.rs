@@ -6,7 +6,7 @@
 //! false, then `finish`). `finish` returns true for exactly one caller: the one that
 //! accounted the last slice. After that no copy thread touches the job's memory, so the
 //! memory may be released. This protocol is model-checked with loom
-//! (`tests/loom_drain.rs`, `RUSTFLAGS="--cfg loom"`).
+//! (`tests/loom_drain.rs`, `RUSTFLAGS="--cfg kvferry_loom"`).
 
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 
@@ -49,7 +49,7 @@ impl SliceLedger {
     }
 
     /// Whether every slice has been accounted.
-    #[cfg_attr(not(loom), allow(dead_code))]
+    #[cfg_attr(not(kvferry_loom), allow(dead_code))]
     pub fn is_drained(&self) -> bool {
         self.remaining.load(Ordering::Acquire) == 0
     }

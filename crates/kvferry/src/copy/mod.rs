@@ -30,11 +30,11 @@ mod plan;
 mod stage;
 
 pub use engine::{CopyBody, CopyConfig, CopyEngine, CopyStats, MemcpyBody, SliceWork};
-pub use job::{CopyFailure, CopyJob, DrainFence};
+pub use job::{CopyFailure, CopyJob, DrainFence, DrainSignal};
 pub use plan::{CopyPlan, Endpoint, RawBuffer, Segment};
 pub use stage::{stage, StageError, Staged};
 
-#[cfg(loom)]
+#[cfg(kvferry_loom)]
 pub use ledger::SliceLedger;
 
 /// Errors from the copy engine.

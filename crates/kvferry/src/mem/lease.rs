@@ -119,6 +119,29 @@ impl Lease {
         unsafe { std::slice::from_raw_parts_mut(self.page_ptr(i), self.arena.page_size()) }
     }
 
+    /// The bytes at `offset..offset+len` as page-contiguous slices (for vectored
+    /// socket writes).
+    pub fn io_slices(&self, offset: usize, len: usize) -> Result<Vec<&[u8]>, MemError> {
+        let mut out = Vec::new();
+        self.for_each_run(offset, len, &mut |p, n| {
+            // SAFETY: the run lies in our pages; `&self` means no job writes them, and
+            // the slices borrow `self` so the pages cannot be released meanwhile.
+            out.push(unsafe { std::slice::from_raw_parts(p as *const u8, n) })
+        })?;
+        Ok(out)
+    }
+
+    /// Mutable page-contiguous slices of `offset..offset+len` (for socket reads).
+    pub fn io_slices_mut(&mut self, offset: usize, len: usize) -> Result<Vec<&mut [u8]>, MemError> {
+        let mut out = Vec::new();
+        self.for_each_run(offset, len, &mut |p, n| {
+            // SAFETY: runs are disjoint parts of our pages and `&mut self` proves
+            // exclusive access for the slices' lifetime.
+            out.push(unsafe { std::slice::from_raw_parts_mut(p, n) })
+        })?;
+        Ok(out)
+    }
+
     /// Returns all pages beyond the first `keep` to the arena now.
     pub fn truncate(&mut self, keep: usize) {
         let keep = keep.max(1);

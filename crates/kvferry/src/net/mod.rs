@@ -1,1 +1,87 @@
-//! TCP transport (being built).
+//! TCP transport: connection set-up with bounded timeouts, the handshake (peer id,
+//! incarnation, optional HMAC challenge-response), framed requests over a
+//! [`Connection`], per-peer connection [`Pool`]s, and the accepting [`Server`].
+//!
+//! # Ownership of bytes in flight
+//!
+//! A socket write borrows the pages it sends from a lease that the sending task owns,
+//! so the pages cannot return to the arena before the write has finished or the
+//! connection (and with it the write future) has been torn down. Reads land in pages
+//! owned the same way; a dropped read stops writing into them at once.
+//!
+//! # Cancellation
+//!
+//! A [`Connection`] whose request future is dropped mid-frame is out of sync: it is not
+//! returned to its pool (only [`PooledConnection::finish`] returns it), so it is closed.
+
+mod config;
+mod conn;
+mod handshake;
+mod pool;
+mod server;
+
+pub use config::NetConfig;
+pub use conn::Connection;
+pub use handshake::PeerInfo;
+pub use pool::{Pool, PooledConnection};
+pub use server::{Handler, Server, ServerStats};
+
+use std::time::Duration;
+
+use crate::wire::{ErrorKind, WireError};
+
+/// Errors from the transport.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// A setting is unusable (zero timeout, zero connections…).
+    #[error("invalid network configuration: {0}")]
+    InvalidConfig(String),
+    /// Could not connect within the connect timeout, or the connection was refused.
+    #[error("cannot connect to {addr}: {reason}")]
+    Connect {
+        /// The peer address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// An operation did not finish within its bound.
+    #[error("{op} timed out after {waited:?}")]
+    Timeout {
+        /// What was being done.
+        op: &'static str,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The peer closed or reset the connection, or it broke.
+    #[error("connection to {peer} lost: {reason}")]
+    Lost {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// The handshake failed authentication (wrong or missing secret).
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    /// The peer answered with an error message.
+    #[error("peer error {kind:?}: {message}")]
+    Remote {
+        /// The error's kind.
+        kind: ErrorKind,
+        /// The peer's message.
+        message: String,
+    },
+    /// The peer sent something that is not valid at this point of the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// A frame could not be read or written.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+}
+
+impl NetError {
+    /// True when the connection can no longer be used (lost, broken frame, timeout).
+    pub fn is_connection_fatal(&self) -> bool {
+        !matches!(self, NetError::Remote { .. })
+    }
+}

@@ -1,1 +1,140 @@
-//! Producer and consumer (being built).
+//! Peers: the [`Producer`] (a chunk store, staging with TTL leases, serving lookups and
+//! pulls) and the [`Consumer`] (lookup, eager get, delayed pull, push, and a blocking
+//! get with a timeout for synchronous callers).
+//!
+//! # The three promises, here
+//!
+//! - **Never corrupt**: a producer copies chunks into staging pages *before*
+//!   advertising them; every chunk carries a crc32c computed at staging time and
+//!   verified on receipt (a mismatch fails the transfer and is never landed); the
+//!   consumer lands only after all bytes arrived, and destination blocks are reported
+//!   quiet only by a [`DrainFence`](crate::copy::DrainFence) that fires after the
+//!   landing copy drained.
+//! - **Never leak**: staging pages are owned by whichever task is using them (the
+//!   gather, the socket write, the receive, the landing copy) and return when it ends —
+//!   on success, error, cancel, timeout or peer death. Producer leases also expire by
+//!   TTL if a consumer vanishes.
+//! - **Never hang**: every consumer call has a deadline; the blocking get returns within
+//!   its timeout plus a small bound, leaving cancellation and drain to a background task.
+
+mod consumer;
+mod producer;
+mod store;
+
+pub use consumer::{Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle};
+pub use producer::{Producer, ProducerConfig, ProducerFaults, ProducerStats};
+pub use store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
+
+use std::time::Duration;
+
+use crate::copy::CopyError;
+use crate::layout::LayoutError;
+use crate::mem::MemError;
+use crate::net::NetError;
+use crate::wire::{ChunkKey, ErrorKind};
+
+/// Errors from producers and consumers.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    /// An argument is unusable (zero timeout, empty key list, mismatched destination…).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The operation did not finish by its deadline; in-flight work is cancelled and
+    /// drained in the background.
+    #[error("{op} timed out after {waited:?}")]
+    Timeout {
+        /// What timed out.
+        op: &'static str,
+        /// How long the caller waited.
+        waited: Duration,
+    },
+    /// The caller cancelled the operation.
+    #[error("cancelled")]
+    Cancelled,
+    /// The peer closed, reset or could not be reached.
+    #[error("peer {peer} lost: {reason}")]
+    PeerLost {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// A staged lease has (or would have, within the guard margin) expired.
+    #[error("lease {lease_id} expired or too close to expiry ({remaining:?} left)")]
+    LeaseExpired {
+        /// The lease.
+        lease_id: u64,
+        /// Time left when refused (zero if already expired).
+        remaining: Duration,
+    },
+    /// A reference to an earlier incarnation of a restarted peer.
+    #[error("stale incarnation: handle is for incarnation {handle:#x}, peer is now {current:#x}")]
+    StaleIncarnation {
+        /// The incarnation the handle names.
+        handle: u64,
+        /// The peer's current incarnation.
+        current: u64,
+    },
+    /// The peer refused the request.
+    #[error("peer refused: {kind:?}: {message}")]
+    Remote {
+        /// Why.
+        kind: ErrorKind,
+        /// The peer's message.
+        message: String,
+    },
+    /// Not enough staging pages for the whole request: a miss.
+    #[error("staging arena exhausted: need {needed} pages, {free} free")]
+    StagingExhausted {
+        /// Pages needed.
+        needed: usize,
+        /// Pages free.
+        free: usize,
+    },
+    /// No room in the store for a chunk.
+    #[error("chunk store full: need {needed} blocks, {free} free")]
+    StoreFull {
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A chunk's bytes did not match its checksum; nothing was landed.
+    #[error("checksum mismatch on chunk {key}: expected {expected:#010x}, got {actual:#010x}")]
+    ChecksumMismatch {
+        /// The chunk.
+        key: ChunkKey,
+        /// The checksum advertised at staging.
+        expected: u32,
+        /// The checksum of the bytes received.
+        actual: u32,
+    },
+    /// Layout problem.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Memory problem.
+    #[error(transparent)]
+    Mem(#[from] MemError),
+    /// Copy problem.
+    #[error(transparent)]
+    Copy(#[from] CopyError),
+    /// Transport problem not covered above.
+    #[error(transparent)]
+    Net(NetError),
+    /// The producer or consumer is shutting down.
+    #[error("shutting down")]
+    ShuttingDown,
+}
+
+impl From<NetError> for PeerError {
+    fn from(e: NetError) -> Self {
+        match e {
+            NetError::Lost { peer, reason } => PeerError::PeerLost { peer, reason },
+            NetError::Connect { addr, reason } => PeerError::PeerLost { peer: addr, reason },
+            NetError::Timeout { op, waited } => PeerError::Timeout { op, waited },
+            NetError::Remote { kind: ErrorKind::ShuttingDown, .. } => PeerError::ShuttingDown,
+            NetError::Remote { kind, message } => PeerError::Remote { kind, message },
+            other => PeerError::Net(other),
+        }
+    }
+}

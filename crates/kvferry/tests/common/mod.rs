@@ -94,3 +94,4 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
+pub mod p2p;

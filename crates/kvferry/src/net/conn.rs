@@ -1,0 +1,207 @@
+//! One framed, handshaken TCP connection.
+//!
+//! Every read and write of a frame is bounded by the configured I/O timeout; waiting
+//! for the *start* of the next request on a server is bounded by the idle timeout.
+//!
+//! # Cancellation
+//!
+//! Dropping a future of these methods may leave a frame half-written or half-read; the
+//! connection must then be closed (pools only take a connection back through an
+//! explicit `finish`).
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::{NetError, PeerInfo};
+use crate::wire::{self, FrameHeader, FrameKind, Limits, Message, WireError};
+
+/// A handshaken connection.
+#[derive(Debug)]
+pub struct Connection {
+    stream: TcpStream,
+    peer: PeerInfo,
+    limits: Limits,
+    io_timeout: Duration,
+    next_request: u64,
+}
+
+async fn bounded<T>(
+    op: &'static str,
+    d: Duration,
+    f: impl std::future::Future<Output = Result<T, WireError>>,
+) -> Result<T, NetError> {
+    match tokio::time::timeout(d, f).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(NetError::Timeout { op, waited: d }),
+    }
+}
+
+impl Connection {
+    pub(crate) fn new(stream: TcpStream, peer: PeerInfo, limits: Limits, io_timeout: Duration) -> Connection {
+        Connection { stream, peer, limits, io_timeout, next_request: 1 }
+    }
+
+    pub(crate) fn set_peer(&mut self, peer: PeerInfo) {
+        self.peer = peer;
+    }
+
+    pub(crate) fn set_io_timeout(&mut self, d: Duration) {
+        self.io_timeout = d;
+    }
+
+    /// Who is on the other side.
+    pub fn peer(&self) -> &PeerInfo {
+        &self.peer
+    }
+
+    /// The frame limits in force.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&mut self) -> u64 {
+        self.next_request += 1;
+        self.next_request
+    }
+
+    fn lost(&self, e: NetError) -> NetError {
+        match e {
+            NetError::Wire(WireError::Closed) => NetError::Lost { peer: self.peer.to_string(), reason: "closed by peer".into() },
+            NetError::Wire(WireError::Io(io)) => NetError::Lost { peer: self.peer.to_string(), reason: io.to_string() },
+            NetError::Wire(WireError::Truncated) => {
+                NetError::Lost { peer: self.peer.to_string(), reason: "connection closed mid-frame".into() }
+            }
+            other => other,
+        }
+    }
+
+    /// Sends a control message.
+    pub async fn send(&mut self, request_id: u64, msg: &Message) -> Result<(), NetError> {
+        let d = self.io_timeout;
+        let r = bounded("send control frame", d, wire::write_control(&mut self.stream, request_id, msg)).await;
+        r.map_err(|e| self.lost(e))
+    }
+
+    /// Sends one bulk frame made of `parts`.
+    pub async fn send_bulk(&mut self, request_id: u64, parts: &[&[u8]]) -> Result<(), NetError> {
+        let d = self.io_timeout;
+        let r = bounded("send bulk frame", d, wire::write_bulk(&mut self.stream, request_id, parts)).await;
+        r.map_err(|e| self.lost(e))
+    }
+
+    /// Reads the next frame header, waiting at most `idle` for it to start and the I/O
+    /// timeout for the rest of it.
+    pub async fn read_header(&mut self, idle: Duration) -> Result<FrameHeader, NetError> {
+        let mut first = [0u8; 1];
+        let n = match tokio::time::timeout(idle, self.stream.read(&mut first)).await {
+            Err(_) => return Err(NetError::Timeout { op: "wait for next frame", waited: idle }),
+            Ok(Err(e)) => return Err(self.lost(NetError::Wire(WireError::Io(e)))),
+            Ok(Ok(n)) => n,
+        };
+        if n == 0 {
+            return Err(self.lost(NetError::Wire(WireError::Closed)));
+        }
+        let d = self.io_timeout;
+        let limits = self.limits.clone();
+        let mut chained = (&first[..]).chain(&mut self.stream);
+        let r = bounded("read frame header", d, wire::read_frame_header(&mut chained, &limits)).await;
+        r.map_err(|e| match e {
+            NetError::Wire(WireError::Closed) => self.lost(NetError::Wire(WireError::Truncated)),
+            e => self.lost(e),
+        })
+    }
+
+    /// Reads a control message body for `header`, validated against the limits.
+    pub async fn read_control_body(&mut self, header: &FrameHeader) -> Result<Message, NetError> {
+        let d = self.io_timeout;
+        let limits = self.limits.clone();
+        let r = bounded("read control frame", d, wire::read_control_body::<_, Message>(&mut self.stream, header, &limits)).await;
+        let msg = r.map_err(|e| self.lost(e))?;
+        msg.validate(&self.limits)?;
+        Ok(msg)
+    }
+
+    /// Reads the next frame, which must be a control message, within the I/O timeout.
+    /// A peer `Error` message is returned as [`NetError::Remote`].
+    pub async fn recv(&mut self) -> Result<(u64, Message), NetError> {
+        let header = self.read_header(self.io_timeout).await?;
+        if header.kind != FrameKind::Control {
+            return Err(NetError::Protocol(format!("expected a control frame, got {:?}", header.kind)));
+        }
+        let msg = self.read_control_body(&header).await?;
+        match msg {
+            Message::Error { kind, message } => Err(NetError::Remote { kind, message }),
+            m => Ok((header.request_id, m)),
+        }
+    }
+
+    /// Receives a reply to `request_id`.
+    pub async fn recv_reply(&mut self, request_id: u64) -> Result<Message, NetError> {
+        let (id, msg) = self.recv().await?;
+        if id != request_id {
+            return Err(NetError::Protocol(format!("reply for request {id}, expected {request_id}")));
+        }
+        Ok(msg)
+    }
+
+    /// Sends a request and waits for its reply.
+    pub async fn request(&mut self, msg: &Message) -> Result<Message, NetError> {
+        let id = self.next_request_id();
+        self.send(id, msg).await?;
+        self.recv_reply(id).await
+    }
+
+    /// Reads one bulk frame for `request_id` into `dst` (whose lengths must add up to the
+    /// frame's length) and returns the frame's verified checksum.
+    pub async fn recv_bulk(&mut self, request_id: u64, dst: &mut [&mut [u8]]) -> Result<u32, NetError> {
+        let header = self.read_header(self.io_timeout).await?;
+        if header.kind == FrameKind::Control && header.request_id == request_id {
+            // The peer refused instead of sending bytes.
+            return match self.read_control_body(&header).await? {
+                Message::Error { kind, message } => Err(NetError::Remote { kind, message }),
+                other => Err(NetError::Protocol(format!("expected a bulk frame, got {other:?}"))),
+            };
+        }
+        if header.kind != FrameKind::Bulk || header.request_id != request_id {
+            return Err(NetError::Protocol(format!(
+                "expected bulk frame for request {request_id}, got {:?} for {}",
+                header.kind, header.request_id
+            )));
+        }
+        let d = self.io_timeout;
+        let r = bounded("read bulk frame", d, wire::read_bulk_body(&mut self.stream, &header, dst)).await;
+        r.map_err(|e| self.lost(e))?;
+        Ok(header.checksum)
+    }
+
+    /// Reads the body of an already-read bulk `header` into `dst`.
+    pub async fn read_bulk_into(&mut self, header: &FrameHeader, dst: &mut [&mut [u8]]) -> Result<u32, NetError> {
+        if header.kind != FrameKind::Bulk {
+            return Err(NetError::Protocol(format!("expected a bulk frame, got {:?}", header.kind)));
+        }
+        let d = self.io_timeout;
+        let r = bounded("read bulk frame", d, wire::read_bulk_body(&mut self.stream, header, dst)).await;
+        r.map_err(|e| self.lost(e))?;
+        Ok(header.checksum)
+    }
+
+    /// The configured I/O timeout.
+    pub fn io_timeout(&self) -> Duration {
+        self.io_timeout
+    }
+
+    /// Discards the body of a frame (to stay in sync after refusing it).
+    pub async fn skip(&mut self, header: &FrameHeader) -> Result<(), NetError> {
+        let d = self.io_timeout;
+        let r = bounded("skip frame", d, wire::skip_body(&mut self.stream, header)).await;
+        r.map_err(|e| self.lost(e))
+    }
+
+    /// Flushes and closes the write side (best effort).
+    pub async fn shutdown(mut self) {
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.stream.shutdown()).await;
+    }
+}

@@ -1,0 +1,544 @@
+//! The producer: holds chunks in a [`ChunkStore`], stages them into arena pages on
+//! request (copy before advertise), serves lookups, pulls, eager gets and pushes, and
+//! releases staged pages on `Done` or when their TTL expires.
+//!
+//! A staged lease lives in the `staged` table while it waits; while its bytes are being
+//! written to a socket it is *checked out* of the table and owned by that write, so the
+//! TTL sweeper cannot release pages a socket is still sending. Concurrent staging
+//! requests are capped: over the cap, the reply is an immediate `Busy` miss, not a
+//! queue.
+//!
+//! # Cancellation
+//!
+//! A handler future dropped mid-request (connection torn down, server stopped) drops
+//! the staging copy job (its pages return after the drain) or the checked-out lease
+//! (after the socket write stopped, since the write borrows it).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::store::{truncate_ranges, ChunkStore};
+use super::PeerError;
+use crate::copy::{CopyEngine, CopyPlan, Endpoint};
+use crate::mem::{Arena, Lease};
+use crate::net::{Connection, Handler, NetError};
+use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message};
+
+/// Producer settings.
+#[derive(Clone, Debug)]
+pub struct ProducerConfig {
+    /// TTL granted when a request asks for 0.
+    pub default_ttl: Duration,
+    /// Longest TTL granted.
+    pub max_ttl: Duration,
+    /// Staging requests (stage, get) served at once; more get an immediate `Busy`.
+    pub max_concurrent_gets: usize,
+}
+
+impl Default for ProducerConfig {
+    fn default() -> Self {
+        ProducerConfig {
+            default_ttl: Duration::from_secs(10),
+            max_ttl: Duration::from_secs(120),
+            max_concurrent_gets: 64,
+        }
+    }
+}
+
+/// Faults a producer can inject (for chaos and tests).
+#[derive(Debug, Default)]
+pub struct ProducerFaults {
+    /// Corrupt one byte of the next N bulk frames sent (on the wire only; staged
+    /// pages stay intact).
+    pub corrupt_next_sends: AtomicU64,
+    /// Delay before each bulk frame, in microseconds (a slow peer).
+    pub send_delay_us: AtomicU64,
+}
+
+/// Producer counters.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ProducerStats {
+    /// Leases staged.
+    pub staged: u64,
+    /// Leases waiting for a pull or `Done` right now (not counting checked-out ones).
+    pub staged_now: usize,
+    /// Leases released by `Done`.
+    pub done: u64,
+    /// Leases released by TTL expiry.
+    pub expired: u64,
+    /// Requests refused as busy.
+    pub busy: u64,
+    /// Bytes sent in bulk frames.
+    pub bytes_sent: u64,
+    /// Chunks received by push.
+    pub pushed: u64,
+}
+
+struct StagedLease {
+    lease: Lease,
+    chunks: Vec<ChunkMeta>,
+    offsets: Vec<usize>,
+    expires: Instant,
+}
+
+#[derive(Default)]
+struct Counters {
+    staged: AtomicU64,
+    done: AtomicU64,
+    expired: AtomicU64,
+    busy: AtomicU64,
+    bytes_sent: AtomicU64,
+    pushed: AtomicU64,
+}
+
+struct Inner {
+    store: ChunkStore,
+    arena: Arena,
+    engine: CopyEngine,
+    cfg: ProducerConfig,
+    incarnation: u64,
+    staged: Mutex<HashMap<u64, StagedLease>>,
+    recently_expired: Mutex<VecDeque<u64>>,
+    next_lease: AtomicU64,
+    gets: Semaphore,
+    counters: Counters,
+    faults: ProducerFaults,
+    stop: CancellationToken,
+}
+
+/// A producer. Cheap to clone; serve it with [`crate::net::Server`] (it implements
+/// [`Handler`]). Dropping the last handle stops its TTL sweeper and releases staged
+/// pages.
+#[derive(Clone)]
+pub struct Producer {
+    inner: Arc<Inner>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Producer {
+    /// A producer over `store`, staging into `arena` with `engine`. `incarnation` must
+    /// match the one its server announces in handshakes. Must be called inside a tokio
+    /// runtime (it spawns the TTL sweeper).
+    pub fn new(
+        store: ChunkStore,
+        arena: Arena,
+        engine: CopyEngine,
+        cfg: ProducerConfig,
+        incarnation: u64,
+    ) -> Result<Producer, PeerError> {
+        if cfg.default_ttl.is_zero() || cfg.max_ttl.is_zero() || cfg.default_ttl > cfg.max_ttl {
+            return Err(PeerError::InvalidArgument(format!(
+                "TTLs must be > 0 and default ({:?}) <= max ({:?})",
+                cfg.default_ttl, cfg.max_ttl
+            )));
+        }
+        if cfg.max_concurrent_gets == 0 {
+            return Err(PeerError::InvalidArgument("max concurrent gets must be at least 1".into()));
+        }
+        let inner = Arc::new(Inner {
+            store,
+            arena,
+            engine,
+            gets: Semaphore::new(cfg.max_concurrent_gets),
+            cfg,
+            incarnation,
+            staged: Mutex::new(HashMap::new()),
+            recently_expired: Mutex::new(VecDeque::new()),
+            next_lease: AtomicU64::new(1),
+            counters: Counters::default(),
+            faults: ProducerFaults::default(),
+            stop: CancellationToken::new(),
+        });
+        tokio::spawn(sweeper(Arc::downgrade(&inner), inner.stop.clone()));
+        Ok(Producer { inner })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &ChunkStore {
+        &self.inner.store
+    }
+
+    /// The staging arena.
+    pub fn arena(&self) -> &Arena {
+        &self.inner.arena
+    }
+
+    /// This producer's incarnation.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    /// Fault injection switches.
+    pub fn faults(&self) -> &ProducerFaults {
+        &self.inner.faults
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ProducerStats {
+        let c = &self.inner.counters;
+        ProducerStats {
+            staged: c.staged.load(Ordering::Relaxed),
+            staged_now: self.inner.staged.lock().len(),
+            done: c.done.load(Ordering::Relaxed),
+            expired: c.expired.load(Ordering::Relaxed),
+            busy: c.busy.load(Ordering::Relaxed),
+            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+            pushed: c.pushed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Releases every staged lease now (e.g. at shutdown).
+    pub fn release_all(&self) {
+        let drained: Vec<_> = self.inner.staged.lock().drain().collect();
+        drop(drained);
+    }
+
+    /// Writes `data` into free blocks and registers it under `key` (the local put).
+    pub fn put_local(&self, key: ChunkKey, data: &[u8]) -> Result<(), PeerError> {
+        let layout = *self.inner.store.layout();
+        let nblocks = data.len().div_ceil(layout.block_bytes()).max(1);
+        let blocks = self.inner.store.alloc_blocks(nblocks)?;
+        let mut ranges = layout.chunk_ranges(&blocks)?;
+        truncate_ranges(&mut ranges, data.len());
+        let mut at = 0;
+        for (off, len) in ranges {
+            self.inner.store.region().write(off, &data[at..at + len])?;
+            at += len;
+        }
+        self.inner.store.insert_blocks(key, blocks, data.len())
+    }
+
+    /// Stages the leading held chunks of `keys` (as many as fit in free arena pages)
+    /// and records them under a new lease with `ttl`. Copy before advertise: the lease
+    /// is recorded only after the gather completed and checksums were computed.
+    pub async fn stage(&self, keys: &[ChunkKey], ttl: Duration) -> Result<(u64, Vec<ChunkMeta>, u32), PeerError> {
+        let inner = &self.inner;
+        let ttl = if ttl.is_zero() { inner.cfg.default_ttl } else { ttl.min(inner.cfg.max_ttl) };
+        let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
+        if locs.is_empty() {
+            return Ok((0, Vec::new(), ttl.as_millis() as u32));
+        }
+        // Partial stage: as many leading chunks as fit in the free pages.
+        let mut lease = None;
+        let mut k = locs.len();
+        while k > 0 {
+            let bytes: usize = locs[..k].iter().map(|l| l.len).sum();
+            let pages = inner.arena.pages_for(bytes);
+            if pages <= inner.arena.stats().free_pages {
+                if let Ok(l) = inner.arena.try_alloc(pages) {
+                    lease = Some(l);
+                    break;
+                }
+            }
+            k -= 1;
+        }
+        let Some(lease) = lease else {
+            inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+            return Err(PeerError::StagingExhausted {
+                needed: inner.arena.pages_for(locs[0].len),
+                free: inner.arena.stats().free_pages,
+            });
+        };
+        let locs = &locs[..k];
+        let mut offsets = Vec::with_capacity(k);
+        let mut at = 0;
+        let mut segments = Vec::new();
+        for loc in locs {
+            offsets.push(at);
+            for (off, len) in inner.store.ranges(loc)? {
+                segments.push((off, at, len));
+                at += len;
+            }
+        }
+        // The plan owns the pins: chunk blocks stay pinned until the gather drained.
+        let src: Arc<dyn crate::mem::HostMemory> = Arc::new(inner.store.pinned_source(pins));
+        let mut plan = CopyPlan::new(Endpoint::Memory(src), lease);
+        for (s, d, n) in segments {
+            plan.push(s, d, n);
+        }
+        let plan = inner.engine.copy(plan).await.map_err(|f| PeerError::Copy(f.error))?;
+        let (_src, dst) = plan.into_parts();
+        let lease = dst.into_lease().expect("destination is the staging lease");
+        let mut chunks = Vec::with_capacity(k);
+        for (loc, &off) in locs.iter().zip(&offsets) {
+            let mut crc = 0u32;
+            for s in lease.io_slices(off, loc.len)? {
+                crc = crc32c::crc32c_append(crc, s);
+            }
+            chunks.push(ChunkMeta { key: loc.key, len: loc.len as u64, checksum: crc });
+        }
+        let lease_id = inner.next_lease.fetch_add(1, Ordering::Relaxed);
+        inner.counters.staged.fetch_add(1, Ordering::Relaxed);
+        inner
+            .staged
+            .lock()
+            .insert(lease_id, StagedLease { lease, chunks: chunks.clone(), offsets, expires: Instant::now() + ttl });
+        Ok((lease_id, chunks, ttl.as_millis() as u32))
+    }
+
+    /// Releases a staged lease (the consumer's `Done`). False if unknown.
+    pub fn release(&self, lease_id: u64) -> bool {
+        let removed = self.inner.staged.lock().remove(&lease_id);
+        if removed.is_some() {
+            self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
+        }
+        removed.is_some()
+    }
+
+    async fn send_lease(&self, conn: &mut Connection, request_id: u64, entry: &StagedLease) -> Result<(), NetError> {
+        for (meta, &off) in entry.chunks.iter().zip(&entry.offsets) {
+            let delay = self.inner.faults.send_delay_us.load(Ordering::Relaxed);
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_micros(delay)).await;
+            }
+            let parts = entry.lease.io_slices(off, meta.len as usize).map_err(|e| NetError::Protocol(e.to_string()))?;
+            let corrupt = self
+                .inner
+                .faults
+                .corrupt_next_sends
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_ok();
+            if corrupt && meta.len > 0 {
+                // Corrupt on the wire: send a damaged copy so the frame checksum (computed
+                // over what is sent) is consistent but the staging checksum is not.
+                let mut bad: Vec<u8> = parts.concat();
+                let i = bad.len() / 2;
+                bad[i] ^= 0x5A;
+                conn.send_bulk(request_id, &[&bad]).await?;
+            } else {
+                conn.send_bulk(request_id, &parts).await?;
+            }
+            self.inner.counters.bytes_sent.fetch_add(meta.len, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn check_out(&self, lease_id: u64) -> Result<StagedLease, (ErrorKind, String)> {
+        let entry = self.inner.staged.lock().remove(&lease_id);
+        match entry {
+            Some(e) if e.expires > Instant::now() => Ok(e),
+            Some(_) => {
+                self.note_expired(lease_id);
+                Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired")))
+            }
+            None if self.inner.recently_expired.lock().contains(&lease_id) => {
+                Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired")))
+            }
+            None => Err((ErrorKind::UnknownLease, format!("no lease {lease_id}"))),
+        }
+    }
+
+    fn check_in(&self, lease_id: u64, entry: StagedLease) {
+        self.inner.staged.lock().insert(lease_id, entry);
+    }
+
+    fn note_expired(&self, lease_id: u64) {
+        self.inner.counters.expired.fetch_add(1, Ordering::Relaxed);
+        let mut r = self.inner.recently_expired.lock();
+        r.push_back(lease_id);
+        if r.len() > 4096 {
+            r.pop_front();
+        }
+    }
+
+    async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
+        match msg {
+            Message::Ping => conn.send(id, &Message::Pong).await,
+            Message::Lookup { keys } => {
+                let hits = self.inner.store.lookup(&keys) as u32;
+                conn.send(id, &Message::LookupReply { hits }).await
+            }
+            Message::Stage { keys, ttl_ms } | Message::Get { keys, ttl_ms } if keys.is_empty() => {
+                let _ = ttl_ms;
+                refuse(conn, id, ErrorKind::BadRequest, "empty key list".into()).await
+            }
+            Message::Stage { keys, ttl_ms } => {
+                let Ok(_permit) = self.inner.gets.try_acquire() else {
+                    self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+                    return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
+                };
+                match self.stage(&keys, Duration::from_millis(ttl_ms as u64)).await {
+                    Ok((lease_id, chunks, ttl_ms)) => {
+                        let m = Message::Staged { lease_id, incarnation: self.inner.incarnation, chunks, ttl_ms };
+                        conn.send(id, &m).await
+                    }
+                    Err(e) => refuse(conn, id, kind_of(&e), e.to_string()).await,
+                }
+            }
+            Message::Get { keys, ttl_ms } => {
+                let Ok(_permit) = self.inner.gets.try_acquire() else {
+                    self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+                    return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
+                };
+                let (lease_id, chunks, ttl_ms) = match self.stage(&keys, Duration::from_millis(ttl_ms as u64)).await {
+                    Ok(s) => s,
+                    Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
+                };
+                let m = Message::Staged { lease_id, incarnation: self.inner.incarnation, chunks, ttl_ms };
+                conn.send(id, &m).await?;
+                if lease_id == 0 {
+                    return Ok(()); // miss: nothing staged, nothing follows
+                }
+                let entry = match self.check_out(lease_id) {
+                    Ok(e) => e,
+                    Err((kind, message)) => return refuse(conn, id, kind, message).await,
+                };
+                // On a failed send the entry (and its pages) drops here: the eager
+                // consumer is gone.
+                self.send_lease(conn, id, &entry).await?;
+                conn.send(id, &Message::PullDone { lease_id }).await?;
+                self.check_in(lease_id, entry);
+                Ok(())
+            }
+            Message::Pull { lease_id, incarnation } => {
+                if incarnation != self.inner.incarnation {
+                    let m = format!("lease from incarnation {incarnation:#x}, this is {:#x}", self.inner.incarnation);
+                    return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
+                }
+                let entry = match self.check_out(lease_id) {
+                    Ok(e) => e,
+                    Err((kind, message)) => return refuse(conn, id, kind, message).await,
+                };
+                let r = self.send_lease(conn, id, &entry).await;
+                // A delayed pull may be retried: keep the lease until Done or TTL.
+                self.check_in(lease_id, entry);
+                r?;
+                conn.send(id, &Message::PullDone { lease_id }).await
+            }
+            Message::Done { lease_id } => {
+                self.release(lease_id);
+                conn.send(id, &Message::DoneAck).await
+            }
+            Message::Put { key, len } => self.receive_put(conn, id, key, len).await,
+            other => {
+                let m = format!("unexpected request {}", message_name(&other));
+                refuse(conn, id, ErrorKind::BadRequest, m).await
+            }
+        }
+    }
+
+    /// Push: bytes arrive into staging pages this side allocates, then land in the store.
+    async fn receive_put(&self, conn: &mut Connection, id: u64, key: ChunkKey, len: u64) -> Result<(), NetError> {
+        let inner = &self.inner;
+        let header = conn.read_header(conn.io_timeout()).await?;
+        let layout = *inner.store.layout();
+        let len = len as usize;
+        let cap = layout.block_bytes() * layout.blocks as usize;
+        if header.len as usize != len || len == 0 || len > cap {
+            conn.skip(&header).await?;
+            let m = format!("put of {len} bytes (frame {}) does not fit a chunk (max {cap})", header.len);
+            return refuse(conn, id, ErrorKind::TooLarge, m).await;
+        }
+        let mut lease = match inner.arena.try_alloc(inner.arena.pages_for(len)) {
+            Ok(l) => l,
+            Err(e) => {
+                conn.skip(&header).await?;
+                return refuse(conn, id, ErrorKind::Busy, format!("no staging pages: {e}")).await;
+            }
+        };
+        {
+            let mut parts = lease.io_slices_mut(0, len).map_err(|e| NetError::Protocol(e.to_string()))?;
+            conn.read_bulk_into(&header, &mut parts).await?;
+        }
+        let nblocks = len.div_ceil(layout.block_bytes());
+        let blocks = match inner.store.alloc_blocks(nblocks) {
+            Ok(b) => b,
+            Err(e) => return refuse(conn, id, ErrorKind::Busy, e.to_string()).await,
+        };
+        let mut ranges = match layout.chunk_ranges(&blocks) {
+            Ok(r) => r,
+            Err(e) => {
+                inner.store.free_blocks(blocks);
+                return refuse(conn, id, ErrorKind::Internal, e.to_string()).await;
+            }
+        };
+        truncate_ranges(&mut ranges, len);
+        let mut plan = CopyPlan::new(lease, inner.store.region().clone());
+        let mut at = 0;
+        for (off, n) in ranges {
+            plan.push(at, off, n);
+            at += n;
+        }
+        match inner.engine.copy(plan).await {
+            Ok(_) => {
+                if let Err(e) = inner.store.insert_blocks(key, blocks, len) {
+                    return refuse(conn, id, ErrorKind::Internal, e.to_string()).await;
+                }
+                inner.counters.pushed.fetch_add(1, Ordering::Relaxed);
+                conn.send(id, &Message::PutAck { key }).await
+            }
+            Err(f) => {
+                drop(f); // after the drain: pages back, blocks free
+                inner.store.free_blocks(blocks);
+                refuse(conn, id, ErrorKind::Internal, "landing copy failed".into()).await
+            }
+        }
+    }
+}
+
+fn message_name(m: &Message) -> String {
+    let s = format!("{m:?}");
+    s.split([' ', '{', '(']).next().unwrap_or("?").to_string()
+}
+
+fn kind_of(e: &PeerError) -> ErrorKind {
+    match e {
+        PeerError::StagingExhausted { .. } | PeerError::StoreFull { .. } => ErrorKind::Busy,
+        PeerError::InvalidArgument(_) => ErrorKind::BadRequest,
+        PeerError::ShuttingDown => ErrorKind::ShuttingDown,
+        _ => ErrorKind::Internal,
+    }
+}
+
+async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String) -> Result<(), NetError> {
+    conn.send(id, &Message::Error { kind, message }).await
+}
+
+impl Handler for Producer {
+    fn handle<'a>(&'a self, conn: &'a mut Connection, request_id: u64, msg: Message) -> BoxFuture<'a, Result<(), NetError>> {
+        self.handle_request(conn, request_id, msg).boxed()
+    }
+}
+
+/// Releases expired leases. Holds only a weak reference, so it ends with the producer.
+async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
+    loop {
+        let period = match inner.upgrade() {
+            Some(i) => (i.cfg.default_ttl / 4).clamp(Duration::from_millis(5), Duration::from_millis(100)),
+            None => return,
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(period) => {}
+        }
+        let Some(inner) = inner.upgrade() else { return };
+        let now = Instant::now();
+        let expired: Vec<(u64, StagedLease)> = {
+            let mut st = inner.staged.lock();
+            let ids: Vec<u64> = st.iter().filter(|(_, e)| e.expires <= now).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| st.remove(&id).map(|e| (id, e))).collect()
+        };
+        if !expired.is_empty() {
+            let p = Producer { inner: inner.clone() };
+            for (id, _) in &expired {
+                p.note_expired(*id);
+            }
+            tracing::debug!(target: "kvferry::peer", n = expired.len(), "released expired staged leases");
+        }
+        drop(expired); // pages return here
+    }
+}
