@@ -4,6 +4,8 @@
 //! and dispatches.
 
 mod cmd_bench;
+mod cmd_cluster_demo;
+mod cmd_worker;
 
 use clap::{Parser, Subcommand};
 
@@ -27,6 +29,13 @@ struct Cli {
 enum Command {
     /// Run benchmarks (default: the end-to-end transfer benchmark).
     Bench(cmd_bench::BenchArgs),
+    /// Run a leader with N worker processes (ranks) on the sim device through offload
+    /// and land steps, optionally injecting a hang, a SIGKILL or a stuck device event,
+    /// and print each step's outcome.
+    ClusterDemo(cmd_cluster_demo::ClusterDemoArgs),
+    /// One rank of a cluster (started by a leader, not by hand).
+    #[command(hide = true)]
+    Worker(cmd_worker::WorkerArgs),
 }
 
 fn init_tracing(json: bool) {
@@ -47,5 +56,7 @@ fn main() -> anyhow::Result<()> {
     init_tracing(cli.log_json);
     match cli.command {
         Command::Bench(args) => cmd_bench::run(args),
+        Command::ClusterDemo(args) => cmd_cluster_demo::run(args),
+        Command::Worker(args) => cmd_worker::run(args),
     }
 }

@@ -1,16 +1,16 @@
 //! Synchronisation primitives, switched to [loom](https://docs.rs/loom)'s model-checked
-//! versions under `cfg(loom)`.
+//! versions under `cfg(kvferry_loom)`.
 //!
 //! Only the small concurrency protocols that loom models (the slice ledger of a copy
 //! job and the page ownership it guards) go through this module; everything else uses
 //! `std` and `parking_lot` directly.
 
-#[cfg(loom)]
+#[cfg(kvferry_loom)]
 pub use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-#[cfg(loom)]
+#[cfg(kvferry_loom)]
 pub use loom::sync::Arc;
 
-#[cfg(not(loom))]
+#[cfg(not(kvferry_loom))]
 pub use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-#[cfg(not(loom))]
+#[cfg(not(kvferry_loom))]
 pub use std::sync::Arc;

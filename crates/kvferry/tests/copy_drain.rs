@@ -44,6 +44,7 @@ fn plan(arena: &Arena, src: &Arc<Region>) -> CopyPlan {
 async fn dropped_copy_releases_nothing_until_threads_leave() {
     let body = ParkingBody::new();
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
     body.wait_inside(2);
     drop(job); // cancel by drop
@@ -69,6 +70,7 @@ async fn dropped_copy_releases_nothing_until_threads_leave() {
 async fn repeated_cancel_still_drains() {
     let body = ParkingBody::new();
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
     let fence = job.fence();
     body.wait_inside(2);
@@ -100,6 +102,7 @@ async fn repeated_cancel_still_drains() {
 async fn explicit_cancel_resolves_only_after_drain_and_hands_memory_back() {
     let body = ParkingBody::new();
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
     body.wait_inside(2);
     let resumed = Arc::new(AtomicBool::new(false));
@@ -136,6 +139,7 @@ async fn error_in_one_slice_waits_for_siblings() {
     // Slice 1 fails at once; slice 0 is parked inside on the other thread.
     let body = ParkingBody::failing(&[1]);
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
     let resumed = Arc::new(AtomicBool::new(false));
     let r = resumed.clone();
@@ -172,6 +176,7 @@ async fn error_in_one_slice_waits_for_siblings() {
 async fn cancelled_staging_returns_pages_only_after_drain() {
     let body = ParkingBody::new();
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     let (e2, a2, s2) = (engine.clone(), arena.clone(), src.clone());
     let staging = tokio::spawn(async move {
         stage(
@@ -203,6 +208,7 @@ async fn cancelled_staging_returns_pages_only_after_drain() {
 async fn failed_staging_returns_pages_after_drain() {
     let body = ParkingBody::failing(&[0]);
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     body.release();
     let err = stage(
         &engine,
@@ -249,6 +255,7 @@ async fn staging_gathers_ranges_in_order() {
 fn shutdown_joins_threads_and_fails_queued_copies_with_memory_handed_back() {
     let body = ParkingBody::new();
     let (engine, arena, src) = setup(body.clone());
+    let _release = body.release_on_drop();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -1,10 +1,10 @@
 //! Loom model of the copy job's drain protocol (run with
-//! `RUSTFLAGS="--cfg loom" cargo test -p kvferry --test loom_drain --release`).
+//! `RUSTFLAGS="--cfg kvferry_loom" cargo test -p kvferry --test loom_drain --release`).
 //!
 //! Two copy threads each own one slice of a job that owns one arena page; a caller
 //! cancels by stopping the ledger and dropping its handle. In every interleaving the
 //! page is never free while a thread writes it, and it is freed exactly once.
-#![cfg(loom)]
+#![cfg(kvferry_loom)]
 
 use kvferry::copy::SliceLedger;
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -25,7 +25,9 @@ async fn many_concurrent_requests_land_their_own_bytes() {
         let consumer = c.consumer.clone();
         let dst = c.dst((r * 8) as u32, 2, 4);
         let (addr, k) = (node.addr.clone(), keys[r as usize].clone());
-        tasks.push(tokio::spawn(async move { consumer.get(&addr, &k, dst, soon(10_000)).await }));
+        tasks.push(tokio::spawn(
+            async move { consumer.get(&addr, &k, dst, soon(10_000)).await },
+        ));
     }
     for (r, t) in tasks.into_iter().enumerate() {
         let landed = t.await.unwrap().unwrap();
@@ -35,11 +37,19 @@ async fn many_concurrent_requests_land_their_own_bytes() {
             assert_eq!(c.corrupted_bytes(r as u64, ch, &blocks), 0, "request {r} chunk {ch}");
         }
     }
-    assert_eq!(c.consumer.arena().stats().free_pages, 512, "consumer staging all returned");
+    assert_eq!(
+        c.consumer.arena().stats().free_pages,
+        512,
+        "consumer staging all returned"
+    );
     // Done releases producer staging promptly.
     let t = std::time::Instant::now();
     while node.producer.arena().stats().free_pages != 256 {
-        assert!(t.elapsed() < Duration::from_secs(5), "producer pages not released: {:?}", node.producer.stats());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "producer pages not released: {:?}",
+            node.producer.stats()
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(node.producer.stats().done, reqs);
@@ -53,21 +63,37 @@ async fn lookup_partial_hit_and_miss() {
     let mut asked = keys.clone();
     asked.insert(2, ChunkKey::from_name("absent"));
     assert_eq!(c.consumer.lookup(&node.addr, &asked, soon(2000)).await.unwrap(), 2);
-    let landed = c.consumer.get(&node.addr, &asked, c.dst(0, 4, 2), soon(5000)).await.unwrap();
+    let landed = c
+        .consumer
+        .get(&node.addr, &asked, c.dst(0, 4, 2), soon(5000))
+        .await
+        .unwrap();
     assert_eq!(landed.chunks, 2, "only the held prefix lands");
     assert_eq!(c.corrupted_bytes(1, 1, &[2, 3]), 0);
-    let miss = c.consumer.get(&node.addr, &[ChunkKey::from_name("nope")], c.dst(0, 1, 2), soon(5000)).await.unwrap();
+    let miss = c
+        .consumer
+        .get(&node.addr, &[ChunkKey::from_name("nope")], c.dst(0, 1, 2), soon(5000))
+        .await
+        .unwrap();
     assert_eq!(miss.chunks, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_stage_when_producer_arena_is_nearly_full() {
     // 8 pages of 16 KiB = 128 KiB of staging; each chunk is 64 KiB (4 blocks).
-    let node = producer_node(NodeOpts { arena_pages: 8, ..NodeOpts::default() }).await;
+    let node = producer_node(NodeOpts {
+        arena_pages: 8,
+        ..NodeOpts::default()
+    })
+    .await;
     let hog = node.producer.arena().try_alloc(3).unwrap(); // leave 5 pages: one chunk fits
     let c = consumer_node(64, 64);
     let keys = fill(&node.producer, 7, 3, 4);
-    let landed = c.consumer.get(&node.addr, &keys, c.dst(0, 3, 4), soon(5000)).await.unwrap();
+    let landed = c
+        .consumer
+        .get(&node.addr, &keys, c.dst(0, 3, 4), soon(5000))
+        .await
+        .unwrap();
     assert_eq!(landed.chunks, 1, "the staged prefix only");
     assert_eq!(c.corrupted_bytes(7, 0, &[0, 1, 2, 3]), 0);
     drop(hog);
@@ -75,12 +101,19 @@ async fn partial_stage_when_producer_arena_is_nearly_full() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delayed_pull_resolves_and_expired_leases_are_refused() {
-    let node = producer_node(NodeOpts { ttl: Duration::from_millis(300), ..NodeOpts::default() }).await;
+    let node = producer_node(NodeOpts {
+        ttl: Duration::from_millis(300),
+        ..NodeOpts::default()
+    })
+    .await;
     let c = consumer_node(64, 64);
     let keys = fill(&node.producer, 3, 2, 2);
     let h = c.consumer.stage(&node.addr, &keys, soon(2000)).await.unwrap();
     assert_eq!(h.chunks.len(), 2);
-    assert!(node.producer.arena().stats().leased_pages > 0, "staged before advertised");
+    assert!(
+        node.producer.arena().stats().leased_pages > 0,
+        "staged before advertised"
+    );
     let landed = c.consumer.resolve(h, c.dst(10, 2, 2), soon(2000)).await.unwrap();
     assert_eq!(landed.chunks, 2);
     assert_eq!(c.corrupted_bytes(3, 1, &[12, 13]), 0);
@@ -88,7 +121,11 @@ async fn delayed_pull_resolves_and_expired_leases_are_refused() {
     // A slow consumer: the TTL passes before it resolves.
     let h = c.consumer.stage(&node.addr, &keys, soon(2000)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let err = c.consumer.resolve(h.clone(), c.dst(10, 2, 2), soon(2000)).await.unwrap_err();
+    let err = c
+        .consumer
+        .resolve(h.clone(), c.dst(10, 2, 2), soon(2000))
+        .await
+        .unwrap_err();
     assert!(matches!(err.error, PeerError::LeaseExpired { .. }), "{}", err.error);
     assert!(node.producer.stats().expired >= 1, "the sweeper released it");
     let t = std::time::Instant::now();
@@ -99,9 +136,19 @@ async fn delayed_pull_resolves_and_expired_leases_are_refused() {
     // Bypassing the local guard, the producer itself refuses the expired lease.
     let mut forged = h;
     forged.expires = Instant::now() + Duration::from_secs(5);
-    let err = c.consumer.resolve(forged, c.dst(10, 2, 2), soon(2000)).await.unwrap_err();
+    let err = c
+        .consumer
+        .resolve(forged, c.dst(10, 2, 2), soon(2000))
+        .await
+        .unwrap_err();
     assert!(
-        matches!(err.error, PeerError::Remote { kind: kvferry::wire::ErrorKind::LeaseExpired, .. }),
+        matches!(
+            err.error,
+            PeerError::Remote {
+                kind: kvferry::wire::ErrorKind::LeaseExpired,
+                ..
+            }
+        ),
         "{}",
         err.error
     );
@@ -125,15 +172,28 @@ async fn corrupted_bytes_on_the_wire_are_caught_and_never_landed() {
     let c = consumer_node(64, 64);
     let keys = fill(&node.producer, 5, 1, 2);
     c.region.fill(0, c.layout.region_bytes(), 0xEE).unwrap();
-    node.producer.faults().corrupt_next_sends.store(1, std::sync::atomic::Ordering::SeqCst);
-    let err = c.consumer.get(&node.addr, &keys, c.dst(0, 1, 2), soon(5000)).await.unwrap_err();
+    node.producer
+        .faults()
+        .corrupt_next_sends
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let err = c
+        .consumer
+        .get(&node.addr, &keys, c.dst(0, 1, 2), soon(5000))
+        .await
+        .unwrap_err();
     assert!(matches!(err.error, PeerError::ChecksumMismatch { .. }), "{}", err.error);
     assert_eq!(c.consumer.stats().checksum_failures, 1);
     let untouched = c.region.to_vec(0, c.layout.chunk_bytes(2)).unwrap();
-    assert!(untouched.iter().all(|b| *b == 0xEE), "a corrupted chunk must not be landed");
+    assert!(
+        untouched.iter().all(|b| *b == 0xEE),
+        "a corrupted chunk must not be landed"
+    );
     assert_eq!(c.consumer.arena().stats().free_pages, 64);
     // The next transfer is clean.
-    c.consumer.get(&node.addr, &keys, c.dst(0, 1, 2), soon(5000)).await.unwrap();
+    c.consumer
+        .get(&node.addr, &keys, c.dst(0, 1, 2), soon(5000))
+        .await
+        .unwrap();
     assert_eq!(c.corrupted_bytes(5, 0, &[0, 1]), 0);
 }
 
@@ -146,24 +206,40 @@ async fn push_lands_in_the_peer_store() {
     c.consumer.put(&node.addr, k, &data, soon(5000)).await.unwrap();
     assert_eq!(node.producer.stats().pushed, 1);
     assert_eq!(c.consumer.lookup(&node.addr, &[k], soon(2000)).await.unwrap(), 1);
-    let landed = c.consumer.get(&node.addr, &[k], c.dst(0, 1, 3), soon(5000)).await.unwrap();
+    let landed = c
+        .consumer
+        .get(&node.addr, &[k], c.dst(0, 1, 3), soon(5000))
+        .await
+        .unwrap();
     assert_eq!(landed.bytes, 40_000);
     assert_eq!(c.corrupted_bytes_prefix(9, 0, &[0, 1, 2], 40_000), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_or_missing_secret_is_refused_on_both_sides() {
-    let node = producer_node(NodeOpts { secret: Some(b"s3cret".to_vec()), ..NodeOpts::default() }).await;
+    let node = producer_node(NodeOpts {
+        secret: Some(b"s3cret".to_vec()),
+        ..NodeOpts::default()
+    })
+    .await;
     let keys = fill(&node.producer, 1, 1, 1);
     for secret in [None, Some(b"wrong".to_vec())] {
-        let engine = kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig { threads: 1, slice_bytes: 1 << 20 }).unwrap();
+        let engine = kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig {
+            threads: 1,
+            slice_bytes: 1 << 20,
+        })
+        .unwrap();
         let c = consumer_with_engine(engine, 16, 16, secret);
         let err = c.consumer.lookup(&node.addr, &keys, soon(2000)).await.unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("authentication failed"), "{msg}");
     }
     assert!(node.server.stats().auth_failures >= 1);
-    let engine = kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig { threads: 1, slice_bytes: 1 << 20 }).unwrap();
+    let engine = kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig {
+        threads: 1,
+        slice_bytes: 1 << 20,
+    })
+    .unwrap();
     let good = consumer_with_engine(engine, 16, 16, Some(b"s3cret".to_vec()));
     assert_eq!(good.consumer.lookup(&node.addr, &keys, soon(2000)).await.unwrap(), 1);
 }
@@ -178,7 +254,11 @@ async fn restarted_producer_is_a_new_incarnation() {
     node.server.shutdown().await;
     drop(node.producer);
     // Restart on the same address: a new process image, new incarnation, empty store.
-    let node2 = producer_node(NodeOpts { listen: addr.clone(), ..NodeOpts::default() }).await;
+    let node2 = producer_node(NodeOpts {
+        listen: addr.clone(),
+        ..NodeOpts::default()
+    })
+    .await;
     let keys2 = fill(&node2.producer, 2, 1, 2);
     assert_eq!(keys, keys2);
     // A fresh request reconnects (the idle connection is dead) and sees the new incarnation.
@@ -193,10 +273,22 @@ async fn restarted_producer_is_a_new_incarnation() {
 async fn bad_arguments_get_clear_errors() {
     let node = producer_node(NodeOpts::default()).await;
     let c = consumer_node(16, 16);
-    let e = c.consumer.get(&node.addr, &[], c.dst(0, 1, 1), soon(1000)).await.unwrap_err();
+    let e = c
+        .consumer
+        .get(&node.addr, &[], c.dst(0, 1, 1), soon(1000))
+        .await
+        .unwrap_err();
     assert!(matches!(e.error, PeerError::InvalidArgument(_)));
-    let e = c.consumer.get(&node.addr, &[ChunkKey::from_name("a")], c.dst(100, 1, 1), soon(1000)).await.unwrap_err();
+    let e = c
+        .consumer
+        .get(&node.addr, &[ChunkKey::from_name("a")], c.dst(100, 1, 1), soon(1000))
+        .await
+        .unwrap_err();
     assert!(e.error.to_string().contains("out of range"), "{}", e.error);
-    let e = c.consumer.lookup("127.0.0.1:1", &[ChunkKey::from_name("a")], soon(1000)).await.unwrap_err();
+    let e = c
+        .consumer
+        .lookup("127.0.0.1:1", &[ChunkKey::from_name("a")], soon(1000))
+        .await
+        .unwrap_err();
     assert!(matches!(e, PeerError::PeerLost { .. }), "{e}");
 }

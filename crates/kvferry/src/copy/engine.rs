@@ -272,8 +272,9 @@ impl CopyEngine {
 
     fn slice_target(&self, total: usize) -> usize {
         // Aim for a few slices per thread on big copies, never tiny slices.
+        let max = self.inner.config.slice_bytes;
         let per_thread = total / (self.inner.config.threads * 4).max(1);
-        per_thread.clamp(256 << 10, self.inner.config.slice_bytes.max(256 << 10))
+        per_thread.clamp(max.min(256 << 10), max)
     }
 
     /// Stops accepting copies, fails queued slices, lets running ones finish and joins
@@ -394,7 +395,7 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
                     dst: pd,
                     len: pl,
                 }) if *pl + n <= target
-                    && ps.wrapping_add(*pl) == piece.src as *const u8
+                    && std::ptr::eq(ps.wrapping_add(*pl), piece.src)
                     && pd.wrapping_add(*pl) == piece.dst =>
                 {
                     *pl += n

@@ -190,7 +190,7 @@ impl CopyJob {
 
     /// Whether every started slice has stopped.
     pub fn is_drained(&self) -> bool {
-        self.job.as_ref().map_or(true, |j| j.settle.is_set())
+        self.job.as_ref().is_none_or(|j| j.settle.is_set())
     }
 
     /// Cancels the copy and resolves once it has drained: `Ok(plan)` if it had
@@ -290,8 +290,14 @@ impl Drop for DrainSignal {
 impl DrainFence {
     /// A signal and the fence it fires (when the signal is dropped).
     pub fn pair() -> (DrainSignal, DrainFence) {
-        let settle = Arc::new(Settle { done: AtomicBool::new(false), notify: Notify::new() });
-        (DrainSignal { settle: settle.clone() }, DrainFence { settle: Some(settle) })
+        let settle = Arc::new(Settle {
+            done: AtomicBool::new(false),
+            notify: Notify::new(),
+        });
+        (
+            DrainSignal { settle: settle.clone() },
+            DrainFence { settle: Some(settle) },
+        )
     }
 
     /// A fence that has already fired.
@@ -301,7 +307,7 @@ impl DrainFence {
 
     /// Whether the copy has drained.
     pub fn is_drained(&self) -> bool {
-        self.settle.as_ref().map_or(true, |s| s.is_set())
+        self.settle.as_ref().is_none_or(|s| s.is_set())
     }
 
     /// Resolves once the copy has drained.

@@ -129,11 +129,21 @@ impl KvLayout {
 
     /// Checks dimensions and that the region size fits in memory.
     pub fn validated(self) -> Result<KvLayout, LayoutError> {
-        let dims = [self.layers, self.blocks, self.tokens_per_block, self.kv_heads, self.head_dim, self.elem_size];
+        let dims = [
+            self.layers,
+            self.blocks,
+            self.tokens_per_block,
+            self.kv_heads,
+            self.head_dim,
+            self.elem_size,
+        ];
         if dims.contains(&0) {
-            return Err(LayoutError::Invalid(format!("every dimension must be non-zero: {self:?}")));
+            return Err(LayoutError::Invalid(format!(
+                "every dimension must be non-zero: {self:?}"
+            )));
         }
-        let piece = (self.tokens_per_block as u64) * (self.kv_heads as u64) * (self.head_dim as u64) * (self.elem_size as u64);
+        let piece =
+            (self.tokens_per_block as u64) * (self.kv_heads as u64) * (self.head_dim as u64) * (self.elem_size as u64);
         piece
             .checked_mul(2 * self.layers as u64)
             .and_then(|b| b.checked_mul(self.blocks as u64))
@@ -160,7 +170,10 @@ impl KvLayout {
     /// Byte range of one piece in the region.
     pub fn piece(&self, block: u32, layer: u32, kv: Kv) -> Result<Range<usize>, LayoutError> {
         if block >= self.blocks {
-            return Err(LayoutError::BlockOutOfRange { block, blocks: self.blocks });
+            return Err(LayoutError::BlockOutOfRange {
+                block,
+                blocks: self.blocks,
+            });
         }
         debug_assert!(layer < self.layers);
         let p = self.piece_bytes();
@@ -249,7 +262,10 @@ mod tests {
     #[test]
     fn contiguous_chunk_ranges_merge() {
         let l = KvLayout::preset(Preset::Tiny, 8, Arrangement::FullyContiguous).unwrap();
-        assert_eq!(l.chunk_ranges(&[2, 3]).unwrap(), vec![(2 * l.block_bytes(), 2 * l.block_bytes())]);
+        assert_eq!(
+            l.chunk_ranges(&[2, 3]).unwrap(),
+            vec![(2 * l.block_bytes(), 2 * l.block_bytes())]
+        );
         let l = KvLayout::preset(Preset::Tiny, 8, Arrangement::LayerSeparate).unwrap();
         assert_eq!(l.chunk_ranges(&[2]).unwrap().len(), 4);
         assert!(matches!(l.chunk_ranges(&[8]), Err(LayoutError::BlockOutOfRange { .. })));

@@ -170,7 +170,7 @@ impl Arena {
     }
 
     fn validate(c: &ArenaConfig) -> Result<(), MemError> {
-        if c.page_size == 0 || c.page_size % 4096 != 0 {
+        if c.page_size == 0 || !c.page_size.is_multiple_of(4096) {
             return Err(MemError::InvalidConfig(format!(
                 "page size {} must be a non-zero multiple of 4 KiB",
                 c.page_size

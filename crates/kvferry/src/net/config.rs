@@ -77,7 +77,10 @@ impl NetConfig {
             }
         }
         if self.connections_per_peer == 0 || self.connections_per_peer > 256 {
-            return bad(format!("connections per peer must be 1..=256, got {}", self.connections_per_peer));
+            return bad(format!(
+                "connections per peer must be 1..=256, got {}",
+                self.connections_per_peer
+            ));
         }
         if self.max_connections == 0 {
             return bad("max connections must be at least 1".into());

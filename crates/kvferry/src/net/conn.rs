@@ -40,7 +40,13 @@ async fn bounded<T>(
 
 impl Connection {
     pub(crate) fn new(stream: TcpStream, peer: PeerInfo, limits: Limits, io_timeout: Duration) -> Connection {
-        Connection { stream, peer, limits, io_timeout, next_request: 1 }
+        Connection {
+            stream,
+            peer,
+            limits,
+            io_timeout,
+            next_request: 1,
+        }
     }
 
     pub(crate) fn set_peer(&mut self, peer: PeerInfo) {
@@ -69,11 +75,18 @@ impl Connection {
 
     fn lost(&self, e: NetError) -> NetError {
         match e {
-            NetError::Wire(WireError::Closed) => NetError::Lost { peer: self.peer.to_string(), reason: "closed by peer".into() },
-            NetError::Wire(WireError::Io(io)) => NetError::Lost { peer: self.peer.to_string(), reason: io.to_string() },
-            NetError::Wire(WireError::Truncated) => {
-                NetError::Lost { peer: self.peer.to_string(), reason: "connection closed mid-frame".into() }
-            }
+            NetError::Wire(WireError::Closed) => NetError::Lost {
+                peer: self.peer.to_string(),
+                reason: "closed by peer".into(),
+            },
+            NetError::Wire(WireError::Io(io)) => NetError::Lost {
+                peer: self.peer.to_string(),
+                reason: io.to_string(),
+            },
+            NetError::Wire(WireError::Truncated) => NetError::Lost {
+                peer: self.peer.to_string(),
+                reason: "connection closed mid-frame".into(),
+            },
             other => other,
         }
     }
@@ -81,14 +94,24 @@ impl Connection {
     /// Sends a control message.
     pub async fn send(&mut self, request_id: u64, msg: &Message) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = bounded("send control frame", d, wire::write_control(&mut self.stream, request_id, msg)).await;
+        let r = bounded(
+            "send control frame",
+            d,
+            wire::write_control(&mut self.stream, request_id, msg),
+        )
+        .await;
         r.map_err(|e| self.lost(e))
     }
 
     /// Sends one bulk frame made of `parts`.
     pub async fn send_bulk(&mut self, request_id: u64, parts: &[&[u8]]) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = bounded("send bulk frame", d, wire::write_bulk(&mut self.stream, request_id, parts)).await;
+        let r = bounded(
+            "send bulk frame",
+            d,
+            wire::write_bulk(&mut self.stream, request_id, parts),
+        )
+        .await;
         r.map_err(|e| self.lost(e))
     }
 
@@ -97,7 +120,12 @@ impl Connection {
     pub async fn read_header(&mut self, idle: Duration) -> Result<FrameHeader, NetError> {
         let mut first = [0u8; 1];
         let n = match tokio::time::timeout(idle, self.stream.read(&mut first)).await {
-            Err(_) => return Err(NetError::Timeout { op: "wait for next frame", waited: idle }),
+            Err(_) => {
+                return Err(NetError::Timeout {
+                    op: "wait for next frame",
+                    waited: idle,
+                })
+            }
             Ok(Err(e)) => return Err(self.lost(NetError::Wire(WireError::Io(e)))),
             Ok(Ok(n)) => n,
         };
@@ -118,7 +146,12 @@ impl Connection {
     pub async fn read_control_body(&mut self, header: &FrameHeader) -> Result<Message, NetError> {
         let d = self.io_timeout;
         let limits = self.limits.clone();
-        let r = bounded("read control frame", d, wire::read_control_body::<_, Message>(&mut self.stream, header, &limits)).await;
+        let r = bounded(
+            "read control frame",
+            d,
+            wire::read_control_body::<_, Message>(&mut self.stream, header, &limits),
+        )
+        .await;
         let msg = r.map_err(|e| self.lost(e))?;
         msg.validate(&self.limits)?;
         Ok(msg)
@@ -129,7 +162,10 @@ impl Connection {
     pub async fn recv(&mut self) -> Result<(u64, Message), NetError> {
         let header = self.read_header(self.io_timeout).await?;
         if header.kind != FrameKind::Control {
-            return Err(NetError::Protocol(format!("expected a control frame, got {:?}", header.kind)));
+            return Err(NetError::Protocol(format!(
+                "expected a control frame, got {:?}",
+                header.kind
+            )));
         }
         let msg = self.read_control_body(&header).await?;
         match msg {
@@ -142,7 +178,9 @@ impl Connection {
     pub async fn recv_reply(&mut self, request_id: u64) -> Result<Message, NetError> {
         let (id, msg) = self.recv().await?;
         if id != request_id {
-            return Err(NetError::Protocol(format!("reply for request {id}, expected {request_id}")));
+            return Err(NetError::Protocol(format!(
+                "reply for request {id}, expected {request_id}"
+            )));
         }
         Ok(msg)
     }
@@ -172,7 +210,12 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = bounded("read bulk frame", d, wire::read_bulk_body(&mut self.stream, &header, dst)).await;
+        let r = bounded(
+            "read bulk frame",
+            d,
+            wire::read_bulk_body(&mut self.stream, &header, dst),
+        )
+        .await;
         r.map_err(|e| self.lost(e))?;
         Ok(header.checksum)
     }
@@ -180,10 +223,18 @@ impl Connection {
     /// Reads the body of an already-read bulk `header` into `dst`.
     pub async fn read_bulk_into(&mut self, header: &FrameHeader, dst: &mut [&mut [u8]]) -> Result<u32, NetError> {
         if header.kind != FrameKind::Bulk {
-            return Err(NetError::Protocol(format!("expected a bulk frame, got {:?}", header.kind)));
+            return Err(NetError::Protocol(format!(
+                "expected a bulk frame, got {:?}",
+                header.kind
+            )));
         }
         let d = self.io_timeout;
-        let r = bounded("read bulk frame", d, wire::read_bulk_body(&mut self.stream, header, dst)).await;
+        let r = bounded(
+            "read bulk frame",
+            d,
+            wire::read_bulk_body(&mut self.stream, header, dst),
+        )
+        .await;
         r.map_err(|e| self.lost(e))?;
         Ok(header.checksum)
     }

@@ -38,7 +38,9 @@ impl fmt::Display for PeerInfo {
 fn tune(stream: &TcpStream, cfg: &NetConfig) {
     let _ = stream.set_nodelay(true);
     let sock = socket2::SockRef::from(stream);
-    let ka = socket2::TcpKeepalive::new().with_time(cfg.keepalive).with_interval(cfg.keepalive);
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(cfg.keepalive)
+        .with_interval(cfg.keepalive);
     let _ = sock.set_tcp_keepalive(&ka);
     let _ = sock.set_send_buffer_size(4 << 20);
     let _ = sock.set_recv_buffer_size(4 << 20);
@@ -47,17 +49,34 @@ fn tune(stream: &TcpStream, cfg: &NetConfig) {
 /// Connects to `addr` and runs the client side of the handshake.
 pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, NetError> {
     let stream = match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
-        Err(_) => return Err(NetError::Connect { addr: addr.into(), reason: format!("timed out after {:?}", cfg.connect_timeout) }),
-        Ok(Err(e)) => return Err(NetError::Connect { addr: addr.into(), reason: e.to_string() }),
+        Err(_) => {
+            return Err(NetError::Connect {
+                addr: addr.into(),
+                reason: format!("timed out after {:?}", cfg.connect_timeout),
+            })
+        }
+        Ok(Err(e)) => {
+            return Err(NetError::Connect {
+                addr: addr.into(),
+                reason: e.to_string(),
+            })
+        }
         Ok(Ok(s)) => s,
     };
     tune(&stream, cfg);
     let peer_addr = stream.peer_addr().ok();
-    let unknown = PeerInfo { peer_id: addr.to_string(), incarnation: 0, addr: peer_addr };
+    let unknown = PeerInfo {
+        peer_id: addr.to_string(),
+        incarnation: 0,
+        addr: peer_addr,
+    };
     let conn = Connection::new(stream, unknown, cfg.limits.clone(), cfg.handshake_timeout);
     match tokio::time::timeout(cfg.handshake_timeout, client_side(conn, cfg)).await {
         Ok(r) => r,
-        Err(_) => Err(NetError::Timeout { op: "handshake", waited: cfg.handshake_timeout }),
+        Err(_) => Err(NetError::Timeout {
+            op: "handshake",
+            waited: cfg.handshake_timeout,
+        }),
     }
 }
 
@@ -70,7 +89,13 @@ async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         wants_auth: cfg.secret.is_some(),
     };
     let reply = conn.request(&hello).await?;
-    let Message::Challenge { peer_id, incarnation, nonce: theirs, proof } = reply else {
+    let Message::Challenge {
+        peer_id,
+        incarnation,
+        nonce: theirs,
+        proof,
+    } = reply
+    else {
         return Err(NetError::Protocol(format!("expected Challenge, got {reply:?}")));
     };
     let my_proof = match &cfg.secret {
@@ -88,13 +113,18 @@ async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
     match conn.request(&Message::Auth { proof: my_proof }).await {
         Ok(Message::Welcome) => {}
         Ok(other) => return Err(NetError::Protocol(format!("expected Welcome, got {other:?}"))),
-        Err(NetError::Remote { kind: ErrorKind::AuthFailed | ErrorKind::AuthRequired, message }) => {
-            return Err(NetError::Auth(format!("server {peer_id} refused us: {message}")))
-        }
+        Err(NetError::Remote {
+            kind: ErrorKind::AuthFailed | ErrorKind::AuthRequired,
+            message,
+        }) => return Err(NetError::Auth(format!("server {peer_id} refused us: {message}"))),
         Err(e) => return Err(e),
     }
     let addr = conn.peer().addr;
-    conn.set_peer(PeerInfo { peer_id, incarnation, addr });
+    conn.set_peer(PeerInfo {
+        peer_id,
+        incarnation,
+        addr,
+    });
     conn.set_io_timeout(cfg.io_timeout);
     Ok(conn)
 }
@@ -103,24 +133,48 @@ async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
 pub(crate) async fn accept(stream: TcpStream, cfg: &NetConfig) -> Result<Connection, NetError> {
     tune(&stream, cfg);
     let addr = stream.peer_addr().ok();
-    let unknown = PeerInfo { peer_id: "(handshaking)".into(), incarnation: 0, addr };
+    let unknown = PeerInfo {
+        peer_id: "(handshaking)".into(),
+        incarnation: 0,
+        addr,
+    };
     let conn = Connection::new(stream, unknown, cfg.limits.clone(), cfg.handshake_timeout);
     match tokio::time::timeout(cfg.handshake_timeout, server_side(conn, cfg)).await {
         Ok(r) => r,
-        Err(_) => Err(NetError::Timeout { op: "handshake", waited: cfg.handshake_timeout }),
+        Err(_) => Err(NetError::Timeout {
+            op: "handshake",
+            waited: cfg.handshake_timeout,
+        }),
     }
 }
 
 async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection, NetError> {
     let (id, hello) = conn.recv().await?;
-    let Message::Hello { peer_id, incarnation, nonce: theirs, .. } = hello else {
-        let m = Message::Error { kind: ErrorKind::BadRequest, message: "expected Hello".into() };
+    let Message::Hello {
+        peer_id,
+        incarnation,
+        nonce: theirs,
+        ..
+    } = hello
+    else {
+        let m = Message::Error {
+            kind: ErrorKind::BadRequest,
+            message: "expected Hello".into(),
+        };
         let _ = conn.send(id, &m).await;
         return Err(NetError::Protocol(format!("expected Hello, got {hello:?}")));
     };
     let ours = auth::nonce();
-    let proof = cfg.secret.as_ref().map(|s| auth::proof(s, SERVER_LABEL, &ours, &theirs));
-    let challenge = Message::Challenge { peer_id: cfg.peer_id.clone(), incarnation: cfg.incarnation, nonce: ours, proof };
+    let proof = cfg
+        .secret
+        .as_ref()
+        .map(|s| auth::proof(s, SERVER_LABEL, &ours, &theirs));
+    let challenge = Message::Challenge {
+        peer_id: cfg.peer_id.clone(),
+        incarnation: cfg.incarnation,
+        nonce: ours,
+        proof,
+    };
     conn.send(id, &challenge).await?;
     let (id, msg) = conn.recv().await?;
     let Message::Auth { proof } = msg else {
@@ -128,20 +182,35 @@ async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
     };
     if let Some(secret) = &cfg.secret {
         let (kind, why) = match proof {
-            None => (ErrorKind::AuthRequired, "this server requires a shared secret and none was offered"),
+            None => (
+                ErrorKind::AuthRequired,
+                "this server requires a shared secret and none was offered",
+            ),
             Some(p) if !auth::verify(secret, CLIENT_LABEL, &theirs, &ours, &p) => {
                 (ErrorKind::AuthFailed, "wrong shared secret")
             }
             Some(_) => (ErrorKind::Internal, ""),
         };
         if kind != ErrorKind::Internal {
-            let _ = conn.send(id, &Message::Error { kind, message: why.into() }).await;
+            let _ = conn
+                .send(
+                    id,
+                    &Message::Error {
+                        kind,
+                        message: why.into(),
+                    },
+                )
+                .await;
             return Err(NetError::Auth(format!("client {peer_id}: {why}")));
         }
     }
     conn.send(id, &Message::Welcome).await?;
     let addr = conn.peer().addr;
-    conn.set_peer(PeerInfo { peer_id, incarnation, addr });
+    conn.set_peer(PeerInfo {
+        peer_id,
+        incarnation,
+        addr,
+    });
     conn.set_io_timeout(cfg.io_timeout);
     Ok(conn)
 }

@@ -88,15 +88,31 @@ impl Pool {
         let permit = match tokio::time::timeout_at(deadline, self.shared.permits.clone().acquire_owned()).await {
             Ok(Ok(p)) => p,
             Ok(Err(_)) => return Err(NetError::Protocol("pool closed".into())),
-            Err(_) => return Err(NetError::Timeout { op: "wait for a free connection", waited: start.elapsed() }),
+            Err(_) => {
+                return Err(NetError::Timeout {
+                    op: "wait for a free connection",
+                    waited: start.elapsed(),
+                })
+            }
         };
         if let Some(conn) = self.shared.idle.lock().pop() {
-            return Ok(PooledConnection { conn: Some(conn), pool: self.clone(), _permit: permit, reused: true });
+            return Ok(PooledConnection {
+                conn: Some(conn),
+                pool: self.clone(),
+                _permit: permit,
+                reused: true,
+            });
         }
-        let conn = match tokio::time::timeout_at(deadline, handshake::connect(&self.shared.addr, &self.shared.cfg)).await {
-            Ok(r) => r?,
-            Err(_) => return Err(NetError::Timeout { op: "connect", waited: start.elapsed() }),
-        };
+        let conn =
+            match tokio::time::timeout_at(deadline, handshake::connect(&self.shared.addr, &self.shared.cfg)).await {
+                Ok(r) => r?,
+                Err(_) => {
+                    return Err(NetError::Timeout {
+                        op: "connect",
+                        waited: start.elapsed(),
+                    })
+                }
+            };
         let inc = conn.peer().incarnation;
         let prev = self.shared.incarnation.swap(inc, Ordering::AcqRel);
         if prev != 0 && prev != inc {
@@ -105,7 +121,12 @@ impl Pool {
             self.shared.idle.lock().clear();
             tracing::info!(target: "kvferry::net", peer = %conn.peer(), old = prev, new = inc, "peer restarted: new incarnation");
         }
-        Ok(PooledConnection { conn: Some(conn), pool: self.clone(), _permit: permit, reused: false })
+        Ok(PooledConnection {
+            conn: Some(conn),
+            pool: self.clone(),
+            _permit: permit,
+            reused: false,
+        })
     }
 }
 

@@ -30,7 +30,12 @@ pub trait Handler: Send + Sync + 'static {
     /// Handles one request. Replies (and any bulk frames) are written to `conn`. An
     /// `Err` closes the connection; reply with [`Message::Error`] and return `Ok` to
     /// keep it open.
-    fn handle<'a>(&'a self, conn: &'a mut Connection, request_id: u64, msg: Message) -> BoxFuture<'a, Result<(), NetError>>;
+    fn handle<'a>(
+        &'a self,
+        conn: &'a mut Connection,
+        request_id: u64,
+        msg: Message,
+    ) -> BoxFuture<'a, Result<(), NetError>>;
 
     /// Called when a connection ends (for cleanup tied to a peer).
     fn disconnected(&self, _peer: &super::PeerInfo) {}
@@ -84,14 +89,29 @@ impl Server {
     /// Binds `addr` (e.g. `127.0.0.1:0`) and starts serving with `handler`.
     pub async fn bind(addr: &str, cfg: NetConfig, handler: Arc<dyn Handler>) -> Result<Server, NetError> {
         cfg.validate()?;
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|e| NetError::Connect { addr: addr.into(), reason: format!("bind: {e}") })?;
-        let local = listener.local_addr().map_err(|e| NetError::Connect { addr: addr.into(), reason: e.to_string() })?;
+        let listener = TcpListener::bind(addr).await.map_err(|e| NetError::Connect {
+            addr: addr.into(),
+            reason: format!("bind: {e}"),
+        })?;
+        let local = listener.local_addr().map_err(|e| NetError::Connect {
+            addr: addr.into(),
+            reason: e.to_string(),
+        })?;
         let stop = CancellationToken::new();
         let counters = Arc::new(Counters::default());
-        let task = tokio::spawn(accept_loop(listener, Arc::new(cfg), handler, stop.clone(), counters.clone()));
-        Ok(Server { addr: local, stop, counters, task: Some(task) })
+        let task = tokio::spawn(accept_loop(
+            listener,
+            Arc::new(cfg),
+            handler,
+            stop.clone(),
+            counters.clone(),
+        ));
+        Ok(Server {
+            addr: local,
+            stop,
+            counters,
+            task: Some(task),
+        })
     }
 
     /// The bound address.
@@ -233,7 +253,13 @@ async fn reply_error(conn: &mut Connection, request_id: u64, e: &NetError) {
     };
     let _ = tokio::time::timeout(
         std::time::Duration::from_millis(200),
-        conn.send(request_id, &Message::Error { kind, message: e.to_string() }),
+        conn.send(
+            request_id,
+            &Message::Error {
+                kind,
+                message: e.to_string(),
+            },
+        ),
     )
     .await;
 }

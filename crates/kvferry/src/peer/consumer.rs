@@ -180,7 +180,9 @@ impl Consumer {
             }
         }
         if cfg.lease_guard >= cfg.lease_ttl {
-            return Err(PeerError::InvalidArgument("lease guard must be shorter than the lease ttl".into()));
+            return Err(PeerError::InvalidArgument(
+                "lease guard must be shorter than the lease ttl".into(),
+            ));
         }
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| PeerError::InvalidArgument("Consumer::new must be called inside a tokio runtime".into()))?;
@@ -230,7 +232,9 @@ impl Consumer {
         let msg = Message::Lookup { keys: keys.to_vec() };
         match self.simple_request(peer, &msg, deadline).await? {
             Message::LookupReply { hits } => Ok(hits as usize),
-            other => Err(PeerError::Net(NetError::Protocol(format!("expected LookupReply, got {other:?}")))),
+            other => Err(PeerError::Net(NetError::Protocol(format!(
+                "expected LookupReply, got {other:?}"
+            )))),
         }
     }
 
@@ -241,18 +245,30 @@ impl Consumer {
         let fut = async {
             let mut conn = pool.checkout(deadline).await?;
             let id = conn.next_request_id();
-            conn.send(id, &Message::Put { key, len: data.len() as u64 }).await?;
+            conn.send(
+                id,
+                &Message::Put {
+                    key,
+                    len: data.len() as u64,
+                },
+            )
+            .await?;
             conn.send_bulk(id, &[data]).await?;
             let reply = conn.recv_reply(id).await?;
             conn.finish();
             match reply {
                 Message::PutAck { .. } => Ok(()),
-                other => Err(PeerError::Net(NetError::Protocol(format!("expected PutAck, got {other:?}")))),
+                other => Err(PeerError::Net(NetError::Protocol(format!(
+                    "expected PutAck, got {other:?}"
+                )))),
             }
         };
         match tokio::time::timeout_at(deadline, fut).await {
             Ok(r) => r,
-            Err(_) => Err(PeerError::Timeout { op: "put", waited: Duration::ZERO }),
+            Err(_) => Err(PeerError::Timeout {
+                op: "put",
+                waited: Duration::ZERO,
+            }),
         }
     }
 
@@ -276,7 +292,10 @@ impl Consumer {
         };
         match tokio::time::timeout_at(deadline, fut).await {
             Ok(r) => r,
-            Err(_) => Err(PeerError::Timeout { op: "request", waited: start.elapsed() }),
+            Err(_) => Err(PeerError::Timeout {
+                op: "request",
+                waited: start.elapsed(),
+            }),
         }
     }
 
@@ -284,60 +303,117 @@ impl Consumer {
     pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
         check_keys(keys)?;
         let sent = Instant::now();
-        let msg = Message::Stage { keys: keys.to_vec(), ttl_ms: self.inner.cfg.lease_ttl.as_millis() as u32 };
+        let msg = Message::Stage {
+            keys: keys.to_vec(),
+            ttl_ms: self.inner.cfg.lease_ttl.as_millis() as u32,
+        };
         match self.simple_request(peer, &msg, deadline).await? {
-            Message::Staged { lease_id, incarnation, chunks, ttl_ms } => Ok(StagedHandle {
+            Message::Staged {
+                lease_id,
+                incarnation,
+                chunks,
+                ttl_ms,
+            } => Ok(StagedHandle {
                 peer: peer.to_string(),
                 lease_id,
                 incarnation,
                 chunks,
                 expires: sent + Duration::from_millis(ttl_ms as u64),
             }),
-            other => Err(PeerError::Net(NetError::Protocol(format!("expected Staged, got {other:?}")))),
+            other => Err(PeerError::Net(NetError::Protocol(format!(
+                "expected Staged, got {other:?}"
+            )))),
         }
     }
 
     /// Delayed pull, step two: moves the staged bytes into `dst`. Refused with
     /// `LeaseExpired` when less than the guard margin is left on the lease, and with
     /// `StaleIncarnation` when the producer has restarted since.
-    pub async fn resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+    pub async fn resolve(
+        &self,
+        handle: StagedHandle,
+        dst: Destination,
+        deadline: Instant,
+    ) -> Result<Landed, GetFailure> {
         let now = Instant::now();
         let remaining = handle.expires.saturating_duration_since(now);
         if remaining < self.inner.cfg.lease_guard {
-            let error = PeerError::LeaseExpired { lease_id: handle.lease_id, remaining };
-            return Err(GetFailure { error, fence: DrainFence::ready() });
+            let error = PeerError::LeaseExpired {
+                lease_id: handle.lease_id,
+                remaining,
+            };
+            return Err(GetFailure {
+                error,
+                fence: DrainFence::ready(),
+            });
         }
         let current = self.pool(&handle.peer).map(|p| p.incarnation()).unwrap_or(0);
         if current != 0 && current != handle.incarnation {
-            let error = PeerError::StaleIncarnation { handle: handle.incarnation, current };
-            return Err(GetFailure { error, fence: DrainFence::ready() });
+            let error = PeerError::StaleIncarnation {
+                handle: handle.incarnation,
+                current,
+            };
+            return Err(GetFailure {
+                error,
+                fence: DrainFence::ready(),
+            });
         }
         if handle.chunks.is_empty() {
             return Ok(Landed { chunks: 0, bytes: 0 });
         }
         let peer = handle.peer.clone();
-        self.run(&peer, Request::Pull { handle }, dst, deadline.min(now + remaining)).await
+        self.run(&peer, Request::Pull { handle }, dst, deadline.min(now + remaining))
+            .await
     }
 
     /// Releases a staged lease without pulling it.
     pub async fn release(&self, handle: &StagedHandle, deadline: Instant) -> Result<(), PeerError> {
-        self.simple_request(&handle.peer, &Message::Done { lease_id: handle.lease_id }, deadline).await.map(|_| ())
+        self.simple_request(
+            &handle.peer,
+            &Message::Done {
+                lease_id: handle.lease_id,
+            },
+            deadline,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Eager get: the peer stages `keys` and sends them at once; they land in `dst`.
-    pub async fn get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+    pub async fn get(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        dst: Destination,
+        deadline: Instant,
+    ) -> Result<Landed, GetFailure> {
         if let Err(error) = check_keys(keys).and_then(|_| check_dst(keys.len(), &dst)) {
-            return Err(GetFailure { error, fence: DrainFence::ready() });
+            return Err(GetFailure {
+                error,
+                fence: DrainFence::ready(),
+            });
         }
-        self.run(peer, Request::Get { keys: keys.to_vec() }, dst, deadline).await
+        self.run(peer, Request::Get { keys: keys.to_vec() }, dst, deadline)
+            .await
     }
 
     /// The synchronous get: returns within `timeout` (plus scheduling slack) with the
     /// result or `Timeout`. On timeout the transfer is cancelled and drained in the
     /// background; the returned failure's fence fires when the destination is quiet.
     /// Must not be called from inside an async task (it blocks the thread).
-    pub fn get_blocking(&self, peer: &str, keys: &[ChunkKey], dst: Destination, timeout: Duration) -> Result<Landed, GetFailure> {
-        let fail = |error| Err(GetFailure { error, fence: DrainFence::ready() });
+    pub fn get_blocking(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        dst: Destination,
+        timeout: Duration,
+    ) -> Result<Landed, GetFailure> {
+        let fail = |error| {
+            Err(GetFailure {
+                error,
+                fence: DrainFence::ready(),
+            })
+        };
         if timeout.is_zero() {
             return fail(PeerError::InvalidArgument("timeout must be greater than zero".into()));
         }
@@ -357,14 +433,22 @@ impl Consumer {
         let this = self.clone();
         let (peer, keys, c2) = (peer.to_string(), keys.to_vec(), cancel.clone());
         self.inner.runtime.spawn(async move {
-            let r = this.transfer(&peer, Request::Get { keys }, dst, deadline, c2, signal).await;
+            let r = this
+                .transfer(&peer, Request::Get { keys }, dst, deadline, c2, signal)
+                .await;
             let _ = tx.send(r);
         });
         match rx.recv_timeout(timeout) {
             Ok(r) => r.map_err(|error| GetFailure { error, fence }),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 cancel.cancel();
-                Err(GetFailure { error: PeerError::Timeout { op: "get", waited: started.elapsed() }, fence })
+                Err(GetFailure {
+                    error: PeerError::Timeout {
+                        op: "get",
+                        waited: started.elapsed(),
+                    },
+                    fence,
+                })
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(GetFailure {
                 error: PeerError::Net(NetError::Protocol("transfer task ended without a result".into())),
@@ -383,7 +467,10 @@ impl Consumer {
         let guard = cancel.clone().drop_guard();
         let this = self.clone();
         let (peer, c2) = (peer.to_string(), cancel.clone());
-        let task = self.inner.runtime.spawn(async move { this.transfer(&peer, req, dst, deadline, c2, signal).await });
+        let task = self
+            .inner
+            .runtime
+            .spawn(async move { this.transfer(&peer, req, dst, deadline, c2, signal).await });
         let out = tokio::time::timeout_at(deadline, task).await;
         match out {
             Ok(Ok(r)) => {
@@ -396,7 +483,13 @@ impl Consumer {
             }),
             Err(_) => {
                 drop(guard); // cancels
-                Err(GetFailure { error: PeerError::Timeout { op: "get", waited: started.elapsed() }, fence })
+                Err(GetFailure {
+                    error: PeerError::Timeout {
+                        op: "get",
+                        waited: started.elapsed(),
+                    },
+                    fence,
+                })
             }
         }
     }
@@ -423,7 +516,9 @@ impl Consumer {
             }
         };
         let mut lease_to_release = None;
-        let result = self.transfer_inner(&pool, req, &dst, deadline, &cancel, &mut lease_to_release).await;
+        let result = self
+            .transfer_inner(&pool, req, &dst, deadline, &cancel, &mut lease_to_release)
+            .await;
         match &result {
             Ok(l) => {
                 counters.completed.fetch_add(1, Ordering::Relaxed);
@@ -445,7 +540,9 @@ impl Consumer {
         // Tell the producer to release its pages (best effort, bounded).
         if let Some(lease_id) = lease_to_release {
             let done_deadline = Instant::now() + inner.cfg.done_timeout;
-            let _ = self.simple_request(peer, &Message::Done { lease_id }, done_deadline).await;
+            let _ = self
+                .simple_request(peer, &Message::Done { lease_id }, done_deadline)
+                .await;
         }
         result
     }
@@ -466,13 +563,16 @@ impl Consumer {
             Request::Pull { handle } => handle.chunks.len().min(dst.chunks.len()),
         };
         let caps: Vec<usize> = (0..nchunks).map(|i| dst.capacity(i)).collect();
-        let offsets: Vec<usize> = caps.iter().scan(0, |at, c| Some(std::mem::replace(at, *at + c))).collect();
+        let offsets: Vec<usize> = caps
+            .iter()
+            .scan(0, |at, c| Some(std::mem::replace(at, *at + c)))
+            .collect();
         let total: usize = caps.iter().sum();
         let pages = inner.arena.pages_for(total);
-        let mut lease = inner
-            .arena
-            .try_alloc(pages)
-            .map_err(|_| PeerError::StagingExhausted { needed: pages, free: inner.arena.stats().free_pages })?;
+        let mut lease = inner.arena.try_alloc(pages).map_err(|_| PeerError::StagingExhausted {
+            needed: pages,
+            free: inner.arena.stats().free_pages,
+        })?;
 
         // 2. Receive into the staging pages (cancel or deadline drops the connection).
         let receive = self.receive(pool, req, &mut lease, &offsets, &caps, deadline, lease_to_release);
@@ -511,7 +611,10 @@ impl Consumer {
                 return Err(PeerError::Cancelled);
             }
         }
-        Ok(Landed { chunks: chunks.len(), bytes })
+        Ok(Landed {
+            chunks: chunks.len(),
+            bytes,
+        })
     }
 
     /// Sends the request and receives the chunks' bytes into `lease`; returns the
@@ -532,23 +635,43 @@ impl Consumer {
         let chunks = match req {
             Request::Get { keys } => {
                 let ttl_ms = self.inner.cfg.lease_ttl.as_millis() as u32;
-                conn.send(id, &Message::Get { keys: keys.clone(), ttl_ms }).await?;
+                conn.send(
+                    id,
+                    &Message::Get {
+                        keys: keys.clone(),
+                        ttl_ms,
+                    },
+                )
+                .await?;
                 match conn.recv_reply(id).await? {
                     Message::Staged { lease_id, chunks, .. } => {
                         if lease_id != 0 {
                             *lease_to_release = Some(lease_id);
                         }
                         if chunks.len() > keys.len() || chunks.iter().zip(&keys).any(|(c, k)| c.key != *k) {
-                            return Err(PeerError::Net(NetError::Protocol("staged chunks do not match the keys".into())));
+                            return Err(PeerError::Net(NetError::Protocol(
+                                "staged chunks do not match the keys".into(),
+                            )));
                         }
                         chunks
                     }
-                    other => return Err(PeerError::Net(NetError::Protocol(format!("expected Staged, got {other:?}")))),
+                    other => {
+                        return Err(PeerError::Net(NetError::Protocol(format!(
+                            "expected Staged, got {other:?}"
+                        ))))
+                    }
                 }
             }
             Request::Pull { handle } => {
                 *lease_to_release = Some(handle.lease_id);
-                conn.send(id, &Message::Pull { lease_id: handle.lease_id, incarnation: handle.incarnation }).await?;
+                conn.send(
+                    id,
+                    &Message::Pull {
+                        lease_id: handle.lease_id,
+                        incarnation: handle.incarnation,
+                    },
+                )
+                .await?;
                 handle.chunks.into_iter().take(caps.len()).collect()
             }
         };
@@ -568,12 +691,20 @@ impl Consumer {
                 conn.recv_bulk(id, &mut parts).await?
             };
             if actual != meta.checksum {
-                return Err(PeerError::ChecksumMismatch { key: meta.key, expected: meta.checksum, actual });
+                return Err(PeerError::ChecksumMismatch {
+                    key: meta.key,
+                    expected: meta.checksum,
+                    actual,
+                });
             }
         }
         match conn.recv_reply(id).await? {
             Message::PullDone { .. } => conn.finish(),
-            other => return Err(PeerError::Net(NetError::Protocol(format!("expected PullDone, got {other:?}")))),
+            other => {
+                return Err(PeerError::Net(NetError::Protocol(format!(
+                    "expected PullDone, got {other:?}"
+                ))))
+            }
         }
         Ok(chunks)
     }
@@ -594,14 +725,18 @@ fn check_dst(nkeys: usize, dst: &Destination) -> Result<(), PeerError> {
         )));
     }
     if dst.region.len() < dst.layout.region_bytes() {
-        return Err(PeerError::InvalidArgument("destination region is smaller than its layout".into()));
+        return Err(PeerError::InvalidArgument(
+            "destination region is smaller than its layout".into(),
+        ));
     }
     for blocks in &dst.chunks {
         if blocks.is_empty() {
             return Err(PeerError::InvalidArgument("a destination chunk has no blocks".into()));
         }
         if let Some(b) = blocks.iter().find(|b| **b >= dst.layout.blocks) {
-            return Err(PeerError::InvalidArgument(format!("destination block {b} out of range")));
+            return Err(PeerError::InvalidArgument(format!(
+                "destination block {b} out of range"
+            )));
         }
     }
     Ok(())

@@ -132,7 +132,10 @@ impl From<NetError> for PeerError {
             NetError::Lost { peer, reason } => PeerError::PeerLost { peer, reason },
             NetError::Connect { addr, reason } => PeerError::PeerLost { peer: addr, reason },
             NetError::Timeout { op, waited } => PeerError::Timeout { op, waited },
-            NetError::Remote { kind: ErrorKind::ShuttingDown, .. } => PeerError::ShuttingDown,
+            NetError::Remote {
+                kind: ErrorKind::ShuttingDown,
+                ..
+            } => PeerError::ShuttingDown,
             NetError::Remote { kind, message } => PeerError::Remote { kind, message },
             other => PeerError::Net(other),
         }

@@ -147,7 +147,9 @@ impl Producer {
             )));
         }
         if cfg.max_concurrent_gets == 0 {
-            return Err(PeerError::InvalidArgument("max concurrent gets must be at least 1".into()));
+            return Err(PeerError::InvalidArgument(
+                "max concurrent gets must be at least 1".into(),
+            ));
         }
         let inner = Arc::new(Inner {
             store,
@@ -227,7 +229,11 @@ impl Producer {
     /// is recorded only after the gather completed and checksums were computed.
     pub async fn stage(&self, keys: &[ChunkKey], ttl: Duration) -> Result<(u64, Vec<ChunkMeta>, u32), PeerError> {
         let inner = &self.inner;
-        let ttl = if ttl.is_zero() { inner.cfg.default_ttl } else { ttl.min(inner.cfg.max_ttl) };
+        let ttl = if ttl.is_zero() {
+            inner.cfg.default_ttl
+        } else {
+            ttl.min(inner.cfg.max_ttl)
+        };
         let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
         if locs.is_empty() {
             return Ok((0, Vec::new(), ttl.as_millis() as u32));
@@ -279,14 +285,23 @@ impl Producer {
             for s in lease.io_slices(off, loc.len)? {
                 crc = crc32c::crc32c_append(crc, s);
             }
-            chunks.push(ChunkMeta { key: loc.key, len: loc.len as u64, checksum: crc });
+            chunks.push(ChunkMeta {
+                key: loc.key,
+                len: loc.len as u64,
+                checksum: crc,
+            });
         }
         let lease_id = inner.next_lease.fetch_add(1, Ordering::Relaxed);
         inner.counters.staged.fetch_add(1, Ordering::Relaxed);
-        inner
-            .staged
-            .lock()
-            .insert(lease_id, StagedLease { lease, chunks: chunks.clone(), offsets, expires: Instant::now() + ttl });
+        inner.staged.lock().insert(
+            lease_id,
+            StagedLease {
+                lease,
+                chunks: chunks.clone(),
+                offsets,
+                expires: Instant::now() + ttl,
+            },
+        );
         Ok((lease_id, chunks, ttl.as_millis() as u32))
     }
 
@@ -305,7 +320,10 @@ impl Producer {
             if delay > 0 {
                 tokio::time::sleep(Duration::from_micros(delay)).await;
             }
-            let parts = entry.lease.io_slices(off, meta.len as usize).map_err(|e| NetError::Protocol(e.to_string()))?;
+            let parts = entry
+                .lease
+                .io_slices(off, meta.len as usize)
+                .map_err(|e| NetError::Protocol(e.to_string()))?;
             let corrupt = self
                 .inner
                 .faults
@@ -373,7 +391,12 @@ impl Producer {
                 };
                 match self.stage(&keys, Duration::from_millis(ttl_ms as u64)).await {
                     Ok((lease_id, chunks, ttl_ms)) => {
-                        let m = Message::Staged { lease_id, incarnation: self.inner.incarnation, chunks, ttl_ms };
+                        let m = Message::Staged {
+                            lease_id,
+                            incarnation: self.inner.incarnation,
+                            chunks,
+                            ttl_ms,
+                        };
                         conn.send(id, &m).await
                     }
                     Err(e) => refuse(conn, id, kind_of(&e), e.to_string()).await,
@@ -388,7 +411,12 @@ impl Producer {
                     Ok(s) => s,
                     Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
                 };
-                let m = Message::Staged { lease_id, incarnation: self.inner.incarnation, chunks, ttl_ms };
+                let m = Message::Staged {
+                    lease_id,
+                    incarnation: self.inner.incarnation,
+                    chunks,
+                    ttl_ms,
+                };
                 conn.send(id, &m).await?;
                 if lease_id == 0 {
                     return Ok(()); // miss: nothing staged, nothing follows
@@ -406,7 +434,10 @@ impl Producer {
             }
             Message::Pull { lease_id, incarnation } => {
                 if incarnation != self.inner.incarnation {
-                    let m = format!("lease from incarnation {incarnation:#x}, this is {:#x}", self.inner.incarnation);
+                    let m = format!(
+                        "lease from incarnation {incarnation:#x}, this is {:#x}",
+                        self.inner.incarnation
+                    );
                     return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
                 }
                 let entry = match self.check_out(lease_id) {
@@ -440,7 +471,10 @@ impl Producer {
         let cap = layout.block_bytes() * layout.blocks as usize;
         if header.len as usize != len || len == 0 || len > cap {
             conn.skip(&header).await?;
-            let m = format!("put of {len} bytes (frame {}) does not fit a chunk (max {cap})", header.len);
+            let m = format!(
+                "put of {len} bytes (frame {}) does not fit a chunk (max {cap})",
+                header.len
+            );
             return refuse(conn, id, ErrorKind::TooLarge, m).await;
         }
         let mut lease = match inner.arena.try_alloc(inner.arena.pages_for(len)) {
@@ -451,7 +485,9 @@ impl Producer {
             }
         };
         {
-            let mut parts = lease.io_slices_mut(0, len).map_err(|e| NetError::Protocol(e.to_string()))?;
+            let mut parts = lease
+                .io_slices_mut(0, len)
+                .map_err(|e| NetError::Protocol(e.to_string()))?;
             conn.read_bulk_into(&header, &mut parts).await?;
         }
         let nblocks = len.div_ceil(layout.block_bytes());
@@ -509,7 +545,12 @@ async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String
 }
 
 impl Handler for Producer {
-    fn handle<'a>(&'a self, conn: &'a mut Connection, request_id: u64, msg: Message) -> BoxFuture<'a, Result<(), NetError>> {
+    fn handle<'a>(
+        &'a self,
+        conn: &'a mut Connection,
+        request_id: u64,
+        msg: Message,
+    ) -> BoxFuture<'a, Result<(), NetError>> {
         self.handle_request(conn, request_id, msg).boxed()
     }
 }
@@ -530,7 +571,9 @@ async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
         let expired: Vec<(u64, StagedLease)> = {
             let mut st = inner.staged.lock();
             let ids: Vec<u64> = st.iter().filter(|(_, e)| e.expires <= now).map(|(id, _)| *id).collect();
-            ids.into_iter().filter_map(|id| st.remove(&id).map(|e| (id, e))).collect()
+            ids.into_iter()
+                .filter_map(|id| st.remove(&id).map(|e| (id, e)))
+                .collect()
         };
         if !expired.is_empty() {
             let p = Producer { inner: inner.clone() };

@@ -143,14 +143,20 @@ impl ChunkStore {
             )));
         }
         if capacity == 0 {
-            return Err(PeerError::InvalidArgument("store capacity must be at least 1 chunk".into()));
+            return Err(PeerError::InvalidArgument(
+                "store capacity must be at least 1 chunk".into(),
+            ));
         }
         Ok(ChunkStore {
             inner: Arc::new(Inner {
                 region,
                 layout,
                 capacity,
-                state: Mutex::new(State { map: HashMap::new(), free_blocks: (0..layout.blocks).rev().collect(), tick: 0 }),
+                state: Mutex::new(State {
+                    map: HashMap::new(),
+                    free_blocks: (0..layout.blocks).rev().collect(),
+                    tick: 0,
+                }),
             }),
         })
     }
@@ -184,7 +190,17 @@ impl ChunkStore {
         st.tick += 1;
         let tick = st.tick;
         self.remove_locked(&mut st, &key);
-        st.map.insert(key, Entry { blocks, len, pins: 0, gen: tick, tick, evicted: false });
+        st.map.insert(
+            key,
+            Entry {
+                blocks,
+                len,
+                pins: 0,
+                gen: tick,
+                tick,
+                evicted: false,
+            },
+        );
         self.evict_locked(&mut st, 0);
         Ok(())
     }
@@ -196,7 +212,10 @@ impl ChunkStore {
         let mut st = self.inner.state.lock();
         self.evict_locked(&mut st, n);
         if st.free_blocks.len() < n {
-            return Err(PeerError::StoreFull { needed: n, free: st.free_blocks.len() });
+            return Err(PeerError::StoreFull {
+                needed: n,
+                free: st.free_blocks.len(),
+            });
         }
         let at = st.free_blocks.len() - n;
         Ok(st.free_blocks.split_off(at))
@@ -268,17 +287,30 @@ impl ChunkStore {
                 Some(e) if !e.evicted => {
                     e.pins += 1;
                     pinned.push((*k, e.gen));
-                    locs.push(ChunkLocation { key: *k, blocks: e.blocks.clone(), len: e.len });
+                    locs.push(ChunkLocation {
+                        key: *k,
+                        blocks: e.blocks.clone(),
+                        len: e.len,
+                    });
                 }
                 _ => break,
             }
         }
-        (locs, ChunkPins { store: self.clone(), keys: pinned })
+        (
+            locs,
+            ChunkPins {
+                store: self.clone(),
+                keys: pinned,
+            },
+        )
     }
 
     /// The region wrapped as a copy source that keeps `pins` until the copy drains.
     pub fn pinned_source(&self, pins: ChunkPins) -> PinnedRegion {
-        PinnedRegion { region: self.inner.region.clone(), _pins: pins }
+        PinnedRegion {
+            region: self.inner.region.clone(),
+            _pins: pins,
+        }
     }
 
     /// Canonical-order region ranges of a chunk's first `len` bytes.

@@ -17,11 +17,7 @@ use super::{FrameHeader, FrameKind, WireError};
 ///
 /// The checksum is computed over all parts first (one pass), then each part is written
 /// as is.
-pub async fn write_bulk<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    request_id: u64,
-    parts: &[&[u8]],
-) -> Result<(), WireError> {
+pub async fn write_bulk<W: AsyncWrite + Unpin>(w: &mut W, request_id: u64, parts: &[&[u8]]) -> Result<(), WireError> {
     let mut len = 0u64;
     let mut checksum = 0u32;
     for p in parts {

@@ -27,10 +27,7 @@ pub(crate) fn eof_is_truncated(e: std::io::Error) -> WireError {
 ///
 /// A clean end of stream before the first header byte is [`WireError::Closed`]; an end
 /// of stream inside the header is [`WireError::Truncated`].
-pub async fn read_frame_header<R: AsyncRead + Unpin>(
-    r: &mut R,
-    limits: &Limits,
-) -> Result<FrameHeader, WireError> {
+pub async fn read_frame_header<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> Result<FrameHeader, WireError> {
     let mut buf = [0u8; HEADER_LEN];
     let mut filled = 0;
     while filled < HEADER_LEN {
@@ -54,8 +51,8 @@ pub async fn write_control<W: AsyncWrite + Unpin, M: serde::Serialize>(
     msg: &M,
 ) -> Result<(), WireError> {
     // Serialize behind a placeholder header so header and payload go out in one write.
-    let mut buf = postcard::to_extend(msg, vec![0u8; HEADER_LEN])
-        .map_err(|e| WireError::Decode(format!("encode: {e}")))?;
+    let mut buf =
+        postcard::to_extend(msg, vec![0u8; HEADER_LEN]).map_err(|e| WireError::Decode(format!("encode: {e}")))?;
     let payload = &buf[HEADER_LEN..];
     let header = FrameHeader {
         kind: FrameKind::Control,
@@ -102,8 +99,7 @@ pub async fn read_control_body<R: AsyncRead + Unpin, M: serde::de::DeserializeOw
             actual,
         });
     }
-    let (msg, rest) =
-        postcard::take_from_bytes::<M>(&body).map_err(|e| WireError::Decode(e.to_string()))?;
+    let (msg, rest) = postcard::take_from_bytes::<M>(&body).map_err(|e| WireError::Decode(e.to_string()))?;
     if !rest.is_empty() {
         return Err(WireError::Decode(format!(
             "{} trailing bytes after message",
@@ -128,10 +124,7 @@ pub async fn read_control<R: AsyncRead + Unpin, M: serde::de::DeserializeOwned>(
 /// Reads and discards the payload of a frame whose header was already read, in bounded
 /// chunks (nothing proportional to `header.len` is allocated). The checksum is not
 /// verified.
-pub async fn skip_body<R: AsyncRead + Unpin>(
-    r: &mut R,
-    header: &FrameHeader,
-) -> Result<(), WireError> {
+pub async fn skip_body<R: AsyncRead + Unpin>(r: &mut R, header: &FrameHeader) -> Result<(), WireError> {
     let mut scratch = [0u8; 8192];
     let mut left = header.len;
     while left > 0 {

@@ -66,7 +66,8 @@ pub enum WireError {
         /// The length the caller provided or the data had.
         actual: u64,
     },
-    /// A control payload is not a valid encoding of the expected message.
+    /// A control payload is not a valid encoding of the expected message (or, when
+    /// writing, a message could not be encoded; derived types always can).
     #[error("cannot decode control message: {0}")]
     Decode(String),
     /// A frame of the wrong kind arrived.

@@ -8,20 +8,28 @@
 //! an unbounded allocation. Every peer-announced length is checked against [`Limits`]
 //! before anything is allocated for it.
 //!
-//! - [`frame`]: header layout, encode/decode.
-//! - [`limits`]: the size bounds.
-//! - [`codec`]: async header/control reading and writing, skipping payloads.
-//! - [`bulk`]: gather-write and scatter-read of bulk payloads.
-//! - [`error`]: [`WireError`].
+//! - [`frame`] — header layout, encode/decode.
+//! - [`limits`] — the size bounds.
+//! - [`codec`] — async header/control reading and writing, skipping payloads.
+//! - [`bulk`] — gather-write and scatter-read of bulk payloads.
+//! - [`key`] — [`ChunkKey`], the content key of a chunk.
+//! - [`message`] — the P2P control protocol, [`Message`].
+//! - [`auth`] — HMAC challenge-response helpers for the handshake.
+//! - [`error`] — [`WireError`].
 
+pub mod auth;
 pub mod bulk;
 pub mod codec;
 pub mod error;
 pub mod frame;
+pub mod key;
 pub mod limits;
+pub mod message;
 
 pub use bulk::{read_bulk_body, write_bulk};
 pub use codec::{read_control, read_control_body, read_frame_header, skip_body, write_control};
 pub use error::WireError;
 pub use frame::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, VERSION};
+pub use key::ChunkKey;
 pub use limits::Limits;
+pub use message::{read_message, ChunkMeta, ErrorKind, Message};

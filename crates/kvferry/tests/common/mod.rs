@@ -36,6 +36,12 @@ impl ParkingBody {
         self.cv.notify_all();
     }
 
+    /// Releases parked threads when dropped (so a failing test cannot leave copy
+    /// threads parked forever, which would hang the engine's shutdown).
+    pub fn release_on_drop(self: &Arc<Self>) -> ReleaseOnDrop {
+        ReleaseOnDrop(self.clone())
+    }
+
     pub fn inside(&self) -> usize {
         self.inside.load(Ordering::SeqCst)
     }
@@ -69,6 +75,14 @@ impl CopyBody for ParkingBody {
         drop(open);
         self.inside.fetch_sub(1, Ordering::SeqCst);
         Ok(())
+    }
+}
+
+pub struct ReleaseOnDrop(Arc<ParkingBody>);
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        self.0.release();
     }
 }
 

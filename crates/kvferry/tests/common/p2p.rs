@@ -13,9 +13,17 @@ use kvferry::wire::ChunkKey;
 
 /// 4 layers × K/V × 2 KiB pieces: 16 KiB per block.
 pub fn layout(blocks: u32, arrangement: Arrangement) -> KvLayout {
-    KvLayout { layers: 4, blocks, tokens_per_block: 16, kv_heads: 1, head_dim: 64, elem_size: 2, arrangement }
-        .validated()
-        .unwrap()
+    KvLayout {
+        layers: 4,
+        blocks,
+        tokens_per_block: 16,
+        kv_heads: 1,
+        head_dim: 64,
+        elem_size: 2,
+        arrangement,
+    }
+    .validated()
+    .unwrap()
 }
 
 /// The byte at `offset` of chunk `chunk` of request `req`: differs across requests.
@@ -48,6 +56,14 @@ pub struct NodeOpts {
     pub ttl: Duration,
     pub max_gets: usize,
     pub listen: String,
+    /// Server `io_timeout` (None: the `NetConfig` default).
+    pub io_timeout: Option<Duration>,
+    /// Server `idle_timeout` (None: the `NetConfig` default).
+    pub idle_timeout: Option<Duration>,
+    /// Server `handshake_timeout` (None: the `NetConfig` default).
+    pub handshake_timeout: Option<Duration>,
+    /// Server `max_connections` (None: the `NetConfig` default).
+    pub max_connections: Option<usize>,
 }
 
 impl Default for NodeOpts {
@@ -60,6 +76,10 @@ impl Default for NodeOpts {
             ttl: Duration::from_secs(10),
             max_gets: 64,
             listen: "127.0.0.1:0".into(),
+            io_timeout: None,
+            idle_timeout: None,
+            handshake_timeout: None,
+            max_connections: None,
         }
     }
 }
@@ -69,14 +89,41 @@ pub async fn producer_node(opts: NodeOpts) -> ProducerNode {
     let region = Arc::new(Region::host("producer-kv", layout.region_bytes()).unwrap());
     let store = ChunkStore::new(region, layout, 10_000).unwrap();
     let arena = Arena::new(ArenaConfig::new(opts.page_size, opts.arena_pages).unpinned()).unwrap();
-    let engine = CopyEngine::new(CopyConfig { threads: 2, slice_bytes: 256 << 10 }).unwrap();
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 2,
+        slice_bytes: 256 << 10,
+    })
+    .unwrap();
     let mut net = NetConfig::new("producer");
     net.secret = opts.secret.clone();
-    let cfg = ProducerConfig { default_ttl: opts.ttl, max_ttl: opts.ttl, max_concurrent_gets: opts.max_gets };
+    if let Some(d) = opts.io_timeout {
+        net.io_timeout = d;
+    }
+    if let Some(d) = opts.idle_timeout {
+        net.idle_timeout = d;
+    }
+    if let Some(d) = opts.handshake_timeout {
+        net.handshake_timeout = d;
+    }
+    if let Some(n) = opts.max_connections {
+        net.max_connections = n;
+    }
+    let cfg = ProducerConfig {
+        default_ttl: opts.ttl,
+        max_ttl: opts.ttl,
+        max_concurrent_gets: opts.max_gets,
+    };
     let producer = Producer::new(store, arena, engine, cfg, net.incarnation).unwrap();
-    let server = Server::bind(&opts.listen, net, Arc::new(producer.clone())).await.unwrap();
+    let server = Server::bind(&opts.listen, net, Arc::new(producer.clone()))
+        .await
+        .unwrap();
     let addr = server.local_addr().to_string();
-    ProducerNode { producer, server, addr, layout }
+    ProducerNode {
+        producer,
+        server,
+        addr,
+        layout,
+    }
 }
 
 /// Fills request `req` with `chunks` chunks of `blocks_per_chunk` blocks.
@@ -107,15 +154,35 @@ pub fn consumer_with_engine(engine: CopyEngine, blocks: u32, pages: usize, secre
     let mut cfg = ConsumerConfig::new(net);
     cfg.lease_guard = Duration::from_millis(50);
     let consumer = Consumer::new(arena, engine, cfg).unwrap();
-    ConsumerNode { consumer, region, layout }
+    ConsumerNode {
+        consumer,
+        region,
+        layout,
+    }
 }
 
 pub fn consumer_node(blocks: u32, pages: usize) -> ConsumerNode {
-    consumer_with_engine(CopyEngine::new(CopyConfig { threads: 2, slice_bytes: 256 << 10 }).unwrap(), blocks, pages, None)
+    consumer_with_engine(
+        CopyEngine::new(CopyConfig {
+            threads: 2,
+            slice_bytes: 256 << 10,
+        })
+        .unwrap(),
+        blocks,
+        pages,
+        None,
+    )
 }
 
 pub fn consumer_with_body(body: Arc<dyn CopyBody>, blocks: u32, pages: usize) -> ConsumerNode {
-    let engine = CopyEngine::with_body(CopyConfig { threads: 2, slice_bytes: 16 << 10 }, body).unwrap();
+    let engine = CopyEngine::with_body(
+        CopyConfig {
+            threads: 2,
+            slice_bytes: 16 << 10,
+        },
+        body,
+    )
+    .unwrap();
     consumer_with_engine(engine, blocks, pages, None)
 }
 
@@ -125,7 +192,9 @@ impl ConsumerNode {
         Destination {
             region: self.region.clone(),
             layout: self.layout,
-            chunks: (0..chunks).map(|c| (0..bpc as u32).map(|b| first + (c * bpc) as u32 + b).collect()).collect(),
+            chunks: (0..chunks)
+                .map(|c| (0..bpc as u32).map(|b| first + (c * bpc) as u32 + b).collect())
+                .collect(),
         }
     }
 

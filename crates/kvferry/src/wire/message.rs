@@ -1,0 +1,264 @@
+//! The peer-to-peer control protocol: every [`Message`] a control frame can carry.
+//!
+//! Flows (the client is the side that connected; request ids pair requests with replies
+//! and with the bulk frames belonging to them):
+//!
+//! - Handshake: `Hello` → `Challenge` → `Auth` → `Welcome` (or `Error`).
+//! - Lookup: `Lookup` → `LookupReply`.
+//! - Delayed pull: `Stage` → `Staged`; later `Pull` → one bulk frame per staged chunk →
+//!   `PullDone`; finally `Done` → `DoneAck`.
+//! - Eager get: `Get` → `Staged` → bulk frames → `PullDone`; then `Done` → `DoneAck`.
+//! - Push: `Put` + one bulk frame → `PutAck`.
+//! - Liveness: `Ping` → `Pong`.
+//!
+//! Decoding bounds every message by the control-frame size; [`Message::validate`] then
+//! enforces the finer [`Limits`] (key counts, string lengths, chunk sizes). Receivers
+//! must validate every message before acting on it; [`read_message`] does both.
+//!
+//! Encoding is postcard, which numbers enum variants by position: the order of the
+//! variants of [`Message`] and [`ErrorKind`] is part of the wire format. Add new
+//! variants at the end only, and bump [`VERSION`](super::VERSION) for anything else.
+
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncRead;
+
+use super::{read_control, ChunkKey, Limits, WireError};
+
+/// Longest accepted `peer_id`, in bytes.
+pub const MAX_PEER_ID_BYTES: usize = 256;
+/// Longest accepted error message, in bytes.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
+
+/// Size and checksum of one staged chunk, announced before its bytes are sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkMeta {
+    /// The chunk's key.
+    pub key: ChunkKey,
+    /// Its length in bytes (the length of its bulk frame).
+    pub len: u64,
+    /// crc32c of its bytes.
+    pub checksum: u32,
+}
+
+/// Why a request failed, carried by [`Message::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// The peer's proof did not verify.
+    AuthFailed,
+    /// This side requires authentication and the peer offered none.
+    AuthRequired,
+    /// No lease with that id exists (never staged, or already released).
+    UnknownLease,
+    /// The lease's TTL ran out and its pages were released.
+    LeaseExpired,
+    /// The request names an incarnation of the producer that is no longer running.
+    StaleIncarnation,
+    /// Out of staging capacity or concurrency; retry later.
+    Busy,
+    /// The request or a chunk exceeds a configured limit.
+    TooLarge,
+    /// The request is malformed or not valid in the current state.
+    BadRequest,
+    /// An internal failure on the replying side.
+    Internal,
+    /// None of the requested chunks is held.
+    NotFound,
+    /// The replying side is shutting down and accepts no new work.
+    ShuttingDown,
+}
+
+/// A control message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    /// Client → server, first frame: who the client is and its challenge nonce.
+    Hello {
+        /// The client's stable identity.
+        peer_id: String,
+        /// Changes every time the client process restarts.
+        incarnation: u64,
+        /// The client's fresh random nonce.
+        nonce: [u8; 32],
+        /// Whether the client has a secret configured and expects mutual auth.
+        wants_auth: bool,
+    },
+    /// Server → client: the server's identity and nonce, and its proof when a secret is
+    /// configured (HMAC with the server label over both nonces).
+    Challenge {
+        /// The server's stable identity.
+        peer_id: String,
+        /// Changes every time the server process restarts.
+        incarnation: u64,
+        /// The server's fresh random nonce.
+        nonce: [u8; 32],
+        /// The server's proof over the client nonce, if a secret is configured.
+        proof: Option<[u8; 32]>,
+    },
+    /// Client → server: the client's proof over the server nonce, if a secret is
+    /// configured.
+    Auth {
+        /// The client's proof (HMAC with the client label), if any.
+        proof: Option<[u8; 32]>,
+    },
+    /// Server → client: handshake complete.
+    Welcome,
+    /// Asks how many leading `keys` the peer holds.
+    Lookup {
+        /// Keys, in prefix order.
+        keys: Vec<ChunkKey>,
+    },
+    /// Reply to [`Message::Lookup`].
+    LookupReply {
+        /// Number of leading keys the peer holds.
+        hits: u32,
+    },
+    /// Asks the producer to stage chunks and advertise them, for a later pull.
+    Stage {
+        /// Keys, in prefix order.
+        keys: Vec<ChunkKey>,
+        /// How long the producer keeps them staged without a pull or `Done`.
+        ttl_ms: u32,
+    },
+    /// Reply to [`Message::Stage`] or [`Message::Get`]: what was staged under a lease.
+    /// `chunks` may cover only a prefix of the keys (partial stage); empty means a miss.
+    Staged {
+        /// The lease holding the staged pages.
+        lease_id: u64,
+        /// The producer incarnation the lease belongs to.
+        incarnation: u64,
+        /// The staged chunks, in key order.
+        chunks: Vec<ChunkMeta>,
+        /// The lease's TTL as granted by the producer.
+        ttl_ms: u32,
+    },
+    /// Asks for the bytes of a staged lease: one bulk frame per chunk follows, with the
+    /// same request id, then [`Message::PullDone`].
+    Pull {
+        /// The lease to pull.
+        lease_id: u64,
+        /// The producer incarnation the lease was granted by.
+        incarnation: u64,
+    },
+    /// All bulk frames of a lease were sent.
+    PullDone {
+        /// The lease that was pulled.
+        lease_id: u64,
+    },
+    /// Eager get: stage and send in one round trip. Replies are `Staged`, bulk frames,
+    /// then `PullDone`.
+    Get {
+        /// Keys, in prefix order.
+        keys: Vec<ChunkKey>,
+        /// TTL of the lease, should the consumer not send `Done`.
+        ttl_ms: u32,
+    },
+    /// The consumer is finished with a lease: the producer releases its pages.
+    Done {
+        /// The lease to release.
+        lease_id: u64,
+    },
+    /// Reply to [`Message::Done`].
+    DoneAck,
+    /// Pushes one chunk: a bulk frame with its bytes follows.
+    Put {
+        /// The chunk's key.
+        key: ChunkKey,
+        /// Its length (the length of the following bulk frame).
+        len: u64,
+    },
+    /// Reply to [`Message::Put`]: the chunk is stored.
+    PutAck {
+        /// The stored chunk's key.
+        key: ChunkKey,
+    },
+    /// A request failed.
+    Error {
+        /// Machine-readable reason.
+        kind: ErrorKind,
+        /// Human-readable detail.
+        message: String,
+    },
+    /// Liveness probe.
+    Ping,
+    /// Reply to [`Message::Ping`].
+    Pong,
+}
+
+impl Message {
+    /// Checks the bounds decoding alone does not: key and chunk counts within
+    /// `limits.max_keys`, `peer_id` within [`MAX_PEER_ID_BYTES`], error messages within
+    /// [`MAX_ERROR_MESSAGE_BYTES`], chunk lengths within `limits.max_bulk_bytes`.
+    pub fn validate(&self, limits: &Limits) -> Result<(), WireError> {
+        match self {
+            Message::Hello { peer_id, .. } | Message::Challenge { peer_id, .. } => {
+                check("peer id", peer_id.len(), MAX_PEER_ID_BYTES)
+            }
+            Message::Lookup { keys } | Message::Stage { keys, .. } | Message::Get { keys, .. } => {
+                check("key list", keys.len(), limits.max_keys)
+            }
+            Message::Staged { chunks, .. } => {
+                check("chunk list", chunks.len(), limits.max_keys)?;
+                chunks
+                    .iter()
+                    .try_for_each(|c| check_u64("chunk", c.len, limits.max_bulk_bytes))
+            }
+            Message::Put { len, .. } => check_u64("chunk", *len, limits.max_bulk_bytes),
+            Message::Error { message, .. } => check("error message", message.len(), MAX_ERROR_MESSAGE_BYTES),
+            Message::Auth { .. }
+            | Message::Welcome
+            | Message::LookupReply { .. }
+            | Message::Pull { .. }
+            | Message::PullDone { .. }
+            | Message::Done { .. }
+            | Message::DoneAck
+            | Message::PutAck { .. }
+            | Message::Ping
+            | Message::Pong => Ok(()),
+        }
+    }
+
+    /// The variant's name, for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "Hello",
+            Message::Challenge { .. } => "Challenge",
+            Message::Auth { .. } => "Auth",
+            Message::Welcome => "Welcome",
+            Message::Lookup { .. } => "Lookup",
+            Message::LookupReply { .. } => "LookupReply",
+            Message::Stage { .. } => "Stage",
+            Message::Staged { .. } => "Staged",
+            Message::Pull { .. } => "Pull",
+            Message::PullDone { .. } => "PullDone",
+            Message::Get { .. } => "Get",
+            Message::Done { .. } => "Done",
+            Message::DoneAck => "DoneAck",
+            Message::Put { .. } => "Put",
+            Message::PutAck { .. } => "PutAck",
+            Message::Error { .. } => "Error",
+            Message::Ping => "Ping",
+            Message::Pong => "Pong",
+        }
+    }
+}
+
+/// Reads one control frame as a [`Message`] and validates it against `limits`.
+///
+/// Returns the frame's request id and the message. A message that decodes but fails
+/// validation is [`WireError::Oversize`]; the frame was consumed in full, so the stream
+/// is still at a frame boundary.
+pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> Result<(u64, Message), WireError> {
+    let (request_id, msg) = read_control::<R, Message>(r, limits).await?;
+    msg.validate(limits)?;
+    Ok((request_id, msg))
+}
+
+fn check(what: &'static str, len: usize, limit: usize) -> Result<(), WireError> {
+    check_u64(what, len as u64, limit as u64)
+}
+
+fn check_u64(what: &'static str, len: u64, limit: u64) -> Result<(), WireError> {
+    if len > limit {
+        return Err(WireError::Oversize { what, len, limit });
+    }
+    Ok(())
+}
