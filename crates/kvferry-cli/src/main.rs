@@ -4,6 +4,10 @@
 //! and dispatches.
 
 mod cmd_bench;
+mod cmd_serve;
+mod cmd_transfer;
+mod node;
+mod util;
 mod cmd_cluster_demo;
 mod cmd_worker;
 
@@ -29,6 +33,12 @@ struct Cli {
 enum Command {
     /// Run benchmarks (default: the end-to-end transfer benchmark).
     Bench(cmd_bench::BenchArgs),
+    /// Serve KV chunks to peers over TCP (a producer; accepts pushes too).
+    Serve(cmd_serve::ServeArgs),
+    /// Push a chunk's bytes to a running `kvferry serve`.
+    Put(cmd_transfer::PutArgs),
+    /// Fetch a chunk from a running `kvferry serve`.
+    Get(cmd_transfer::GetArgs),
     /// Run a leader with N worker processes (ranks) on the sim device through offload
     /// and land steps, optionally injecting a hang, a SIGKILL or a stuck device event,
     /// and print each step's outcome.
@@ -51,11 +61,22 @@ fn init_tracing(json: bool) {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let cli = Cli::parse();
     init_tracing(cli.log_json);
-    match cli.command {
+    if let Err(e) = dispatch(cli.command) {
+        // `{:#}` prints the whole context chain on one line; no backtrace noise.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Bench(args) => cmd_bench::run(args),
+        Command::Serve(args) => cmd_serve::run(args),
+        Command::Put(args) => cmd_transfer::put(args),
+        Command::Get(args) => cmd_transfer::get(args),
         Command::ClusterDemo(args) => cmd_cluster_demo::run(args),
         Command::Worker(args) => cmd_worker::run(args),
     }
