@@ -7,13 +7,20 @@ use clap::{Args, Subcommand};
 mod copy;
 #[path = "cmd_bench/device.rs"]
 mod device;
+#[path = "cmd_bench/p2p.rs"]
+mod p2p;
+#[path = "cmd_bench/plot.rs"]
+mod plot;
 
-/// Benchmark options.
+/// Benchmark options. Without a subcommand, runs the end-to-end transfer benchmark
+/// (`bench p2p`) with the options given here.
 #[derive(Args, Debug)]
-#[command(args_conflicts_with_subcommands = false)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
     #[command(subcommand)]
     what: Option<BenchWhat>,
+    #[command(flatten)]
+    p2p: p2p::P2pBenchArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -24,12 +31,16 @@ enum BenchWhat {
     /// Device layer: CPU cost of a 1 s wait on a pending event, wake-up latency
     /// (p50/p99) per backend, and host-backend D2H/H2D vs single-thread memcpy.
     Device(device::DeviceBenchArgs),
+    /// The end-to-end transfer benchmark (the default): producers and a consumer over
+    /// loopback, every byte verified, against raw TCP measured in the same run.
+    P2p(p2p::P2pBenchArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         Some(BenchWhat::Copy(a)) => copy::run(a),
         Some(BenchWhat::Device(a)) => device::run(a),
-        None => copy::run(copy::CopyBenchArgs::default()),
+        Some(BenchWhat::P2p(a)) => p2p::run(a),
+        None => p2p::run(args.p2p),
     }
 }

@@ -1,8 +1,12 @@
 //! `kvferry serve`: a producer/peer daemon on TCP.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use kvferry::metrics::{sources::server_metrics, Encoder, MetricsServer, Registry};
+use kvferry::net::Server;
+use kvferry::peer::Producer;
 
 use crate::node::{start_producer, NodeArgs};
 
@@ -16,8 +20,41 @@ pub struct ServeArgs {
     /// This node's peer id (default: kvferry-<pid>).
     #[arg(long)]
     peer_id: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9090; off unless given).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
     #[command(flatten)]
     node: NodeArgs,
+    #[command(flatten)]
+    faults: FaultArgs,
+}
+
+/// Fault injection for `kvferry chaos` (hidden: not for production use).
+#[derive(Args, Debug)]
+pub struct FaultArgs {
+    /// Corrupt a sent chunk on the wire with this probability (parts per million).
+    #[arg(long, hide = true, default_value_t = 0)]
+    fault_corrupt_ppm: u64,
+    /// Delay a sent chunk by --fault-slow-us with this probability (parts per million).
+    #[arg(long, hide = true, default_value_t = 0)]
+    fault_slow_ppm: u64,
+    /// The delay of a slow send, in microseconds.
+    #[arg(long, hide = true, default_value_t = 20_000)]
+    fault_slow_us: u64,
+    /// Drop the connection before a sent chunk with this probability (parts per million).
+    #[arg(long, hide = true, default_value_t = 0)]
+    fault_reset_ppm: u64,
+}
+
+impl FaultArgs {
+    /// Arms the producer's fault switches.
+    fn apply(&self, f: &kvferry::peer::ProducerFaults) {
+        use std::sync::atomic::Ordering::Relaxed;
+        f.corrupt_ppm.store(self.fault_corrupt_ppm, Relaxed);
+        f.slow_ppm.store(self.fault_slow_ppm, Relaxed);
+        f.slow_delay_us.store(self.fault_slow_us, Relaxed);
+        f.reset_ppm.store(self.fault_reset_ppm, Relaxed);
+    }
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -28,6 +65,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             eprintln!("warning: serving on {} without a shared secret: any host that can reach it may read KV", args.listen);
         }
         let node = start_producer(&args.node, &args.listen, &peer_id).await?;
+        args.faults.apply(node.producer.faults());
         let a = node.producer.arena();
         println!(
             "kvferry serve: listening on {} (peer {peer_id}, incarnation {:#x}, model {}, {} blocks, arena {} x {} {})",
@@ -39,6 +77,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             kvferry::mem::ByteSize(a.page_size() as u64),
             a.backing_kind()
         );
+        let server = Arc::new(node.server);
+        let metrics = match &args.metrics {
+            Some(addr) => Some(serve_metrics(addr, &node.producer, &server).await?),
+            None => None,
+        };
         use std::io::Write;
         std::io::stdout().flush()?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -48,7 +91,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         eprintln!("kvferry serve: shutting down");
         let producer = node.producer.clone();
-        node.server.shutdown().await;
+        if let Some(m) = metrics {
+            m.shutdown().await;
+        }
+        // The metrics endpoint held the server only weakly: this is the last reference.
+        match Arc::try_unwrap(server) {
+            Ok(server) => server.shutdown().await,
+            Err(server) => drop(server),
+        }
         producer.release_all();
         let report = producer.arena().close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
         eprintln!(
@@ -57,4 +107,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
         Ok(())
     })
+}
+
+/// Starts the metrics endpoint on `addr` (the producer with its arena and copy engine,
+/// and the transport server) and prints where it listens.
+async fn serve_metrics(addr: &str, producer: &Producer, server: &Arc<Server>) -> anyhow::Result<MetricsServer> {
+    let registry = Arc::new(Registry::new());
+    registry.register(producer.clone());
+    let server = Arc::downgrade(server);
+    registry.register(move |out: &mut Encoder| {
+        if let Some(s) = server.upgrade() {
+            server_metrics(out, &s.stats());
+        }
+    });
+    let endpoint = MetricsServer::bind(addr, registry).await?;
+    println!("kvferry serve: metrics on {} (GET /metrics)", endpoint.local_addr());
+    Ok(endpoint)
 }

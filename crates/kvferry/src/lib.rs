@@ -20,6 +20,7 @@ pub mod copy;
 pub mod device;
 pub mod layout;
 pub mod mem;
+pub mod metrics;
 pub mod net;
 pub mod peer;
 pub mod sync;

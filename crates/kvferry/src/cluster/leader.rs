@@ -45,10 +45,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::config::{format_duration, LeaderConfig, WorkerConfig};
-use super::protocol::{StepOp, ToLeader, ToWorker};
+use super::protocol::{StepOp, StepOutcome, ToLeader, ToWorker};
 use super::sockdir::SocketDir;
 use super::tracker::{Health, Ingest, StepReport, StepTracker};
 use super::ClusterError;
+use crate::metrics::StepOutcomeCounts;
 use crate::wire::{self, Limits, WireError};
 
 type Waiter = oneshot::Sender<Result<StepReport, ClusterError>>;
@@ -96,13 +97,31 @@ struct Shared {
     children: ChildSet,
     writers: Vec<mpsc::UnboundedSender<(u64, ToWorker)>>,
     budget_us: u64,
+    /// Step outcomes by rank (for metrics); locked after `state` when both are held.
+    outcomes: Mutex<Vec<StepOutcomeCounts>>,
 }
 
 impl Shared {
     /// Resolves whatever the tracker can resolve at `now` and hands the results to the
     /// waiting callers.
-    fn settle(state: &mut State, now: Instant) {
+    fn settle(&self, state: &mut State, now: Instant) {
         for resolved in state.tracker.poll(now) {
+            match &resolved.result {
+                Err(ClusterError::Timeout { missing, .. }) => {
+                    let mut outcomes = self.outcomes.lock();
+                    for r in missing {
+                        if let Some(c) = outcomes.get_mut(*r as usize) {
+                            c.timeout += 1;
+                        }
+                    }
+                }
+                Err(ClusterError::WorkerDied { rank, .. }) => {
+                    if let Some(c) = self.outcomes.lock().get_mut(*rank as usize) {
+                        c.died += 1;
+                    }
+                }
+                _ => {}
+            }
             if let Some(tx) = state.waiters.remove(&resolved.step) {
                 let _ = tx.send(resolved.result);
             }
@@ -169,6 +188,7 @@ impl Leader {
             children,
             writers,
             budget_us: config.worker_budget().as_micros() as u64,
+            outcomes: Mutex::new(vec![StepOutcomeCounts::default(); config.ranks as usize]),
         });
         let mut tasks = Vec::new();
         for (rank, (rd, wr, rx)) in halves.into_iter().enumerate() {
@@ -223,7 +243,7 @@ impl Leader {
                     let _ = writer.send((step, msg));
                 }
             }
-            Shared::settle(&mut st, now);
+            self.shared.settle(&mut st, now);
             (step, deadline)
         };
         let _abandon = AbandonOnDrop {
@@ -235,7 +255,7 @@ impl Leader {
             _ = tokio::time::sleep_until(deadline) => {
                 {
                     let mut st = self.shared.state.lock();
-                    Shared::settle(&mut st, Instant::now().max(deadline));
+                    self.shared.settle(&mut st, Instant::now().max(deadline));
                 }
                 rx.await
             }
@@ -247,6 +267,14 @@ impl Leader {
     /// its step's deadline.
     pub fn health(&self) -> Health {
         self.shared.state.lock().tracker.health(Instant::now())
+    }
+
+    /// Step outcomes counted so far, indexed by rank: each rank's SUCCESS and FAILURE
+    /// answers (late ones included), the steps that timed out with it silent, and the
+    /// steps failed because its worker died. Render with
+    /// [`metrics::sources::step_outcome_metrics`](crate::metrics::sources::step_outcome_metrics).
+    pub fn step_outcomes(&self) -> Vec<StepOutcomeCounts> {
+        self.shared.outcomes.lock().clone()
     }
 
     /// Number of ranks.
@@ -406,14 +434,23 @@ async fn read_loop(shared: Arc<Shared>, rank: u32, mut rd: OwnedReadHalf) {
     let why = loop {
         match wire::read_control::<_, ToLeader>(&mut rd, &limits).await {
             Ok((step, ToLeader::Response(outcome))) => {
+                let success = matches!(outcome, StepOutcome::Success(_));
                 let mut st = shared.state.lock();
                 match st.tracker.on_response(step, rank, outcome) {
-                    Ingest::Accepted | Ingest::Late => {}
+                    Ingest::Accepted | Ingest::Late => {
+                        if let Some(c) = shared.outcomes.lock().get_mut(rank as usize) {
+                            if success {
+                                c.success += 1;
+                            } else {
+                                c.failure += 1;
+                            }
+                        }
+                    }
                     other => {
                         tracing::warn!(target: "kvferry::cluster", rank, step, "ignoring response: {other:?}")
                     }
                 }
-                Shared::settle(&mut st, Instant::now());
+                shared.settle(&mut st, Instant::now());
             }
             Ok((_, other)) => {
                 tracing::warn!(target: "kvferry::cluster", rank, "ignoring unexpected message {other:?}");
@@ -445,7 +482,7 @@ async fn read_loop(shared: Arc<Shared>, rank: u32, mut rd: OwnedReadHalf) {
     tracing::debug!(target: "kvferry::cluster", rank, "rank died: {cause}");
     let mut st = shared.state.lock();
     st.tracker.on_rank_died(rank, cause);
-    Shared::settle(&mut st, Instant::now());
+    shared.settle(&mut st, Instant::now());
 }
 
 /// Sends queued messages to one rank. A failed write kills the rank's process (its

@@ -27,6 +27,10 @@ pub struct Connection {
     next_request: u64,
 }
 
+/// The `op` of the [`NetError::Timeout`] raised when no frame starts within the idle
+/// bound of [`Connection::read_header`].
+pub(crate) const IDLE_OP: &str = "wait for next frame";
+
 async fn bounded<T>(
     op: &'static str,
     d: Duration,
@@ -115,6 +119,18 @@ impl Connection {
         r.map_err(|e| self.lost(e))
     }
 
+    /// Sends one bulk frame made of `parts` whose crc32c is already known.
+    pub async fn send_bulk_with_checksum(&mut self, request_id: u64, parts: &[&[u8]], checksum: u32) -> Result<(), NetError> {
+        let d = self.io_timeout;
+        let r = bounded(
+            "send bulk frame",
+            d,
+            wire::write_bulk_with_checksum(&mut self.stream, request_id, parts, checksum),
+        )
+        .await;
+        r.map_err(|e| self.lost(e))
+    }
+
     /// Reads the next frame header, waiting at most `idle` for it to start and the I/O
     /// timeout for the rest of it.
     pub async fn read_header(&mut self, idle: Duration) -> Result<FrameHeader, NetError> {
@@ -122,7 +138,7 @@ impl Connection {
         let n = match tokio::time::timeout(idle, self.stream.read(&mut first)).await {
             Err(_) => {
                 return Err(NetError::Timeout {
-                    op: "wait for next frame",
+                    op: IDLE_OP,
                     waited: idle,
                 })
             }

@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 
 use super::{Connection, NetConfig, NetError};
 use crate::wire::auth::{self, CLIENT_LABEL, SERVER_LABEL};
-use crate::wire::{ErrorKind, Message};
+use crate::wire::{ErrorKind, Message, WireError};
 
 /// The identity of the other side of a connection.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -148,8 +148,22 @@ pub(crate) async fn accept(stream: TcpStream, cfg: &NetConfig) -> Result<Connect
     }
 }
 
+/// Receives one handshake frame; a malformed or oversize one is answered with an
+/// `Error` (before the connection is closed) so the peer learns why.
+async fn recv_or_refuse(conn: &mut Connection) -> Result<(u64, Message), NetError> {
+    let r = conn.recv().await;
+    if let Err(e @ (NetError::Wire(_) | NetError::Protocol(_))) = &r {
+        let kind = match e {
+            NetError::Wire(WireError::Oversize { .. }) => ErrorKind::TooLarge,
+            _ => ErrorKind::BadRequest,
+        };
+        let _ = conn.send(0, &Message::Error { kind, message: e.to_string() }).await;
+    }
+    r
+}
+
 async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection, NetError> {
-    let (id, hello) = conn.recv().await?;
+    let (id, hello) = recv_or_refuse(&mut conn).await?;
     let Message::Hello {
         peer_id,
         incarnation,
@@ -176,8 +190,10 @@ async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         proof,
     };
     conn.send(id, &challenge).await?;
-    let (id, msg) = conn.recv().await?;
+    let (id, msg) = recv_or_refuse(&mut conn).await?;
     let Message::Auth { proof } = msg else {
+        let m = Message::Error { kind: ErrorKind::BadRequest, message: format!("expected Auth, got {}", msg.name()) };
+        let _ = conn.send(id, &m).await;
         return Err(NetError::Protocol(format!("expected Auth, got {msg:?}")));
     };
     if let Some(secret) = &cfg.secret {

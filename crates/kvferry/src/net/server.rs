@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -89,7 +89,7 @@ impl Server {
     /// Binds `addr` (e.g. `127.0.0.1:0`) and starts serving with `handler`.
     pub async fn bind(addr: &str, cfg: NetConfig, handler: Arc<dyn Handler>) -> Result<Server, NetError> {
         cfg.validate()?;
-        let listener = TcpListener::bind(addr).await.map_err(|e| NetError::Connect {
+        let listener = listen(addr).await.map_err(|e| NetError::Connect {
             addr: addr.into(),
             reason: format!("bind: {e}"),
         })?;
@@ -148,6 +148,24 @@ impl Drop for Server {
     }
 }
 
+/// Pending connections the kernel queues before `accept` (the std/mio default of 128
+/// overflows under a burst of connects, which then stall a second on SYN retry).
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// Binds the first address `addr` resolves to that can be bound, and listens.
+async fn listen(addr: &str) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        let sock = if a.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        sock.set_reuseaddr(true)?;
+        match sock.bind(a) {
+            Ok(()) => return sock.listen(LISTEN_BACKLOG),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "resolves to no address")))
+}
+
 async fn accept_loop(
     listener: TcpListener,
     cfg: Arc<NetConfig>,
@@ -175,6 +193,7 @@ async fn accept_loop(
         if counters.active.load(Ordering::Relaxed) >= cfg.max_connections {
             counters.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(target: "kvferry::net", %peer, "refusing connection: {} already open", cfg.max_connections);
+            refuse_busy(&stream, cfg.max_connections).await;
             drop(stream);
             continue;
         }
@@ -209,6 +228,12 @@ async fn serve_connection(stream: tokio::net::TcpStream, cfg: &NetConfig, handle
         let header = match conn.read_header(cfg.idle_timeout).await {
             Ok(h) => h,
             Err(NetError::Lost { .. }) => break,
+            // An idle close is not an error: close quietly, so that a pooled client
+            // sees a closed connection (and reconnects), not a stale `Error` reply.
+            Err(NetError::Timeout { op: super::conn::IDLE_OP, .. }) => {
+                tracing::debug!(target: "kvferry::net", %peer, "closing idle connection");
+                break;
+            }
             Err(e) => {
                 note_protocol_error(counters, &peer, &e);
                 reply_error(&mut conn, 0, &e).await;
@@ -234,6 +259,11 @@ async fn serve_connection(stream: tokio::net::TcpStream, cfg: &NetConfig, handle
             if !matches!(e, NetError::Lost { .. }) {
                 note_protocol_error(counters, &peer, &e);
             }
+            // A frame the handler read was malformed (a push's bulk frame): say why.
+            // Write failures surface as `Lost` or `Timeout` and get no reply.
+            if matches!(e, NetError::Wire(_) | NetError::Protocol(_)) {
+                reply_error(&mut conn, header.request_id, &e).await;
+            }
             break;
         }
     }
@@ -243,6 +273,20 @@ async fn serve_connection(stream: tokio::net::TcpStream, cfg: &NetConfig, handle
 fn note_protocol_error(counters: &Counters, peer: &super::PeerInfo, e: &NetError) {
     counters.protocol_errors.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(target: "kvferry::net", %peer, "closing connection: {e}");
+}
+
+/// Tells a connection over `max_connections` why it is closed, without waiting: the
+/// frame fits in a fresh socket's send buffer, and a peer that cannot take it at once
+/// gets only the close.
+async fn refuse_busy(stream: &tokio::net::TcpStream, max: usize) {
+    let msg = Message::Error {
+        kind: ErrorKind::Busy,
+        message: format!("server is at its limit of {max} connections; retry later"),
+    };
+    let mut frame = Vec::new();
+    if crate::wire::write_control(&mut frame, 0, &msg).await.is_ok() {
+        let _ = stream.try_write(&frame);
+    }
 }
 
 async fn reply_error(conn: &mut Connection, request_id: u64, e: &NetError) {

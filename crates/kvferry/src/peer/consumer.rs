@@ -24,12 +24,14 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::store::truncate_ranges;
 use super::PeerError;
 use crate::copy::{CopyEngine, CopyPlan, DrainFence, DrainSignal};
 use crate::layout::KvLayout;
 use crate::mem::{Arena, Lease, Region};
+use crate::metrics::{Histogram, HistogramSnapshot};
 use crate::net::{NetConfig, NetError, Pool, PooledConnection};
 use crate::wire::{ChunkKey, ChunkMeta, Message};
 
@@ -137,6 +139,14 @@ pub struct ConsumerStats {
     pub bytes: u64,
     /// Transfers whose background drain is still running.
     pub draining: u64,
+    /// Transfers answered with `Timeout` (get, resolve, get_blocking).
+    pub timeouts: u64,
+    /// Bytes received into staging pages (checksum verified or not).
+    pub bytes_received: u64,
+    /// Chunks received into staging pages (checksum verified or not).
+    pub chunks_received: u64,
+    /// Chunks landed.
+    pub chunks_landed: u64,
 }
 
 #[derive(Default)]
@@ -147,7 +157,14 @@ struct Counters {
     checksum_failures: AtomicU64,
     bytes: AtomicU64,
     draining: AtomicU64,
+    timeouts: AtomicU64,
+    bytes_received: AtomicU64,
+    chunks_received: AtomicU64,
+    chunks_landed: AtomicU64,
 }
+
+/// Outcome labels of the latency histograms, indexing `Inner::latency`.
+const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
 
 struct Inner {
     arena: Arena,
@@ -156,6 +173,10 @@ struct Inner {
     pools: Mutex<HashMap<String, Pool>>,
     runtime: tokio::runtime::Handle,
     counters: Counters,
+    /// Transfer latency by outcome (as `OUTCOMES`).
+    latency: [Histogram; 3],
+    /// Ids of transfers, for tracing.
+    next_transfer: AtomicU64,
 }
 
 /// A consumer. Cheap to clone.
@@ -194,6 +215,8 @@ impl Consumer {
                 pools: Mutex::new(HashMap::new()),
                 runtime,
                 counters: Counters::default(),
+                latency: Default::default(),
+                next_transfer: AtomicU64::new(1),
             }),
         })
     }
@@ -213,7 +236,38 @@ impl Consumer {
             checksum_failures: c.checksum_failures.load(Ordering::Relaxed),
             bytes: c.bytes.load(Ordering::Relaxed),
             draining: c.draining.load(Ordering::Relaxed),
+            timeouts: c.timeouts.load(Ordering::Relaxed),
+            bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            chunks_received: c.chunks_received.load(Ordering::Relaxed),
+            chunks_landed: c.chunks_landed.load(Ordering::Relaxed),
         }
+    }
+
+    /// The copy engine landing runs on.
+    pub fn engine(&self) -> &CopyEngine {
+        &self.inner.engine
+    }
+
+    /// Latency of transfers (start of the transfer task to landed or failed, before
+    /// `Done`), by outcome: `completed`, `failed`, `cancelled`.
+    pub fn transfer_latency(&self) -> Vec<(&'static str, HistogramSnapshot)> {
+        OUTCOMES
+            .iter()
+            .zip(&self.inner.latency)
+            .map(|(o, h)| (*o, h.snapshot()))
+            .collect()
+    }
+
+    /// A tracing span for one transfer (fields `outcome` and `bytes` are recorded at
+    /// its end).
+    fn transfer_span(&self, peer: &str, req: &Request) -> tracing::Span {
+        let id = self.inner.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let (kind, chunks) = match req {
+            Request::Get { keys } => ("get", keys.len()),
+            Request::Pull { handle } => ("pull", handle.chunks.len()),
+        };
+        tracing::info_span!(target: "kvferry::peer", "transfer", request = id, peer = %peer, kind, chunks,
+            outcome = tracing::field::Empty, bytes = tracing::field::Empty)
     }
 
     /// The connection pool for `peer`.
@@ -431,17 +485,25 @@ impl Consumer {
         let (signal, fence) = DrainFence::pair();
         let cancel = CancellationToken::new();
         let this = self.clone();
-        let (peer, keys, c2) = (peer.to_string(), keys.to_vec(), cancel.clone());
-        self.inner.runtime.spawn(async move {
-            let r = this
-                .transfer(&peer, Request::Get { keys }, dst, deadline, c2, signal)
-                .await;
-            let _ = tx.send(r);
-        });
+        let (peer, req, c2) = (peer.to_string(), Request::Get { keys: keys.to_vec() }, cancel.clone());
+        let span = self.transfer_span(&peer, &req);
+        self.inner.runtime.spawn(
+            async move {
+                let r = this.transfer(&peer, req, dst, deadline, c2, signal).await;
+                let _ = tx.send(r);
+            }
+            .instrument(span),
+        );
         match rx.recv_timeout(timeout) {
-            Ok(r) => r.map_err(|error| GetFailure { error, fence }),
+            Ok(r) => {
+                if matches!(r, Err(PeerError::Timeout { .. })) {
+                    self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                }
+                r.map_err(|error| GetFailure { error, fence })
+            }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 cancel.cancel();
+                self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
                 Err(GetFailure {
                     error: PeerError::Timeout {
                         op: "get",
@@ -466,12 +528,16 @@ impl Consumer {
         // If this future is dropped, the guard cancels the transfer.
         let guard = cancel.clone().drop_guard();
         let this = self.clone();
+        let span = self.transfer_span(peer, &req);
         let (peer, c2) = (peer.to_string(), cancel.clone());
-        let task = self
-            .inner
-            .runtime
-            .spawn(async move { this.transfer(&peer, req, dst, deadline, c2, signal).await });
+        let task = self.inner.runtime.spawn(
+            async move { this.transfer(&peer, req, dst, deadline, c2, signal).await }.instrument(span),
+        );
         let out = tokio::time::timeout_at(deadline, task).await;
+        let timed_out = matches!(out, Err(_) | Ok(Ok(Err(PeerError::Timeout { .. }))));
+        if timed_out {
+            self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
         match out {
             Ok(Ok(r)) => {
                 guard.disarm();
@@ -507,6 +573,7 @@ impl Consumer {
     ) -> Result<Landed, PeerError> {
         let inner = &self.inner;
         let counters = &inner.counters;
+        let started = Instant::now();
         counters.draining.fetch_add(1, Ordering::Relaxed);
         let pool = match self.pool(peer) {
             Ok(p) => p,
@@ -519,19 +586,41 @@ impl Consumer {
         let result = self
             .transfer_inner(&pool, req, &dst, deadline, &cancel, &mut lease_to_release)
             .await;
-        match &result {
+        let outcome = match &result {
             Ok(l) => {
                 counters.completed.fetch_add(1, Ordering::Relaxed);
                 counters.bytes.fetch_add(l.bytes as u64, Ordering::Relaxed);
+                counters.chunks_landed.fetch_add(l.chunks as u64, Ordering::Relaxed);
+                0
             }
             Err(PeerError::Cancelled) => {
                 counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                2
             }
             Err(e) => {
                 if matches!(e, PeerError::ChecksumMismatch { .. }) {
                     counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
                 }
                 counters.failed.fetch_add(1, Ordering::Relaxed);
+                1
+            }
+        };
+        let elapsed = started.elapsed();
+        inner.latency[outcome].observe(elapsed);
+        let span = tracing::Span::current();
+        span.record("outcome", OUTCOMES[outcome]);
+        match &result {
+            Ok(l) => {
+                span.record("bytes", l.bytes);
+                tracing::debug!(target: "kvferry::peer", outcome = OUTCOMES[outcome], bytes = l.bytes,
+                    landed = l.chunks, ?elapsed, "transfer ended");
+            }
+            Err(PeerError::Cancelled) => {
+                tracing::debug!(target: "kvferry::peer", outcome = OUTCOMES[outcome], ?elapsed, "transfer ended")
+            }
+            Err(e) => {
+                tracing::info!(target: "kvferry::peer", outcome = OUTCOMES[outcome], error = %e, ?elapsed,
+                    "transfer ended")
             }
         }
         // Everything that touched the destination or the staging pages has finished.
@@ -688,8 +777,17 @@ impl Consumer {
             }
             let actual = {
                 let mut parts = lease.io_slices_mut(offsets[i], meta.len as usize)?;
-                conn.recv_bulk(id, &mut parts).await?
+                match conn.recv_bulk(id, &mut parts).await {
+                    Ok(crc) => crc,
+                    // The frame's checksum is the one computed at staging: a mismatch
+                    // means the bytes changed between staging and here.
+                    Err(NetError::Wire(crate::wire::WireError::ChecksumMismatch { actual, .. })) => actual,
+                    Err(e) => return Err(e.into()),
+                }
             };
+            let counters = &self.inner.counters;
+            counters.bytes_received.fetch_add(meta.len, Ordering::Relaxed);
+            counters.chunks_received.fetch_add(1, Ordering::Relaxed);
             if actual != meta.checksum {
                 return Err(PeerError::ChecksumMismatch {
                     key: meta.key,
@@ -699,13 +797,24 @@ impl Consumer {
             }
         }
         match conn.recv_reply(id).await? {
-            Message::PullDone { .. } => conn.finish(),
-            other => {
-                return Err(PeerError::Net(NetError::Protocol(format!(
-                    "expected PullDone, got {other:?}"
-                ))))
+            Message::PullDone { .. } => {}
+            other => return Err(PeerError::Net(NetError::Protocol(format!("expected PullDone, got {other:?}")))),
+        }
+        // Every byte is in our staging pages: the producer's copy is no longer needed.
+        // Release it on the same connection (no second checkout on the hot path).
+        if let Some(lease_id) = lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(PeerError::Net(NetError::Protocol(format!("expected DoneAck, got {other:?}")))),
+                // Not fatal for this transfer: the bytes are here; the producer's TTL
+                // releases its pages.
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer TTL will release: {e}");
+                    return Ok(chunks);
+                }
             }
         }
+        conn.finish();
         Ok(chunks)
     }
 }

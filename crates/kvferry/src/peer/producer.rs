@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
@@ -62,6 +63,28 @@ pub struct ProducerFaults {
     pub corrupt_next_sends: AtomicU64,
     /// Delay before each bulk frame, in microseconds (a slow peer).
     pub send_delay_us: AtomicU64,
+    /// Corrupt one byte of each bulk frame sent with this probability, in parts per
+    /// million (on the wire only, as `corrupt_next_sends`).
+    pub corrupt_ppm: AtomicU64,
+    /// Delay a bulk frame by `slow_delay_us` with this probability, in parts per million.
+    pub slow_ppm: AtomicU64,
+    /// The delay of a frame picked by `slow_ppm`, in microseconds.
+    pub slow_delay_us: AtomicU64,
+    /// Drop the connection before a bulk frame with this probability, in parts per
+    /// million (a connection reset in the middle of a transfer).
+    pub reset_ppm: AtomicU64,
+}
+
+impl ProducerFaults {
+    /// True with probability `ppm` parts per million; logs the fault when it fires.
+    fn roll(ppm: &AtomicU64, what: &'static str) -> bool {
+        let ppm = ppm.load(Ordering::Relaxed);
+        let hit = ppm > 0 && rand::random::<u64>() % 1_000_000 < ppm;
+        if hit {
+            tracing::warn!(target: "kvferry::fault", "injected fault: {what}");
+        }
+        hit
+    }
 }
 
 /// Producer counters.
@@ -79,8 +102,12 @@ pub struct ProducerStats {
     pub busy: u64,
     /// Bytes sent in bulk frames.
     pub bytes_sent: u64,
+    /// Chunks sent in bulk frames.
+    pub chunks_sent: u64,
     /// Chunks received by push.
     pub pushed: u64,
+    /// Bytes received by push.
+    pub bytes_received: u64,
 }
 
 struct StagedLease {
@@ -97,7 +124,9 @@ struct Counters {
     expired: AtomicU64,
     busy: AtomicU64,
     bytes_sent: AtomicU64,
+    chunks_sent: AtomicU64,
     pushed: AtomicU64,
+    bytes_received: AtomicU64,
 }
 
 struct Inner {
@@ -199,8 +228,15 @@ impl Producer {
             expired: c.expired.load(Ordering::Relaxed),
             busy: c.busy.load(Ordering::Relaxed),
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+            chunks_sent: c.chunks_sent.load(Ordering::Relaxed),
             pushed: c.pushed.load(Ordering::Relaxed),
+            bytes_received: c.bytes_received.load(Ordering::Relaxed),
         }
+    }
+
+    /// The copy engine staging and landing run on.
+    pub fn engine(&self) -> &CopyEngine {
+        &self.inner.engine
     }
 
     /// Releases every staged lease now (e.g. at shutdown).
@@ -320,6 +356,19 @@ impl Producer {
             if delay > 0 {
                 tokio::time::sleep(Duration::from_micros(delay)).await;
             }
+            let faults = &self.inner.faults;
+            if ProducerFaults::roll(&faults.slow_ppm, "slow send") {
+                let us = faults.slow_delay_us.load(Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_micros(us)).await;
+            }
+            if ProducerFaults::roll(&faults.reset_ppm, "connection reset") {
+                // Dropping the connection mid-transfer is what a reset looks like to the
+                // consumer; the staged pages stay owned as on any failed send.
+                return Err(NetError::Lost {
+                    peer: conn.peer().to_string(),
+                    reason: "injected connection reset".into(),
+                });
+            }
             let parts = entry
                 .lease
                 .io_slices(off, meta.len as usize)
@@ -329,7 +378,8 @@ impl Producer {
                 .faults
                 .corrupt_next_sends
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                .is_ok();
+                .is_ok()
+                || ProducerFaults::roll(&faults.corrupt_ppm, "wire corruption");
             if corrupt && meta.len > 0 {
                 // Corrupt on the wire: send a damaged copy so the frame checksum (computed
                 // over what is sent) is consistent but the staging checksum is not.
@@ -338,9 +388,10 @@ impl Producer {
                 bad[i] ^= 0x5A;
                 conn.send_bulk(request_id, &[&bad]).await?;
             } else {
-                conn.send_bulk(request_id, &parts).await?;
+                conn.send_bulk_with_checksum(request_id, &parts, meta.checksum).await?;
             }
             self.inner.counters.bytes_sent.fetch_add(meta.len, Ordering::Relaxed);
+            self.inner.counters.chunks_sent.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -490,6 +541,7 @@ impl Producer {
                 .map_err(|e| NetError::Protocol(e.to_string()))?;
             conn.read_bulk_into(&header, &mut parts).await?;
         }
+        inner.counters.bytes_received.fetch_add(len as u64, Ordering::Relaxed);
         let nblocks = len.div_ceil(layout.block_bytes());
         let blocks = match inner.store.alloc_blocks(nblocks) {
             Ok(b) => b,
@@ -541,6 +593,7 @@ fn kind_of(e: &PeerError) -> ErrorKind {
 }
 
 async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String) -> Result<(), NetError> {
+    tracing::debug!(target: "kvferry::peer", ?kind, %message, "request refused");
     conn.send(id, &Message::Error { kind, message }).await
 }
 
@@ -551,7 +604,17 @@ impl Handler for Producer {
         request_id: u64,
         msg: Message,
     ) -> BoxFuture<'a, Result<(), NetError>> {
-        self.handle_request(conn, request_id, msg).boxed()
+        let span = tracing::info_span!(target: "kvferry::peer", "request", request = request_id,
+            peer = %conn.peer(), msg = msg.name());
+        async move {
+            let r = self.handle_request(conn, request_id, msg).await;
+            if let Err(e) = &r {
+                tracing::debug!(target: "kvferry::peer", error = %e, "request ended the connection");
+            }
+            r
+        }
+        .instrument(span)
+        .boxed()
     }
 }
 

@@ -13,17 +13,31 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::codec::eof_is_truncated;
 use super::{FrameHeader, FrameKind, WireError};
 
+/// Bytes read before checksumming them (small enough to still be in cache).
+const VERIFY_PIECE: usize = 128 << 10;
+
 /// Writes one bulk frame whose payload is the concatenation of `parts`, then flushes.
 ///
 /// The checksum is computed over all parts first (one pass), then each part is written
 /// as is.
 pub async fn write_bulk<W: AsyncWrite + Unpin>(w: &mut W, request_id: u64, parts: &[&[u8]]) -> Result<(), WireError> {
-    let mut len = 0u64;
     let mut checksum = 0u32;
     for p in parts {
-        len += p.len() as u64;
         checksum = crc32c::crc32c_append(checksum, p);
     }
+    write_bulk_with_checksum(w, request_id, parts, checksum).await
+}
+
+/// As [`write_bulk`], with the payload's crc32c already known (e.g. computed when the
+/// chunk was staged), saving a pass over the bytes. The receiver verifies it against
+/// what arrives, so a wrong `checksum` is detected there, never silently accepted.
+pub async fn write_bulk_with_checksum<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    request_id: u64,
+    parts: &[&[u8]],
+    checksum: u32,
+) -> Result<(), WireError> {
+    let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
     let header = FrameHeader {
         kind: FrameKind::Bulk,
         request_id,
@@ -66,8 +80,11 @@ pub async fn read_bulk_body<R: AsyncRead + Unpin>(
     }
     let mut actual = 0u32;
     for d in dst.iter_mut() {
-        r.read_exact(d).await.map_err(eof_is_truncated)?;
-        actual = crc32c::crc32c_append(actual, d);
+        // Checksum each piece right after it arrives, while it is still in cache.
+        for piece in d.chunks_mut(VERIFY_PIECE) {
+            r.read_exact(piece).await.map_err(eof_is_truncated)?;
+            actual = crc32c::crc32c_append(actual, piece);
+        }
     }
     if actual != header.checksum {
         return Err(WireError::ChecksumMismatch {

@@ -10,7 +10,8 @@ use kvferry::copy::{CopyBody, SliceWork};
 use parking_lot::{Condvar, Mutex};
 
 /// Parks every slice (after copying it) until `release()`; counts threads inside.
-/// Slices listed in `fail` return an error at once, without parking.
+/// Slices listed in `fail` return an error (once another slice has started), without
+/// parking.
 #[derive(Default)]
 pub struct ParkingBody {
     pub inside: AtomicUsize,
@@ -63,6 +64,12 @@ impl ParkingBody {
 impl CopyBody for ParkingBody {
     fn run(&self, work: &SliceWork<'_>) -> Result<(), String> {
         if self.fail.lock().contains(&work.index) {
+            // Fail only once a sibling slice has started, so the test observes an
+            // error "while siblings are still writing" deterministically.
+            let t = Instant::now();
+            while self.ran.load(Ordering::SeqCst) == 0 && t.elapsed() < Duration::from_secs(2) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             return Err(format!("injected failure in slice {}", work.index));
         }
         self.inside.fetch_add(1, Ordering::SeqCst);

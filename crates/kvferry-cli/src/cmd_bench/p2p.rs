@@ -1,0 +1,461 @@
+//! `kvferry bench` (the main job): producers and a consumer in one process over real
+//! loopback sockets. Producers are filled with a model preset's KV for many requests,
+//! each request with its own byte pattern; the consumer pulls them through host staging
+//! with many transfers in flight and verifies every landed byte (a crc32c of the landed
+//! chunk against the pattern's, and an exact comparison on mismatch — another request's
+//! bytes are caught). The limit is raw loopback TCP measured in the same run: plain
+//! sockets moving the same number of bytes over the same number of connections.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use kvferry::copy::{CopyConfig, CopyEngine};
+use kvferry::layout::{Arrangement, KvLayout};
+use kvferry::mem::{Arena, ArenaConfig, ByteSize, Region};
+use kvferry::net::NetConfig;
+use kvferry::peer::{Consumer, ConsumerConfig, Destination};
+use kvferry::wire::ChunkKey;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Semaphore;
+
+use crate::node::{start_producer, NodeArgs};
+
+/// Options for the transfer benchmark.
+#[derive(Args, Debug, Clone)]
+pub struct P2pBenchArgs {
+    /// Model preset giving the KV layout (llama3-8b: 2 MiB per block; llama3-70b-tp8:
+    /// 640 KiB per block).
+    #[arg(long, default_value = "llama3-70b-tp8")]
+    pub model: String,
+    /// Blocks per chunk (chunk size = blocks × block size; 4 × 640 KiB = 2.5 MiB).
+    #[arg(long, default_value_t = 4)]
+    pub blocks_per_chunk: u32,
+    /// Requests (distinct byte patterns) held by the producers.
+    #[arg(long, default_value_t = 32)]
+    pub requests: usize,
+    /// Chunks per request.
+    #[arg(long, default_value_t = 4)]
+    pub chunks_per_request: usize,
+    /// Total bytes to move.
+    #[arg(long, default_value = "4GiB")]
+    pub bytes: ByteSize,
+    /// Transfers in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub in_flight: usize,
+    /// Connections per producer (transfers are striped over them).
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Producer instances.
+    #[arg(long, default_value_t = 1)]
+    pub producers: usize,
+    /// Copy threads per engine (default: available cores).
+    #[arg(long)]
+    pub copy_threads: Option<usize>,
+    /// Run a sweep over chunk sizes and transfers in flight instead of one point.
+    #[arg(long)]
+    pub sweep: bool,
+    /// Draw throughput against chunk size and transfers in flight, with the measured
+    /// TCP and memcpy limits, into this SVG file (implies --sweep).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+    /// Print JSON (one object; an array with --sweep) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl Default for P2pBenchArgs {
+    fn default() -> Self {
+        P2pBenchArgs {
+            model: "llama3-70b-tp8".into(),
+            blocks_per_chunk: 4,
+            requests: 32,
+            chunks_per_request: 4,
+            bytes: ByteSize(4 << 30),
+            in_flight: 8,
+            connections: 4,
+            producers: 1,
+            copy_threads: None,
+            sweep: false,
+            plot: None,
+            json: false,
+            quiet: false,
+        }
+    }
+}
+
+/// One measured point.
+#[derive(Serialize, Debug, Clone)]
+pub struct Point {
+    pub model: String,
+    pub chunk_bytes: usize,
+    pub in_flight: usize,
+    pub connections: usize,
+    pub producers: usize,
+    pub chunks: u64,
+    pub bytes: u64,
+    pub elapsed_s: f64,
+    pub gbps: f64,
+    pub tcp_limit_gbps: f64,
+    pub ratio: f64,
+    pub memcpy_gbps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub errors: u64,
+    pub corrupted_bytes: u64,
+    pub leaked_pages: u64,
+}
+
+fn word(req: usize, chunk: usize, i: usize) -> u64 {
+    let mut x = ((req as u64) << 40) ^ ((chunk as u64) << 32) ^ i as u64 ^ 0x9E37_79B9_7F4A_7C15;
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The request's pattern: differs in every 8-byte word across requests and chunks.
+fn pattern(req: usize, chunk: usize, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len + 8);
+    for i in 0..len.div_ceil(8) {
+        v.extend_from_slice(&word(req, chunk, i).to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+fn key(req: usize, chunk: usize) -> ChunkKey {
+    ChunkKey::from_name(&format!("bench/req{req}/chunk{chunk}"))
+}
+
+pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.in_flight >= 1, "--in-flight must be at least 1");
+    anyhow::ensure!(args.connections >= 1, "--connections must be at least 1");
+    anyhow::ensure!(args.producers >= 1, "--producers must be at least 1");
+    anyhow::ensure!(args.requests >= 1 && args.chunks_per_request >= 1, "--requests and --chunks-per-request must be at least 1");
+    anyhow::ensure!(args.blocks_per_chunk >= 1, "--blocks-per-chunk must be at least 1");
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let sweep = args.sweep || args.plot.is_some();
+    let points = if sweep {
+        let mut pts = Vec::new();
+        for bpc in [1u32, 2, 4, 6] {
+            for inflight in [1usize, 4, 16] {
+                let mut a = args.clone();
+                a.blocks_per_chunk = bpc;
+                a.in_flight = inflight;
+                a.bytes = ByteSize(args.bytes.bytes().min(1 << 30));
+                a.quiet = true;
+                let p = rt.block_on(run_point(&a))?;
+                if !args.json {
+                    eprintln!(
+                        "  chunk {:>9}  in flight {:>2}: {:.2} GB/s ({:.2} of TCP)",
+                        ByteSize(p.chunk_bytes as u64).to_string(),
+                        inflight,
+                        p.gbps,
+                        p.ratio
+                    );
+                }
+                pts.push(p);
+            }
+        }
+        pts
+    } else {
+        vec![rt.block_on(run_point(&args))?]
+    };
+    if let Some(path) = &args.plot {
+        std::fs::write(path, super::plot::svg(&points)).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("plot written to {}", path.display());
+    }
+    if args.json {
+        if sweep {
+            println!("{}", serde_json::to_string_pretty(&points)?);
+        } else {
+            println!("{}", serde_json::to_string_pretty(&points[0])?);
+        }
+    } else {
+        print_table(&points);
+    }
+    let bad: Vec<&Point> = points.iter().filter(|p| p.corrupted_bytes > 0 || p.leaked_pages > 0).collect();
+    anyhow::ensure!(bad.is_empty(), "integrity failure: {} point(s) with corrupted bytes or leaked pages", bad.len());
+    Ok(())
+}
+
+fn print_table(points: &[Point]) {
+    println!(
+        "{:>10} {:>9} {:>6} {:>8} {:>9} {:>7} {:>8} {:>8} {:>7} {:>9} {:>7}",
+        "chunk", "in-flight", "conns", "GB/s", "TCP GB/s", "ratio", "p50 ms", "p99 ms", "errors", "corrupted", "leaked"
+    );
+    for p in points {
+        println!(
+            "{:>10} {:>9} {:>6} {:>8.2} {:>9.2} {:>7.2} {:>8.2} {:>8.2} {:>7} {:>9} {:>7}",
+            ByteSize(p.chunk_bytes as u64).to_string(),
+            p.in_flight,
+            p.connections,
+            p.gbps,
+            p.tcp_limit_gbps,
+            p.ratio,
+            p.p50_ms,
+            p.p99_ms,
+            p.errors,
+            p.corrupted_bytes,
+            p.leaked_pages
+        );
+    }
+    if let Some(p) = points.first() {
+        println!(
+            "moved {} in {} chunks over loopback; memcpy limit {:.2} GB/s; verification on",
+            ByteSize(p.bytes),
+            p.chunks,
+            p.memcpy_gbps
+        );
+    }
+}
+
+async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
+    let probe = NodeArgs { model: args.model.clone(), blocks: 1, ..NodeArgs::default() };
+    let block_bytes = probe.layout(Arrangement::LayerSeparate)?.block_bytes();
+    let bpc = args.blocks_per_chunk as usize;
+    let chunk_bytes = block_bytes * bpc;
+    let per_producer_reqs = args.requests.div_ceil(args.producers);
+    let staging_page: usize = 1 << 20;
+    // Producer: region for its requests; staging for every transfer in flight, twice
+    // (a lease waits for `Done` while the next is staged).
+    let pnode = NodeArgs {
+        model: args.model.clone(),
+        blocks: (per_producer_reqs * args.chunks_per_request * bpc) as u32,
+        arena: ByteSize((2 * args.in_flight.max(2) * chunk_bytes.div_ceil(staging_page) * staging_page) as u64),
+        page_size: ByteSize(staging_page as u64),
+        copy_threads: args.copy_threads,
+        max_gets: 1024,
+        ..NodeArgs::default()
+    };
+    let mut producers = Vec::new();
+    for i in 0..args.producers {
+        producers.push(start_producer(&pnode, "127.0.0.1:0", &format!("bench-producer-{i}")).await?);
+    }
+    // Fill: request r lives on producer r % P, every chunk with its own pattern.
+    let mut expected = vec![vec![0u32; args.chunks_per_request]; args.requests];
+    for (r, exp) in expected.iter_mut().enumerate() {
+        let p = &producers[r % args.producers].producer;
+        for (c, e) in exp.iter_mut().enumerate() {
+            let bytes = pattern(r, c, chunk_bytes);
+            *e = crc32c::crc32c(&bytes);
+            p.put_local(key(r, c), &bytes).with_context(|| format!("filling request {r}"))?;
+        }
+    }
+    let addrs: Vec<String> = producers.iter().map(|p| p.server.local_addr().to_string()).collect();
+
+    // Consumer: one destination slot per transfer in flight.
+    let layout = KvLayout::preset(args.model.parse()?, (args.in_flight * bpc) as u32, Arrangement::FullyContiguous)?;
+    let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);
+    let arena = Arena::new(ArenaConfig::new(staging_page, args.in_flight * chunk_bytes.div_ceil(staging_page)))?;
+    let mut cc = CopyConfig::default();
+    if let Some(t) = args.copy_threads {
+        cc.threads = t;
+    }
+    let engine = CopyEngine::new(cc)?;
+    let mut net = NetConfig::new("bench-consumer");
+    net.connections_per_peer = args.connections;
+    let consumer = Consumer::new(arena.clone(), engine, ConsumerConfig::new(net))?;
+
+    let total_chunks = (args.bytes.bytes() as usize / chunk_bytes).max(1) as u64;
+    let bar = if args.quiet || args.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        let b = indicatif::ProgressBar::new(total_chunks);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks  {binary_bytes_per_sec}  eta {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    };
+    let slots = Arc::new(parking_lot::Mutex::new((0..args.in_flight).collect::<Vec<usize>>()));
+    let sem = Arc::new(Semaphore::new(args.in_flight));
+    let errors = Arc::new(AtomicU64::new(0));
+    let corrupted = Arc::new(AtomicU64::new(0));
+    let latencies = Arc::new(parking_lot::Mutex::new(Vec::with_capacity(total_chunks as usize)));
+    let expected = Arc::new(expected);
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..total_chunks {
+        let permit = sem.clone().acquire_owned().await?;
+        let slot = slots.lock().pop().expect("a slot per permit");
+        let (consumer, region, slots, errors, corrupted, latencies, expected, bar) = (
+            consumer.clone(),
+            region.clone(),
+            slots.clone(),
+            errors.clone(),
+            corrupted.clone(),
+            latencies.clone(),
+            expected.clone(),
+            bar.clone(),
+        );
+        let r = (n as usize / args.chunks_per_request) % args.requests;
+        let c = n as usize % args.chunks_per_request;
+        let addr = addrs[r % args.producers].clone();
+        tasks.spawn(async move {
+            let blocks: Vec<u32> = (0..bpc as u32).map(|b| (slot * bpc) as u32 + b).collect();
+            let dst = Destination { region: region.clone(), layout, chunks: vec![blocks.clone()] };
+            let t = Instant::now();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            match consumer.get(&addr, &[key(r, c)], dst, deadline).await {
+                Ok(l) if l.chunks == 1 => {
+                    latencies.lock().push(t.elapsed().as_secs_f64() * 1e3);
+                    // Verify every landed byte: crc of the landed chunk against the
+                    // pattern's; exact count of bad bytes on mismatch.
+                    let ranges = layout.chunk_ranges(&blocks).expect("valid blocks");
+                    let mut crc = 0u32;
+                    for (off, len) in &ranges {
+                        crc = crc32c::crc32c_append(crc, &region.to_vec(*off, *len).expect("in range"));
+                    }
+                    if crc != expected[r][c] {
+                        let want = pattern(r, c, chunk_bytes);
+                        let mut at = 0;
+                        let mut bad = 0u64;
+                        for (off, len) in &ranges {
+                            let got = region.to_vec(*off, *len).expect("in range");
+                            bad += got.iter().zip(&want[at..at + len]).filter(|(a, b)| a != b).count() as u64;
+                            at += len;
+                        }
+                        corrupted.fetch_add(bad.max(1), Ordering::Relaxed);
+                    }
+                }
+                Ok(_) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(f) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("transfer failed: {}", f.error);
+                    // The destination slot is reused only after the drain.
+                    f.fence.wait().await;
+                }
+            }
+            bar.inc(1);
+            slots.lock().push(slot);
+            drop(permit);
+        });
+        while let Some(r) = tasks.try_join_next() {
+            r?;
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        r?;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let moved = (total_chunks - errors.load(Ordering::Relaxed)) * chunk_bytes as u64;
+
+    // Quiesce and account every page of every arena.
+    let quiesce = Instant::now() + Duration::from_secs(5);
+    let leaked = loop {
+        let mut leaked = (arena.stats().total_pages - arena.stats().free_pages - arena.stats().quarantined_pages) as u64;
+        for p in &producers {
+            let s = p.producer.arena().stats();
+            leaked += (s.total_pages - s.free_pages - s.quarantined_pages) as u64;
+        }
+        if leaked == 0 || Instant::now() > quiesce {
+            break leaked;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    for p in producers {
+        p.server.shutdown().await;
+    }
+
+    let tcp = tcp_limit(args.connections * args.producers, moved.clamp(256 << 20, 2 << 30)).await?;
+    let memcpy = memcpy_limit(256 << 20);
+    let mut lat = latencies.lock().clone();
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let pct = |q: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * q).round() as usize] };
+    let gbps = moved as f64 / elapsed / 1e9;
+    Ok(Point {
+        model: args.model.clone(),
+        chunk_bytes,
+        in_flight: args.in_flight,
+        connections: args.connections,
+        producers: args.producers,
+        chunks: total_chunks,
+        bytes: moved,
+        elapsed_s: elapsed,
+        gbps,
+        tcp_limit_gbps: tcp,
+        ratio: gbps / tcp,
+        memcpy_gbps: memcpy,
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        errors: errors.load(Ordering::Relaxed),
+        corrupted_bytes: corrupted.load(Ordering::Relaxed),
+        leaked_pages: leaked,
+    })
+}
+
+/// Raw loopback TCP: `conns` plain connections moving `bytes` in total with 4 MiB
+/// writes and reads, no framing, no checksums, no copies beyond the kernel's.
+async fn tcp_limit(conns: usize, bytes: u64) -> anyhow::Result<f64> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let per = bytes / conns as u64;
+    let server = tokio::spawn(async move {
+        let mut readers = Vec::new();
+        for _ in 0..conns {
+            let (mut s, _) = listener.accept().await?;
+            readers.push(tokio::spawn(async move {
+                let mut buf = vec![0u8; 4 << 20];
+                let mut got = 0u64;
+                while got < per {
+                    let n = s.read(&mut buf).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    got += n as u64;
+                }
+                std::io::Result::Ok(got)
+            }));
+        }
+        let mut total = 0;
+        for r in readers {
+            total += r.await??;
+        }
+        std::io::Result::Ok(total)
+    });
+    let t = Instant::now();
+    let mut writers = Vec::new();
+    for _ in 0..conns {
+        writers.push(tokio::spawn(async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            let buf = vec![0x5Au8; 4 << 20];
+            let mut sent = 0u64;
+            while sent < per {
+                let n = (per - sent).min(buf.len() as u64) as usize;
+                s.write_all(&buf[..n]).await?;
+                sent += n as u64;
+            }
+            std::io::Result::Ok(())
+        }));
+    }
+    for w in writers {
+        w.await??;
+    }
+    let total = server.await??;
+    Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Single-thread memcpy of `bytes` (best of 3).
+fn memcpy_limit(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best / 1e9
+}

@@ -1,0 +1,348 @@
+//! `kvferry chaos`: a soak of the three promises under injected faults.
+//!
+//! Producers run as `kvferry serve` **child processes** on loopback; the consumer runs
+//! in this process. A bounded number of transfers (default 10,000) is driven, a few at
+//! a time, while faults are injected at random: callers that cancel at random points,
+//! deadlines shorter than the transfer, slice failures in the copy engine, checksum
+//! corruption on the wire, connection resets, slow peers, staging-arena exhaustion,
+//! SIGKILL of a producer process (and its restart on the same port), and device events
+//! that never complete on the `sim` backend.
+//!
+//! Every byte that lands is verified against its request's pattern (see
+//! `cmd_chaos/workload.rs` for the rules), and every call with a deadline is timed: one
+//! returning more than 50 ms past its deadline is a *late return*. At the end the run
+//! quiesces (every drain fence fired, nothing draining, dropped transfers released
+//! their destinations), checks every arena — the consumer's staging, the sim device's
+//! staging, and each producer's, reported by `serve` when it is stopped with SIGTERM —
+//! and prints a ledger. The command fails (exit status 1, after the ledger) when any
+//! byte was corrupted, any page leaked, any call returned late, or anything else that
+//! must not happen was seen (an *anomaly*, listed in the ledger).
+//!
+//! `--seed` fixes the fault schedule (which transfer does what, which producer is
+//! killed when, the data); timing-dependent outcomes still vary from run to run.
+
+#[path = "cmd_chaos/device.rs"]
+mod device;
+#[path = "cmd_chaos/driver.rs"]
+mod driver;
+#[path = "cmd_chaos/ledger.rs"]
+mod ledger;
+#[path = "cmd_chaos/producers.rs"]
+mod producers;
+#[path = "cmd_chaos/workload.rs"]
+mod workload;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvferry::copy::{CopyConfig, CopyEngine};
+use kvferry::mem::{Arena, ArenaConfig};
+use kvferry::net::NetConfig;
+use kvferry::peer::{Consumer, ConsumerConfig};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::{Mutex, Semaphore};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+
+use crate::util::parse_timeout;
+use driver::{BlockingPool, Ctx, FlakyBody, Plan};
+use ledger::{ArenaReport, EndState, Summary};
+use producers::{ChildLog, Producer, Spec};
+use workload::{mix, Slots, Workload};
+
+/// Request sets per producer.
+const SETS_PER_PRODUCER: usize = 48;
+/// Destination slots in the consumer's KV region.
+const SLOTS: u32 = 48;
+/// Consumer staging pages (4 KiB).
+const CONSUMER_PAGES: usize = 160;
+/// About one producer kill per this many transfers (at fault rate 1; at least one).
+const TRANSFERS_PER_KILL: f64 = 800.0;
+
+/// Options for `chaos`.
+#[derive(Args, Debug)]
+pub struct ChaosArgs {
+    /// Transfers to drive.
+    #[arg(long, default_value_t = 10_000)]
+    transfers: u64,
+    /// Seed of the fault schedule (default: random; printed, so a run can be repeated).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Producer processes.
+    #[arg(long, default_value_t = 2)]
+    producers: usize,
+    /// Transfers in flight at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Scales every fault probability: 0 runs without faults, 2 doubles them.
+    #[arg(long, default_value_t = 1.0)]
+    fault_rate: f64,
+    /// Stop starting transfers after this long (the run then quiesces as usual).
+    #[arg(long, default_value = "30m", value_parser = parse_timeout)]
+    duration_cap: Duration,
+    /// Print the ledger as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.transfers > 0, "--transfers must be at least 1");
+    anyhow::ensure!((1..=16).contains(&args.producers), "--producers must be 1..=16");
+    anyhow::ensure!((1..=256).contains(&args.concurrency), "--concurrency must be 1..=256");
+    anyhow::ensure!(
+        args.fault_rate.is_finite() && (0.0..=10.0).contains(&args.fault_rate),
+        "--fault-rate must be between 0 and 10"
+    );
+    let seed = args.seed.unwrap_or_else(rand::random);
+    eprintln!(
+        "kvferry chaos: seed {seed}, {} transfers, {} producers, fault rate {}",
+        args.transfers, args.producers, args.fault_rate
+    );
+    // Two workers: the tool's own scheduling must not be what makes a call late.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let summary = rt.block_on(drive(&args, seed));
+    // Streams of the sim device still stuck on never-completing events end here.
+    rt.shutdown_timeout(Duration::from_secs(2));
+    let summary = summary?;
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        print!("{}", summary.text());
+    }
+    anyhow::ensure!(
+        summary.ok,
+        "chaos found {} corrupted bytes, {} leaked pages, {} late returns, {} anomalies (seed {seed})",
+        summary.corrupted_bytes,
+        summary.leaked_pages,
+        summary.late_returns,
+        summary.anomalies
+    );
+    Ok(())
+}
+
+/// Which transfers trigger a producer kill: `index → (producer, delay)`.
+fn kill_schedule(seed: u64, transfers: u64, rate: f64, producers: usize) -> BTreeMap<u64, (usize, Duration)> {
+    let mut rng = StdRng::seed_from_u64(mix(seed, &[3]));
+    let n = if rate > 0.0 {
+        ((transfers as f64 * rate / TRANSFERS_PER_KILL).round() as u64).max(1)
+    } else {
+        0
+    };
+    (0..n)
+        .map(|k| {
+            let slot = transfers as f64 / n as f64;
+            let at = (slot * (k as f64 + rng.gen_range(0.2..0.8))) as u64;
+            let victim = rng.gen_range(0..producers);
+            let delay = Duration::from_micros(rng.gen_range(0..=5_000));
+            (at.min(transfers - 1), (victim, delay))
+        })
+        .collect()
+}
+
+async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
+    let started = Instant::now();
+    let rate = args.fault_rate;
+    let ppm = |base: f64| (base * rate) as u64;
+    let spec = Spec {
+        exe: std::env::current_exe().context("locating the kvferry executable")?,
+        corrupt_ppm: ppm(10_000.0),
+        slow_ppm: ppm(15_000.0),
+        slow_us: 30_000,
+        reset_ppm: ppm(5_000.0),
+    };
+    let mut procs = Vec::new();
+    for i in 0..args.producers {
+        let log = Arc::new(ChildLog::default());
+        procs.push(Producer::start(&spec, i, "127.0.0.1:0", log).await?);
+    }
+    let addrs: Vec<String> = procs.iter().map(|p| p.addr.clone()).collect();
+    let logs: Vec<Arc<ChildLog>> = procs.iter().map(|p| p.log.clone()).collect();
+    let procs: Arc<Vec<Mutex<Option<Producer>>>> = Arc::new(procs.into_iter().map(|p| Mutex::new(Some(p))).collect());
+
+    let body = Arc::new(FlakyBody::new(mix(seed, &[4]), ppm(10_000.0)));
+    let engine = CopyEngine::with_body(
+        CopyConfig {
+            threads: 2,
+            slice_bytes: 4096,
+        },
+        body.clone(),
+    )?;
+    let arena = Arena::new(ArenaConfig::new(4096, CONSUMER_PAGES).unpinned())?;
+    let mut net = NetConfig::new("chaos-consumer");
+    net.io_timeout = Duration::from_secs(2);
+    net.connect_timeout = Duration::from_secs(1);
+    net.handshake_timeout = Duration::from_secs(1);
+    let mut cfg = ConsumerConfig::new(net);
+    cfg.lease_ttl = Duration::from_secs(1);
+    cfg.lease_guard = Duration::from_millis(100);
+    cfg.done_timeout = Duration::from_millis(500);
+    let consumer = Consumer::new(arena, engine, cfg)?;
+    let work = Workload::new(seed, args.producers, SETS_PER_PRODUCER)?;
+    let slots = Arc::new(Slots::new(SLOTS)?);
+    let sim = device::SimRig::new(mix(seed, &[5]))?;
+    let ctx = Arc::new(Ctx::new(consumer, work, slots, addrs, BlockingPool::new(4), sim));
+    for p in 0..args.producers {
+        ctx.fill(p).await?;
+    }
+
+    let kills = kill_schedule(seed, args.transfers, rate, args.producers);
+    let permits = Arc::new(Semaphore::new(args.concurrency));
+    let mut tasks = JoinSet::new();
+    let mut killer: Option<JoinHandle<anyhow::Result<()>>> = None;
+    let cap = started + args.duration_cap;
+    let tick = (args.transfers / 10).max(1);
+    for i in 0..args.transfers {
+        if Instant::now() >= cap {
+            eprintln!("kvferry chaos: duration cap reached after {i} transfers; quiescing");
+            break;
+        }
+        let permit = permits.clone().acquire_owned().await?;
+        if let Some(&(victim, delay)) = kills.get(&i) {
+            if killer.as_ref().is_none_or(|k| k.is_finished()) {
+                if let Some(k) = killer.take() {
+                    k.await??;
+                }
+                let (c, p, s) = (ctx.clone(), procs.clone(), spec.clone());
+                killer = Some(tokio::spawn(kill_and_restart(c, p, s, victim, delay)));
+            }
+        }
+        let plan = Plan::draw(seed, i, args.producers, SETS_PER_PRODUCER, rate);
+        let c = ctx.clone();
+        tasks.spawn(async move {
+            driver::run(c, plan).await;
+            drop(permit);
+        });
+        while let Some(r) = tasks.try_join_next() {
+            if let Err(e) = r {
+                ctx.ledger.anomaly(format!("a transfer task panicked: {e}"));
+            }
+        }
+        if i % 64 == 0 {
+            ctx.sweep_limbo();
+        }
+        if !args.json && (i + 1) % tick == 0 {
+            let (s, d) = ctx.ledger.progress();
+            eprintln!(
+                "kvferry chaos: {s} started, {d} finished, {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        if let Err(e) = r {
+            ctx.ledger.anomaly(format!("a transfer task panicked: {e}"));
+        }
+    }
+    if let Some(k) = killer.take() {
+        k.await??;
+    }
+
+    let mut arenas = quiesce(&ctx).await;
+    ctx.ledger.fault("slice_failures", body.injected());
+    for (i, p) in procs.iter().enumerate() {
+        let p = p.lock().await.take().context("producer already stopped")?;
+        let (outstanding, quarantined) = p.stop().await?;
+        arenas.push(ArenaReport {
+            name: format!("producer-{i}"),
+            total_pages: producers::ARENA_PAGES,
+            free_pages: producers::ARENA_PAGES - outstanding - quarantined,
+            quarantined_pages: quarantined,
+            leaked_pages: outstanding,
+        });
+    }
+    for log in &logs {
+        for (kind, n) in log.faults.lock().unwrap().iter() {
+            ctx.ledger.fault(&format!("{kind}s"), *n);
+        }
+    }
+    ctx.blocking.shutdown();
+    Ok(ctx.ledger.summary(EndState {
+        seed,
+        arenas,
+        producers: args.producers,
+        fault_rate: rate,
+        concurrency: args.concurrency,
+        wall: started.elapsed(),
+    }))
+}
+
+/// SIGKILLs producer `victim` after `delay`, restarts it on the same address and fills
+/// it again (its store died with it).
+async fn kill_and_restart(
+    ctx: Arc<Ctx>,
+    procs: Arc<Vec<Mutex<Option<Producer>>>>,
+    spec: Spec,
+    victim: usize,
+    delay: Duration,
+) -> anyhow::Result<()> {
+    tokio::time::sleep(delay).await;
+    {
+        let mut slot = procs[victim].lock().await;
+        let mut p = slot.take().context("producer already stopped")?;
+        p.kill().await?;
+        ctx.ledger.fault("peer_kills", 1);
+        let (addr, log) = (p.addr.clone(), p.log.clone());
+        let restarted = Producer::start(&spec, victim, &addr, log)
+            .await
+            .with_context(|| format!("restarting producer {victim} on {addr}"))?;
+        *slot = Some(restarted);
+    }
+    ctx.fill(victim).await
+}
+
+/// Waits until nothing is in flight, then accounts the consumer's and the sim
+/// device's arenas and the destination slots.
+async fn quiesce(ctx: &Ctx) -> Vec<ArenaReport> {
+    let ledger = &ctx.ledger;
+    if !ctx.join_background(Instant::now() + Duration::from_secs(30)).await {
+        ledger.anomaly("drain checks still running 30 s after the last transfer".into());
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while ctx.sweep_limbo() > 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for _ in 0..ctx.sweep_limbo() {
+        ledger.drain(None);
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while ctx.consumer.stats().draining > 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let draining = ctx.consumer.stats().draining;
+    if draining > 0 {
+        ledger.anomaly(format!("{draining} transfers still draining 10 s after quiescing"));
+    }
+    let arena = ctx.consumer.arena();
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = arena.stats();
+        if s.free_pages + s.quarantined_pages == s.total_pages || Instant::now() >= until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let s = arena.stats();
+    let consumer = ArenaReport {
+        name: "consumer".into(),
+        total_pages: s.total_pages as u64,
+        free_pages: s.free_pages as u64,
+        quarantined_pages: s.quarantined_pages as u64,
+        leaked_pages: (s.total_pages - s.free_pages - s.quarantined_pages) as u64,
+    };
+    let lost = ctx.slots.count() as usize - ctx.slots.free_count();
+    if lost > 0 {
+        ledger.anomaly(format!("{lost} destination slots never came back"));
+    }
+    ledger.corrupted(
+        ctx.slots.check_free(),
+        "free destination slots were written after they were handed back",
+    );
+    vec![consumer, ctx.sim.report()]
+}

@@ -1,0 +1,648 @@
+//! The transfers: each is drawn from the seed (kind, producer, request set, deadline,
+//! when its caller gives up), run against the consumer, timed against its deadline and
+//! verified byte for byte once its destination is quiet.
+//!
+//! Kinds:
+//!
+//! - `get`: eager get with a generous deadline;
+//! - `get-short`: eager get whose deadline (0.3–3 ms, or 5–40 ms) is shorter than the
+//!   transfer, or than a slow send;
+//! - `get-drop`: eager get whose future the caller drops at a random point (0–3 ms);
+//! - `blocking` / `blocking-short`: `get_blocking` from a plain thread, with a generous
+//!   or a short timeout;
+//! - `pull`: delayed pull (stage, then resolve — with a generous or short deadline, or
+//!   dropped at a random point — or release the lease, or abandon it to its TTL);
+//! - `offload`: a D2H copy on the sim device (see `device.rs`).
+//!
+//! Faults injected around them: slice failures in the consumer's copy engine
+//! ([`FlakyBody`]), consumer staging arena hogs ([`hog`]); the producers inject wire
+//! corruption, slow sends and connection resets, and are SIGKILLed (see the command).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use kvferry::copy::{CopyBody, SliceWork};
+use kvferry::peer::{Consumer, GetFailure, Landed};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::device::{OffloadPlan, SimRig};
+use super::ledger::{Ledger, Outcome};
+use super::workload::{mix, Dest, Set, Slots, Workload};
+
+/// A deadline that is not meant to expire.
+const GENEROUS: Duration = Duration::from_secs(2);
+/// How long a failed transfer's fence may take before it counts as stuck.
+const DRAIN_BOUND: Duration = Duration::from_secs(10);
+/// How long a transfer may wait for a free destination slot.
+const SLOT_WAIT: Duration = Duration::from_secs(30);
+
+/// The consumer's copy body: a memcpy that fails a slice at a given rate, half the
+/// time after writing its bytes and half the time before.
+pub struct FlakyBody {
+    ppm: u64,
+    injected: AtomicU64,
+    rng: Mutex<StdRng>,
+}
+
+impl FlakyBody {
+    /// Fails `ppm` slices per million.
+    pub fn new(seed: u64, ppm: u64) -> FlakyBody {
+        FlakyBody {
+            ppm,
+            injected: AtomicU64::new(0),
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+        }
+    }
+
+    /// Slices failed so far.
+    pub fn injected(&self) -> u64 {
+        self.injected.load(Ordering::Relaxed)
+    }
+}
+
+impl CopyBody for FlakyBody {
+    fn run(&self, work: &SliceWork<'_>) -> Result<(), String> {
+        if self.ppm > 0 {
+            let roll = self.rng.lock().unwrap().gen_range(0..1_000_000u64);
+            if roll < self.ppm {
+                self.injected.fetch_add(1, Ordering::Relaxed);
+                if roll % 2 == 0 {
+                    work.copy();
+                }
+                return Err("injected slice failure".into());
+            }
+        }
+        work.copy();
+        Ok(())
+    }
+}
+
+/// Plain threads for `get_blocking` (which refuses to run inside the runtime).
+pub struct BlockingPool {
+    tx: Mutex<Option<mpsc::Sender<Box<dyn FnOnce() + Send>>>>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl BlockingPool {
+    /// `n` threads.
+    pub fn new(n: usize) -> BlockingPool {
+        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let rx = Arc::new(Mutex::new(rx));
+        let threads = (0..n)
+            .map(|i| {
+                let rx = rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("chaos-blocking-{i}"))
+                    .spawn(move || loop {
+                        let job = rx.lock().unwrap().recv();
+                        match job {
+                            Ok(job) => job(),
+                            Err(_) => return,
+                        }
+                    })
+                    .expect("spawn a blocking thread")
+            })
+            .collect();
+        BlockingPool {
+            tx: Mutex::new(Some(tx)),
+            threads: Mutex::new(threads),
+        }
+    }
+
+    /// Runs `f` on a pool thread; `None` if the pool is shut down or `f` panicked.
+    pub async fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+            let _ = tx.send(f());
+        });
+        self.tx.lock().unwrap().as_ref()?.send(job).ok()?;
+        rx.await.ok()
+    }
+
+    /// Stops the threads once their queue is empty.
+    pub fn shutdown(&self) {
+        self.tx.lock().unwrap().take();
+        for t in self.threads.lock().unwrap().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Delayed-pull variants.
+#[derive(Clone, Copy, Debug)]
+pub enum PullMode {
+    /// Resolve with a generous deadline.
+    Resolve,
+    /// Resolve with a short deadline.
+    ResolveShort,
+    /// Resolve, and drop the future at a random point.
+    ResolveDrop,
+    /// Release the lease without pulling.
+    Release,
+    /// Forget the handle: the producer's TTL must release the pages.
+    Abandon,
+}
+
+/// What a transfer does.
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    /// Eager get, generous deadline.
+    Get,
+    /// Eager get, short deadline.
+    GetShort,
+    /// Eager get dropped by its caller.
+    GetDrop,
+    /// `get_blocking`, generous timeout.
+    Blocking,
+    /// `get_blocking`, short timeout.
+    BlockingShort,
+    /// Stage, then something.
+    Pull(PullMode),
+    /// A sim-device D2H copy.
+    Offload(OffloadPlan),
+}
+
+/// One transfer, drawn from the seed.
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    /// Its number.
+    pub index: u64,
+    /// The producer asked.
+    pub producer: usize,
+    /// The request set asked for.
+    pub set: usize,
+    /// What it does.
+    pub kind: Kind,
+    /// Its deadline (from the call).
+    pub deadline: Duration,
+    /// When a dropping caller gives up.
+    pub drop_after: Duration,
+    /// Hog this fraction of the consumer's free staging pages for this long, first.
+    pub hog: Option<(f64, Duration)>,
+}
+
+fn short(rng: &mut StdRng) -> Duration {
+    if rng.gen_bool(0.7) {
+        Duration::from_micros(rng.gen_range(300..=3_000))
+    } else {
+        Duration::from_millis(rng.gen_range(5..=40))
+    }
+}
+
+fn pick<T: Copy>(rng: &mut StdRng, options: &[(f64, T)]) -> T {
+    let total: f64 = options.iter().map(|o| o.0).sum();
+    let mut x = rng.gen_range(0.0..total);
+    for (w, t) in options {
+        if x < *w {
+            return *t;
+        }
+        x -= w;
+    }
+    options.last().expect("options").1
+}
+
+impl Plan {
+    /// Transfer `index` of the run seeded with `seed`; `rate` scales every fault.
+    pub fn draw(seed: u64, index: u64, producers: usize, sets: usize, rate: f64) -> Plan {
+        let mut rng = StdRng::seed_from_u64(mix(seed, &[2, index]));
+        let producer = rng.gen_range(0..producers);
+        let set = rng.gen_range(0..sets);
+        #[derive(Clone, Copy)]
+        enum K {
+            Get,
+            GetShort,
+            GetDrop,
+            Blocking,
+            BlockingShort,
+            Pull,
+            Offload,
+        }
+        let k = pick(
+            &mut rng,
+            &[
+                (30.0, K::Get),
+                (15.0 * rate, K::GetShort),
+                (12.0 * rate, K::GetDrop),
+                (12.0, K::Blocking),
+                (6.0 * rate, K::BlockingShort),
+                (15.0, K::Pull),
+                (8.0, K::Offload),
+            ],
+        );
+        let mut deadline = GENEROUS;
+        let kind = match k {
+            K::Get => Kind::Get,
+            K::GetShort => {
+                deadline = short(&mut rng);
+                Kind::GetShort
+            }
+            K::GetDrop => Kind::GetDrop,
+            K::Blocking => Kind::Blocking,
+            K::BlockingShort => {
+                deadline = short(&mut rng);
+                Kind::BlockingShort
+            }
+            K::Pull => {
+                let mode = pick(
+                    &mut rng,
+                    &[
+                        (70.0, PullMode::Resolve),
+                        (10.0 * rate, PullMode::ResolveShort),
+                        (10.0 * rate, PullMode::ResolveDrop),
+                        (7.0, PullMode::Release),
+                        (3.0 * rate, PullMode::Abandon),
+                    ],
+                );
+                if let PullMode::ResolveShort = mode {
+                    deadline = short(&mut rng);
+                }
+                Kind::Pull(mode)
+            }
+            K::Offload => Kind::Offload(SimRig::plan(&mut rng, rate)),
+        };
+        let drop_after = Duration::from_micros(rng.gen_range(0..=3_000));
+        let hog = rng
+            .gen_bool((0.01 * rate).min(1.0))
+            .then(|| (rng.gen_range(0.6..=1.0), Duration::from_millis(rng.gen_range(10..=60))));
+        Plan {
+            index,
+            producer,
+            set,
+            kind,
+            deadline,
+            drop_after,
+            hog,
+        }
+    }
+}
+
+/// A dropped transfer's private destination, checked once the library let go of it.
+struct Limbo {
+    dest: Dest,
+    producer: usize,
+    set: usize,
+}
+
+/// Everything the transfers share.
+pub struct Ctx {
+    /// The consumer under test.
+    pub consumer: Consumer,
+    /// The request sets.
+    pub work: Workload,
+    /// Destination slots.
+    pub slots: Arc<Slots>,
+    /// Counters.
+    pub ledger: Ledger,
+    /// Producer addresses (fixed across restarts).
+    pub addrs: Vec<String>,
+    /// Threads for `get_blocking`.
+    pub blocking: BlockingPool,
+    /// The sim device.
+    pub sim: SimRig,
+    background: Mutex<Vec<JoinHandle<()>>>,
+    limbo: Mutex<Vec<Limbo>>,
+}
+
+impl Ctx {
+    /// Shared state of a run.
+    pub fn new(
+        consumer: Consumer,
+        work: Workload,
+        slots: Arc<Slots>,
+        addrs: Vec<String>,
+        blocking: BlockingPool,
+        sim: SimRig,
+    ) -> Ctx {
+        Ctx {
+            consumer,
+            work,
+            slots,
+            ledger: Ledger::default(),
+            addrs,
+            blocking,
+            sim,
+            background: Mutex::new(Vec::new()),
+            limbo: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn set(&self, producer: usize, set: usize) -> &Set {
+        &self.work.sets[producer][set]
+    }
+
+    /// Pushes every chunk of producer `p`'s sets to it (after a start or restart),
+    /// retrying refusals (busy arena) and losses (a restart in progress).
+    pub async fn fill(&self, p: usize) -> anyhow::Result<()> {
+        let addr = &self.addrs[p];
+        for set in &self.work.sets[p] {
+            for c in &set.chunks {
+                let mut last = None;
+                for _ in 0..100 {
+                    let deadline = Instant::now() + GENEROUS;
+                    let r = self.consumer.put(addr, c.key, &c.data, deadline).await;
+                    self.ledger.returned("put", deadline, Instant::now());
+                    match r {
+                        Ok(()) => {
+                            last = None;
+                            break;
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                if let Some(e) = last {
+                    anyhow::bail!("could not fill producer {p} at {addr}: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps a background task (a drain check, a hog) to await at the end.
+    fn keep(&self, h: JoinHandle<()>) {
+        let mut b = self.background.lock().unwrap();
+        if b.len() > 256 {
+            b.retain(|h| !h.is_finished());
+        }
+        b.push(h);
+    }
+
+    /// Awaits every background task, until `deadline`; false if some did not finish.
+    pub async fn join_background(&self, deadline: Instant) -> bool {
+        loop {
+            let hs: Vec<_> = std::mem::take(&mut *self.background.lock().unwrap());
+            if hs.is_empty() {
+                return true;
+            }
+            for h in hs {
+                match tokio::time::timeout_at(deadline, h).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => self.ledger.anomaly(format!("a background check panicked: {e}")),
+                    Err(_) => return false,
+                }
+            }
+        }
+    }
+
+    /// Checks the dropped transfers whose destination the library released; returns
+    /// how many are still held.
+    pub fn sweep_limbo(&self) -> usize {
+        let mut limbo = self.limbo.lock().unwrap();
+        limbo.retain(|l| {
+            if Arc::strong_count(l.dest.region()) > 1 {
+                return true;
+            }
+            let bad = l.dest.foreign_bytes(self.set(l.producer, l.set));
+            self.ledger.corrupted(bad, "a dropped transfer's destination holds foreign bytes");
+            false
+        });
+        limbo.len()
+    }
+
+    /// Books a transfer's result and verifies its destination: at once on success,
+    /// after the drain fence fired on failure.
+    fn settle(self: &Arc<Self>, r: Result<Landed, GetFailure>, dest: Dest, plan: &Plan, what: &'static str) {
+        let set = self.set(plan.producer, plan.set);
+        match r {
+            Ok(landed) => {
+                self.check_landed(&dest, set, landed, plan, what);
+                dest.finish();
+            }
+            Err(f) => {
+                self.ledger.error(&f.error);
+                let ctx = self.clone();
+                let (p, s, index) = (plan.producer, plan.set, plan.index);
+                self.keep(tokio::spawn(async move {
+                    let t = Instant::now();
+                    if f.fence.wait_until(t + DRAIN_BOUND).await {
+                        ctx.ledger.drain(Some(t.elapsed()));
+                        let bad = dest.foreign_bytes(ctx.set(p, s));
+                        let msg = format!("transfer {index} ({what}) after its fence fired ({})", f.error);
+                        ctx.ledger.corrupted(bad, &msg);
+                        dest.finish();
+                    } else {
+                        // Never reused: its slot is lost to the run.
+                        ctx.ledger.drain(None);
+                    }
+                }));
+            }
+        }
+    }
+
+    fn check_landed(&self, dest: &Dest, set: &Set, landed: Landed, plan: &Plan, what: &str) {
+        let n = set.chunks.len();
+        self.ledger.hit(landed.chunks, n);
+        if landed.chunks > n || landed.bytes != set.bytes(landed.chunks) {
+            self.ledger.anomaly(format!(
+                "transfer {} ({what}) reported {landed:?} for a set of {n} chunks ({} bytes in the first {})",
+                plan.index,
+                set.bytes(landed.chunks.min(n)),
+                landed.chunks.min(n)
+            ));
+        }
+        let bad = dest.exact_mismatches(set, landed.chunks.min(n));
+        self.ledger.verified(landed.bytes, 0);
+        let msg = format!("transfer {} ({what}) landed {landed:?}", plan.index);
+        self.ledger.corrupted(bad, &msg);
+        self.ledger.outcome(Outcome::Completed);
+    }
+
+    async fn slot(&self, plan: &Plan) -> Option<Dest> {
+        match self.slots.acquire(Instant::now() + SLOT_WAIT).await {
+            Some((dest, bad)) => {
+                let msg = format!("slot taken by transfer {} was written after it was handed back", plan.index);
+                self.ledger.corrupted(bad, &msg);
+                Some(dest)
+            }
+            None => {
+                self.ledger.anomaly(format!(
+                    "transfer {}: no destination slot came back within {SLOT_WAIT:?} (drains stuck?)",
+                    plan.index
+                ));
+                self.ledger.outcome(Outcome::Failed);
+                None
+            }
+        }
+    }
+}
+
+/// Runs transfer `plan`.
+pub async fn run(ctx: Arc<Ctx>, plan: Plan) {
+    ctx.ledger.started();
+    if let Some((fraction, hold)) = plan.hog {
+        let c = ctx.clone();
+        ctx.keep(tokio::spawn(async move { hog(&c, fraction, hold).await }));
+    }
+    match plan.kind {
+        Kind::Get | Kind::GetShort => get(&ctx, &plan).await,
+        Kind::GetDrop => get_drop(&ctx, &plan).await,
+        Kind::Blocking | Kind::BlockingShort => blocking(&ctx, &plan).await,
+        Kind::Pull(mode) => pull(&ctx, &plan, mode).await,
+        Kind::Offload(p) => ctx.sim.offload(&ctx.ledger, plan.index, p).await,
+    }
+}
+
+fn note_short(ctx: &Ctx, plan: &Plan) {
+    if plan.deadline < GENEROUS {
+        ctx.ledger.fault("short_deadlines", 1);
+    }
+}
+
+async fn get(ctx: &Arc<Ctx>, plan: &Plan) {
+    let Some(dest) = ctx.slot(plan).await else { return };
+    let set = ctx.set(plan.producer, plan.set);
+    note_short(ctx, plan);
+    let deadline = Instant::now() + plan.deadline;
+    let r = ctx
+        .consumer
+        .get(&ctx.addrs[plan.producer], &set.keys(), dest.destination(set), deadline)
+        .await;
+    ctx.ledger.returned("get", deadline, Instant::now());
+    ctx.settle(r, dest, plan, "get");
+}
+
+async fn get_drop(ctx: &Arc<Ctx>, plan: &Plan) {
+    let set = ctx.set(plan.producer, plan.set);
+    let dest = match Dest::private(set) {
+        Ok(d) => d,
+        Err(e) => return ctx.ledger.anomaly(format!("cannot allocate a destination: {e}")),
+    };
+    let deadline = Instant::now() + plan.deadline;
+    let drop_at = Instant::now() + plan.drop_after;
+    let fut = ctx
+        .consumer
+        .get(&ctx.addrs[plan.producer], &set.keys(), dest.destination(set), deadline);
+    dropped_or_settled(ctx, plan, dest, drop_at, deadline, fut, "get-drop").await;
+}
+
+/// Awaits `fut` until `drop_at`; then drops it (the caller gives up) and leaves the
+/// destination to the limbo check.
+async fn dropped_or_settled(
+    ctx: &Arc<Ctx>,
+    plan: &Plan,
+    dest: Dest,
+    drop_at: Instant,
+    deadline: Instant,
+    fut: impl std::future::Future<Output = Result<Landed, GetFailure>>,
+    what: &'static str,
+) {
+    let r = tokio::time::timeout_at(drop_at, fut).await;
+    let now = Instant::now();
+    match r {
+        Ok(r) => {
+            ctx.ledger.returned(what, deadline, now);
+            ctx.settle(r, dest, plan, what);
+        }
+        Err(_) => {
+            // The future was dropped inside the timeout: a blocking drop shows here.
+            ctx.ledger.returned(what, drop_at, now);
+            ctx.ledger.fault("caller_drops", 1);
+            ctx.ledger.outcome(Outcome::Cancelled);
+            ctx.limbo.lock().unwrap().push(Limbo {
+                dest,
+                producer: plan.producer,
+                set: plan.set,
+            });
+        }
+    }
+}
+
+async fn blocking(ctx: &Arc<Ctx>, plan: &Plan) {
+    let Some(dest) = ctx.slot(plan).await else { return };
+    let set = ctx.set(plan.producer, plan.set);
+    note_short(ctx, plan);
+    let consumer = ctx.consumer.clone();
+    let (addr, keys, dst, timeout) = (
+        ctx.addrs[plan.producer].clone(),
+        set.keys(),
+        dest.destination(set),
+        plan.deadline,
+    );
+    let out = ctx
+        .blocking
+        .run(move || {
+            let t = std::time::Instant::now();
+            let r = consumer.get_blocking(&addr, &keys, dst, timeout);
+            (r, t.elapsed().saturating_sub(timeout))
+        })
+        .await;
+    match out {
+        Some((r, over)) => {
+            ctx.ledger.overrun("get_blocking", over);
+            ctx.settle(r, dest, plan, "blocking");
+        }
+        None => {
+            ctx.ledger.anomaly(format!("transfer {}: get_blocking panicked", plan.index));
+            ctx.ledger.outcome(Outcome::Failed);
+        }
+    }
+}
+
+async fn pull(ctx: &Arc<Ctx>, plan: &Plan, mode: PullMode) {
+    let set = ctx.set(plan.producer, plan.set);
+    let addr = &ctx.addrs[plan.producer];
+    let deadline = Instant::now() + GENEROUS;
+    let staged = ctx.consumer.stage(addr, &set.keys(), deadline).await;
+    ctx.ledger.returned("stage", deadline, Instant::now());
+    let handle = match staged {
+        Ok(h) => h,
+        Err(e) => {
+            ctx.ledger.error(&e);
+            return;
+        }
+    };
+    match mode {
+        PullMode::Release => {
+            let deadline = Instant::now() + GENEROUS;
+            let r = ctx.consumer.release(&handle, deadline).await;
+            ctx.ledger.returned("release", deadline, Instant::now());
+            match r {
+                Ok(()) => ctx.ledger.outcome(Outcome::Completed),
+                Err(e) => {
+                    ctx.ledger.error(&e);
+                }
+            }
+        }
+        PullMode::Abandon => {
+            ctx.ledger.fault("abandoned_leases", 1);
+            ctx.ledger.outcome(Outcome::Cancelled);
+        }
+        PullMode::Resolve | PullMode::ResolveShort => {
+            let Some(dest) = ctx.slot(plan).await else { return };
+            note_short(ctx, plan);
+            let deadline = Instant::now() + plan.deadline;
+            let r = ctx.consumer.resolve(handle, dest.destination(set), deadline).await;
+            ctx.ledger.returned("resolve", deadline, Instant::now());
+            ctx.settle(r, dest, plan, "pull");
+        }
+        PullMode::ResolveDrop => {
+            let dest = match Dest::private(set) {
+                Ok(d) => d,
+                Err(e) => return ctx.ledger.anomaly(format!("cannot allocate a destination: {e}")),
+            };
+            let deadline = Instant::now() + plan.deadline;
+            let drop_at = Instant::now() + plan.drop_after;
+            let fut = ctx.consumer.resolve(handle, dest.destination(set), deadline);
+            dropped_or_settled(ctx, plan, dest, drop_at, deadline, fut, "pull-drop").await;
+        }
+    }
+}
+
+/// Holds most of the consumer's free staging pages for a while: transfers meanwhile
+/// find the arena exhausted.
+async fn hog(ctx: &Ctx, fraction: f64, hold: Duration) {
+    let arena = ctx.consumer.arena();
+    let n = (arena.stats().free_pages as f64 * fraction) as usize;
+    if n == 0 {
+        return;
+    }
+    if let Ok(lease) = arena.try_alloc(n) {
+        ctx.ledger.fault("arena_hogs", 1);
+        tokio::time::sleep(hold).await;
+        drop(lease);
+    }
+}

@@ -1,0 +1,323 @@
+//! What the chaos run moves and how every landed byte is checked.
+//!
+//! Each producer holds a fixed table of **request sets**: 1–4 chunks of 1–4 blocks of
+//! the `tiny` layout, each chunk's bytes a seeded random pattern that differs across
+//! chunks, sets and producers, and a length that usually ends inside its last block
+//! (exercising truncated ranges). A transfer asks one producer for one set.
+//!
+//! Destinations are **slots** of 16 blocks in the consumer's KV region (fully
+//! contiguous), or a **private** region for transfers whose future may be dropped (the
+//! caller then gets no drain fence, so the region is checked only once the library has
+//! dropped its last reference to it). Bytes not written by a transfer hold [`POISON`]:
+//!
+//! - after a successful transfer the destination must equal the landed prefix of the
+//!   set, exactly, and poison everywhere else;
+//! - after a failure, once its fence fired, every byte must be poison or the byte the
+//!   set puts there (a partial landing of the right bytes is allowed, anything else —
+//!   another request's bytes — is corruption);
+//! - a slot is re-poisoned when it is handed back, and must still be all poison when it
+//!   is taken again and at the end of the run (a write after the fence fired).
+
+use std::sync::{Arc, Mutex};
+
+use kvferry::layout::{Arrangement, KvLayout, Preset};
+use kvferry::mem::Region;
+use kvferry::peer::Destination;
+use kvferry::wire::ChunkKey;
+use rand::rngs::StdRng;
+use rand::{Rng, RngCore, SeedableRng};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+/// Blocks per destination slot (the largest set).
+pub const BLOCKS_PER_SLOT: u32 = 16;
+/// The byte every unwritten destination byte holds.
+pub const POISON: u8 = 0xEE;
+
+/// One chunk of a request set.
+pub struct Chunk {
+    /// Its key on the producer.
+    pub key: ChunkKey,
+    /// Blocks it occupies.
+    pub blocks: u32,
+    /// Its bytes.
+    pub data: Vec<u8>,
+}
+
+/// Chunks asked for together.
+pub struct Set {
+    /// The chunks, in key order.
+    pub chunks: Vec<Chunk>,
+}
+
+impl Set {
+    /// Blocks of all chunks.
+    pub fn blocks(&self) -> u32 {
+        self.chunks.iter().map(|c| c.blocks).sum()
+    }
+
+    /// The keys.
+    pub fn keys(&self) -> Vec<ChunkKey> {
+        self.chunks.iter().map(|c| c.key).collect()
+    }
+
+    /// Bytes of the first `n` chunks.
+    pub fn bytes(&self, n: usize) -> usize {
+        self.chunks.iter().take(n).map(|c| c.data.len()).sum()
+    }
+}
+
+/// The request sets of every producer.
+pub struct Workload {
+    /// `sets[producer][set]`.
+    pub sets: Vec<Vec<Set>>,
+    /// The layout shape (block count irrelevant).
+    pub layout: KvLayout,
+}
+
+impl Workload {
+    /// Seeded sets for `producers` producers.
+    pub fn new(seed: u64, producers: usize, sets_per_producer: usize) -> anyhow::Result<Workload> {
+        let layout = tiny(1)?;
+        let bb = layout.block_bytes();
+        let mut sets = Vec::with_capacity(producers);
+        for p in 0..producers {
+            let mut mine = Vec::with_capacity(sets_per_producer);
+            for s in 0..sets_per_producer {
+                let mut rng = StdRng::seed_from_u64(mix(seed, &[1, p as u64, s as u64]));
+                let n = rng.gen_range(1..=4);
+                let chunks = (0..n)
+                    .map(|c| {
+                        let blocks = rng.gen_range(1..=4u32);
+                        let full = blocks as usize * bb;
+                        // Mostly a partial last block; sometimes exactly full.
+                        let len = if rng.gen_bool(0.25) {
+                            full
+                        } else {
+                            rng.gen_range(full - bb + 1..=full)
+                        };
+                        let mut data = vec![0u8; len];
+                        rng.fill_bytes(&mut data);
+                        Chunk {
+                            key: ChunkKey::from_name(&format!("chaos/p{p}/s{s}/c{c}")),
+                            blocks,
+                            data,
+                        }
+                    })
+                    .collect();
+                mine.push(Set { chunks });
+            }
+            sets.push(mine);
+        }
+        Ok(Workload { sets, layout })
+    }
+}
+
+/// The `tiny` layout, fully contiguous, with `blocks` blocks.
+pub fn tiny(blocks: u32) -> anyhow::Result<KvLayout> {
+    Ok(KvLayout::preset(Preset::Tiny, blocks, Arrangement::FullyContiguous)?)
+}
+
+/// A seed derived from `seed` and `parts` (splitmix64 steps).
+pub fn mix(seed: u64, parts: &[u64]) -> u64 {
+    let mut x = seed;
+    for p in parts {
+        x = x.wrapping_add(p.wrapping_add(0x9E37_79B9_7F4A_7C15));
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 31;
+    }
+    x
+}
+
+/// The consumer's KV region cut into slots of [`BLOCKS_PER_SLOT`] blocks.
+pub struct Slots {
+    region: Arc<Region>,
+    layout: KvLayout,
+    free: Mutex<Vec<u32>>,
+    permits: Semaphore,
+    count: u32,
+}
+
+impl Slots {
+    /// `count` slots, all poisoned.
+    pub fn new(count: u32) -> anyhow::Result<Slots> {
+        let layout = tiny(count * BLOCKS_PER_SLOT)?;
+        let region = Arc::new(Region::host("chaos-consumer-kv", layout.region_bytes())?);
+        region.fill(0, region.len(), POISON)?;
+        Ok(Slots {
+            region,
+            layout,
+            free: Mutex::new((0..count).rev().collect()),
+            permits: Semaphore::new(count as usize),
+            count,
+        })
+    }
+
+    /// Slots in all.
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Slots free now.
+    pub fn free_count(&self) -> usize {
+        self.free.lock().unwrap().len()
+    }
+
+    /// Takes a free slot by `deadline`, with the number of its bytes that are no longer
+    /// poison (written after it was handed back).
+    pub async fn acquire(self: &Arc<Self>, deadline: Instant) -> Option<(Dest, usize)> {
+        let permit = tokio::time::timeout_at(deadline, self.permits.acquire()).await.ok()?.ok()?;
+        permit.forget();
+        let slot = self.free.lock().unwrap().pop().expect("a permit means a free slot");
+        let dest = Dest {
+            region: self.region.clone(),
+            layout: self.layout,
+            base: slot * BLOCKS_PER_SLOT,
+            span: BLOCKS_PER_SLOT,
+            slot: Some((self.clone(), slot)),
+        };
+        let bad = dest.read().iter().filter(|b| **b != POISON).count();
+        if bad > 0 {
+            dest.poison();
+        }
+        Some((dest, bad))
+    }
+
+    /// Non-poison bytes in the free slots (writes after a slot was handed back).
+    pub fn check_free(&self) -> usize {
+        let free = self.free.lock().unwrap().clone();
+        let bb = self.layout.block_bytes();
+        let span = BLOCKS_PER_SLOT as usize * bb;
+        free.iter()
+            .map(|s| {
+                let bytes = self.region.to_vec(*s as usize * span, span).unwrap_or_default();
+                bytes.iter().filter(|b| **b != POISON).count()
+            })
+            .sum()
+    }
+
+    fn release(&self, slot: u32) {
+        self.free.lock().unwrap().push(slot);
+        self.permits.add_permits(1);
+    }
+}
+
+/// Where one transfer lands: a slot or a private region.
+pub struct Dest {
+    region: Arc<Region>,
+    layout: KvLayout,
+    /// First block.
+    base: u32,
+    /// Blocks covered.
+    span: u32,
+    slot: Option<(Arc<Slots>, u32)>,
+}
+
+impl Dest {
+    /// A private, poisoned region sized for `set`.
+    pub fn private(set: &Set) -> anyhow::Result<Dest> {
+        let layout = tiny(set.blocks())?;
+        let region = Arc::new(Region::host("chaos-private", layout.region_bytes())?);
+        region.fill(0, region.len(), POISON)?;
+        Ok(Dest {
+            region,
+            layout,
+            base: 0,
+            span: set.blocks(),
+            slot: None,
+        })
+    }
+
+    /// The region (a private one is checked once this is its only reference).
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// The library's view: chunk `i` of `set` in consecutive blocks from the base.
+    pub fn destination(&self, set: &Set) -> Destination {
+        let mut at = self.base;
+        let chunks = set
+            .chunks
+            .iter()
+            .map(|c| {
+                let blocks: Vec<u32> = (at..at + c.blocks).collect();
+                at += c.blocks;
+                blocks
+            })
+            .collect();
+        Destination {
+            region: self.region.clone(),
+            layout: self.layout,
+            chunks,
+        }
+    }
+
+    fn span_bytes(&self) -> (usize, usize) {
+        let bb = self.layout.block_bytes();
+        (self.base as usize * bb, self.span as usize * bb)
+    }
+
+    /// The destination's bytes now.
+    pub fn read(&self) -> Vec<u8> {
+        let (off, len) = self.span_bytes();
+        self.region.to_vec(off, len).unwrap_or_default()
+    }
+
+    /// What the destination holds once the first `landed` chunks of `set` landed.
+    pub fn expected(&self, set: &Set, landed: usize) -> Vec<u8> {
+        let (start, len) = self.span_bytes();
+        let mut image = vec![POISON; len];
+        let mut at = self.base;
+        for c in set.chunks.iter().take(landed) {
+            let blocks: Vec<u32> = (at..at + c.blocks).collect();
+            at += c.blocks;
+            let ranges = self.layout.chunk_ranges(&blocks).unwrap_or_default();
+            let mut done = 0;
+            for (off, n) in ranges {
+                let n = n.min(c.data.len() - done);
+                if n == 0 {
+                    break;
+                }
+                image[off - start..off - start + n].copy_from_slice(&c.data[done..done + n]);
+                done += n;
+            }
+        }
+        image
+    }
+
+    /// Bytes that differ from the first `landed` chunks of `set` exactly landed.
+    pub fn exact_mismatches(&self, set: &Set, landed: usize) -> usize {
+        let got = self.read();
+        let want = self.expected(set, landed);
+        if got == want {
+            return 0;
+        }
+        got.iter().zip(&want).filter(|(a, b)| a != b).count()
+    }
+
+    /// Bytes that are neither poison nor what `set` puts there (another request's
+    /// bytes, or garbage): the check after a failed or abandoned transfer.
+    pub fn foreign_bytes(&self, set: &Set) -> usize {
+        let got = self.read();
+        let full = self.expected(set, set.chunks.len());
+        got.iter()
+            .zip(&full)
+            .filter(|(g, f)| **g != POISON && g != f)
+            .count()
+    }
+
+    fn poison(&self) {
+        let (off, len) = self.span_bytes();
+        let _ = self.region.fill(off, len, POISON);
+    }
+
+    /// The destination is quiet: re-poison a slot and hand it back (a private region
+    /// is simply dropped).
+    pub fn finish(self) {
+        if let Some((slots, slot)) = &self.slot {
+            self.poison();
+            slots.release(*slot);
+        }
+    }
+}
