@@ -1,0 +1,219 @@
+//! Real processes: `kvferry serve` as a child, killed with SIGKILL mid-pull and
+//! restarted; `kvferry put` / `kvferry get` against it.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry::copy::{CopyConfig, CopyEngine};
+use kvferry::layout::{Arrangement, KvLayout, Preset};
+use kvferry::mem::{Arena, ArenaConfig, Region};
+use kvferry::net::NetConfig;
+use kvferry::peer::{Consumer, ConsumerConfig, Destination, PeerError};
+use kvferry::wire::ChunkKey;
+
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(listen: &str, extra: &[&str]) -> Serve {
+    let t = Instant::now();
+    loop {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args([
+                "serve", "--listen", listen, "--model", "tiny", "--blocks", "4096", "--arena", "16MiB",
+            ])
+            .args(["--page-size", "64KiB"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvferry serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        if let Some(rest) = line.strip_prefix("kvferry serve: listening on ") {
+            let addr = rest.split_whitespace().next().unwrap().to_string();
+            return Serve { child, addr };
+        }
+        // The port may still be held for a moment after a kill: retry briefly.
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(t.elapsed() < Duration::from_secs(5), "serve did not start: {line:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn consumer(layout: KvLayout) -> (Consumer, Arc<Region>, Arena) {
+    let arena = Arena::new(ArenaConfig::new(64 << 10, 64).unpinned()).unwrap();
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 1,
+        ..CopyConfig::default()
+    })
+    .unwrap();
+    let consumer = Consumer::new(
+        arena.clone(),
+        engine,
+        ConsumerConfig::new(NetConfig::new("test-consumer")),
+    )
+    .unwrap();
+    (
+        consumer,
+        Arc::new(Region::host("dst", layout.region_bytes()).unwrap()),
+        arena,
+    )
+}
+
+#[test]
+fn sigkilled_producer_is_peer_lost_promptly_and_its_restart_is_a_new_incarnation() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    // Every chunk is sent 300 ms late, so the pull is surely in flight when we kill.
+    let mut p = serve(
+        "127.0.0.1:0",
+        &["--fault-slow-ppm", "1000000", "--fault-slow-us", "300000"],
+    );
+    let layout = KvLayout::preset(Preset::Tiny, 64, Arrangement::FullyContiguous).unwrap();
+    let (c, region, arena) = rt.block_on(async { consumer(layout) });
+    let keys: Vec<ChunkKey> = (0..3).map(|i| ChunkKey::from_name(&format!("k{i}"))).collect();
+    let chunk = layout.chunk_bytes(4);
+    rt.block_on(async {
+        for (i, k) in keys.iter().enumerate() {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            c.put(&p.addr, *k, &vec![i as u8 + 1; chunk], deadline).await.unwrap();
+        }
+    });
+    let handle = rt
+        .block_on(c.stage(
+            &p.addr,
+            &keys[..1],
+            tokio::time::Instant::now() + Duration::from_secs(5),
+        ))
+        .unwrap();
+    let dst = Destination {
+        region: region.clone(),
+        layout,
+        chunks: (0..3).map(|i| (i * 4..i * 4 + 4).collect()).collect(),
+    };
+    let (c2, addr, k2) = (c.clone(), p.addr.clone(), keys.clone());
+    let get = rt.spawn(async move {
+        c2.get(&addr, &k2, dst, tokio::time::Instant::now() + Duration::from_secs(30))
+            .await
+    });
+    std::thread::sleep(Duration::from_millis(150));
+    let killed = Instant::now();
+    // SAFETY: plain kill(2) of our own child process.
+    unsafe { libc::kill(p.child.id() as i32, libc::SIGKILL) };
+    let err = rt.block_on(get).unwrap().unwrap_err();
+    let took = killed.elapsed();
+    assert!(matches!(err.error, PeerError::PeerLost { .. }), "{}", err.error);
+    assert!(took < Duration::from_secs(1), "PeerLost after {took:?}, TTL is 10 s");
+    assert!(rt.block_on(
+        err.fence
+            .wait_until(tokio::time::Instant::now() + Duration::from_secs(2))
+    ));
+    assert_eq!(arena.stats().free_pages, 64, "consumer staging pages come back");
+    let _ = p.child.wait();
+
+    // Restart on the same port: a new incarnation with an empty store.
+    let addr = p.addr.clone();
+    let p2 = serve(&addr, &[]);
+    rt.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        assert_eq!(
+            c.lookup(&addr, &keys, deadline).await.unwrap(),
+            0,
+            "a new process holds nothing yet"
+        );
+        assert_eq!(c.pool(&addr).unwrap().restarts_seen(), 1);
+        let dst = Destination {
+            region: region.clone(),
+            layout,
+            chunks: vec![(0..4).collect()],
+        };
+        let e = c.resolve(handle, dst.clone(), deadline).await.unwrap_err();
+        assert!(matches!(e.error, PeerError::StaleIncarnation { .. }), "{}", e.error);
+        c.put(&addr, keys[0], &vec![9u8; chunk], deadline).await.unwrap();
+        let landed = c.get(&addr, &keys[..1], dst, deadline).await.unwrap();
+        assert_eq!(landed.chunks, 1);
+        assert_eq!(region.to_vec(0, chunk).unwrap(), vec![9u8; chunk]);
+    });
+    drop(p2);
+}
+
+#[test]
+fn put_and_get_commands_round_trip_and_fail_clearly() {
+    let p = serve("127.0.0.1:0", &["--secret", "hunter2"]);
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("in.bin");
+    let output = dir.join("out.bin");
+    let data: Vec<u8> = (0..20_000u32).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(&input, &data).unwrap();
+    let run = |args: &[&str], secret: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(args)
+            .env("KVFERRY_SECRET", secret)
+            .output()
+            .unwrap()
+    };
+    let out = run(
+        &[
+            "put",
+            "--peer",
+            &p.addr,
+            "--key",
+            "doc",
+            "--file",
+            input.to_str().unwrap(),
+        ],
+        "hunter2",
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run(
+        &[
+            "get",
+            "--peer",
+            &p.addr,
+            "--key",
+            "doc",
+            "--model",
+            "tiny",
+            "--out",
+            output.to_str().unwrap(),
+        ],
+        "hunter2",
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&output).unwrap(), data);
+    let out = run(
+        &["get", "--peer", &p.addr, "--key", "absent", "--model", "tiny"],
+        "hunter2",
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("miss"));
+    let out = run(&["get", "--peer", &p.addr, "--key", "doc", "--model", "tiny"], "wrong");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("authentication failed"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["get", "--peer", &p.addr, "--key", "doc", "--timeout=-1s"], "hunter2");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("negative"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
