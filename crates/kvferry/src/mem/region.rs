@@ -147,6 +147,16 @@ impl Region {
         Ok(v)
     }
 
+    /// The crc32c of `offset..offset+len`, computed in place (no copy). Like
+    /// [`read`](Self::read), meaningful only for bytes no copy is writing.
+    pub fn checksum(&self, offset: usize, len: usize) -> Result<u32, MemError> {
+        self.check(offset, len)?;
+        // SAFETY: in bounds (checked); the slice lives only for this call and is only
+        // read; see the type's contract for concurrent access.
+        let bytes = unsafe { std::slice::from_raw_parts(self.base().add(offset), len) };
+        Ok(crc32c::crc32c(bytes))
+    }
+
     /// Fills `offset..offset+len` with `byte`.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), MemError> {
         self.check(offset, len)?;
@@ -179,6 +189,8 @@ mod tests {
     fn read_write_and_bounds() {
         let r = Region::host("kv", 1 << 16).unwrap();
         r.write(100, b"hello").unwrap();
+        assert_eq!(r.checksum(100, 5).unwrap(), crc32c::crc32c(b"hello"));
+        assert!(r.checksum(1 << 16, 1).is_err());
         assert_eq!(r.to_vec(100, 5).unwrap(), b"hello");
         assert!(matches!(
             r.write((1 << 16) - 2, b"abc"),
