@@ -33,6 +33,7 @@ mod producers;
 mod workload;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,13 +56,17 @@ use producers::{ChildLog, Producer, Spec};
 use workload::{mix, Slots, Workload};
 
 /// Request sets per producer.
-const SETS_PER_PRODUCER: usize = 48;
+const SETS_PER_PRODUCER: usize = 32;
 /// Destination slots in the consumer's KV region.
-const SLOTS: u32 = 48;
-/// Consumer staging pages (4 KiB).
-const CONSUMER_PAGES: usize = 160;
+const SLOTS: u32 = 32;
+/// Consumer staging page size.
+const CONSUMER_PAGE: usize = 64 << 10;
+/// Consumer staging pages (40 MiB).
+const CONSUMER_PAGES: usize = 640;
 /// About one producer kill per this many transfers (at fault rate 1; at least one).
 const TRANSFERS_PER_KILL: f64 = 800.0;
+/// TTL the consumer asks for staged leases (abandoned ones expire after it).
+const LEASE_TTL: Duration = Duration::from_secs(1);
 
 /// Options for `chaos`.
 #[derive(Args, Debug)]
@@ -87,6 +92,20 @@ pub struct ChaosArgs {
     /// Print the ledger as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Break one promise on purpose, to prove the checks catch it (for tests).
+    #[arg(long, hide = true, value_enum)]
+    sabotage: Option<Sabotage>,
+}
+
+/// A deliberate violation (`--sabotage`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sabotage {
+    /// Flip a landed byte before it is verified.
+    Corrupt,
+    /// Keep one consumer staging page forever.
+    Leak,
+    /// Report one get 80 ms after it returned.
+    Late,
 }
 
 pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
@@ -150,8 +169,10 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
     let started = Instant::now();
     let rate = args.fault_rate;
     let ppm = |base: f64| (base * rate) as u64;
+    let work = Workload::new(seed, args.producers, SETS_PER_PRODUCER)?;
     let spec = Spec {
         exe: std::env::current_exe().context("locating the kvferry executable")?,
+        blocks: work.producer_blocks() + 16,
         corrupt_ppm: ppm(10_000.0),
         slow_ppm: ppm(15_000.0),
         slow_us: 30_000,
@@ -166,28 +187,41 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
     let logs: Vec<Arc<ChildLog>> = procs.iter().map(|p| p.log.clone()).collect();
     let procs: Arc<Vec<Mutex<Option<Producer>>>> = Arc::new(procs.into_iter().map(|p| Mutex::new(Some(p))).collect());
 
-    let body = Arc::new(FlakyBody::new(mix(seed, &[4]), ppm(10_000.0)));
+    let body = Arc::new(FlakyBody::new(mix(seed, &[4]), ppm(3_000.0)));
     let engine = CopyEngine::with_body(
         CopyConfig {
             threads: 2,
-            slice_bytes: 4096,
+            slice_bytes: 64 << 10,
         },
         body.clone(),
     )?;
-    let arena = Arena::new(ArenaConfig::new(4096, CONSUMER_PAGES).unpinned())?;
+    let engine_handle = engine.clone();
+    let arena = Arena::new(ArenaConfig::new(CONSUMER_PAGE, CONSUMER_PAGES).unpinned())?;
     let mut net = NetConfig::new("chaos-consumer");
     net.io_timeout = Duration::from_secs(2);
     net.connect_timeout = Duration::from_secs(1);
     net.handshake_timeout = Duration::from_secs(1);
     let mut cfg = ConsumerConfig::new(net);
-    cfg.lease_ttl = Duration::from_secs(1);
+    cfg.lease_ttl = LEASE_TTL;
     cfg.lease_guard = Duration::from_millis(100);
     cfg.done_timeout = Duration::from_millis(500);
     let consumer = Consumer::new(arena, engine, cfg)?;
-    let work = Workload::new(seed, args.producers, SETS_PER_PRODUCER)?;
+    let engine = engine_handle;
+    if args.sabotage == Some(Sabotage::Leak) {
+        // Proves the leak check: one staging page that never comes back.
+        std::mem::forget(consumer.arena().try_alloc(1)?);
+    }
     let slots = Arc::new(Slots::new(SLOTS)?);
     let sim = device::SimRig::new(mix(seed, &[5]))?;
-    let ctx = Arc::new(Ctx::new(consumer, work, slots, addrs, BlockingPool::new(4), sim));
+    let ctx = Arc::new(Ctx::new(
+        consumer,
+        work,
+        slots,
+        addrs,
+        BlockingPool::new(4),
+        sim,
+        args.sabotage,
+    ));
     for p in 0..args.producers {
         ctx.fill(p).await?;
     }
@@ -198,6 +232,8 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
     let mut killer: Option<JoinHandle<anyhow::Result<()>>> = None;
     let cap = started + args.duration_cap;
     let tick = (args.transfers / 10).max(1);
+    let stop_canaries = Arc::new(AtomicBool::new(false));
+    let canaries = canaries(&ctx, &stop_canaries);
     for i in 0..args.transfers {
         if Instant::now() >= cap {
             eprintln!("kvferry chaos: duration cap reached after {i} transfers; quiescing");
@@ -244,17 +280,31 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
         k.await??;
     }
 
-    let mut arenas = quiesce(&ctx).await;
+    let mut arenas = quiesce(&ctx, &engine).await;
+    // Every staged lease must now come back by Done or TTL: give the TTL time to pass
+    // before asking the producers what they still hold.
+    tokio::time::sleep(LEASE_TTL + Duration::from_millis(500)).await;
+    stop_canaries.store(true, Ordering::Relaxed);
+    let (runtime_canary, thread_canary) = canaries;
+    let _ = runtime_canary.await;
+    let _ = tokio::task::spawn_blocking(move || thread_canary.join()).await;
     ctx.ledger.fault("slice_failures", body.injected());
     for (i, p) in procs.iter().enumerate() {
         let p = p.lock().await.take().context("producer already stopped")?;
-        let (outstanding, quarantined) = p.stop().await?;
+        let r = p.stop().await?;
+        if r.held_pages > 0 {
+            ctx.ledger.anomaly(format!(
+                "producer {i} still held {} staging pages after every lease's TTL had passed",
+                r.held_pages
+            ));
+        }
+        let leaked = r.held_pages.max(r.outstanding);
         arenas.push(ArenaReport {
             name: format!("producer-{i}"),
             total_pages: producers::ARENA_PAGES,
-            free_pages: producers::ARENA_PAGES - outstanding - quarantined,
-            quarantined_pages: quarantined,
-            leaked_pages: outstanding,
+            free_pages: producers::ARENA_PAGES.saturating_sub(leaked + r.quarantined),
+            quarantined_pages: r.quarantined,
+            leaked_pages: leaked,
         });
     }
     for log in &logs {
@@ -271,6 +321,32 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
         concurrency: args.concurrency,
         wall: started.elapsed(),
     }))
+}
+
+/// Timers that measure how late the machine (and the tool's own load) wakes a 2 ms
+/// sleep: one on the runtime, one on a plain thread. Separates a slow machine from a
+/// slow library when reading late returns.
+fn canaries(ctx: &Arc<Ctx>, stop: &Arc<AtomicBool>) -> (JoinHandle<()>, std::thread::JoinHandle<()>) {
+    const PERIOD: Duration = Duration::from_millis(2);
+    let (c, s) = (ctx.clone(), stop.clone());
+    let on_runtime = tokio::spawn(async move {
+        while !s.load(Ordering::Relaxed) {
+            let due = Instant::now() + PERIOD;
+            tokio::time::sleep_until(due).await;
+            let late = Instant::now().saturating_duration_since(due).as_micros() as u64;
+            c.ledger.canary_runtime_us.fetch_max(late, Ordering::Relaxed);
+        }
+    });
+    let (c, s) = (ctx.clone(), stop.clone());
+    let on_thread = std::thread::spawn(move || {
+        while !s.load(Ordering::Relaxed) {
+            let due = std::time::Instant::now() + PERIOD;
+            std::thread::sleep(PERIOD);
+            let late = std::time::Instant::now().saturating_duration_since(due).as_micros() as u64;
+            c.ledger.canary_thread_us.fetch_max(late, Ordering::Relaxed);
+        }
+    });
+    (on_runtime, on_thread)
 }
 
 /// SIGKILLs producer `victim` after `delay`, restarts it on the same address and fills
@@ -299,17 +375,30 @@ async fn kill_and_restart(
 
 /// Waits until nothing is in flight, then accounts the consumer's and the sim
 /// device's arenas and the destination slots.
-async fn quiesce(ctx: &Ctx) -> Vec<ArenaReport> {
+async fn quiesce(ctx: &Arc<Ctx>, engine: &CopyEngine) -> Vec<ArenaReport> {
     let ledger = &ctx.ledger;
-    if !ctx.join_background(Instant::now() + Duration::from_secs(30)).await {
-        ledger.anomaly("drain checks still running 30 s after the last transfer".into());
-    }
-    let until = Instant::now() + Duration::from_secs(10);
-    while ctx.sweep_limbo() > 0 && Instant::now() < until {
+    // Drain checks, hogs, and the checks of dropped transfers as the library lets go of
+    // their destinations.
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        if !ctx.join_background(until).await {
+            ledger.anomaly("drain checks still running 30 s after the last transfer".into());
+            break;
+        }
+        let held = ctx.sweep_limbo();
+        if held == 0 {
+            if !ctx.join_background(until).await {
+                ledger.anomaly("drain checks still running 30 s after the last transfer".into());
+            }
+            break;
+        }
+        if Instant::now() >= until {
+            for _ in 0..held {
+                ledger.drain(None);
+            }
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    for _ in 0..ctx.sweep_limbo() {
-        ledger.drain(None);
     }
     let until = Instant::now() + Duration::from_secs(10);
     while ctx.consumer.stats().draining > 0 && Instant::now() < until {
@@ -318,6 +407,10 @@ async fn quiesce(ctx: &Ctx) -> Vec<ArenaReport> {
     let draining = ctx.consumer.stats().draining;
     if draining > 0 {
         ledger.anomaly(format!("{draining} transfers still draining 10 s after quiescing"));
+    }
+    let jobs = engine.stats().jobs_in_flight;
+    if jobs > 0 {
+        ledger.anomaly(format!("{jobs} landing copies still in flight after quiescing"));
     }
     let arena = ctx.consumer.arena();
     let until = Instant::now() + Duration::from_secs(5);

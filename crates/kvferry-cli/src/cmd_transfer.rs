@@ -70,7 +70,10 @@ fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Consumer> {
     net.connections_per_peer = 1;
     let page = 64 << 10;
     let arena = Arena::new(ArenaConfig::new(page, arena_bytes.div_ceil(page).max(1)).unpinned())?;
-    let engine = CopyEngine::new(CopyConfig { threads: 1, ..CopyConfig::default() })?;
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 1,
+        ..CopyConfig::default()
+    })?;
     Ok(Consumer::new(arena, engine, ConsumerConfig::new(net))?)
 }
 
@@ -87,7 +90,9 @@ pub fn put(args: PutArgs) -> anyhow::Result<()> {
         let c = consumer(&args.peer, 64 << 10)?;
         let k = key(&args.peer.key);
         let deadline = Instant::now() + args.peer.timeout;
-        c.put(&args.peer.peer, k, &data, deadline).await.with_context(|| format!("put to {}", args.peer.peer))?;
+        c.put(&args.peer.peer, k, &data, deadline)
+            .await
+            .with_context(|| format!("put to {}", args.peer.peer))?;
         println!("put {} bytes as {k}", data.len());
         Ok(())
     })
@@ -97,11 +102,18 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
     let preset: Preset = args.model.parse()?;
     anyhow::ensure!(args.max_blocks > 0, "--max-blocks must be at least 1");
     let layout = KvLayout::preset(preset, args.max_blocks, Arrangement::FullyContiguous)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
     let (landed, bytes) = rt.block_on(async {
         let c = consumer(&args.peer, layout.region_bytes())?;
         let region = Arc::new(Region::host("get", layout.region_bytes())?);
-        let dst = Destination { region: region.clone(), layout, chunks: vec![(0..args.max_blocks).collect()] };
+        let dst = Destination {
+            region: region.clone(),
+            layout,
+            chunks: vec![(0..args.max_blocks).collect()],
+        };
         let deadline = Instant::now() + args.peer.timeout;
         let k = key(&args.peer.key);
         let landed = c

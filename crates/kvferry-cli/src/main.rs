@@ -5,12 +5,12 @@
 
 mod cmd_bench;
 mod cmd_chaos;
+mod cmd_cluster_demo;
 mod cmd_serve;
 mod cmd_transfer;
+mod cmd_worker;
 mod node;
 mod util;
-mod cmd_cluster_demo;
-mod cmd_worker;
 
 use clap::{Parser, Subcommand};
 

@@ -87,7 +87,11 @@ impl NodeArgs {
         net.io_timeout = self.io_timeout;
         net.idle_timeout = self.idle_timeout;
         net.max_connections = self.max_connections;
-        net.limits = Limits { max_control_bytes: self.max_control.bytes(), max_bulk_bytes: self.max_bulk.bytes(), ..Limits::default() };
+        net.limits = Limits {
+            max_control_bytes: self.max_control.bytes(),
+            max_bulk_bytes: self.max_bulk.bytes(),
+            ..Limits::default()
+        };
         net.validate()?;
         Ok(net)
     }
@@ -96,7 +100,12 @@ impl NodeArgs {
         let page = self.page_size.bytes() as usize;
         anyhow::ensure!(page > 0, "--page-size must be greater than zero");
         let pages = (self.arena.bytes() as usize) / page;
-        anyhow::ensure!(pages > 0, "--arena ({}) must hold at least one page of {}", self.arena, self.page_size);
+        anyhow::ensure!(
+            pages > 0,
+            "--arena ({}) must hold at least one page of {}",
+            self.arena,
+            self.page_size
+        );
         let arena = Arena::new(ArenaConfig::new(page, pages)).context("creating the staging arena")?;
         if let Some(why) = arena.fallback_reason() {
             eprintln!("note: staging arena is {} ({why})", arena.backing_kind());
@@ -148,8 +157,18 @@ pub async fn start_producer(args: &NodeArgs, listen: &str, peer_id: &str) -> any
     let region = Arc::new(Region::host("kv", layout.region_bytes()).context("allocating the KV region")?);
     let store = ChunkStore::new(region, layout, args.store_capacity)?;
     let net = args.net(peer_id)?;
-    let cfg = ProducerConfig { default_ttl: args.ttl, max_ttl: args.ttl.max(Duration::from_secs(120)), max_concurrent_gets: args.max_gets };
+    let cfg = ProducerConfig {
+        default_ttl: args.ttl,
+        max_ttl: args.ttl.max(Duration::from_secs(120)),
+        max_concurrent_gets: args.max_gets,
+    };
     let producer = Producer::new(store, args.arena()?, args.engine()?, cfg, net.incarnation)?;
-    let server = Server::bind(listen, net, Arc::new(producer.clone())).await.with_context(|| format!("listening on {listen}"))?;
-    Ok(ProducerNode { producer, server, layout })
+    let server = Server::bind(listen, net, Arc::new(producer.clone()))
+        .await
+        .with_context(|| format!("listening on {listen}"))?;
+    Ok(ProducerNode {
+        producer,
+        server,
+        layout,
+    })
 }

@@ -11,7 +11,9 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     }
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| format!("{s:?}: expected a duration like 500ms, 2s, 1m"))?;
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a duration like 500ms, 2s, 1m"))?;
     let secs = match unit.trim() {
         "" | "s" => v,
         "ms" => v / 1e3,

@@ -26,9 +26,7 @@ async fn step_outcomes_are_counted_per_rank_and_rendered() {
 
     leader.run_step(echo()).await.unwrap();
     let err = leader
-        .run_step(StepOp::Fail {
-            message: "boom".into(),
-        })
+        .run_step(StepOp::Fail { message: "boom".into() })
         .await
         .unwrap_err();
     assert!(matches!(err, ClusterError::RankFailed { .. }), "{err}");

@@ -26,7 +26,15 @@ impl Drop for Serve {
 
 fn serve() -> Serve {
     let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--arena", "16MiB"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+            "--arena",
+            "16MiB",
+        ])
         .args(["--model", "tiny", "--blocks", "64", "--copy-threads", "1"])
         .env_remove("RUST_LOG")
         .env_remove("KVFERRY_SECRET")
@@ -99,9 +107,18 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     let (status, body) = http_get(s.metrics, "/metrics");
     assert_eq!(status, 200);
     // 16 MiB of 2 MiB pages, all free; nothing moved yet.
-    assert_eq!(sample(&body, r#"kvferry_arena_pages{role="producer",state="free"}"#), 8.0);
-    assert_eq!(sample(&body, r#"kvferry_arena_pages{role="producer",state="leased"}"#), 0.0);
-    assert_eq!(sample(&body, r#"kvferry_bytes_total{role="producer",direction="sent"}"#), 0.0);
+    assert_eq!(
+        sample(&body, r#"kvferry_arena_pages{role="producer",state="free"}"#),
+        8.0
+    );
+    assert_eq!(
+        sample(&body, r#"kvferry_arena_pages{role="producer",state="leased"}"#),
+        0.0
+    );
+    assert_eq!(
+        sample(&body, r#"kvferry_bytes_total{role="producer",direction="sent"}"#),
+        0.0
+    );
     assert_eq!(sample(&body, "kvferry_connections_accepted_total"), 0.0);
     assert!(body.contains("# TYPE kvferry_copy_queue_depth gauge\n"));
     assert_eq!(http_get(s.metrics, "/").0, 404);
@@ -114,15 +131,32 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
     std::fs::write(&file, &data).unwrap();
     let put = Command::new(BIN)
-        .args(["put", "--peer", &s.listen, "--key", "k1", "--file", file.to_str().unwrap()])
+        .args([
+            "put",
+            "--peer",
+            &s.listen,
+            "--key",
+            "k1",
+            "--file",
+            file.to_str().unwrap(),
+        ])
         .env_remove("RUST_LOG")
         .output()
         .unwrap();
     assert!(put.status.success(), "{}", String::from_utf8_lossy(&put.stderr));
     let get = |rust_log: Option<&str>| {
         let mut cmd = Command::new(BIN);
-        cmd.args(["--log-json", "get", "--peer", &s.listen, "--key", "k1", "--model", "tiny"])
-            .env_remove("RUST_LOG");
+        cmd.args([
+            "--log-json",
+            "get",
+            "--peer",
+            &s.listen,
+            "--key",
+            "k1",
+            "--model",
+            "tiny",
+        ])
+        .env_remove("RUST_LOG");
         if let Some(filter) = rust_log {
             cmd.env("RUST_LOG", filter);
         }
@@ -149,17 +183,34 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
 
     let (status, body) = http_get(s.metrics, "/metrics");
     assert_eq!(status, 200);
-    assert_eq!(sample(&body, r#"kvferry_bytes_total{role="producer",direction="sent"}"#), 10_000.0);
-    assert_eq!(sample(&body, r#"kvferry_chunks_total{role="producer",direction="sent"}"#), 2.0);
-    assert_eq!(sample(&body, r#"kvferry_bytes_total{role="producer",direction="received"}"#), 5000.0);
-    assert_eq!(sample(&body, r#"kvferry_chunks_total{role="producer",direction="received"}"#), 1.0);
+    assert_eq!(
+        sample(&body, r#"kvferry_bytes_total{role="producer",direction="sent"}"#),
+        10_000.0
+    );
+    assert_eq!(
+        sample(&body, r#"kvferry_chunks_total{role="producer",direction="sent"}"#),
+        2.0
+    );
+    assert_eq!(
+        sample(&body, r#"kvferry_bytes_total{role="producer",direction="received"}"#),
+        5000.0
+    );
+    assert_eq!(
+        sample(&body, r#"kvferry_chunks_total{role="producer",direction="received"}"#),
+        1.0
+    );
     assert_eq!(sample(&body, r#"kvferry_leases_staged_total{role="producer"}"#), 2.0);
     assert!(sample(&body, "kvferry_connections_accepted_total") >= 3.0);
     assert!(sample(&body, "kvferry_requests_total") >= 3.0);
     assert!(sample(&body, r#"kvferry_copy_bytes_total{role="producer"}"#) >= 15_000.0);
     let pages: f64 = ["free", "leased", "quarantined"]
         .iter()
-        .map(|st| sample(&body, &format!(r#"kvferry_arena_pages{{role="producer",state="{st}"}}"#)))
+        .map(|st| {
+            sample(
+                &body,
+                &format!(r#"kvferry_arena_pages{{role="producer",state="{st}"}}"#),
+            )
+        })
         .sum();
     assert_eq!(pages, 8.0);
 
@@ -177,8 +228,14 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     assert!(status.success(), "{status:?}");
     let mut err = String::new();
     s.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    assert!(err.contains("arena closed: 0 pages outstanding, 0 quarantined"), "{err}");
-    assert!(TcpStream::connect(s.metrics).is_err(), "the endpoint stopped with the daemon");
+    assert!(
+        err.contains("arena closed: 0 pages outstanding, 0 quarantined"),
+        "{err}"
+    );
+    assert!(
+        TcpStream::connect(s.metrics).is_err(),
+        "the endpoint stopped with the daemon"
+    );
 }
 
 #[test]
@@ -186,7 +243,15 @@ fn serve_refuses_an_unusable_metrics_address() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let out = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--metrics", &addr, "--arena", "4MiB"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            &addr,
+            "--arena",
+            "4MiB",
+        ])
         .args(["--model", "tiny", "--blocks", "8"])
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())

@@ -41,7 +41,9 @@ async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String, String) {
 }
 
 fn split(raw: &str) -> (u16, String, String) {
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no head in {raw:?}"));
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {raw:?}"));
     let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap();
     let len: usize = head
         .lines()
@@ -68,7 +70,10 @@ fn parse(body: &str) -> HashMap<String, f64> {
             let (name, kind) = rest.split_once(' ').unwrap();
             assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
             assert!(helped.contains(name), "TYPE before HELP: {line}");
-            assert!(typed.insert(name.to_string(), kind.to_string()).is_none(), "TYPE twice: {line}");
+            assert!(
+                typed.insert(name.to_string(), kind.to_string()).is_none(),
+                "TYPE twice: {line}"
+            );
             continue;
         }
         assert!(!line.starts_with('#') && !line.is_empty(), "stray line {line:?}");
@@ -78,7 +83,10 @@ fn parse(body: &str) -> HashMap<String, f64> {
             Some(_) => name,
             None => ["_bucket", "_sum", "_count"]
                 .iter()
-                .find_map(|s| name.strip_suffix(s).filter(|f| typed.get(*f).is_some_and(|k| k == "histogram")))
+                .find_map(|s| {
+                    name.strip_suffix(s)
+                        .filter(|f| typed.get(*f).is_some_and(|k| k == "histogram"))
+                })
                 .unwrap_or_else(|| panic!("sample without TYPE: {line}")),
         };
         assert!(typed.contains_key(family));
@@ -86,7 +94,10 @@ fn parse(body: &str) -> HashMap<String, f64> {
             "+Inf" => f64::INFINITY,
             v => v.parse().unwrap_or_else(|_| panic!("bad value in {line}")),
         };
-        assert!(samples.insert(series.to_string(), v).is_none(), "series twice: {series}");
+        assert!(
+            samples.insert(series.to_string(), v).is_none(),
+            "series twice: {series}"
+        );
     }
     samples
 }
@@ -98,7 +109,9 @@ fn val(m: &HashMap<String, f64>, series: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
-    let ProducerNode { producer, server, addr, .. } = producer_node(NodeOpts::default()).await;
+    let ProducerNode {
+        producer, server, addr, ..
+    } = producer_node(NodeOpts::default()).await;
     let server = Arc::new(server);
     let c = consumer_node(64, 64);
     let registry = Arc::new(Registry::new());
@@ -119,7 +132,13 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
     assert!(head.contains("Content-Type: text/plain; version=0.0.4"), "{head}");
     let m = parse(&body);
     assert_eq!(val(&m, r#"kvferry_bytes_total{role="producer",direction="sent"}"#), 0.0);
-    assert_eq!(val(&m, r#"kvferry_transfer_seconds_count{role="consumer",outcome="completed"}"#), 0.0);
+    assert_eq!(
+        val(
+            &m,
+            r#"kvferry_transfer_seconds_count{role="consumer",outcome="completed"}"#
+        ),
+        0.0
+    );
 
     // Two transfers land: an eager get and a delayed pull, 2 chunks of 2 blocks each.
     let k1 = fill(&producer, 1, 2, 2);
@@ -132,7 +151,11 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
 
     // A checksum failure.
     producer.faults().corrupt_next_sends.store(1, Ordering::SeqCst);
-    let e = c.consumer.get(&addr, &k1, c.dst(8, 2, 2), soon(5000)).await.unwrap_err();
+    let e = c
+        .consumer
+        .get(&addr, &k1, c.dst(8, 2, 2), soon(5000))
+        .await
+        .unwrap_err();
     assert!(matches!(e.error, PeerError::ChecksumMismatch { .. }), "{}", e.error);
 
     // A timeout: the producer is slower than the caller's deadline.
@@ -155,7 +178,10 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
         val(&m, r#"kvferry_bytes_total{role="consumer",direction="landed"}"#),
         4.0 * chunk_bytes
     );
-    assert_eq!(val(&m, r#"kvferry_chunks_total{role="consumer",direction="landed"}"#), 4.0);
+    assert_eq!(
+        val(&m, r#"kvferry_chunks_total{role="consumer",direction="landed"}"#),
+        4.0
+    );
     assert_eq!(cs.bytes as f64, 4.0 * chunk_bytes, "the scrape shows the stats");
     // Failures.
     assert_eq!(val(&m, r#"kvferry_checksum_failures_total{role="consumer"}"#), 1.0);
@@ -164,7 +190,10 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
         val(&m, r#"kvferry_cancellations_total{role="consumer"}"#),
         cs.cancelled as f64
     );
-    assert_eq!(val(&m, r#"kvferry_transfers_total{role="consumer",outcome="completed"}"#), 2.0);
+    assert_eq!(
+        val(&m, r#"kvferry_transfers_total{role="consumer",outcome="completed"}"#),
+        2.0
+    );
     // Latency: one observation per transfer, buckets cumulative up to +Inf == count.
     let mut observed = 0.0;
     for outcome in ["completed", "failed", "cancelled"] {
@@ -179,7 +208,9 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
         assert_eq!(count, inf, "{outcome}");
         let mut last = 0.0;
         for line in body.lines().filter(|l| {
-            l.starts_with(&format!(r#"kvferry_transfer_seconds_bucket{{role="consumer",outcome="{outcome}""#))
+            l.starts_with(&format!(
+                r#"kvferry_transfer_seconds_bucket{{role="consumer",outcome="{outcome}""#
+            ))
         }) {
             let v: f64 = line.rsplit_once(' ').unwrap().1.parse().unwrap();
             assert!(v >= last, "buckets are cumulative: {line}");
@@ -188,8 +219,19 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
         observed += count;
     }
     assert_eq!(observed, 4.0, "one latency observation per transfer");
-    assert_eq!(val(&m, r#"kvferry_transfer_seconds_count{role="consumer",outcome="completed"}"#), 2.0);
-    assert!(val(&m, r#"kvferry_transfer_seconds_sum{role="consumer",outcome="completed"}"#) > 0.0);
+    assert_eq!(
+        val(
+            &m,
+            r#"kvferry_transfer_seconds_count{role="consumer",outcome="completed"}"#
+        ),
+        2.0
+    );
+    assert!(
+        val(
+            &m,
+            r#"kvferry_transfer_seconds_sum{role="consumer",outcome="completed"}"#
+        ) > 0.0
+    );
     // Arena pages add up on both sides.
     for (role, total) in [("producer", 256.0), ("consumer", 64.0)] {
         let pages: f64 = ["free", "leased", "quarantined"]
@@ -207,7 +249,10 @@ async fn scrape_shows_transfers_timeouts_checksum_failures_and_pages() {
     assert!(m.contains_key("kvferry_peer_connections"));
     assert!(val(&m, "kvferry_requests_total") >= 5.0);
     assert!(m.contains_key(r#"kvferry_staged_leases{role="producer"}"#));
-    assert_eq!(val(&m, r#"kvferry_leases_staged_total{role="producer"}"#), producer.stats().staged as f64);
+    assert_eq!(
+        val(&m, r#"kvferry_leases_staged_total{role="producer"}"#),
+        producer.stats().staged as f64
+    );
     assert!(m.contains_key(r#"kvferry_leases_expired_total{role="producer"}"#));
 
     endpoint.shutdown().await;
@@ -229,7 +274,10 @@ async fn other_paths_methods_and_garbage_get_errors_and_the_endpoint_survives() 
     assert_eq!(status, 405);
     assert!(head.contains("Allow: GET, HEAD"));
     let raw = exchange(a, b"HEAD /metrics HTTP/1.1\r\n\r\n").await;
-    assert!(raw.starts_with("HTTP/1.1 200 OK\r\n") && raw.ends_with("\r\n\r\n"), "{raw}");
+    assert!(
+        raw.starts_with("HTTP/1.1 200 OK\r\n") && raw.ends_with("\r\n\r\n"),
+        "{raw}"
+    );
     for garbage in [
         &b"\x00\x01\x02\xff\r\n\r\n"[..],
         b"GET\r\n\r\n",
@@ -256,7 +304,10 @@ async fn other_paths_methods_and_garbage_get_errors_and_the_endpoint_survives() 
     for s in scrapes {
         let (status, _, body) = s.await.unwrap();
         assert_eq!(status, 200);
-        assert_eq!(body, "# HELP kvferry_test_up Up.\n# TYPE kvferry_test_up gauge\nkvferry_test_up 1\n");
+        assert_eq!(
+            body,
+            "# HELP kvferry_test_up Up.\n# TYPE kvferry_test_up gauge\nkvferry_test_up 1\n"
+        );
     }
 }
 

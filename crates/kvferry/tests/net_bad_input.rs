@@ -44,29 +44,41 @@ const MAX_KEYS: usize = Limits::DEFAULT_MAX_KEYS;
 /// Resident set size of this process (the server runs in it), in bytes.
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS in /proc/self/status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .expect("VmRSS in /proc/self/status");
     let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
     kib << 10
 }
 
 /// Raises the soft open-files limit to at least `want` (up to the hard limit); returns
 /// the soft limit now in force.
-fn raise_nofile(want: u64) -> u64 {
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+fn raise_nofile(want: libc::rlim_t) -> libc::rlim_t {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit only read or write the struct passed to them.
     unsafe {
         assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        if r.rlim_cur < want as libc::rlim_t {
-            r.rlim_cur = (want as libc::rlim_t).min(r.rlim_max);
+        if r.rlim_cur < want {
+            r.rlim_cur = want.min(r.rlim_max);
             assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
         }
     }
-    r.rlim_cur as u64
+    r.rlim_cur
 }
 
 /// A well-formed header of `kind`.
 fn header(kind: FrameKind, request_id: u64, len: u64, checksum: u32) -> [u8; HEADER_LEN] {
-    FrameHeader { kind, request_id, len, checksum }.encode()
+    FrameHeader {
+        kind,
+        request_id,
+        len,
+        checksum,
+    }
+    .encode()
 }
 
 /// `h` with its header crc recomputed, so that checks after the crc are reached.
@@ -110,7 +122,10 @@ async fn expect_error(s: &mut TcpStream, kind: ErrorKind, needle: &str) -> u64 {
     match recv(s).await {
         (id, Message::Error { kind: k, message }) => {
             assert_eq!(k, kind, "error kind (message: {message:?})");
-            assert!(message.contains(needle), "error message {message:?} does not mention {needle:?}");
+            assert!(
+                message.contains(needle),
+                "error message {message:?} does not mention {needle:?}"
+            );
             id
         }
         (_, other) => panic!("expected Error({kind:?}), got {other:?}"),
@@ -140,7 +155,10 @@ async fn expect_closed_maybe_error(s: &mut TcpStream, kind: ErrorKind, needle: &
         Ok(Err(e)) => panic!("expected a close or an Error frame, got {e}"),
         Ok(Ok((_, Message::Error { kind: k, message }))) => {
             assert_eq!(k, kind, "error kind (message: {message:?})");
-            assert!(message.contains(needle), "error message {message:?} does not mention {needle:?}");
+            assert!(
+                message.contains(needle),
+                "error message {message:?} does not mention {needle:?}"
+            );
             expect_closed(s).await;
         }
         Ok(Ok((_, other))) => panic!("expected a close or an Error frame, got {other:?}"),
@@ -154,14 +172,27 @@ async fn expect_pong(s: &mut TcpStream, id: u64) {
 }
 
 fn hello(wants_auth: bool, nonce: [u8; 32]) -> Message {
-    Message::Hello { peer_id: "raw-client".into(), incarnation: 0x5eed, nonce, wants_auth }
+    Message::Hello {
+        peer_id: "raw-client".into(),
+        incarnation: 0x5eed,
+        nonce,
+        wants_auth,
+    }
 }
 
 /// Sends `Hello`, returns the server's nonce, incarnation and proof from `Challenge`.
 async fn hello_challenge(s: &mut TcpStream, wants_auth: bool, nonce: [u8; 32]) -> ([u8; 32], u64, Option<[u8; 32]>) {
     send(s, 1, &hello(wants_auth, nonce)).await;
     match recv(s).await {
-        (1, Message::Challenge { nonce, incarnation, proof, .. }) => (nonce, incarnation, proof),
+        (
+            1,
+            Message::Challenge {
+                nonce,
+                incarnation,
+                proof,
+                ..
+            },
+        ) => (nonce, incarnation, proof),
         other => panic!("expected Challenge for request 1, got {other:?}"),
     }
 }
@@ -206,18 +237,33 @@ struct Good {
 impl Good {
     fn new(p: &ProducerNode, req: u64, secret: Option<Vec<u8>>) -> Good {
         let keys = fill(&p.producer, req, 2, 2);
-        let engine =
-            kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig { threads: 2, slice_bytes: 256 << 10 }).unwrap();
-        Good { node: consumer_with_engine(engine, 16, 16, secret), keys, req }
+        let engine = kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig {
+            threads: 2,
+            slice_bytes: 256 << 10,
+        })
+        .unwrap();
+        Good {
+            node: consumer_with_engine(engine, 16, 16, secret),
+            keys,
+            req,
+        }
     }
 
     /// One lookup and one get whose landed bytes must be exactly the producer's.
     async fn round(&self, addr: &str) {
         let c = &self.node;
         let deadline = Instant::now() + Duration::from_secs(10);
-        assert_eq!(c.consumer.lookup(addr, &self.keys, deadline).await.unwrap(), 2, "lookup");
+        assert_eq!(
+            c.consumer.lookup(addr, &self.keys, deadline).await.unwrap(),
+            2,
+            "lookup"
+        );
         c.region.fill(0, c.layout.region_bytes(), 0xEE).unwrap();
-        let landed = c.consumer.get(addr, &self.keys, c.dst(0, 2, 2), deadline).await.unwrap();
+        let landed = c
+            .consumer
+            .get(addr, &self.keys, c.dst(0, 2, 2), deadline)
+            .await
+            .unwrap();
         assert_eq!(landed.chunks, 2);
         assert_eq!(c.corrupted_bytes(self.req, 0, &[0, 1]), 0, "chunk 0 landed intact");
         assert_eq!(c.corrupted_bytes(self.req, 1, &[2, 3]), 0, "chunk 1 landed intact");
@@ -292,10 +338,18 @@ async fn malformed_headers_get_typed_errors_before_and_after_the_handshake() {
     bad_crc_len[16] ^= 0x01; // a flipped length bit is caught by the header crc
     let cases = [
         ("wrong magic", reseal(wrong_magic), "bad frame magic"),
-        ("wrong version", reseal(wrong_version), "unsupported wire version 2 (supported: 1)"),
+        (
+            "wrong version",
+            reseal(wrong_version),
+            "unsupported wire version 2 (supported: 1)",
+        ),
         ("unknown kind", reseal(unknown_kind), "unknown frame kind 9"),
         ("kind zero", reseal(kind_zero), "unknown frame kind 0"),
-        ("nonzero reserved", reseal(reserved), "reserved field is 0x0100, must be 0"),
+        (
+            "nonzero reserved",
+            reseal(reserved),
+            "reserved field is 0x0100, must be 0",
+        ),
         ("bad header crc", bad_crc, "header crc mismatch"),
         ("flipped length bit", bad_crc_len, "header crc mismatch"),
     ];
@@ -324,7 +378,15 @@ async fn truncated_frames_close_the_connection() {
     let p = producer_node(NodeOpts::default()).await;
     let good = Good::new(&p, 3, None);
     let mut ping = Vec::new();
-    wire::write_control(&mut ping, 5, &Message::Lookup { keys: vec![ChunkKey::from_name("k"); 3] }).await.unwrap();
+    wire::write_control(
+        &mut ping,
+        5,
+        &Message::Lookup {
+            keys: vec![ChunkKey::from_name("k"); 3],
+        },
+    )
+    .await
+    .unwrap();
     let body_len = ping.len() - HEADER_LEN;
     let cuts = [
         ("half a header", HEADER_LEN / 2),
@@ -340,12 +402,23 @@ async fn truncated_frames_close_the_connection() {
             s.shutdown().await.unwrap();
             let t = std::time::Instant::now();
             expect_closed_maybe_error(&mut s, ErrorKind::BadRequest, "mid-frame").await;
-            assert!(t.elapsed() < Duration::from_secs(2), "{what}: closed promptly, not at a timeout");
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "{what}: closed promptly, not at a timeout"
+            );
         }
     }
     // A push whose bulk frame is cut short.
     let (mut s, _) = handshake(&p.addr).await;
-    send(&mut s, 7, &Message::Put { key: ChunkKey::from_name("cut"), len: 1000 }).await;
+    send(
+        &mut s,
+        7,
+        &Message::Put {
+            key: ChunkKey::from_name("cut"),
+            len: 1000,
+        },
+    )
+    .await;
     s.write_all(&header(FrameKind::Bulk, 7, 1000, 0)).await.unwrap();
     s.write_all(&[1u8; 500]).await.unwrap();
     s.shutdown().await.unwrap();
@@ -354,7 +427,11 @@ async fn truncated_frames_close_the_connection() {
 
     all_closed(&p).await;
     assert_eq!(p.producer.stats().pushed, 0);
-    assert_eq!(p.producer.arena().stats().free_pages, 256, "the cut push returned its staging pages");
+    assert_eq!(
+        p.producer.arena().stats().free_pages,
+        256,
+        "the cut push returned its staging pages"
+    );
     assert_eq!(p.server.stats().handshake_failures, cuts.len() as u64);
     good.round(&p.addr).await;
 }
@@ -367,7 +444,10 @@ async fn absurd_lengths_are_rejected_from_the_header_alone() {
     let _g = GATE.write().await;
     // A long I/O timeout: an answer within WAIT proves the server did not wait for (or
     // allocate) the announced payload.
-    let opts = NodeOpts { io_timeout: Some(Duration::from_secs(60)), ..NodeOpts::default() };
+    let opts = NodeOpts {
+        io_timeout: Some(Duration::from_secs(60)),
+        ..NodeOpts::default()
+    };
     let p = producer_node(opts).await;
     let good = Good::new(&p, 4, None);
     good.round(&p.addr).await;
@@ -390,20 +470,44 @@ async fn absurd_lengths_are_rejected_from_the_header_alone() {
                 let needle = format!("of {len} bytes exceeds limit");
                 expect_error(&mut s, ErrorKind::TooLarge, &needle).await;
                 expect_closed(&mut s).await;
-                assert!(t.elapsed() < WAIT, "round {round}: {kind:?} of {len} answered from the header");
+                assert!(
+                    t.elapsed() < WAIT,
+                    "round {round}: {kind:?} of {len} answered from the header"
+                );
             }
         }
         // Inside a push: an absurd declared length, and an absurd bulk frame after a
         // sane declaration.
         for put_len in [u64::MAX, 1 << 63, MAX_BULK + 1] {
             let (mut s, _) = handshake(&p.addr).await;
-            send(&mut s, 11, &Message::Put { key: ChunkKey::from_name("huge"), len: put_len }).await;
-            expect_error(&mut s, ErrorKind::TooLarge, &format!("chunk of {put_len} bytes exceeds limit")).await;
+            send(
+                &mut s,
+                11,
+                &Message::Put {
+                    key: ChunkKey::from_name("huge"),
+                    len: put_len,
+                },
+            )
+            .await;
+            expect_error(
+                &mut s,
+                ErrorKind::TooLarge,
+                &format!("chunk of {put_len} bytes exceeds limit"),
+            )
+            .await;
             expect_closed(&mut s).await;
         }
         for bulk_len in [u64::MAX, 1 << 63, MAX_BULK + 1] {
             let (mut s, _) = handshake(&p.addr).await;
-            send(&mut s, 12, &Message::Put { key: ChunkKey::from_name("sane"), len: 1000 }).await;
+            send(
+                &mut s,
+                12,
+                &Message::Put {
+                    key: ChunkKey::from_name("sane"),
+                    len: 1000,
+                },
+            )
+            .await;
             s.write_all(&header(FrameKind::Bulk, 12, bulk_len, 0)).await.unwrap();
             let id = expect_error(&mut s, ErrorKind::TooLarge, &format!("bulk frame of {bulk_len} bytes")).await;
             assert_eq!(id, 12);
@@ -424,7 +528,11 @@ async fn absurd_lengths_are_rejected_from_the_header_alone() {
 async fn a_flood_of_oversize_headers_does_not_disturb_a_good_client() {
     let _g = GATE.write().await;
     raise_nofile(1024);
-    let p = producer_node(NodeOpts { io_timeout: Some(Duration::from_secs(60)), ..NodeOpts::default() }).await;
+    let p = producer_node(NodeOpts {
+        io_timeout: Some(Duration::from_secs(60)),
+        ..NodeOpts::default()
+    })
+    .await;
     let good = Good::new(&p, 5, None);
     good.round(&p.addr).await;
     let before = rss_bytes();
@@ -474,15 +582,31 @@ async fn a_flood_of_oversize_headers_does_not_disturb_a_good_client() {
 async fn slow_loris_frames_are_cut_at_the_io_timeout() {
     let _g = GATE.read().await;
     let io = Duration::from_millis(300);
-    let p = producer_node(NodeOpts { io_timeout: Some(io), ..NodeOpts::default() }).await;
+    let p = producer_node(NodeOpts {
+        io_timeout: Some(io),
+        ..NodeOpts::default()
+    })
+    .await;
     let good = Good::new(&p, 6, None);
     let mut lookup = Vec::new();
-    wire::write_control(&mut lookup, 5, &Message::Lookup { keys: vec![ChunkKey::from_name("k")] }).await.unwrap();
+    wire::write_control(
+        &mut lookup,
+        5,
+        &Message::Lookup {
+            keys: vec![ChunkKey::from_name("k")],
+        },
+    )
+    .await
+    .unwrap();
     // A header that trickles in, and a payload that trickles in after a whole header:
     // neither ever finishes.
     let trickles = [
         ("read frame header timed out", lookup[..HEADER_LEN - 1].to_vec(), 0),
-        ("read control frame timed out", lookup[..lookup.len() - 1].to_vec(), HEADER_LEN),
+        (
+            "read control frame timed out",
+            lookup[..lookup.len() - 1].to_vec(),
+            HEADER_LEN,
+        ),
     ];
     let mut set = JoinSet::new();
     for (needle, bytes, at_once) in trickles {
@@ -503,15 +627,26 @@ async fn slow_loris_frames_are_cut_at_the_io_timeout() {
             let reply = tokio::time::timeout(WAIT, wire::read_control::<_, Message>(&mut rd, &Limits::default())).await;
             let waited = started.elapsed();
             match reply {
-                Ok(Ok((_, Message::Error { kind: ErrorKind::BadRequest, message }))) => {
+                Ok(Ok((
+                    _,
+                    Message::Error {
+                        kind: ErrorKind::BadRequest,
+                        message,
+                    },
+                ))) => {
                     assert!(message.contains(needle), "{message:?} does not mention {needle:?}")
                 }
                 other => panic!("expected a timeout error, got {other:?}"),
             }
-            assert!(waited >= io - Duration::from_millis(50), "cut after {waited:?}, before the {io:?} timeout");
+            assert!(
+                waited >= io - Duration::from_millis(50),
+                "cut after {waited:?}, before the {io:?} timeout"
+            );
             assert!(waited < io + Duration::from_secs(3), "cut only after {waited:?}");
             let mut buf = [0u8; 8];
-            let end = tokio::time::timeout(WAIT, rd.read(&mut buf)).await.expect("closed after the error");
+            let end = tokio::time::timeout(WAIT, rd.read(&mut buf))
+                .await
+                .expect("closed after the error");
             assert!(matches!(end, Ok(0)) || end.is_err(), "{end:?}");
             writer.abort();
         });
@@ -529,10 +664,16 @@ async fn slow_loris_frames_are_cut_at_the_io_timeout() {
 async fn silent_and_slow_handshakes_are_cut_at_the_handshake_timeout() {
     let _g = GATE.read().await;
     let hs = Duration::from_millis(400);
-    let p = producer_node(NodeOpts { handshake_timeout: Some(hs), ..NodeOpts::default() }).await;
+    let p = producer_node(NodeOpts {
+        handshake_timeout: Some(hs),
+        ..NodeOpts::default()
+    })
+    .await;
     let good = Good::new(&p, 7, None);
     let mut hello_bytes = Vec::new();
-    wire::write_control(&mut hello_bytes, 1, &hello(false, [7; 32])).await.unwrap();
+    wire::write_control(&mut hello_bytes, 1, &hello(false, [7; 32]))
+        .await
+        .unwrap();
     let mut set = JoinSet::new();
     for slow in [false, true] {
         let (addr, hello_bytes) = (p.addr.clone(), hello_bytes.clone());
@@ -552,11 +693,19 @@ async fn silent_and_slow_handshakes_are_cut_at_the_handshake_timeout() {
                 std::future::pending::<()>().await;
             });
             let mut buf = [0u8; 256];
-            let n = tokio::time::timeout(WAIT, rd.read(&mut buf)).await.expect("closed at the handshake timeout");
+            let n = tokio::time::timeout(WAIT, rd.read(&mut buf))
+                .await
+                .expect("closed at the handshake timeout");
             let waited = started.elapsed();
             assert!(matches!(n, Ok(0)) || n.is_err(), "slow={slow}: {n:?}");
-            assert!(waited >= hs - Duration::from_millis(50), "slow={slow}: cut after {waited:?}");
-            assert!(waited < hs + Duration::from_secs(3), "slow={slow}: cut only after {waited:?}");
+            assert!(
+                waited >= hs - Duration::from_millis(50),
+                "slow={slow}: cut after {waited:?}"
+            );
+            assert!(
+                waited < hs + Duration::from_secs(3),
+                "slow={slow}: cut only after {waited:?}"
+            );
             writer.abort();
         });
     }
@@ -565,7 +714,10 @@ async fn silent_and_slow_handshakes_are_cut_at_the_handshake_timeout() {
         r.unwrap();
     }
     // The socket closes as the handshake future is dropped, just before the count.
-    eventually("both handshakes counted as failed", || p.server.stats().handshake_failures == 2).await;
+    eventually("both handshakes counted as failed", || {
+        p.server.stats().handshake_failures == 2
+    })
+    .await;
     good.round(&p.addr).await;
 }
 
@@ -573,7 +725,11 @@ async fn silent_and_slow_handshakes_are_cut_at_the_handshake_timeout() {
 async fn idle_connections_are_closed_at_the_idle_timeout_and_pools_recover() {
     let _g = GATE.read().await;
     let idle = Duration::from_millis(300);
-    let p = producer_node(NodeOpts { idle_timeout: Some(idle), ..NodeOpts::default() }).await;
+    let p = producer_node(NodeOpts {
+        idle_timeout: Some(idle),
+        ..NodeOpts::default()
+    })
+    .await;
     let good = Good::new(&p, 8, None);
     good.round(&p.addr).await;
     let (mut s, _) = handshake(&p.addr).await;
@@ -586,7 +742,11 @@ async fn idle_connections_are_closed_at_the_idle_timeout_and_pools_recover() {
     // reconnect and succeed.
     all_closed(&p).await;
     good.round(&p.addr).await;
-    assert_eq!(p.server.stats().protocol_errors, 0, "an idle close is not a protocol error");
+    assert_eq!(
+        p.server.stats().protocol_errors,
+        0,
+        "an idle close is not a protocol error"
+    );
 }
 
 // ---------------------------------------------------------------------------------
@@ -598,9 +758,16 @@ async fn a_thousand_idle_connections_do_not_starve_a_good_client() {
     const N: usize = 1000;
     // Both ends of every connection live in this process.
     let limit = raise_nofile(2 * N as u64 + 512);
-    let n = if limit >= 2 * N as u64 + 256 { N } else { (limit as usize).saturating_sub(256) / 2 };
+    let n = if limit >= 2 * N as u64 + 256 {
+        N
+    } else {
+        (limit as usize).saturating_sub(256) / 2
+    };
     assert!(n >= 100, "open-files limit {limit} too low for this test");
-    let opts = NodeOpts { handshake_timeout: Some(Duration::from_secs(60)), ..NodeOpts::default() };
+    let opts = NodeOpts {
+        handshake_timeout: Some(Duration::from_secs(60)),
+        ..NodeOpts::default()
+    };
     let p = producer_node(opts).await;
     let good = Good::new(&p, 9, None);
     good.round(&p.addr).await;
@@ -611,24 +778,44 @@ async fn a_thousand_idle_connections_do_not_starve_a_good_client() {
     for i in 0..n {
         idle.push(open(&p.addr, i % 4 == 0).await);
     }
-    eventually("all idle connections open", || p.server.stats().active >= base.active + n).await;
-    assert_eq!(p.server.stats().accepted, base.accepted + n as u64, "{:?}", p.server.stats());
+    eventually("all idle connections open", || {
+        p.server.stats().active >= base.active + n
+    })
+    .await;
+    assert_eq!(
+        p.server.stats().accepted,
+        base.accepted + n as u64,
+        "{:?}",
+        p.server.stats()
+    );
     for _ in 0..3 {
         good.round(&p.addr).await;
     }
     let grew = rss_bytes().saturating_sub(before);
-    assert!(grew < RSS_SLACK, "RSS grew by {} MiB with {n} idle connections", grew >> 20);
+    assert!(
+        grew < RSS_SLACK,
+        "RSS grew by {} MiB with {n} idle connections",
+        grew >> 20
+    );
     // The handshaken ones are still served.
     for (i, s) in idle.iter_mut().enumerate().step_by(4).take(10) {
         expect_pong(s, 100 + i as u64).await;
     }
     let st = p.server.stats();
-    assert_eq!((st.refused, st.handshake_failures, st.protocol_errors), (0, 0, 0), "{st:?}");
+    assert_eq!(
+        (st.refused, st.handshake_failures, st.protocol_errors),
+        (0, 0, 0),
+        "{st:?}"
+    );
     drop(idle);
     drop(good);
     all_closed(&p).await;
     let st = p.server.stats();
-    assert_eq!(st.handshake_failures, (n - n.div_ceil(4)) as u64, "closed mid-handshake: {st:?}");
+    assert_eq!(
+        st.handshake_failures,
+        (n - n.div_ceil(4)) as u64,
+        "closed mid-handshake: {st:?}"
+    );
     assert_eq!(st.protocol_errors, 0, "{st:?}");
 }
 
@@ -642,7 +829,11 @@ async fn connections_over_the_cap_are_refused_with_busy() {
     };
     let p = producer_node(opts).await;
     let good = Good::new(&p, 10, None);
-    let mut held = vec![open(&p.addr, true).await, open(&p.addr, false).await, open(&p.addr, false).await];
+    let mut held = vec![
+        open(&p.addr, true).await,
+        open(&p.addr, false).await,
+        open(&p.addr, false).await,
+    ];
     eventually("three connections open", || p.server.stats().active == 3).await;
     for _ in 0..2 {
         let mut s = connect(&p.addr).await;
@@ -651,9 +842,20 @@ async fn connections_over_the_cap_are_refused_with_busy() {
     }
     // A consumer over the cap gets a clear, typed refusal.
     let deadline = Instant::now() + Duration::from_secs(5);
-    let err = good.node.consumer.lookup(&p.addr, &good.keys, deadline).await.unwrap_err();
+    let err = good
+        .node
+        .consumer
+        .lookup(&p.addr, &good.keys, deadline)
+        .await
+        .unwrap_err();
     assert!(
-        matches!(&err, kvferry::peer::PeerError::Remote { kind: ErrorKind::Busy, .. }),
+        matches!(
+            &err,
+            kvferry::peer::PeerError::Remote {
+                kind: ErrorKind::Busy,
+                ..
+            }
+        ),
         "expected a Busy refusal, got {err}"
     );
     let st = p.server.stats();
@@ -673,36 +875,74 @@ async fn connections_over_the_cap_are_refused_with_busy() {
 async fn wrong_and_missing_secrets_are_refused_by_the_handshake() {
     let _g = GATE.read().await;
     let secret = b"s3cret".to_vec();
-    let p = producer_node(NodeOpts { secret: Some(secret.clone()), ..NodeOpts::default() }).await;
+    let p = producer_node(NodeOpts {
+        secret: Some(secret.clone()),
+        ..NodeOpts::default()
+    })
+    .await;
     let good = Good::new(&p, 11, Some(secret.clone()));
     // (wants_auth, the proof we send given (our nonce, server nonce), expected refusal)
     type Prove = fn(&[u8; 32], &[u8; 32]) -> Option<[u8; 32]>;
     let cases: [(bool, Prove, ErrorKind, &str); 4] = [
         (false, |_, _| None, ErrorKind::AuthRequired, "requires a shared secret"),
         (true, |_, _| None, ErrorKind::AuthRequired, "requires a shared secret"),
-        (true, |c, s| Some(auth::proof(b"wrong", CLIENT_LABEL, c, s)), ErrorKind::AuthFailed, "wrong shared secret"),
+        (
+            true,
+            |c, s| Some(auth::proof(b"wrong", CLIENT_LABEL, c, s)),
+            ErrorKind::AuthFailed,
+            "wrong shared secret",
+        ),
         // The right secret, but the server's own proof reflected back.
-        (true, |c, s| Some(auth::proof(b"s3cret", SERVER_LABEL, s, c)), ErrorKind::AuthFailed, "wrong shared secret"),
+        (
+            true,
+            |c, s| Some(auth::proof(b"s3cret", SERVER_LABEL, s, c)),
+            ErrorKind::AuthFailed,
+            "wrong shared secret",
+        ),
     ];
     for (wants_auth, prove, kind, needle) in cases {
         let mut s = connect(&p.addr).await;
         let ours = auth::nonce();
         let (theirs, _, proof) = hello_challenge(&mut s, wants_auth, ours).await;
         let proof = proof.expect("a server with a secret proves it");
-        assert!(auth::verify(&secret, SERVER_LABEL, &theirs, &ours, &proof), "the server's proof verifies");
-        send(&mut s, 2, &Message::Auth { proof: prove(&ours, &theirs) }).await;
+        assert!(
+            auth::verify(&secret, SERVER_LABEL, &theirs, &ours, &proof),
+            "the server's proof verifies"
+        );
+        send(
+            &mut s,
+            2,
+            &Message::Auth {
+                proof: prove(&ours, &theirs),
+            },
+        )
+        .await;
         assert_eq!(expect_error(&mut s, kind, needle).await, 2);
         expect_closed(&mut s).await;
     }
     // Skipping Auth altogether.
     let mut s = connect(&p.addr).await;
     hello_challenge(&mut s, true, auth::nonce()).await;
-    send(&mut s, 2, &Message::Lookup { keys: good.keys.clone() }).await;
+    send(
+        &mut s,
+        2,
+        &Message::Lookup {
+            keys: good.keys.clone(),
+        },
+    )
+    .await;
     assert_eq!(expect_error(&mut s, ErrorKind::BadRequest, "expected Auth").await, 2);
     expect_closed(&mut s).await;
     // Anything but Hello first.
     let mut s = connect(&p.addr).await;
-    send(&mut s, 1, &Message::Lookup { keys: good.keys.clone() }).await;
+    send(
+        &mut s,
+        1,
+        &Message::Lookup {
+            keys: good.keys.clone(),
+        },
+    )
+    .await;
     assert_eq!(expect_error(&mut s, ErrorKind::BadRequest, "expected Hello").await, 1);
     expect_closed(&mut s).await;
 
@@ -723,20 +963,67 @@ async fn refused_requests_keep_the_connection_in_sync() {
     let (mut s, inc) = handshake(&p.addr).await;
     let key = ChunkKey::from_name("misuse");
     let refused: Vec<(Message, ErrorKind, String)> = vec![
-        (Message::Welcome, ErrorKind::BadRequest, "unexpected request Welcome".into()),
-        (Message::PullDone { lease_id: 1 }, ErrorKind::BadRequest, "unexpected request PullDone".into()),
-        (hello(false, [0; 32]), ErrorKind::BadRequest, "unexpected request Hello".into()),
-        (Message::Auth { proof: None }, ErrorKind::BadRequest, "unexpected request Auth".into()),
+        (
+            Message::Welcome,
+            ErrorKind::BadRequest,
+            "unexpected request Welcome".into(),
+        ),
+        (
+            Message::PullDone { lease_id: 1 },
+            ErrorKind::BadRequest,
+            "unexpected request PullDone".into(),
+        ),
+        (
+            hello(false, [0; 32]),
+            ErrorKind::BadRequest,
+            "unexpected request Hello".into(),
+        ),
+        (
+            Message::Auth { proof: None },
+            ErrorKind::BadRequest,
+            "unexpected request Auth".into(),
+        ),
         (Message::Pong, ErrorKind::BadRequest, "unexpected request Pong".into()),
         (
-            Message::Error { kind: ErrorKind::Internal, message: "x".into() },
+            Message::Error {
+                kind: ErrorKind::Internal,
+                message: "x".into(),
+            },
             ErrorKind::BadRequest,
             "unexpected request Error".into(),
         ),
-        (Message::Stage { keys: vec![], ttl_ms: 100 }, ErrorKind::BadRequest, "empty key list".into()),
-        (Message::Get { keys: vec![], ttl_ms: 100 }, ErrorKind::BadRequest, "empty key list".into()),
-        (Message::Pull { lease_id: 999_999, incarnation: inc }, ErrorKind::UnknownLease, "no lease 999999".into()),
-        (Message::Pull { lease_id: 1, incarnation: inc ^ 1 }, ErrorKind::StaleIncarnation, "incarnation".into()),
+        (
+            Message::Stage {
+                keys: vec![],
+                ttl_ms: 100,
+            },
+            ErrorKind::BadRequest,
+            "empty key list".into(),
+        ),
+        (
+            Message::Get {
+                keys: vec![],
+                ttl_ms: 100,
+            },
+            ErrorKind::BadRequest,
+            "empty key list".into(),
+        ),
+        (
+            Message::Pull {
+                lease_id: 999_999,
+                incarnation: inc,
+            },
+            ErrorKind::UnknownLease,
+            "no lease 999999".into(),
+        ),
+        (
+            Message::Pull {
+                lease_id: 1,
+                incarnation: inc ^ 1,
+            },
+            ErrorKind::StaleIncarnation,
+            "incarnation".into(),
+        ),
     ];
     for (i, (msg, kind, needle)) in refused.iter().enumerate() {
         let id = 100 + i as u64;
@@ -753,15 +1040,33 @@ async fn refused_requests_keep_the_connection_in_sync() {
     for (declared, actual) in [(1000u64, 2000usize), (2000, 1000), (0, 0)] {
         send(&mut s, 201, &Message::Put { key, len: declared }).await;
         wire::write_bulk(&mut s, 201, &[&vec![7u8; actual]]).await.unwrap();
-        assert_eq!(expect_error(&mut s, ErrorKind::TooLarge, "does not fit a chunk").await, 201);
+        assert_eq!(
+            expect_error(&mut s, ErrorKind::TooLarge, "does not fit a chunk").await,
+            201
+        );
         expect_pong(&mut s, 202).await;
     }
     // Exactly max_keys keys is fine.
-    send(&mut s, 203, &Message::Lookup { keys: vec![key; MAX_KEYS] }).await;
+    send(
+        &mut s,
+        203,
+        &Message::Lookup {
+            keys: vec![key; MAX_KEYS],
+        },
+    )
+    .await;
     assert_eq!(recv(&mut s).await, (203, Message::LookupReply { hits: 0 }));
     // A well-formed push by hand is stored.
     let data = chunk_bytes(77, 0, 20_000);
-    send(&mut s, 204, &Message::Put { key, len: data.len() as u64 }).await;
+    send(
+        &mut s,
+        204,
+        &Message::Put {
+            key,
+            len: data.len() as u64,
+        },
+    )
+    .await;
     wire::write_bulk(&mut s, 204, &[&data]).await.unwrap();
     assert_eq!(recv(&mut s).await, (204, Message::PutAck { key }));
     send(&mut s, 205, &Message::Lookup { keys: vec![key] }).await;
@@ -785,12 +1090,32 @@ async fn broken_requests_after_the_handshake_are_answered_and_closed() {
     let mut bulk_bad_crc = encode(21, &Message::Put { key, len: 100 }).await;
     bulk_bad_crc.extend_from_slice(&header(FrameKind::Bulk, 21, 100, 0xDEAD_BEEF));
     bulk_bad_crc.extend_from_slice(&[3u8; 100]);
-    let mut control_for_bulk = encode(21, &Message::Put { key, len: ping_payload.len() as u64 }).await;
+    let mut control_for_bulk = encode(
+        21,
+        &Message::Put {
+            key,
+            len: ping_payload.len() as u64,
+        },
+    )
+    .await;
     control_for_bulk.extend_from_slice(&control_frame(21, &ping_payload, None));
     let mut too_many_keys = Vec::new();
-    wire::write_control(&mut too_many_keys, 21, &Message::Lookup { keys: vec![key; MAX_KEYS + 1] }).await.unwrap();
+    wire::write_control(
+        &mut too_many_keys,
+        21,
+        &Message::Lookup {
+            keys: vec![key; MAX_KEYS + 1],
+        },
+    )
+    .await
+    .unwrap();
     let mut long_peer = Vec::new();
-    let long_hello = Message::Hello { peer_id: "p".repeat(300), incarnation: 1, nonce: [0; 32], wants_auth: false };
+    let long_hello = Message::Hello {
+        peer_id: "p".repeat(300),
+        incarnation: 1,
+        nonce: [0; 32],
+        wants_auth: false,
+    };
     wire::write_control(&mut long_peer, 21, &long_hello).await.unwrap();
     let cases: Vec<(&str, Vec<u8>, ErrorKind, &str)> = vec![
         (
@@ -807,11 +1132,36 @@ async fn broken_requests_after_the_handshake_are_answered_and_closed() {
             ErrorKind::BadRequest,
             "payload checksum mismatch",
         ),
-        ("an unknown message variant", control_frame(21, &[100], None), ErrorKind::BadRequest, "cannot decode"),
-        ("an empty control payload", control_frame(21, &[], None), ErrorKind::BadRequest, "cannot decode"),
-        ("trailing bytes", control_frame(21, &trailing, None), ErrorKind::BadRequest, "trailing bytes"),
-        ("a push with a corrupt bulk frame", bulk_bad_crc, ErrorKind::BadRequest, "payload checksum mismatch"),
-        ("a push followed by a control frame", control_for_bulk, ErrorKind::BadRequest, "expected a bulk frame"),
+        (
+            "an unknown message variant",
+            control_frame(21, &[100], None),
+            ErrorKind::BadRequest,
+            "cannot decode",
+        ),
+        (
+            "an empty control payload",
+            control_frame(21, &[], None),
+            ErrorKind::BadRequest,
+            "cannot decode",
+        ),
+        (
+            "trailing bytes",
+            control_frame(21, &trailing, None),
+            ErrorKind::BadRequest,
+            "trailing bytes",
+        ),
+        (
+            "a push with a corrupt bulk frame",
+            bulk_bad_crc,
+            ErrorKind::BadRequest,
+            "payload checksum mismatch",
+        ),
+        (
+            "a push followed by a control frame",
+            control_for_bulk,
+            ErrorKind::BadRequest,
+            "expected a bulk frame",
+        ),
     ];
     for (what, bytes, kind, needle) in &cases {
         let (mut s, _) = handshake(&p.addr).await;
@@ -824,6 +1174,10 @@ async fn broken_requests_after_the_handshake_are_answered_and_closed() {
     let st = p.server.stats();
     assert_eq!(st.protocol_errors, cases.len() as u64, "{st:?}");
     assert_eq!(p.producer.stats().pushed, 0);
-    assert_eq!(p.producer.arena().stats().free_pages, 256, "refused pushes returned their staging pages");
+    assert_eq!(
+        p.producer.arena().stats().free_pages,
+        256,
+        "refused pushes returned their staging pages"
+    );
     good.round(&p.addr).await;
 }

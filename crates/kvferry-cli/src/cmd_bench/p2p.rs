@@ -137,7 +137,10 @@ pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.in_flight >= 1, "--in-flight must be at least 1");
     anyhow::ensure!(args.connections >= 1, "--connections must be at least 1");
     anyhow::ensure!(args.producers >= 1, "--producers must be at least 1");
-    anyhow::ensure!(args.requests >= 1 && args.chunks_per_request >= 1, "--requests and --chunks-per-request must be at least 1");
+    anyhow::ensure!(
+        args.requests >= 1 && args.chunks_per_request >= 1,
+        "--requests and --chunks-per-request must be at least 1"
+    );
     anyhow::ensure!(args.blocks_per_chunk >= 1, "--blocks-per-chunk must be at least 1");
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let sweep = args.sweep || args.plot.is_some();
@@ -180,8 +183,15 @@ pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
     } else {
         print_table(&points);
     }
-    let bad: Vec<&Point> = points.iter().filter(|p| p.corrupted_bytes > 0 || p.leaked_pages > 0).collect();
-    anyhow::ensure!(bad.is_empty(), "integrity failure: {} point(s) with corrupted bytes or leaked pages", bad.len());
+    let bad: Vec<&Point> = points
+        .iter()
+        .filter(|p| p.corrupted_bytes > 0 || p.leaked_pages > 0)
+        .collect();
+    anyhow::ensure!(
+        bad.is_empty(),
+        "integrity failure: {} point(s) with corrupted bytes or leaked pages",
+        bad.len()
+    );
     Ok(())
 }
 
@@ -217,7 +227,11 @@ fn print_table(points: &[Point]) {
 }
 
 async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
-    let probe = NodeArgs { model: args.model.clone(), blocks: 1, ..NodeArgs::default() };
+    let probe = NodeArgs {
+        model: args.model.clone(),
+        blocks: 1,
+        ..NodeArgs::default()
+    };
     let block_bytes = probe.layout(Arrangement::LayerSeparate)?.block_bytes();
     let bpc = args.blocks_per_chunk as usize;
     let chunk_bytes = block_bytes * bpc;
@@ -245,15 +259,23 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         for (c, e) in exp.iter_mut().enumerate() {
             let bytes = pattern(r, c, chunk_bytes);
             *e = crc32c::crc32c(&bytes);
-            p.put_local(key(r, c), &bytes).with_context(|| format!("filling request {r}"))?;
+            p.put_local(key(r, c), &bytes)
+                .with_context(|| format!("filling request {r}"))?;
         }
     }
     let addrs: Vec<String> = producers.iter().map(|p| p.server.local_addr().to_string()).collect();
 
     // Consumer: one destination slot per transfer in flight.
-    let layout = KvLayout::preset(args.model.parse()?, (args.in_flight * bpc) as u32, Arrangement::FullyContiguous)?;
+    let layout = KvLayout::preset(
+        args.model.parse()?,
+        (args.in_flight * bpc) as u32,
+        Arrangement::FullyContiguous,
+    )?;
     let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);
-    let arena = Arena::new(ArenaConfig::new(staging_page, args.in_flight * chunk_bytes.div_ceil(staging_page)))?;
+    let arena = Arena::new(ArenaConfig::new(
+        staging_page,
+        args.in_flight * chunk_bytes.div_ceil(staging_page),
+    ))?;
     let mut cc = CopyConfig::default();
     if let Some(t) = args.copy_threads {
         cc.threads = t;
@@ -300,7 +322,11 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         let addr = addrs[r % args.producers].clone();
         tasks.spawn(async move {
             let blocks: Vec<u32> = (0..bpc as u32).map(|b| (slot * bpc) as u32 + b).collect();
-            let dst = Destination { region: region.clone(), layout, chunks: vec![blocks.clone()] };
+            let dst = Destination {
+                region: region.clone(),
+                layout,
+                chunks: vec![blocks.clone()],
+            };
             let t = Instant::now();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             match consumer.get(&addr, &[key(r, c)], dst, deadline).await {
@@ -354,7 +380,8 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     // Quiesce and account every page of every arena.
     let quiesce = Instant::now() + Duration::from_secs(5);
     let leaked = loop {
-        let mut leaked = (arena.stats().total_pages - arena.stats().free_pages - arena.stats().quarantined_pages) as u64;
+        let mut leaked =
+            (arena.stats().total_pages - arena.stats().free_pages - arena.stats().quarantined_pages) as u64;
         for p in &producers {
             let s = p.producer.arena().stats();
             leaked += (s.total_pages - s.free_pages - s.quarantined_pages) as u64;
@@ -372,7 +399,13 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let memcpy = memcpy_limit(256 << 20);
     let mut lat = latencies.lock().clone();
     lat.sort_by(|a, b| a.total_cmp(b));
-    let pct = |q: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * q).round() as usize] };
+    let pct = |q: f64| {
+        if lat.is_empty() {
+            0.0
+        } else {
+            lat[((lat.len() - 1) as f64 * q).round() as usize]
+        }
+    };
     let gbps = moved as f64 / elapsed / 1e9;
     Ok(Point {
         model: args.model.clone(),

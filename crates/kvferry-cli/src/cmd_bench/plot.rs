@@ -42,7 +42,12 @@ pub fn svg(points: &[Point]) -> String {
     }
     for i in 0..=4 {
         let v = xmax / 4.0 * i as f64;
-        let _ = write!(s, r#"<text x="{}" y="{}" text-anchor="middle">{v:.1}</text>"#, x(v), mt + ph + 18.0);
+        let _ = write!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">{v:.1}</text>"#,
+            x(v),
+            mt + ph + 18.0
+        );
     }
     let _ = write!(
         s,
@@ -52,7 +57,12 @@ pub fn svg(points: &[Point]) -> String {
         mt + ph,
         mt + ph
     );
-    let _ = write!(s, r#"<text x="{}" y="{}" text-anchor="middle">chunk size (MiB)</text>"#, ml + pw / 2.0, h - 18.0);
+    let _ = write!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">chunk size (MiB)</text>"#,
+        ml + pw / 2.0,
+        h - 18.0
+    );
     let _ = write!(
         s,
         r#"<text transform="translate(18,{}) rotate(-90)" text-anchor="middle">GB/s</text>"#,
@@ -74,16 +84,28 @@ pub fn svg(points: &[Point]) -> String {
     // One line per in-flight count.
     let mut series: BTreeMap<usize, Vec<(f64, f64)>> = BTreeMap::new();
     for p in points {
-        series.entry(p.in_flight).or_default().push((p.chunk_bytes as f64 / (1 << 20) as f64, p.gbps));
+        series
+            .entry(p.in_flight)
+            .or_default()
+            .push((p.chunk_bytes as f64 / (1 << 20) as f64, p.gbps));
     }
     let colors = ["#2980b9", "#27ae60", "#8e44ad", "#d35400", "#16a085"];
     for (i, (inflight, mut pts)) in series.into_iter().enumerate() {
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         let color = colors[i % colors.len()];
         let path: Vec<String> = pts.iter().map(|(a, b)| format!("{:.1},{:.1}", x(*a), y(*b))).collect();
-        let _ = write!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, path.join(" "));
+        let _ = write!(
+            s,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
+            path.join(" ")
+        );
         for (a, b) in &pts {
-            let _ = write!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, x(*a), y(*b));
+            let _ = write!(
+                s,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
+                x(*a),
+                y(*b)
+            );
         }
         let ly = mt + 60.0 + 18.0 * i as f64;
         let _ = write!(

@@ -75,12 +75,22 @@ impl SimRig {
         use rand::Rng;
         let pages = rng.gen_range(1..=4);
         let len = rng.gen_range(1..=pages * PAGE);
+        let never_complete = rng.gen_bool((0.12 * rate).min(1.0));
+        // A stuck event is waited for 10-40 ms; a healthy copy gets a generous bound,
+        // or (a fault) one shorter than the copy itself.
+        let timeout = if never_complete {
+            Duration::from_millis(rng.gen_range(10..=40))
+        } else if rng.gen_bool((0.1 * rate).min(1.0)) {
+            Duration::from_micros(rng.gen_range(20..=150))
+        } else {
+            Duration::from_secs(2)
+        };
         OffloadPlan {
             pages,
             offset: rng.gen_range(0..=BUFFER_BYTES - len),
             len,
-            timeout: Duration::from_millis(rng.gen_range(10..=40)),
-            never_complete: rng.gen_bool((0.12 * rate).min(1.0)),
+            timeout,
+            never_complete,
             fail_copy: rng.gen_bool((0.05 * rate).min(1.0)),
             release_stuck: rng.gen_bool(0.08),
         }
@@ -127,6 +137,9 @@ impl SimRig {
             {
                 ledger.fault(name, 1);
             }
+        }
+        if !p.never_complete && p.timeout < Duration::from_millis(1) {
+            ledger.fault("short_deadlines", 1);
         }
         let op = format!("chaos offload {index}");
         let pending = match stream.copy_d2h(&self.buf, p.offset, lease, 0, p.len, &op) {

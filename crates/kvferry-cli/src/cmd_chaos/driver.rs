@@ -31,7 +31,8 @@ use tokio::time::Instant;
 
 use super::device::{OffloadPlan, SimRig};
 use super::ledger::{Ledger, Outcome};
-use super::workload::{mix, Dest, Set, Slots, Workload};
+use super::workload::{mix, Check, Dest, Set, Slots, Workload};
+use super::Sabotage;
 
 /// A deadline that is not meant to expire.
 const GENEROUS: Duration = Duration::from_secs(2);
@@ -264,7 +265,7 @@ impl Plan {
             }
             K::Offload => Kind::Offload(SimRig::plan(&mut rng, rate)),
         };
-        let drop_after = Duration::from_micros(rng.gen_range(0..=3_000));
+        let drop_after = Duration::from_micros(rng.gen_range(0..=5_000));
         let hog = rng
             .gen_bool((0.01 * rate).min(1.0))
             .then(|| (rng.gen_range(0.6..=1.0), Duration::from_millis(rng.gen_range(10..=60))));
@@ -305,6 +306,7 @@ pub struct Ctx {
     pub sim: SimRig,
     background: Mutex<Vec<JoinHandle<()>>>,
     limbo: Mutex<Vec<Limbo>>,
+    sabotage: Mutex<Option<Sabotage>>,
 }
 
 impl Ctx {
@@ -316,6 +318,7 @@ impl Ctx {
         addrs: Vec<String>,
         blocking: BlockingPool,
         sim: SimRig,
+        sabotage: Option<Sabotage>,
     ) -> Ctx {
         Ctx {
             consumer,
@@ -327,7 +330,18 @@ impl Ctx {
             sim,
             background: Mutex::new(Vec::new()),
             limbo: Mutex::new(Vec::new()),
+            sabotage: Mutex::new(sabotage),
         }
+    }
+
+    /// True once if `--sabotage` asked for `which`.
+    fn sabotage(&self, which: Sabotage) -> bool {
+        let mut s = self.sabotage.lock().unwrap();
+        if *s == Some(which) {
+            *s = None;
+            return true;
+        }
+        false
     }
 
     fn set(&self, producer: usize, set: usize) -> &Set {
@@ -388,30 +402,39 @@ impl Ctx {
         }
     }
 
-    /// Checks the dropped transfers whose destination the library released; returns
-    /// how many are still held.
-    pub fn sweep_limbo(&self) -> usize {
-        let mut limbo = self.limbo.lock().unwrap();
-        limbo.retain(|l| {
-            if Arc::strong_count(l.dest.region()) > 1 {
-                return true;
-            }
-            let bad = l.dest.foreign_bytes(self.set(l.producer, l.set));
-            self.ledger.corrupted(bad, "a dropped transfer's destination holds foreign bytes");
-            false
-        });
-        limbo.len()
+    /// Checks (in the background) the dropped transfers whose destination the library
+    /// released; returns how many are still held.
+    pub fn sweep_limbo(self: &Arc<Self>) -> usize {
+        let (ready, left) = {
+            let mut limbo = self.limbo.lock().unwrap();
+            let (ready, held): (Vec<_>, Vec<_>) =
+                limbo.drain(..).partition(|l| Arc::strong_count(l.dest.region()) == 1);
+            *limbo = held;
+            (ready, limbo.len())
+        };
+        if !ready.is_empty() {
+            let ctx = self.clone();
+            self.keep(tokio::spawn(async move {
+                let c = ctx.clone();
+                let bad: usize = cpu(move || {
+                    ready
+                        .iter()
+                        .map(|l| l.dest.check(c.set(l.producer, l.set), Check::PoisonOrOwn))
+                        .sum()
+                })
+                .await;
+                ctx.ledger
+                    .corrupted(bad, "a dropped transfer's destination holds foreign bytes");
+            }));
+        }
+        left
     }
 
     /// Books a transfer's result and verifies its destination: at once on success,
-    /// after the drain fence fired on failure.
-    fn settle(self: &Arc<Self>, r: Result<Landed, GetFailure>, dest: Dest, plan: &Plan, what: &'static str) {
-        let set = self.set(plan.producer, plan.set);
+    /// after the drain fence fired (in the background) on failure.
+    async fn settle(self: &Arc<Self>, r: Result<Landed, GetFailure>, dest: Dest, plan: &Plan, what: &'static str) {
         match r {
-            Ok(landed) => {
-                self.check_landed(&dest, set, landed, plan, what);
-                dest.finish();
-            }
+            Ok(landed) => self.check_landed(dest, landed, plan, what).await,
             Err(f) => {
                 self.ledger.error(&f.error);
                 let ctx = self.clone();
@@ -420,10 +443,15 @@ impl Ctx {
                     let t = Instant::now();
                     if f.fence.wait_until(t + DRAIN_BOUND).await {
                         ctx.ledger.drain(Some(t.elapsed()));
-                        let bad = dest.foreign_bytes(ctx.set(p, s));
+                        let c = ctx.clone();
+                        let bad = cpu(move || {
+                            let bad = dest.check(c.set(p, s), Check::PoisonOrOwn);
+                            dest.finish();
+                            bad
+                        })
+                        .await;
                         let msg = format!("transfer {index} ({what}) after its fence fired ({})", f.error);
                         ctx.ledger.corrupted(bad, &msg);
-                        dest.finish();
                     } else {
                         // Never reused: its slot is lost to the run.
                         ctx.ledger.drain(None);
@@ -433,7 +461,8 @@ impl Ctx {
         }
     }
 
-    fn check_landed(&self, dest: &Dest, set: &Set, landed: Landed, plan: &Plan, what: &str) {
+    async fn check_landed(self: &Arc<Self>, dest: Dest, landed: Landed, plan: &Plan, what: &str) {
+        let set = self.set(plan.producer, plan.set);
         let n = set.chunks.len();
         self.ledger.hit(landed.chunks, n);
         if landed.chunks > n || landed.bytes != set.bytes(landed.chunks) {
@@ -444,17 +473,49 @@ impl Ctx {
                 landed.chunks.min(n)
             ));
         }
-        let bad = dest.exact_mismatches(set, landed.chunks.min(n));
+        let (c, p, s) = (self.clone(), plan.producer, plan.set);
+        let tamper = landed.bytes > 0 && self.sabotage(Sabotage::Corrupt);
+        let bad = cpu(move || {
+            if tamper {
+                dest.tamper();
+            }
+            let bad = dest.check(c.set(p, s), Check::Landed(landed.chunks.min(n)));
+            dest.finish();
+            bad
+        })
+        .await;
         self.ledger.verified(landed.bytes, 0);
         let msg = format!("transfer {} ({what}) landed {landed:?}", plan.index);
         self.ledger.corrupted(bad, &msg);
         self.ledger.outcome(Outcome::Completed);
     }
 
-    async fn slot(&self, plan: &Plan) -> Option<Dest> {
-        match self.slots.acquire(Instant::now() + SLOT_WAIT).await {
-            Some((dest, bad)) => {
-                let msg = format!("slot taken by transfer {} was written after it was handed back", plan.index);
+    /// A poisoned private destination for `plan`'s set.
+    async fn private(self: &Arc<Self>, plan: &Plan) -> Option<Dest> {
+        let (c, p, s) = (self.clone(), plan.producer, plan.set);
+        match cpu(move || Dest::private(c.set(p, s))).await {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.ledger.anomaly(format!("cannot allocate a destination: {e}"));
+                self.ledger.outcome(Outcome::Failed);
+                None
+            }
+        }
+    }
+
+    async fn slot(self: &Arc<Self>, plan: &Plan) -> Option<Dest> {
+        let set = self.set(plan.producer, plan.set);
+        match self.slots.acquire(set, Instant::now() + SLOT_WAIT).await {
+            Some(dest) => {
+                let (dest, bad) = cpu(move || {
+                    let bad = dest.scrub();
+                    (dest, bad)
+                })
+                .await;
+                let msg = format!(
+                    "slot taken by transfer {} was written after it was handed back",
+                    plan.index
+                );
                 self.ledger.corrupted(bad, &msg);
                 Some(dest)
             }
@@ -468,6 +529,14 @@ impl Ctx {
             }
         }
     }
+}
+
+/// Runs byte-crunching work (pattern checks, poisoning, allocating destinations) on a
+/// blocking thread, so that the runtime's workers stay free to fire timers on time.
+async fn cpu<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("a verification step panicked")
 }
 
 /// Runs transfer `plan`.
@@ -501,21 +570,22 @@ async fn get(ctx: &Arc<Ctx>, plan: &Plan) {
         .consumer
         .get(&ctx.addrs[plan.producer], &set.keys(), dest.destination(set), deadline)
         .await;
+    if plan.deadline == GENEROUS && ctx.sabotage(Sabotage::Late) {
+        tokio::time::sleep_until(deadline + Duration::from_millis(80)).await;
+    }
     ctx.ledger.returned("get", deadline, Instant::now());
-    ctx.settle(r, dest, plan, "get");
+    ctx.settle(r, dest, plan, "get").await;
 }
 
 async fn get_drop(ctx: &Arc<Ctx>, plan: &Plan) {
     let set = ctx.set(plan.producer, plan.set);
-    let dest = match Dest::private(set) {
-        Ok(d) => d,
-        Err(e) => return ctx.ledger.anomaly(format!("cannot allocate a destination: {e}")),
-    };
+    let Some(dest) = ctx.private(plan).await else { return };
     let deadline = Instant::now() + plan.deadline;
     let drop_at = Instant::now() + plan.drop_after;
+    let keys = set.keys();
     let fut = ctx
         .consumer
-        .get(&ctx.addrs[plan.producer], &set.keys(), dest.destination(set), deadline);
+        .get(&ctx.addrs[plan.producer], &keys, dest.destination(set), deadline);
     dropped_or_settled(ctx, plan, dest, drop_at, deadline, fut, "get-drop").await;
 }
 
@@ -535,7 +605,7 @@ async fn dropped_or_settled(
     match r {
         Ok(r) => {
             ctx.ledger.returned(what, deadline, now);
-            ctx.settle(r, dest, plan, what);
+            ctx.settle(r, dest, plan, what).await;
         }
         Err(_) => {
             // The future was dropped inside the timeout: a blocking drop shows here.
@@ -573,10 +643,11 @@ async fn blocking(ctx: &Arc<Ctx>, plan: &Plan) {
     match out {
         Some((r, over)) => {
             ctx.ledger.overrun("get_blocking", over);
-            ctx.settle(r, dest, plan, "blocking");
+            ctx.settle(r, dest, plan, "blocking").await;
         }
         None => {
-            ctx.ledger.anomaly(format!("transfer {}: get_blocking panicked", plan.index));
+            ctx.ledger
+                .anomaly(format!("transfer {}: get_blocking panicked", plan.index));
             ctx.ledger.outcome(Outcome::Failed);
         }
     }
@@ -617,13 +688,10 @@ async fn pull(ctx: &Arc<Ctx>, plan: &Plan, mode: PullMode) {
             let deadline = Instant::now() + plan.deadline;
             let r = ctx.consumer.resolve(handle, dest.destination(set), deadline).await;
             ctx.ledger.returned("resolve", deadline, Instant::now());
-            ctx.settle(r, dest, plan, "pull");
+            ctx.settle(r, dest, plan, "pull").await;
         }
         PullMode::ResolveDrop => {
-            let dest = match Dest::private(set) {
-                Ok(d) => d,
-                Err(e) => return ctx.ledger.anomaly(format!("cannot allocate a destination: {e}")),
-            };
+            let Some(dest) = ctx.private(plan).await else { return };
             let deadline = Instant::now() + plan.deadline;
             let drop_at = Instant::now() + plan.drop_after;
             let fut = ctx.consumer.resolve(handle, dest.destination(set), deadline);

@@ -41,9 +41,14 @@ pub struct Ledger {
     timed_calls: AtomicU64,
     late_returns: AtomicU64,
     max_overrun_us: AtomicU64,
+    max_overrun_call: Mutex<String>,
     drains: AtomicU64,
     max_drain_us: AtomicU64,
     stuck_drains: AtomicU64,
+    /// Worst lateness of a 2 ms timer on the runtime (µs).
+    pub canary_runtime_us: AtomicU64,
+    /// Worst lateness of a 2 ms sleep on a plain thread (µs).
+    pub canary_thread_us: AtomicU64,
     faults: Mutex<BTreeMap<String, u64>>,
     errors: Mutex<BTreeMap<String, u64>>,
     error_examples: Mutex<BTreeMap<String, String>>,
@@ -131,7 +136,9 @@ impl Ledger {
     pub fn overrun(&self, what: &str, over: Duration) {
         self.timed_calls.fetch_add(1, Ordering::Relaxed);
         let us = over.as_micros() as u64;
-        self.max_overrun_us.fetch_max(us, Ordering::Relaxed);
+        if self.max_overrun_us.fetch_max(us, Ordering::Relaxed) < us {
+            *self.max_overrun_call.lock().unwrap() = what.to_string();
+        }
         if over > LATE_BOUND {
             self.late_returns.fetch_add(1, Ordering::Relaxed);
             self.anomaly(format!("{what} returned {:.1} ms past its deadline", us as f64 / 1e3));
@@ -201,10 +208,13 @@ impl Ledger {
             quarantined_pages,
             late_returns,
             max_overrun_ms: ld(&self.max_overrun_us) as f64 / 1e3,
+            max_overrun_call: self.max_overrun_call.lock().unwrap().clone(),
             timed_calls: ld(&self.timed_calls),
             drains: ld(&self.drains),
             max_drain_ms: ld(&self.max_drain_us) as f64 / 1e3,
             stuck_drains: ld(&self.stuck_drains),
+            timer_lateness_ms: ld(&self.canary_runtime_us) as f64 / 1e3,
+            thread_lateness_ms: ld(&self.canary_thread_us) as f64 / 1e3,
             anomalies,
             anomaly_examples: self.anomalies.lock().unwrap().clone(),
             error_examples: self.error_examples.lock().unwrap().clone(),
@@ -231,7 +241,10 @@ pub fn classify(e: &PeerError) -> (String, Outcome) {
         PeerError::LeaseExpired { .. } => ("lease_expired", Outcome::Failed),
         PeerError::ShuttingDown => ("shutting_down", Outcome::Failed),
         PeerError::Remote { kind, .. } => {
-            return (format!("remote_{}", format!("{kind:?}").to_lowercase()), Outcome::Failed)
+            return (
+                format!("remote_{}", format!("{kind:?}").to_lowercase()),
+                Outcome::Failed,
+            )
         }
         PeerError::Net(_) => ("net_other", Outcome::Failed),
         _ => ("other", Outcome::Failed),
@@ -311,6 +324,8 @@ pub struct Summary {
     pub late_returns: u64,
     /// The largest overrun of a deadline.
     pub max_overrun_ms: f64,
+    /// The call that overran most.
+    pub max_overrun_call: String,
     /// Calls with a deadline that were timed.
     pub timed_calls: u64,
     /// Failed transfers whose drain fence was awaited.
@@ -319,6 +334,11 @@ pub struct Summary {
     pub max_drain_ms: f64,
     /// Drains that did not finish within 10 s.
     pub stuck_drains: u64,
+    /// Worst lateness of a 2 ms timer on the tool's runtime (what the machine and the
+    /// tool's own load add to any deadline).
+    pub timer_lateness_ms: f64,
+    /// Worst lateness of a 2 ms sleep on a plain thread (the machine's share of it).
+    pub thread_lateness_ms: f64,
     /// Things that must not happen (counted in `ok`).
     pub anomalies: u64,
     /// The first anomalies.
@@ -362,8 +382,12 @@ impl Summary {
         );
         s += &format!("  errors      {}\n", list(&self.errors));
         s += &format!(
-            "  deadlines   {} timed calls, late returns {} (> 50 ms), max overrun {:.1} ms\n",
-            self.timed_calls, self.late_returns, self.max_overrun_ms
+            "  deadlines   {} timed calls, late returns {} (> 50 ms), max overrun {:.1} ms ({})\n",
+            self.timed_calls, self.late_returns, self.max_overrun_ms, self.max_overrun_call
+        );
+        s += &format!(
+            "  scheduling  worst lateness of a 2 ms timer: {:.1} ms on the runtime, {:.1} ms on a thread\n",
+            self.timer_lateness_ms, self.thread_lateness_ms
         );
         s += &format!(
             "  drains      {} awaited, max {:.1} ms, stuck {}\n",

@@ -18,16 +18,18 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
-/// Producer arena: pages of 4 KiB.
-pub const PAGE_BYTES: u64 = 4096;
-/// Producer arena pages.
-pub const ARENA_PAGES: u64 = 192;
+/// Producer arena: pages of 64 KiB.
+pub const PAGE_BYTES: u64 = 64 << 10;
+/// Producer arena pages (48 MiB).
+pub const ARENA_PAGES: u64 = 768;
 
 /// How to start producers.
 #[derive(Clone, Debug)]
 pub struct Spec {
     /// The `kvferry` executable.
     pub exe: PathBuf,
+    /// Blocks of the producer's KV store.
+    pub blocks: u32,
     /// Wire corruption probability per sent chunk (ppm).
     pub corrupt_ppm: u64,
     /// Slow-send probability per sent chunk (ppm).
@@ -45,6 +47,9 @@ pub struct ChildLog {
     pub faults: Mutex<BTreeMap<String, u64>>,
     /// `(outstanding, quarantined)` from the last incarnation's `arena closed` line.
     pub closed: Mutex<Option<(u64, u64)>>,
+    /// `(staged leases, leased pages)` from its `stopped serving` line: what was still
+    /// held when it stopped, before the forced release.
+    pub held: Mutex<Option<(u64, u64)>>,
     /// The last lines, for diagnostics.
     pub tail: Mutex<VecDeque<String>>,
 }
@@ -56,13 +61,15 @@ impl ChildLog {
             *self.faults.lock().unwrap().entry(kind).or_default() += 1;
             return;
         }
-        if let Some(i) = line.find("arena closed: ") {
-            let nums: Vec<u64> = line[i..]
-                .split(|c: char| !c.is_ascii_digit())
-                .filter_map(|s| s.parse().ok())
-                .collect();
-            if let [outstanding, quarantined, ..] = nums[..] {
-                *self.closed.lock().unwrap() = Some((outstanding, quarantined));
+        for (tag, slot) in [("arena closed: ", &self.closed), ("stopped serving: ", &self.held)] {
+            if let Some(i) = line.find(tag) {
+                let nums: Vec<u64> = line[i..]
+                    .split(|c: char| !c.is_ascii_digit())
+                    .filter_map(|s| s.parse().ok())
+                    .collect();
+                if let [a, b, ..] = nums[..] {
+                    *slot.lock().unwrap() = Some((a, b));
+                }
             }
         }
         let mut t = self.tail.lock().unwrap();
@@ -115,7 +122,8 @@ impl Producer {
         cmd.arg("serve")
             .args(["--listen", listen])
             .args(["--peer-id", &format!("chaos-producer-{index}")])
-            .args(["--model", "tiny", "--blocks", "1024", "--page-size", "4KiB"])
+            .args(["--model", super::workload::MODEL, "--blocks", &spec.blocks.to_string()])
+            .args(["--page-size", &format!("{}KiB", PAGE_BYTES / 1024)])
             .args(["--arena", &format!("{}KiB", ARENA_PAGES * PAGE_BYTES / 1024)])
             .args(["--copy-threads", "1", "--ttl", "2s", "--max-gets", "32"])
             .args(["--io-timeout", "2s", "--idle-timeout", "30s"])
@@ -130,7 +138,9 @@ impl Producer {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        let mut child = cmd.spawn().with_context(|| format!("starting {}", spec.exe.display()))?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", spec.exe.display()))?;
         let pid = child.id().context("child has no pid")? as i32;
         let stderr = child.stderr.take().context("child stderr")?;
         let stdout = child.stdout.take().context("child stdout")?;
@@ -165,6 +175,7 @@ impl Producer {
         // Keep draining stdout so the child never blocks on (or dies of) a full pipe.
         let out_reader = tokio::spawn(async move { while let Ok(Some(_)) = out.next_line().await {} });
         *log.closed.lock().unwrap() = None;
+        *log.held.lock().unwrap() = None;
         Ok(Producer {
             index,
             addr,
@@ -188,9 +199,8 @@ impl Producer {
         Ok(())
     }
 
-    /// Stops it with SIGTERM and returns `(outstanding, quarantined)` pages from its
-    /// `arena closed` report.
-    pub async fn stop(mut self) -> anyhow::Result<(u64, u64)> {
+    /// Stops it with SIGTERM and returns its final accounting.
+    pub async fn stop(mut self) -> anyhow::Result<StopReport> {
         // SAFETY: plain kill(2) on our own child, which has not been reaped yet.
         unsafe { libc::kill(self.pid, libc::SIGTERM) };
         let exited = tokio::time::timeout(Duration::from_secs(15), self.child.wait()).await;
@@ -201,14 +211,31 @@ impl Producer {
         for r in self.readers.drain(..) {
             let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
         }
-        let closed = *self.log.closed.lock().unwrap();
-        closed.with_context(|| {
-            format!(
+        let (closed, held) = (*self.log.closed.lock().unwrap(), *self.log.held.lock().unwrap());
+        let (Some((outstanding, quarantined)), Some((_, held_pages))) = (closed, held) else {
+            anyhow::bail!(
                 "producer {} ({}) did not report its arena at shutdown; its stderr:\n{}",
                 self.index,
                 self.addr,
                 self.log.tail_text()
-            )
+            );
+        };
+        Ok(StopReport {
+            held_pages,
+            outstanding,
+            quarantined,
         })
     }
+}
+
+/// A producer's accounting when it was stopped.
+#[derive(Clone, Copy, Debug)]
+pub struct StopReport {
+    /// Pages still leased when it stopped serving (after the run quiesced and every
+    /// lease's TTL passed: each should have come back by `Done` or TTL).
+    pub held_pages: u64,
+    /// Pages still outstanding after it released everything and closed its arena.
+    pub outstanding: u64,
+    /// Quarantined pages.
+    pub quarantined: u64,
 }

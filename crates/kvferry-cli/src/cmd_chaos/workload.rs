@@ -1,22 +1,24 @@
 //! What the chaos run moves and how every landed byte is checked.
 //!
-//! Each producer holds a fixed table of **request sets**: 1–4 chunks of 1–4 blocks of
-//! the `tiny` layout, each chunk's bytes a seeded random pattern that differs across
-//! chunks, sets and producers, and a length that usually ends inside its last block
-//! (exercising truncated ranges). A transfer asks one producer for one set.
+//! Each producer holds a fixed table of **request sets**: 1–3 chunks of 1–2 blocks of
+//! the `llama3-70b-tp8` layout (640 KiB per block in 4 KiB pieces), each chunk's bytes a
+//! seeded random pattern that differs across chunks, sets and producers, and a length
+//! that usually ends inside its last block (exercising truncated ranges). A transfer
+//! asks one producer for one set.
 //!
-//! Destinations are **slots** of 16 blocks in the consumer's KV region (fully
-//! contiguous), or a **private** region for transfers whose future may be dropped (the
-//! caller then gets no drain fence, so the region is checked only once the library has
-//! dropped its last reference to it). Bytes not written by a transfer hold [`POISON`]:
+//! Destinations are **slots** of [`BLOCKS_PER_SLOT`] blocks in the consumer's KV region
+//! (fully contiguous, while producers are layer-separate), or a **private** region for
+//! transfers whose future may be dropped (the caller then gets no drain fence, so the
+//! region is checked only once the library has dropped its last reference to it).
+//! Bytes not written by a transfer hold [`POISON`]:
 //!
 //! - after a successful transfer the destination must equal the landed prefix of the
 //!   set, exactly, and poison everywhere else;
 //! - after a failure, once its fence fired, every byte must be poison or the byte the
 //!   set puts there (a partial landing of the right bytes is allowed, anything else —
 //!   another request's bytes — is corruption);
-//! - a slot is re-poisoned when it is handed back, and must still be all poison when it
-//!   is taken again and at the end of the run (a write after the fence fired).
+//! - a slot is re-poisoned when it is handed back, and must still be poison when it is
+//!   taken again and at the end of the run (a write after the fence fired).
 
 use std::sync::{Arc, Mutex};
 
@@ -29,8 +31,10 @@ use rand::{Rng, RngCore, SeedableRng};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+/// The model preset of every layout in the run (producers are started with it).
+pub const MODEL: &str = "llama3-70b-tp8";
 /// Blocks per destination slot (the largest set).
-pub const BLOCKS_PER_SLOT: u32 = 16;
+pub const BLOCKS_PER_SLOT: u32 = 6;
 /// The byte every unwritten destination byte holds.
 pub const POISON: u8 = 0xEE;
 
@@ -71,27 +75,24 @@ impl Set {
 pub struct Workload {
     /// `sets[producer][set]`.
     pub sets: Vec<Vec<Set>>,
-    /// The layout shape (block count irrelevant).
-    pub layout: KvLayout,
 }
 
 impl Workload {
     /// Seeded sets for `producers` producers.
     pub fn new(seed: u64, producers: usize, sets_per_producer: usize) -> anyhow::Result<Workload> {
-        let layout = tiny(1)?;
-        let bb = layout.block_bytes();
+        let bb = layout(1)?.block_bytes();
         let mut sets = Vec::with_capacity(producers);
         for p in 0..producers {
             let mut mine = Vec::with_capacity(sets_per_producer);
             for s in 0..sets_per_producer {
                 let mut rng = StdRng::seed_from_u64(mix(seed, &[1, p as u64, s as u64]));
-                let n = rng.gen_range(1..=4);
+                let n = rng.gen_range(1..=3);
                 let chunks = (0..n)
                     .map(|c| {
-                        let blocks = rng.gen_range(1..=4u32);
+                        let blocks = if rng.gen_bool(0.25) { 2 } else { 1 };
                         let full = blocks as usize * bb;
                         // Mostly a partial last block; sometimes exactly full.
-                        let len = if rng.gen_bool(0.25) {
+                        let len = if rng.gen_bool(0.2) {
                             full
                         } else {
                             rng.gen_range(full - bb + 1..=full)
@@ -109,13 +110,23 @@ impl Workload {
             }
             sets.push(mine);
         }
-        Ok(Workload { sets, layout })
+        Ok(Workload { sets })
+    }
+
+    /// Blocks a producer needs to hold all its sets.
+    pub fn producer_blocks(&self) -> u32 {
+        self.sets
+            .iter()
+            .map(|s| s.iter().map(Set::blocks).sum())
+            .max()
+            .unwrap_or(0)
     }
 }
 
-/// The `tiny` layout, fully contiguous, with `blocks` blocks.
-pub fn tiny(blocks: u32) -> anyhow::Result<KvLayout> {
-    Ok(KvLayout::preset(Preset::Tiny, blocks, Arrangement::FullyContiguous)?)
+/// The run's layout, fully contiguous, with `blocks` blocks.
+pub fn layout(blocks: u32) -> anyhow::Result<KvLayout> {
+    let preset: Preset = MODEL.parse()?;
+    Ok(KvLayout::preset(preset, blocks, Arrangement::FullyContiguous)?)
 }
 
 /// A seed derived from `seed` and `parts` (splitmix64 steps).
@@ -130,6 +141,13 @@ pub fn mix(seed: u64, parts: &[u64]) -> u64 {
     x
 }
 
+fn not_poison(bytes: &[u8]) -> usize {
+    if bytes.iter().all(|b| *b == POISON) {
+        return 0;
+    }
+    bytes.iter().filter(|b| **b != POISON).count()
+}
+
 /// The consumer's KV region cut into slots of [`BLOCKS_PER_SLOT`] blocks.
 pub struct Slots {
     region: Arc<Region>,
@@ -142,7 +160,7 @@ pub struct Slots {
 impl Slots {
     /// `count` slots, all poisoned.
     pub fn new(count: u32) -> anyhow::Result<Slots> {
-        let layout = tiny(count * BLOCKS_PER_SLOT)?;
+        let layout = layout(count * BLOCKS_PER_SLOT)?;
         let region = Arc::new(Region::host("chaos-consumer-kv", layout.region_bytes())?);
         region.fill(0, region.len(), POISON)?;
         Ok(Slots {
@@ -164,36 +182,29 @@ impl Slots {
         self.free.lock().unwrap().len()
     }
 
-    /// Takes a free slot by `deadline`, with the number of its bytes that are no longer
-    /// poison (written after it was handed back).
-    pub async fn acquire(self: &Arc<Self>, deadline: Instant) -> Option<(Dest, usize)> {
-        let permit = tokio::time::timeout_at(deadline, self.permits.acquire()).await.ok()?.ok()?;
+    /// Takes a free slot for `set` by `deadline` (check it with [`Dest::scrub`]).
+    pub async fn acquire(self: &Arc<Self>, set: &Set, deadline: Instant) -> Option<Dest> {
+        let permit = tokio::time::timeout_at(deadline, self.permits.acquire())
+            .await
+            .ok()?
+            .ok()?;
         permit.forget();
         let slot = self.free.lock().unwrap().pop().expect("a permit means a free slot");
-        let dest = Dest {
+        Some(Dest {
             region: self.region.clone(),
             layout: self.layout,
             base: slot * BLOCKS_PER_SLOT,
-            span: BLOCKS_PER_SLOT,
+            span: set.blocks(),
             slot: Some((self.clone(), slot)),
-        };
-        let bad = dest.read().iter().filter(|b| **b != POISON).count();
-        if bad > 0 {
-            dest.poison();
-        }
-        Some((dest, bad))
+        })
     }
 
     /// Non-poison bytes in the free slots (writes after a slot was handed back).
     pub fn check_free(&self) -> usize {
         let free = self.free.lock().unwrap().clone();
-        let bb = self.layout.block_bytes();
-        let span = BLOCKS_PER_SLOT as usize * bb;
+        let span = BLOCKS_PER_SLOT as usize * self.layout.block_bytes();
         free.iter()
-            .map(|s| {
-                let bytes = self.region.to_vec(*s as usize * span, span).unwrap_or_default();
-                bytes.iter().filter(|b| **b != POISON).count()
-            })
+            .map(|s| not_poison(&self.region.to_vec(*s as usize * span, span).unwrap_or_default()))
             .sum()
     }
 
@@ -203,21 +214,30 @@ impl Slots {
     }
 }
 
-/// Where one transfer lands: a slot or a private region.
+/// Where one transfer lands: the first blocks of a slot, or a private region.
 pub struct Dest {
     region: Arc<Region>,
     layout: KvLayout,
     /// First block.
     base: u32,
-    /// Blocks covered.
+    /// Blocks the set uses.
     span: u32,
     slot: Option<(Arc<Slots>, u32)>,
+}
+
+/// How strictly [`Dest::check`] compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// After a success: the first `n` chunks exactly, poison elsewhere.
+    Landed(usize),
+    /// After a failure or a drop: each byte is poison or the set's byte there.
+    PoisonOrOwn,
 }
 
 impl Dest {
     /// A private, poisoned region sized for `set`.
     pub fn private(set: &Set) -> anyhow::Result<Dest> {
-        let layout = tiny(set.blocks())?;
+        let layout = layout(set.blocks())?;
         let region = Arc::new(Region::host("chaos-private", layout.region_bytes())?);
         region.fill(0, region.len(), POISON)?;
         Ok(Dest {
@@ -236,21 +256,23 @@ impl Dest {
 
     /// The library's view: chunk `i` of `set` in consecutive blocks from the base.
     pub fn destination(&self, set: &Set) -> Destination {
+        Destination {
+            region: self.region.clone(),
+            layout: self.layout,
+            chunks: self.chunk_blocks(set),
+        }
+    }
+
+    fn chunk_blocks(&self, set: &Set) -> Vec<Vec<u32>> {
         let mut at = self.base;
-        let chunks = set
-            .chunks
+        set.chunks
             .iter()
             .map(|c| {
                 let blocks: Vec<u32> = (at..at + c.blocks).collect();
                 at += c.blocks;
                 blocks
             })
-            .collect();
-        Destination {
-            region: self.region.clone(),
-            layout: self.layout,
-            chunks,
-        }
+            .collect()
     }
 
     fn span_bytes(&self) -> (usize, usize) {
@@ -258,53 +280,76 @@ impl Dest {
         (self.base as usize * bb, self.span as usize * bb)
     }
 
-    /// The destination's bytes now.
-    pub fn read(&self) -> Vec<u8> {
+    fn read(&self) -> Vec<u8> {
         let (off, len) = self.span_bytes();
         self.region.to_vec(off, len).unwrap_or_default()
     }
 
-    /// What the destination holds once the first `landed` chunks of `set` landed.
-    pub fn expected(&self, set: &Set, landed: usize) -> Vec<u8> {
-        let (start, len) = self.span_bytes();
-        let mut image = vec![POISON; len];
-        let mut at = self.base;
-        for c in set.chunks.iter().take(landed) {
-            let blocks: Vec<u32> = (at..at + c.blocks).collect();
-            at += c.blocks;
-            let ranges = self.layout.chunk_ranges(&blocks).unwrap_or_default();
+    /// Bytes of the destination that break `check` for `set`.
+    pub fn check(&self, set: &Set, check: Check) -> usize {
+        let got = self.read();
+        let (start, _) = self.span_bytes();
+        let mut ranges_seen: Vec<(usize, usize)> = Vec::new();
+        let mut bad = 0;
+        for (i, (c, blocks)) in set.chunks.iter().zip(self.chunk_blocks(set)).enumerate() {
+            let Ok(ranges) = self.layout.chunk_ranges(&blocks) else {
+                return got.len();
+            };
             let mut done = 0;
             for (off, n) in ranges {
                 let n = n.min(c.data.len() - done);
                 if n == 0 {
                     break;
                 }
-                image[off - start..off - start + n].copy_from_slice(&c.data[done..done + n]);
+                let (g, w) = (&got[off - start..off - start + n], &c.data[done..done + n]);
                 done += n;
+                ranges_seen.push((off - start, n));
+                bad += match check {
+                    Check::Landed(landed) if i < landed => {
+                        if g == w {
+                            0
+                        } else {
+                            g.iter().zip(w).filter(|(a, b)| a != b).count()
+                        }
+                    }
+                    Check::Landed(_) => not_poison(g),
+                    Check::PoisonOrOwn => {
+                        if g == w {
+                            0
+                        } else {
+                            g.iter().zip(w).filter(|(a, b)| a != b && **a != POISON).count()
+                        }
+                    }
+                };
             }
         }
-        image
-    }
-
-    /// Bytes that differ from the first `landed` chunks of `set` exactly landed.
-    pub fn exact_mismatches(&self, set: &Set, landed: usize) -> usize {
-        let got = self.read();
-        let want = self.expected(set, landed);
-        if got == want {
-            return 0;
+        // Everything no chunk covers must still be poison.
+        ranges_seen.sort_unstable();
+        let mut at = 0;
+        for (off, n) in ranges_seen {
+            bad += not_poison(&got[at..off.max(at)]);
+            at = at.max(off + n);
         }
-        got.iter().zip(&want).filter(|(a, b)| a != b).count()
+        bad += not_poison(&got[at..]);
+        bad
     }
 
-    /// Bytes that are neither poison nor what `set` puts there (another request's
-    /// bytes, or garbage): the check after a failed or abandoned transfer.
-    pub fn foreign_bytes(&self, set: &Set) -> usize {
-        let got = self.read();
-        let full = self.expected(set, set.chunks.len());
-        got.iter()
-            .zip(&full)
-            .filter(|(g, f)| **g != POISON && g != f)
-            .count()
+    /// Bytes of a freshly taken slot that are no longer poison (written after it was
+    /// handed back); re-poisons them.
+    pub fn scrub(&self) -> usize {
+        let bad = not_poison(&self.read());
+        if bad > 0 {
+            self.poison();
+        }
+        bad
+    }
+
+    /// Flips the first byte (`--sabotage corrupt`).
+    pub fn tamper(&self) {
+        let (off, _) = self.span_bytes();
+        if let Ok(b) = self.region.to_vec(off, 1) {
+            let _ = self.region.write(off, &[b[0] ^ 0xFF]);
+        }
     }
 
     fn poison(&self) {

@@ -33,6 +33,7 @@ pub struct SliceWork<'a> {
     /// The slice's index within its job.
     pub index: usize,
     pieces: &'a [Piece],
+    crcs: Option<&'a [std::sync::atomic::AtomicU32]>,
 }
 
 impl SliceWork<'_> {
@@ -54,6 +55,14 @@ impl SliceWork<'_> {
             // destination ranges (or a destination and a source in the same memory)
             // overlap.
             unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) };
+        }
+        if let Some(crcs) = self.crcs {
+            for (p, c) in self.pieces.iter().zip(crcs) {
+                // SAFETY: as above; the destination bytes were just written by this
+                // thread and nothing else writes them.
+                let bytes = unsafe { std::slice::from_raw_parts(p.dst as *const u8, p.len) };
+                c.store(crc32c::crc32c(bytes), Ordering::Release);
+            }
         }
     }
 }
@@ -327,10 +336,12 @@ fn worker(shared: Arc<Shared>) {
             job.fail(CopyError::ShutDown);
         }
         if job.ledger.begin() {
+            let range = job.slices[slice].clone();
             let work = SliceWork {
                 job: job.id,
                 index: slice,
-                pieces: &job.pieces[job.slices[slice].clone()],
+                pieces: &job.pieces[range.clone()],
+                crcs: job.crcs.as_deref().map(|c| &c[range]),
             };
             let bytes = work.bytes();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.body.run(&work)));
@@ -369,7 +380,8 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
     let mut src_runs: Vec<(*mut u8, usize)> = Vec::new();
     let mut dst_runs: Vec<(*mut u8, usize)> = Vec::new();
     let oob = |e: crate::mem::MemError| CopyError::InvalidPlan(e.to_string());
-    for seg in plan.segments() {
+    let checksums = plan.wants_checksums();
+    for (seg_index, seg) in plan.segments().iter().enumerate() {
         src_runs.clear();
         dst_runs.clear();
         src.for_each_run(seg.src, seg.len, &mut |p, n| src_runs.push((p, n)))
@@ -387,6 +399,7 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
                 src: unsafe { sp.add(so) },
                 dst: unsafe { dp.add(doff) },
                 len: n,
+                seg: seg_index as u32,
             };
             // Merge with the previous piece when both sides continue contiguously.
             match pieces.last_mut() {
@@ -394,7 +407,9 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
                     src: ps,
                     dst: pd,
                     len: pl,
+                    seg: pseg,
                 }) if *pl + n <= target
+                    && (!checksums || *pseg == piece.seg)
                     && std::ptr::eq(ps.wrapping_add(*pl), piece.src)
                     && pd.wrapping_add(*pl) == piece.dst =>
                 {

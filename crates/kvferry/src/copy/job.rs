@@ -50,6 +50,8 @@ pub(crate) struct Piece {
     pub(crate) src: *const u8,
     pub(crate) dst: *mut u8,
     pub(crate) len: usize,
+    /// Index of the plan segment this piece belongs to.
+    pub(crate) seg: u32,
 }
 
 // SAFETY: a piece is an address pair inside memory owned by its job's plan; copy
@@ -89,6 +91,8 @@ pub(crate) struct Job {
     pub(crate) pieces: Vec<Piece>,
     pub(crate) slices: Vec<Range<usize>>,
     pub(crate) skipped: AtomicUsize,
+    /// Per-piece crc32c of the destination bytes, when the plan asked for checksums.
+    pub(crate) crcs: Option<Vec<std::sync::atomic::AtomicU32>>,
     error: Mutex<Option<CopyError>>,
     slot: Mutex<PlanSlot>,
     waker: AtomicWaker,
@@ -97,7 +101,13 @@ pub(crate) struct Job {
 
 impl Job {
     pub(crate) fn new(id: u64, plan: CopyPlan, pieces: Vec<Piece>, slices: Vec<Range<usize>>) -> Job {
+        let crcs = plan.wants_checksums().then(|| {
+            (0..pieces.len())
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect()
+        });
         Job {
+            crcs,
             id,
             ledger: SliceLedger::new(slices.len()),
             pieces,
@@ -222,7 +232,16 @@ impl Future for CopyJob {
                 return Poll::Pending;
             }
         }
-        let plan = job.slot.lock().plan.take().expect("plan present until taken once");
+        let mut plan = job.slot.lock().plan.take().expect("plan present until taken once");
+        if let Some(crcs) = &job.crcs {
+            // Fold piece checksums (in order) into one checksum per segment.
+            let mut per_seg = vec![0u32; plan.segments().len()];
+            for (p, c) in job.pieces.iter().zip(crcs) {
+                let s = &mut per_seg[p.seg as usize];
+                *s = crc32c::crc32c_combine(*s, c.load(Ordering::Acquire), p.len);
+            }
+            plan.set_segment_checksums(per_seg);
+        }
         let error = job
             .error
             .lock()

@@ -141,6 +141,8 @@ pub struct CopyPlan {
     /// Where bytes are written.
     pub dst: Endpoint,
     segments: Vec<Segment>,
+    checksums: bool,
+    segment_checksums: Option<Vec<u32>>,
 }
 
 impl CopyPlan {
@@ -150,6 +152,8 @@ impl CopyPlan {
             src: src.into(),
             dst: dst.into(),
             segments: Vec::new(),
+            checksums: false,
+            segment_checksums: None,
         }
     }
 
@@ -175,6 +179,28 @@ impl CopyPlan {
     /// Total bytes the plan copies.
     pub fn bytes(&self) -> usize {
         self.segments.iter().map(|s| s.len).sum()
+    }
+
+    /// Also computes the crc32c of every segment's bytes, while they are still in cache
+    /// right after each piece is copied (no second pass over memory). Available from
+    /// [`segment_checksums`](Self::segment_checksums) once the copy completed.
+    pub fn with_checksums(mut self) -> Self {
+        self.checksums = true;
+        self
+    }
+
+    pub(crate) fn wants_checksums(&self) -> bool {
+        self.checksums
+    }
+
+    pub(crate) fn set_segment_checksums(&mut self, crcs: Vec<u32>) {
+        self.segment_checksums = Some(crcs);
+    }
+
+    /// The crc32c of each segment's bytes (in segment order), if the plan asked for
+    /// them and the copy completed.
+    pub fn segment_checksums(&self) -> Option<&[u32]> {
+        self.segment_checksums.as_deref()
     }
 
     /// Gives back both endpoints.

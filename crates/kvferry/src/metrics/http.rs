@@ -80,7 +80,11 @@ impl MetricsServer {
     }
 
     /// As [`MetricsServer::bind`], with explicit settings.
-    pub async fn bind_with(addr: &str, registry: Arc<Registry>, cfg: HttpConfig) -> Result<MetricsServer, MetricsError> {
+    pub async fn bind_with(
+        addr: &str,
+        registry: Arc<Registry>,
+        cfg: HttpConfig,
+    ) -> Result<MetricsServer, MetricsError> {
         cfg.validate()?;
         let bind_err = |source| MetricsError::Bind {
             addr: addr.to_string(),
@@ -163,7 +167,11 @@ async fn read_head(stream: &mut TcpStream, cap: usize) -> std::io::Result<Head> 
     loop {
         let n = stream.read(&mut chunk).await?;
         if n == 0 {
-            return Ok(if buf.is_empty() { Head::Empty } else { Head::Complete(buf) });
+            return Ok(if buf.is_empty() {
+                Head::Empty
+            } else {
+                Head::Complete(buf)
+            });
         }
         let scan_from = buf.len().saturating_sub(3);
         buf.extend_from_slice(&chunk[..n]);
@@ -303,7 +311,9 @@ mod tests {
         assert_eq!(route(b"GET /metricsx HTTP/1.1\r\n\r\n", &r).status, 404);
         let post = route(b"POST /metrics HTTP/1.1\r\n\r\n", &r);
         assert_eq!(post.status, 405);
-        assert!(String::from_utf8(post.to_bytes()).unwrap().contains("Allow: GET, HEAD\r\n"));
+        assert!(String::from_utf8(post.to_bytes())
+            .unwrap()
+            .contains("Allow: GET, HEAD\r\n"));
         for garbage in [
             &b""[..],
             b"\r\n\r\n",
@@ -327,7 +337,10 @@ mod tests {
 
     #[test]
     fn bad_config_is_rejected() {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         let cfg = HttpConfig {
             read_timeout: Duration::ZERO,
             ..HttpConfig::default()

@@ -32,7 +32,9 @@ pub mod sources;
 pub use histogram::{Histogram, HistogramSnapshot, LATENCY_BUCKETS};
 pub use http::{HttpConfig, MetricsServer};
 pub use registry::{MetricsSource, Registry};
-pub use render::{escape_label_value, format_f64, valid_label_name, valid_metric_name, Encoder, MetricKind, CONTENT_TYPE};
+pub use render::{
+    escape_label_value, format_f64, valid_label_name, valid_metric_name, Encoder, MetricKind, CONTENT_TYPE,
+};
 pub use sources::StepOutcomeCounts;
 
 /// Errors of the metrics module.

@@ -181,7 +181,10 @@ fn label_set(labels: &[(String, String)], le: Option<&str>) -> String {
         return String::new();
     }
     let mut s = String::from("{");
-    let all = labels.iter().map(|(k, v)| (k.as_str(), v.as_str())).chain(le.map(|v| ("le", v)));
+    let all = labels
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .chain(le.map(|v| ("le", v)));
     for (i, (k, v)) in all.enumerate() {
         if i > 0 {
             s.push(',');
@@ -300,7 +303,10 @@ mod tests {
         let mut e = Encoder::new();
         e.histogram("bare", "No labels.", &[], &h.snapshot());
         let out = e.finish();
-        assert!(out.contains("bare_bucket{le=\"+Inf\"} 3\nbare_sum 1.0055\nbare_count 3\n"), "{out}");
+        assert!(
+            out.contains("bare_bucket{le=\"+Inf\"} 3\nbare_sum 1.0055\nbare_count 3\n"),
+            "{out}"
+        );
     }
 
     #[test]
@@ -316,7 +322,10 @@ mod tests {
         let out = e.finish();
         assert!(out.contains("c_total{a=\"1\"} 5\n"), "{out}");
         assert!(!out.contains("a=\"2\""), "{out}");
-        assert!(out.contains("h_bucket{le=\"0.001\"} 2\nh_bucket{le=\"+Inf\"} 2\n"), "{out}");
+        assert!(
+            out.contains("h_bucket{le=\"0.001\"} 2\nh_bucket{le=\"+Inf\"} 2\n"),
+            "{out}"
+        );
         assert_eq!(out.matches("# TYPE").count(), 2, "each family once: {out}");
     }
 

@@ -46,7 +46,12 @@ pub fn arena_metrics(out: &mut Encoder, role: &str, s: &ArenaStats) {
         );
     }
     let r = &[("role", role)];
-    out.gauge("kvferry_arena_page_bytes", "Bytes per staging page.", r, s.page_size as u64);
+    out.gauge(
+        "kvferry_arena_page_bytes",
+        "Bytes per staging page.",
+        r,
+        s.page_size as u64,
+    );
     out.gauge(
         "kvferry_arena_leases",
         "Live staging leases.",
@@ -80,7 +85,12 @@ pub fn copy_metrics(out: &mut Encoder, role: &str, s: &CopyStats) {
     out.counter("kvferry_copy_bytes_total", "Bytes copied.", r, s.bytes_copied);
     const JOBS: &str = "Copy jobs ended, by outcome (failed includes cancelled and shut down).";
     for (outcome, n) in [("completed", s.jobs_completed), ("failed", s.jobs_failed)] {
-        out.counter("kvferry_copy_jobs_total", JOBS, &[("role", role), ("outcome", outcome)], n);
+        out.counter(
+            "kvferry_copy_jobs_total",
+            JOBS,
+            &[("role", role), ("outcome", outcome)],
+            n,
+        );
     }
 }
 
@@ -131,15 +141,30 @@ const CHUNKS: &str = "Chunks moved, by direction (as kvferry_bytes_total).";
 /// Renders a producer's counters (not its arena or copy engine).
 pub fn producer_metrics(out: &mut Encoder, s: &ProducerStats) {
     const ROLE: (&str, &str) = ("role", "producer");
-    out.counter("kvferry_bytes_total", BYTES, &[ROLE, ("direction", "sent")], s.bytes_sent);
+    out.counter(
+        "kvferry_bytes_total",
+        BYTES,
+        &[ROLE, ("direction", "sent")],
+        s.bytes_sent,
+    );
     out.counter(
         "kvferry_bytes_total",
         BYTES,
         &[ROLE, ("direction", "received")],
         s.bytes_received,
     );
-    out.counter("kvferry_chunks_total", CHUNKS, &[ROLE, ("direction", "sent")], s.chunks_sent);
-    out.counter("kvferry_chunks_total", CHUNKS, &[ROLE, ("direction", "received")], s.pushed);
+    out.counter(
+        "kvferry_chunks_total",
+        CHUNKS,
+        &[ROLE, ("direction", "sent")],
+        s.chunks_sent,
+    );
+    out.counter(
+        "kvferry_chunks_total",
+        CHUNKS,
+        &[ROLE, ("direction", "received")],
+        s.pushed,
+    );
     out.gauge(
         "kvferry_staged_leases",
         "Staged leases waiting for a pull or Done.",
@@ -149,7 +174,11 @@ pub fn producer_metrics(out: &mut Encoder, s: &ProducerStats) {
     for (name, help, v) in [
         ("kvferry_leases_staged_total", "Leases staged.", s.staged),
         ("kvferry_leases_done_total", "Leases released by Done.", s.done),
-        ("kvferry_leases_expired_total", "Leases released by TTL expiry.", s.expired),
+        (
+            "kvferry_leases_expired_total",
+            "Leases released by TTL expiry.",
+            s.expired,
+        ),
         (
             "kvferry_busy_total",
             "Requests refused as busy (staging cap or arena full).",
@@ -193,7 +222,7 @@ pub fn consumer_metrics(out: &mut Encoder, s: &ConsumerStats, latency: &[(&str, 
         ),
         (
             "kvferry_cancellations_total",
-            "Transfers whose work was cancelled and drained (caller deadline or drop).",
+            "Transfers cancelled and drained because the caller stopped waiting (drop, or its deadline passed first).",
             s.cancelled,
         ),
         (
@@ -312,7 +341,10 @@ mod tests {
         let mut e = Encoder::new();
         arena_metrics(&mut e, "producer", &s);
         let out = e.finish();
-        assert!(out.contains("kvferry_arena_pages{role=\"producer\",state=\"free\"} 6\n"), "{out}");
+        assert!(
+            out.contains("kvferry_arena_pages{role=\"producer\",state=\"free\"} 6\n"),
+            "{out}"
+        );
         assert!(out.contains("kvferry_arena_pages{role=\"producer\",state=\"leased\"} 3\n"));
         assert!(out.contains("kvferry_arena_pages{role=\"producer\",state=\"quarantined\"} 1\n"));
         assert!(out.contains("kvferry_arena_page_bytes{role=\"producer\"} 4096\n"));

@@ -61,6 +61,16 @@ impl Connection {
         self.io_timeout = d;
     }
 
+    /// True if the peer has closed this (idle) connection or sent something unasked:
+    /// either way it must not be reused. Never blocks.
+    pub fn is_stale(&self) -> bool {
+        let mut b = [0u8; 1];
+        match self.stream.try_read(&mut b) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
+            _ => true, // EOF, unexpected bytes, or an error
+        }
+    }
+
     /// Who is on the other side.
     pub fn peer(&self) -> &PeerInfo {
         &self.peer
@@ -120,7 +130,12 @@ impl Connection {
     }
 
     /// Sends one bulk frame made of `parts` whose crc32c is already known.
-    pub async fn send_bulk_with_checksum(&mut self, request_id: u64, parts: &[&[u8]], checksum: u32) -> Result<(), NetError> {
+    pub async fn send_bulk_with_checksum(
+        &mut self,
+        request_id: u64,
+        parts: &[&[u8]],
+        checksum: u32,
+    ) -> Result<(), NetError> {
         let d = self.io_timeout;
         let r = bounded(
             "send bulk frame",

@@ -157,7 +157,15 @@ async fn recv_or_refuse(conn: &mut Connection) -> Result<(u64, Message), NetErro
             NetError::Wire(WireError::Oversize { .. }) => ErrorKind::TooLarge,
             _ => ErrorKind::BadRequest,
         };
-        let _ = conn.send(0, &Message::Error { kind, message: e.to_string() }).await;
+        let _ = conn
+            .send(
+                0,
+                &Message::Error {
+                    kind,
+                    message: e.to_string(),
+                },
+            )
+            .await;
     }
     r
 }
@@ -192,7 +200,10 @@ async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
     conn.send(id, &challenge).await?;
     let (id, msg) = recv_or_refuse(&mut conn).await?;
     let Message::Auth { proof } = msg else {
-        let m = Message::Error { kind: ErrorKind::BadRequest, message: format!("expected Auth, got {}", msg.name()) };
+        let m = Message::Error {
+            kind: ErrorKind::BadRequest,
+            message: format!("expected Auth, got {}", msg.name()),
+        };
         let _ = conn.send(id, &m).await;
         return Err(NetError::Protocol(format!("expected Auth, got {msg:?}")));
     };

@@ -95,7 +95,16 @@ impl Pool {
                 })
             }
         };
-        if let Some(conn) = self.shared.idle.lock().pop() {
+        // Skip idle connections the peer has closed meanwhile (idle timeout, restart).
+        let idle = loop {
+            let Some(conn) = self.shared.idle.lock().pop() else {
+                break None;
+            };
+            if !conn.is_stale() {
+                break Some(conn);
+            }
+        };
+        if let Some(conn) = idle {
             return Ok(PooledConnection {
                 conn: Some(conn),
                 pool: self.clone(),

@@ -3,9 +3,10 @@
 //!
 //! Each connection is served by its own task. A malformed, oversize, truncated or
 //! unauthenticated connection gets a typed error, is closed, and affects no other
-//! connection. Connections beyond `max_connections` are closed at once. An idle
-//! connection is closed after the idle timeout; a frame that has started must finish
-//! within the I/O timeout (slow clients cannot hold a task forever).
+//! connection. Connections beyond `max_connections` get a `Busy` error and are closed
+//! at once. An idle connection is closed quietly after the idle timeout; a frame that
+//! has started must finish within the I/O timeout (slow clients cannot hold a task
+//! forever).
 //!
 //! # Cancellation
 //!
@@ -156,7 +157,11 @@ const LISTEN_BACKLOG: u32 = 1024;
 async fn listen(addr: &str) -> std::io::Result<TcpListener> {
     let mut last = None;
     for a in tokio::net::lookup_host(addr).await? {
-        let sock = if a.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        let sock = if a.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
         sock.set_reuseaddr(true)?;
         match sock.bind(a) {
             Ok(()) => return sock.listen(LISTEN_BACKLOG),
@@ -230,7 +235,10 @@ async fn serve_connection(stream: tokio::net::TcpStream, cfg: &NetConfig, handle
             Err(NetError::Lost { .. }) => break,
             // An idle close is not an error: close quietly, so that a pooled client
             // sees a closed connection (and reconnects), not a stale `Error` reply.
-            Err(NetError::Timeout { op: super::conn::IDLE_OP, .. }) => {
+            Err(NetError::Timeout {
+                op: super::conn::IDLE_OP,
+                ..
+            }) => {
                 tracing::debug!(target: "kvferry::net", %peer, "closing idle connection");
                 break;
             }

@@ -530,9 +530,10 @@ impl Consumer {
         let this = self.clone();
         let span = self.transfer_span(peer, &req);
         let (peer, c2) = (peer.to_string(), cancel.clone());
-        let task = self.inner.runtime.spawn(
-            async move { this.transfer(&peer, req, dst, deadline, c2, signal).await }.instrument(span),
-        );
+        let task = self
+            .inner
+            .runtime
+            .spawn(async move { this.transfer(&peer, req, dst, deadline, c2, signal).await }.instrument(span));
         let out = tokio::time::timeout_at(deadline, task).await;
         let timed_out = matches!(out, Err(_) | Ok(Ok(Err(PeerError::Timeout { .. }))));
         if timed_out {
@@ -798,14 +799,22 @@ impl Consumer {
         }
         match conn.recv_reply(id).await? {
             Message::PullDone { .. } => {}
-            other => return Err(PeerError::Net(NetError::Protocol(format!("expected PullDone, got {other:?}")))),
+            other => {
+                return Err(PeerError::Net(NetError::Protocol(format!(
+                    "expected PullDone, got {other:?}"
+                ))))
+            }
         }
         // Every byte is in our staging pages: the producer's copy is no longer needed.
         // Release it on the same connection (no second checkout on the hot path).
         if let Some(lease_id) = lease_to_release.take() {
             match conn.request(&Message::Done { lease_id }).await {
                 Ok(Message::DoneAck) => {}
-                Ok(other) => return Err(PeerError::Net(NetError::Protocol(format!("expected DoneAck, got {other:?}")))),
+                Ok(other) => {
+                    return Err(PeerError::Net(NetError::Protocol(format!(
+                        "expected DoneAck, got {other:?}"
+                    ))))
+                }
                 // Not fatal for this transfer: the bytes are here; the producer's TTL
                 // releases its pages.
                 Err(e) => {

@@ -299,27 +299,32 @@ impl Producer {
         let mut offsets = Vec::with_capacity(k);
         let mut at = 0;
         let mut segments = Vec::new();
+        let mut chunk_segs = Vec::with_capacity(k); // segment index range per chunk
         for loc in locs {
             offsets.push(at);
+            let first = segments.len();
             for (off, len) in inner.store.ranges(loc)? {
                 segments.push((off, at, len));
                 at += len;
             }
+            chunk_segs.push(first..segments.len());
         }
         // The plan owns the pins: chunk blocks stay pinned until the gather drained.
         let src: Arc<dyn crate::mem::HostMemory> = Arc::new(inner.store.pinned_source(pins));
-        let mut plan = CopyPlan::new(Endpoint::Memory(src), lease);
-        for (s, d, n) in segments {
+        // Checksums are computed by the copy threads right after each piece is copied.
+        let mut plan = CopyPlan::new(Endpoint::Memory(src), lease).with_checksums();
+        for &(s, d, n) in &segments {
             plan.push(s, d, n);
         }
         let plan = inner.engine.copy(plan).await.map_err(|f| PeerError::Copy(f.error))?;
+        let seg_crcs = plan.segment_checksums().expect("requested").to_vec();
         let (_src, dst) = plan.into_parts();
         let lease = dst.into_lease().expect("destination is the staging lease");
         let mut chunks = Vec::with_capacity(k);
-        for (loc, &off) in locs.iter().zip(&offsets) {
+        for (loc, segs) in locs.iter().zip(&chunk_segs) {
             let mut crc = 0u32;
-            for s in lease.io_slices(off, loc.len)? {
-                crc = crc32c::crc32c_append(crc, s);
+            for i in segs.clone() {
+                crc = crc32c::crc32c_combine(crc, seg_crcs[i], segments[i].2);
             }
             chunks.push(ChunkMeta {
                 key: loc.key,
@@ -593,7 +598,7 @@ fn kind_of(e: &PeerError) -> ErrorKind {
 }
 
 async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String) -> Result<(), NetError> {
-    tracing::debug!(target: "kvferry::peer", ?kind, %message, "request refused");
+    tracing::debug!(target: "kvferry::peer", ?kind, reason = %message, "request refused");
     conn.send(id, &Message::Error { kind, message }).await
 }
 

@@ -381,15 +381,20 @@ mod tests {
         let old_blocks = locs[0].blocks.clone();
         put(&s, "a", 2); // replace while pinned: needs the other 2 blocks
         assert_eq!(s.stats().free_blocks, 0);
-        assert!(s.alloc_blocks(1).is_err(), "the pinned old blocks must not be reused");
+        // Making room evicts the new, unpinned "a" — never the pinned old blocks.
+        let got = s.alloc_blocks(2).unwrap();
+        assert!(
+            got.iter().all(|b| !old_blocks.contains(b)),
+            "pinned blocks reused: {got:?}"
+        );
+        assert!(s.alloc_blocks(1).is_err(), "only pinned blocks are left");
         drop(pins);
         assert_eq!(s.stats().free_blocks, 2);
-        let again = s.alloc_blocks(2).unwrap();
-        let mut a = again.clone();
-        a.sort();
+        let mut again = s.alloc_blocks(2).unwrap();
+        again.sort();
         let mut o = old_blocks;
         o.sort();
-        assert_eq!(a, o);
+        assert_eq!(again, o, "unpinning frees the replaced chunk's blocks");
     }
 
     #[test]
