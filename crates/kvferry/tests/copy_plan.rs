@@ -110,3 +110,43 @@ fn bad_engine_config_is_rejected() {
         Err(CopyError::InvalidConfig(_))
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checksum_groups_match_the_copied_bytes() {
+    let engine = CopyEngine::new(CopyConfig { threads: 2, slice_bytes: 64 << 10 }).unwrap();
+    let arena = Arena::new(ArenaConfig::new(16 << 10, 256).unpinned()).unwrap();
+    let len = 1 << 20;
+    let src = Arc::new(Region::host("src", len).unwrap());
+    let data = pattern(len, 99);
+    src.write(0, &data).unwrap();
+    // Many small scattered segments in three groups of uneven size.
+    let mut segs = Vec::new();
+    let mut at = 0;
+    for i in 0..300usize {
+        let n = 1000 + (i * 37) % 3000;
+        let off = (i * 7919) % (len - n);
+        segs.push((off, at, n));
+        at += n;
+    }
+    let ends = vec![10, 11, 300];
+    let mut plan = CopyPlan::new(src, arena.try_alloc(arena.pages_for(at)).unwrap()).with_checksum_groups(ends.clone());
+    for &(s, d, n) in &segs {
+        plan.push(s, d, n);
+    }
+    let plan = engine.copy(plan).await.unwrap();
+    let got = plan.group_checksums().unwrap().to_vec();
+    let mut start = 0;
+    for (g, &end) in ends.iter().enumerate() {
+        let mut want = 0u32;
+        for &(s, _, n) in &segs[start..end] {
+            want = crc32c::crc32c_append(want, &data[s..s + n]);
+        }
+        assert_eq!(got[g], want, "group {g}");
+        start = end;
+    }
+    // Bad group boundaries are an invalid plan.
+    let lease = arena.try_alloc(1).unwrap();
+    let src = Arc::new(Region::host("src", 4096).unwrap());
+    let bad = CopyPlan::new(src, lease).with(0, 0, 100).with(100, 100, 100).with_checksum_groups(vec![1]);
+    assert!(matches!(engine.copy(bad).await.unwrap_err().error, CopyError::InvalidPlan(_)));
+}

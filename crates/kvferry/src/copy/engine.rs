@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::job::{CopyFailure, CopyJob, Job, Piece};
+use super::job::{CopyFailure, CopyJob, Job, Partial, Piece};
 use super::plan::CopyPlan;
 use super::CopyError;
 
@@ -33,7 +33,8 @@ pub struct SliceWork<'a> {
     /// The slice's index within its job.
     pub index: usize,
     pieces: &'a [Piece],
-    crcs: Option<&'a [std::sync::atomic::AtomicU32]>,
+    partials: Option<&'a Mutex<Vec<Partial>>>,
+    first_piece: usize,
 }
 
 impl SliceWork<'_> {
@@ -47,22 +48,37 @@ impl SliceWork<'_> {
         self.pieces.len()
     }
 
-    /// Performs the slice's copies.
+    /// Performs the slice's copies (and, if the plan asked for them, checksums each
+    /// piece right after copying it, while it is in cache).
     pub fn copy(&self) {
-        for p in self.pieces {
+        let mut run: Option<Partial> = None;
+        let mut out = Vec::new();
+        for (i, p) in self.pieces.iter().enumerate() {
             // SAFETY: pieces point into memory owned by the job's plan, which the engine
             // keeps alive until this slice is accounted; plans are validated so no two
             // destination ranges (or a destination and a source in the same memory)
             // overlap.
             unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) };
-        }
-        if let Some(crcs) = self.crcs {
-            for (p, c) in self.pieces.iter().zip(crcs) {
-                // SAFETY: as above; the destination bytes were just written by this
+            if self.partials.is_some() {
+                // SAFETY: as above; these destination bytes were just written by this
                 // thread and nothing else writes them.
                 let bytes = unsafe { std::slice::from_raw_parts(p.dst as *const u8, p.len) };
-                c.store(crc32c::crc32c(bytes), Ordering::Release);
+                match &mut run {
+                    Some(r) if r.group == p.group => {
+                        r.crc = crc32c::crc32c_append(r.crc, bytes);
+                        r.len += p.len;
+                    }
+                    _ => {
+                        out.extend(run.take());
+                        let crc = crc32c::crc32c(bytes);
+                        run = Some(Partial { first_piece: self.first_piece + i, group: p.group, crc, len: p.len });
+                    }
+                }
             }
+        }
+        if let Some(partials) = self.partials {
+            out.extend(run);
+            partials.lock().extend(out);
         }
     }
 }
@@ -341,7 +357,8 @@ fn worker(shared: Arc<Shared>) {
                 job: job.id,
                 index: slice,
                 pieces: &job.pieces[range.clone()],
-                crcs: job.crcs.as_deref().map(|c| &c[range]),
+                partials: job.partials.as_ref(),
+                first_piece: range.start,
             };
             let bytes = work.bytes();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.body.run(&work)));
@@ -380,8 +397,14 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
     let mut src_runs: Vec<(*mut u8, usize)> = Vec::new();
     let mut dst_runs: Vec<(*mut u8, usize)> = Vec::new();
     let oob = |e: crate::mem::MemError| CopyError::InvalidPlan(e.to_string());
-    let checksums = plan.wants_checksums();
+    let groups = plan.checksum_groups();
+    let mut group = 0u32;
     for (seg_index, seg) in plan.segments().iter().enumerate() {
+        if let Some(ends) = groups {
+            while ends[group as usize] <= seg_index {
+                group += 1;
+            }
+        }
         src_runs.clear();
         dst_runs.clear();
         src.for_each_run(seg.src, seg.len, &mut |p, n| src_runs.push((p, n)))
@@ -399,7 +422,7 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
                 src: unsafe { sp.add(so) },
                 dst: unsafe { dp.add(doff) },
                 len: n,
-                seg: seg_index as u32,
+                group,
             };
             // Merge with the previous piece when both sides continue contiguously.
             match pieces.last_mut() {
@@ -407,9 +430,9 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
                     src: ps,
                     dst: pd,
                     len: pl,
-                    seg: pseg,
+                    group: pgroup,
                 }) if *pl + n <= target
-                    && (!checksums || *pseg == piece.seg)
+                    && *pgroup == piece.group
                     && std::ptr::eq(ps.wrapping_add(*pl), piece.src)
                     && pd.wrapping_add(*pl) == piece.dst =>
                 {

@@ -50,8 +50,8 @@ pub(crate) struct Piece {
     pub(crate) src: *const u8,
     pub(crate) dst: *mut u8,
     pub(crate) len: usize,
-    /// Index of the plan segment this piece belongs to.
-    pub(crate) seg: u32,
+    /// Index of the checksum group this piece belongs to (0 without checksums).
+    pub(crate) group: u32,
 }
 
 // SAFETY: a piece is an address pair inside memory owned by its job's plan; copy
@@ -65,6 +65,15 @@ struct PlanSlot {
     plan: Option<CopyPlan>,
     settled: bool,
     handle_gone: bool,
+}
+
+/// The checksum of a run of consecutive pieces of one group, from one slice.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Partial {
+    pub(crate) first_piece: usize,
+    pub(crate) group: u32,
+    pub(crate) crc: u32,
+    pub(crate) len: usize,
 }
 
 /// Shared "has drained" signal, separate from the job so that a fence never keeps the
@@ -91,8 +100,9 @@ pub(crate) struct Job {
     pub(crate) pieces: Vec<Piece>,
     pub(crate) slices: Vec<Range<usize>>,
     pub(crate) skipped: AtomicUsize,
-    /// Per-piece crc32c of the destination bytes, when the plan asked for checksums.
-    pub(crate) crcs: Option<Vec<std::sync::atomic::AtomicU32>>,
+    /// Partial checksums reported by slices, when the plan asked for checksums.
+    pub(crate) partials: Option<Mutex<Vec<Partial>>>,
+    groups: usize,
     error: Mutex<Option<CopyError>>,
     slot: Mutex<PlanSlot>,
     waker: AtomicWaker,
@@ -101,13 +111,11 @@ pub(crate) struct Job {
 
 impl Job {
     pub(crate) fn new(id: u64, plan: CopyPlan, pieces: Vec<Piece>, slices: Vec<Range<usize>>) -> Job {
-        let crcs = plan.wants_checksums().then(|| {
-            (0..pieces.len())
-                .map(|_| std::sync::atomic::AtomicU32::new(0))
-                .collect()
-        });
+        let groups = plan.checksum_groups().map_or(0, |g| g.len());
+        let partials = plan.checksum_groups().map(|_| Mutex::new(Vec::new()));
         Job {
-            crcs,
+            partials,
+            groups,
             id,
             ledger: SliceLedger::new(slices.len()),
             pieces,
@@ -233,14 +241,16 @@ impl Future for CopyJob {
             }
         }
         let mut plan = job.slot.lock().plan.take().expect("plan present until taken once");
-        if let Some(crcs) = &job.crcs {
-            // Fold piece checksums (in order) into one checksum per segment.
-            let mut per_seg = vec![0u32; plan.segments().len()];
-            for (p, c) in job.pieces.iter().zip(crcs) {
-                let s = &mut per_seg[p.seg as usize];
-                *s = crc32c::crc32c_combine(*s, c.load(Ordering::Acquire), p.len);
+        if let Some(partials) = &job.partials {
+            // Fold the slices' partial checksums, in piece order, into one per group.
+            let mut parts = std::mem::take(&mut *partials.lock());
+            parts.sort_unstable_by_key(|p| p.first_piece);
+            let mut per_group = vec![0u32; job.groups];
+            for p in parts {
+                let g = &mut per_group[p.group as usize];
+                *g = crc32c::crc32c_combine(*g, p.crc, p.len);
             }
-            plan.set_segment_checksums(per_seg);
+            plan.set_group_checksums(per_group);
         }
         let error = job
             .error

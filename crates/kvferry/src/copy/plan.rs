@@ -141,8 +141,8 @@ pub struct CopyPlan {
     /// Where bytes are written.
     pub dst: Endpoint,
     segments: Vec<Segment>,
-    checksums: bool,
-    segment_checksums: Option<Vec<u32>>,
+    checksum_groups: Option<Vec<usize>>,
+    group_checksums: Option<Vec<u32>>,
 }
 
 impl CopyPlan {
@@ -152,8 +152,8 @@ impl CopyPlan {
             src: src.into(),
             dst: dst.into(),
             segments: Vec::new(),
-            checksums: false,
-            segment_checksums: None,
+            checksum_groups: None,
+            group_checksums: None,
         }
     }
 
@@ -181,26 +181,29 @@ impl CopyPlan {
         self.segments.iter().map(|s| s.len).sum()
     }
 
-    /// Also computes the crc32c of every segment's bytes, while they are still in cache
-    /// right after each piece is copied (no second pass over memory). Available from
-    /// [`segment_checksums`](Self::segment_checksums) once the copy completed.
-    pub fn with_checksums(mut self) -> Self {
-        self.checksums = true;
+    /// Also computes a crc32c per *group* of consecutive segments (e.g. one group per
+    /// chunk): group `i` covers segments `ends[i-1]..ends[i]` (`ends` strictly
+    /// increasing, the last equal to the number of segments). The copy threads
+    /// checksum each piece right after copying it, while it is still in cache (no
+    /// second pass over memory). Available from
+    /// [`group_checksums`](Self::group_checksums) once the copy completed.
+    pub fn with_checksum_groups(mut self, ends: Vec<usize>) -> Self {
+        self.checksum_groups = Some(ends);
         self
     }
 
-    pub(crate) fn wants_checksums(&self) -> bool {
-        self.checksums
+    pub(crate) fn checksum_groups(&self) -> Option<&[usize]> {
+        self.checksum_groups.as_deref()
     }
 
-    pub(crate) fn set_segment_checksums(&mut self, crcs: Vec<u32>) {
-        self.segment_checksums = Some(crcs);
+    pub(crate) fn set_group_checksums(&mut self, crcs: Vec<u32>) {
+        self.group_checksums = Some(crcs);
     }
 
-    /// The crc32c of each segment's bytes (in segment order), if the plan asked for
-    /// them and the copy completed.
-    pub fn segment_checksums(&self) -> Option<&[u32]> {
-        self.segment_checksums.as_deref()
+    /// The crc32c of each checksum group's bytes (in group order), if the plan asked
+    /// for them and the copy completed.
+    pub fn group_checksums(&self) -> Option<&[u32]> {
+        self.group_checksums.as_deref()
     }
 
     /// Gives back both endpoints.
@@ -225,6 +228,15 @@ impl CopyPlan {
                 return Err(CopyError::InvalidPlan(format!(
                     "segment {i}: destination range {}+{} exceeds destination size {ds}",
                     s.dst, s.len
+                )));
+            }
+        }
+        if let Some(ends) = &self.checksum_groups {
+            let increasing = ends.windows(2).all(|w| w[0] < w[1]) && ends.first().is_some_and(|e| *e > 0);
+            if !increasing || ends.last() != Some(&self.segments.len()) {
+                return Err(CopyError::InvalidPlan(format!(
+                    "checksum groups {ends:?} must be strictly increasing and end at {} segments",
+                    self.segments.len()
                 )));
             }
         }

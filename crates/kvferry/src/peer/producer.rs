@@ -312,20 +312,17 @@ impl Producer {
         // The plan owns the pins: chunk blocks stay pinned until the gather drained.
         let src: Arc<dyn crate::mem::HostMemory> = Arc::new(inner.store.pinned_source(pins));
         // Checksums are computed by the copy threads right after each piece is copied.
-        let mut plan = CopyPlan::new(Endpoint::Memory(src), lease).with_checksums();
+        let ends: Vec<usize> = chunk_segs.iter().map(|r| r.end).collect();
+        let mut plan = CopyPlan::new(Endpoint::Memory(src), lease).with_checksum_groups(ends);
         for &(s, d, n) in &segments {
             plan.push(s, d, n);
         }
         let plan = inner.engine.copy(plan).await.map_err(|f| PeerError::Copy(f.error))?;
-        let seg_crcs = plan.segment_checksums().expect("requested").to_vec();
+        let chunk_crcs = plan.group_checksums().expect("requested").to_vec();
         let (_src, dst) = plan.into_parts();
         let lease = dst.into_lease().expect("destination is the staging lease");
         let mut chunks = Vec::with_capacity(k);
-        for (loc, segs) in locs.iter().zip(&chunk_segs) {
-            let mut crc = 0u32;
-            for i in segs.clone() {
-                crc = crc32c::crc32c_combine(crc, seg_crcs[i], segments[i].2);
-            }
+        for (loc, &crc) in locs.iter().zip(&chunk_crcs) {
             chunks.push(ChunkMeta {
                 key: loc.key,
                 len: loc.len as u64,
