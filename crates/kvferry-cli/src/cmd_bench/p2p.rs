@@ -338,7 +338,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
                     let mut crc = 0u32;
                     for (off, len) in &ranges {
                         let piece = region.checksum(*off, *len).expect("in range");
-                        crc = crc32c::crc32c_combine(crc, piece, *len);
+                        crc = kvferry::wire::crc::combine(crc, piece, *len);
                     }
                     if crc != expected[r][c] {
                         let want = pattern(r, c, chunk_bytes);

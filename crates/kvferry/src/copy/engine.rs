@@ -71,7 +71,12 @@ impl SliceWork<'_> {
                     _ => {
                         out.extend(run.take());
                         let crc = crc32c::crc32c(bytes);
-                        run = Some(Partial { first_piece: self.first_piece + i, group: p.group, crc, len: p.len });
+                        run = Some(Partial {
+                            first_piece: self.first_piece + i,
+                            group: p.group,
+                            crc,
+                            len: p.len,
+                        });
                     }
                 }
             }

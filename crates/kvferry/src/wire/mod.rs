@@ -20,6 +20,7 @@
 pub mod auth;
 pub mod bulk;
 pub mod codec;
+pub mod crc;
 pub mod error;
 pub mod frame;
 pub mod key;
