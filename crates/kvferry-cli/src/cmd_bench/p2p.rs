@@ -44,7 +44,7 @@ pub struct P2pBenchArgs {
     #[arg(long, default_value = "4GiB")]
     pub bytes: ByteSize,
     /// Transfers in flight at once.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 4)]
     pub in_flight: usize,
     /// Connections per producer (transfers are striped over them).
     #[arg(long, default_value_t = 4)]
@@ -78,7 +78,7 @@ impl Default for P2pBenchArgs {
             requests: 32,
             chunks_per_request: 4,
             bytes: ByteSize(4 << 30),
-            in_flight: 8,
+            in_flight: 4,
             connections: 4,
             producers: 1,
             copy_threads: None,
