@@ -425,18 +425,30 @@ impl ArenaInner {
 
     /// Returns pages from a dropped lease. Called without the lock held.
     pub(crate) fn release(self: &Arc<Self>, pages: &[u32]) {
+        self.free_pages(pages, PageState::Leased);
+        self.returned.notify_waiters();
+    }
+
+    /// Moves `pages` (all in state `from`) to the free list, updates the counters and
+    /// hands free pages to queued waiters (delivered outside the lock).
+    fn free_pages(self: &Arc<Self>, pages: &[u32], from: PageState) {
         let handed = {
             let mut st = self.state.lock();
             for &p in pages {
-                assert_eq!(st.pages[p as usize], PageState::Leased, "page {p} returned twice");
+                assert_eq!(st.pages[p as usize], from, "page {p} is not {from:?}: returned twice?");
                 st.pages[p as usize] = PageState::Free;
                 st.free.push_back(p);
             }
-            st.leased -= pages.len();
-            st.leases -= 1;
+            match from {
+                PageState::Leased => {
+                    st.leased -= pages.len();
+                    st.leases -= 1;
+                }
+                PageState::Quarantined => st.quarantined -= pages.len(),
+                PageState::Free => unreachable!("freeing free pages"),
+            }
             self.dispatch_locked(&mut st, self)
         };
-        self.returned.notify_waiters();
         Self::deliver(handed);
     }
 
@@ -461,17 +473,7 @@ impl ArenaInner {
 
     /// Returns quarantined pages to the free list once hardware confirmed completion.
     pub(crate) fn unquarantine(self: &Arc<Self>, pages: &[u32]) {
-        let handed = {
-            let mut st = self.state.lock();
-            for &p in pages {
-                assert_eq!(st.pages[p as usize], PageState::Quarantined, "page {p} not quarantined");
-                st.pages[p as usize] = PageState::Free;
-                st.free.push_back(p);
-            }
-            st.quarantined -= pages.len();
-            self.dispatch_locked(&mut st, self)
-        };
-        Self::deliver(handed);
+        self.free_pages(pages, PageState::Quarantined);
     }
 
     #[cfg(test)]
