@@ -113,7 +113,11 @@ fn bad_engine_config_is_rejected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checksum_groups_match_the_copied_bytes() {
-    let engine = CopyEngine::new(CopyConfig { threads: 2, slice_bytes: 64 << 10 }).unwrap();
+    let engine = CopyEngine::new(CopyConfig {
+        threads: 2,
+        slice_bytes: 64 << 10,
+    })
+    .unwrap();
     let arena = Arena::new(ArenaConfig::new(16 << 10, 256).unpinned()).unwrap();
     let len = 1 << 20;
     let src = Arc::new(Region::host("src", len).unwrap());
@@ -147,6 +151,12 @@ async fn checksum_groups_match_the_copied_bytes() {
     // Bad group boundaries are an invalid plan.
     let lease = arena.try_alloc(1).unwrap();
     let src = Arc::new(Region::host("src", 4096).unwrap());
-    let bad = CopyPlan::new(src, lease).with(0, 0, 100).with(100, 100, 100).with_checksum_groups(vec![1]);
-    assert!(matches!(engine.copy(bad).await.unwrap_err().error, CopyError::InvalidPlan(_)));
+    let bad = CopyPlan::new(src, lease)
+        .with(0, 0, 100)
+        .with(100, 100, 100)
+        .with_checksum_groups(vec![1]);
+    assert!(matches!(
+        engine.copy(bad).await.unwrap_err().error,
+        CopyError::InvalidPlan(_)
+    ));
 }
