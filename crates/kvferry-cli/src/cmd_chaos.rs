@@ -362,6 +362,7 @@ async fn kill_and_restart(
     {
         let mut slot = procs[victim].lock().await;
         let mut p = slot.take().context("producer already stopped")?;
+        ctx.note_kill(victim);
         p.kill().await?;
         ctx.ledger.fault("peer_kills", 1);
         let (addr, log) = (p.addr.clone(), p.log.clone());

@@ -7,7 +7,7 @@
 //! - `get`: eager get with a generous deadline;
 //! - `get-short`: eager get whose deadline (0.3–3 ms, or 5–40 ms) is shorter than the
 //!   transfer, or than a slow send;
-//! - `get-drop`: eager get whose future the caller drops at a random point (0–3 ms);
+//! - `get-drop`: eager get whose future the caller drops at a random point (0–5 ms);
 //! - `blocking` / `blocking-short`: `get_blocking` from a plain thread, with a generous
 //!   or a short timeout;
 //! - `pull`: delayed pull (stage, then resolve — with a generous or short deadline, or
@@ -38,6 +38,8 @@ use super::Sabotage;
 const GENEROUS: Duration = Duration::from_secs(2);
 /// How long a failed transfer's fence may take before it counts as stuck.
 const DRAIN_BOUND: Duration = Duration::from_secs(10);
+/// How soon a transfer in flight when its producer is killed must fail.
+const PROMPT: Duration = Duration::from_millis(500);
 /// How long a transfer may wait for a free destination slot.
 const SLOT_WAIT: Duration = Duration::from_secs(30);
 
@@ -82,16 +84,19 @@ impl CopyBody for FlakyBody {
     }
 }
 
+/// Work for a [`BlockingPool`] thread.
+type Job = Box<dyn FnOnce() + Send>;
+
 /// Plain threads for `get_blocking` (which refuses to run inside the runtime).
 pub struct BlockingPool {
-    tx: Mutex<Option<mpsc::Sender<Box<dyn FnOnce() + Send>>>>,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl BlockingPool {
     /// `n` threads.
     pub fn new(n: usize) -> BlockingPool {
-        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let threads = (0..n)
             .map(|i| {
@@ -117,7 +122,7 @@ impl BlockingPool {
     /// Runs `f` on a pool thread; `None` if the pool is shut down or `f` panicked.
     pub async fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+        let job: Job = Box::new(move || {
             let _ = tx.send(f());
         });
         self.tx.lock().unwrap().as_ref()?.send(job).ok()?;
@@ -307,6 +312,7 @@ pub struct Ctx {
     background: Mutex<Vec<JoinHandle<()>>>,
     limbo: Mutex<Vec<Limbo>>,
     sabotage: Mutex<Option<Sabotage>>,
+    kills: Mutex<Vec<(usize, Instant)>>,
 }
 
 impl Ctx {
@@ -331,6 +337,44 @@ impl Ctx {
             background: Mutex::new(Vec::new()),
             limbo: Mutex::new(Vec::new()),
             sabotage: Mutex::new(sabotage),
+            kills: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Producer `p` is being SIGKILLed now.
+    pub fn note_kill(&self, p: usize) {
+        self.kills.lock().unwrap().push((p, Instant::now()));
+    }
+
+    /// A transfer with a generous deadline to `plan.producer` ran from `started` to
+    /// `returned`: if its producer was killed meanwhile and it failed, it must have
+    /// failed promptly (well before its deadline), with the peer loss.
+    fn after_kill<T>(&self, plan: &Plan, started: Instant, returned: Instant, r: &Result<T, GetFailure>) {
+        let Err(f) = r else { return };
+        if plan.deadline != GENEROUS {
+            return;
+        }
+        let kill = self
+            .kills
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, at)| *p == plan.producer && *at >= started && *at <= returned)
+            .map(|(_, at)| *at)
+            .max();
+        if let Some(at) = kill {
+            let after = returned - at;
+            self.ledger.killed_in_flight(after);
+            if after > PROMPT {
+                self.ledger.anomaly(format!(
+                    "transfer {} was in flight when producer {} was killed and returned {:?} only {:.0} ms later: {}",
+                    plan.index,
+                    plan.producer,
+                    crate::cmd_chaos::ledger::classify(&f.error).0,
+                    after.as_secs_f64() * 1e3,
+                    f.error
+                ));
+            }
         }
     }
 
@@ -565,7 +609,8 @@ async fn get(ctx: &Arc<Ctx>, plan: &Plan) {
     let Some(dest) = ctx.slot(plan).await else { return };
     let set = ctx.set(plan.producer, plan.set);
     note_short(ctx, plan);
-    let deadline = Instant::now() + plan.deadline;
+    let started = Instant::now();
+    let deadline = started + plan.deadline;
     let r = ctx
         .consumer
         .get(&ctx.addrs[plan.producer], &set.keys(), dest.destination(set), deadline)
@@ -573,7 +618,9 @@ async fn get(ctx: &Arc<Ctx>, plan: &Plan) {
     if plan.deadline == GENEROUS && ctx.sabotage(Sabotage::Late) {
         tokio::time::sleep_until(deadline + Duration::from_millis(80)).await;
     }
-    ctx.ledger.returned("get", deadline, Instant::now());
+    let returned = Instant::now();
+    ctx.ledger.returned("get", deadline, returned);
+    ctx.after_kill(plan, started, returned, &r);
     ctx.settle(r, dest, plan, "get").await;
 }
 
@@ -632,6 +679,7 @@ async fn blocking(ctx: &Arc<Ctx>, plan: &Plan) {
         dest.destination(set),
         plan.deadline,
     );
+    let started = Instant::now();
     let out = ctx
         .blocking
         .run(move || {
@@ -643,6 +691,7 @@ async fn blocking(ctx: &Arc<Ctx>, plan: &Plan) {
     match out {
         Some((r, over)) => {
             ctx.ledger.overrun("get_blocking", over);
+            ctx.after_kill(plan, started, Instant::now(), &r);
             ctx.settle(r, dest, plan, "blocking").await;
         }
         None => {
@@ -685,9 +734,12 @@ async fn pull(ctx: &Arc<Ctx>, plan: &Plan, mode: PullMode) {
         PullMode::Resolve | PullMode::ResolveShort => {
             let Some(dest) = ctx.slot(plan).await else { return };
             note_short(ctx, plan);
-            let deadline = Instant::now() + plan.deadline;
+            let started = Instant::now();
+            let deadline = started + plan.deadline;
             let r = ctx.consumer.resolve(handle, dest.destination(set), deadline).await;
-            ctx.ledger.returned("resolve", deadline, Instant::now());
+            let returned = Instant::now();
+            ctx.ledger.returned("resolve", deadline, returned);
+            ctx.after_kill(plan, started, returned, &r);
             ctx.settle(r, dest, plan, "pull").await;
         }
         PullMode::ResolveDrop => {

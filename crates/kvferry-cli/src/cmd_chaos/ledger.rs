@@ -45,6 +45,8 @@ pub struct Ledger {
     drains: AtomicU64,
     max_drain_us: AtomicU64,
     stuck_drains: AtomicU64,
+    killed_in_flight: AtomicU64,
+    max_kill_to_error_us: AtomicU64,
     /// Worst lateness of a 2 ms timer on the runtime (µs).
     pub canary_runtime_us: AtomicU64,
     /// Worst lateness of a 2 ms sleep on a plain thread (µs).
@@ -159,6 +161,13 @@ impl Ledger {
         }
     }
 
+    /// A transfer in flight when its producer was killed failed `after` the kill.
+    pub fn killed_in_flight(&self, after: Duration) {
+        self.killed_in_flight.fetch_add(1, Ordering::Relaxed);
+        self.max_kill_to_error_us
+            .fetch_max(after.as_micros() as u64, Ordering::Relaxed);
+    }
+
     /// Something that must not happen (kept: the first 20 messages).
     pub fn anomaly(&self, message: String) {
         self.anomaly_count.fetch_add(1, Ordering::Relaxed);
@@ -213,6 +222,8 @@ impl Ledger {
             drains: ld(&self.drains),
             max_drain_ms: ld(&self.max_drain_us) as f64 / 1e3,
             stuck_drains: ld(&self.stuck_drains),
+            killed_in_flight: ld(&self.killed_in_flight),
+            max_kill_to_error_ms: ld(&self.max_kill_to_error_us) as f64 / 1e3,
             timer_lateness_ms: ld(&self.canary_runtime_us) as f64 / 1e3,
             thread_lateness_ms: ld(&self.canary_thread_us) as f64 / 1e3,
             anomalies,
@@ -334,6 +345,11 @@ pub struct Summary {
     pub max_drain_ms: f64,
     /// Drains that did not finish within 10 s.
     pub stuck_drains: u64,
+    /// Transfers (with a generous deadline) in flight when their producer was killed,
+    /// that failed.
+    pub killed_in_flight: u64,
+    /// The longest such a transfer took to fail after the kill.
+    pub max_kill_to_error_ms: f64,
     /// Worst lateness of a 2 ms timer on the tool's runtime (what the machine and the
     /// tool's own load add to any deadline).
     pub timer_lateness_ms: f64,
@@ -382,8 +398,15 @@ impl Summary {
         );
         s += &format!("  errors      {}\n", list(&self.errors));
         s += &format!(
-            "  deadlines   {} timed calls, late returns {} (> 50 ms), max overrun {:.1} ms ({})\n",
-            self.timed_calls, self.late_returns, self.max_overrun_ms, self.max_overrun_call
+            "  deadlines   {} timed calls, late returns {} (> 50 ms), max overrun {:.1} ms{}\n",
+            self.timed_calls,
+            self.late_returns,
+            self.max_overrun_ms,
+            if self.max_overrun_call.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", self.max_overrun_call)
+            }
         );
         s += &format!(
             "  scheduling  worst lateness of a 2 ms timer: {:.1} ms on the runtime, {:.1} ms on a thread\n",
@@ -392,6 +415,10 @@ impl Summary {
         s += &format!(
             "  drains      {} awaited, max {:.1} ms, stuck {}\n",
             self.drains, self.max_drain_ms, self.stuck_drains
+        );
+        s += &format!(
+            "  peer kills  {} transfers failed in flight, at most {:.1} ms after the SIGKILL\n",
+            self.killed_in_flight, self.max_kill_to_error_ms
         );
         s += &format!(
             "  bytes       {} verified, {} corrupted\n",
