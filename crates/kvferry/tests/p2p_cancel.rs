@@ -223,3 +223,44 @@ async fn producer_gone_mid_transfer_is_peer_lost_promptly() {
     assert!(err.fence.wait_until(Instant::now() + Duration::from_secs(2)).await);
     assert_eq!(c.consumer.arena().stats().free_pages, 64);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_transfer_keeps_its_fence_until_the_landing_copy_drained() {
+    let body = ParkingBody::new();
+    let node = producer_node(NodeOpts::default()).await;
+    let c = consumer_with_body(body.clone(), 64, 64);
+    let _release = body.release_on_drop();
+    let keys = fill(&node.producer, 4, 2, 4);
+    let transfer = c.consumer.start_get(
+        &node.addr,
+        &keys,
+        c.dst(0, 2, 4),
+        Instant::now() + Duration::from_secs(10),
+    );
+    let fence = transfer.fence();
+    let task = tokio::spawn(transfer);
+    eventually("landing copy parked", || body.inside() == 2).await;
+    task.abort(); // the caller drops the transfer mid-landing
+    holds_for(Duration::from_millis(500), || {
+        let (inside, drained, leased) = (
+            body.inside(),
+            fence.is_drained(),
+            c.consumer.arena().stats().leased_pages,
+        );
+        if inside == 2 && !drained && leased == 8 {
+            Ok(())
+        } else {
+            Err(format!("inside={inside} drained={drained} staging leased={leased}"))
+        }
+    })
+    .await;
+    body.release();
+    assert!(fence.wait_until(Instant::now() + Duration::from_secs(5)).await);
+    assert_eq!(c.consumer.arena().stats().free_pages, 64);
+    // Invalid arguments fail at once with a fired fence.
+    let t = c
+        .consumer
+        .start_get(&node.addr, &[], c.dst(0, 1, 1), Instant::now() + Duration::from_secs(1));
+    assert!(t.fence().is_drained());
+    assert!(matches!(t.await.unwrap_err().error, PeerError::InvalidArgument(_)));
+}

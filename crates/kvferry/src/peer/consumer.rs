@@ -108,6 +108,40 @@ impl std::error::Error for GetFailure {
     }
 }
 
+/// A transfer in flight from [`Consumer::start_get`]: a future of its result that also
+/// exposes its [`DrainFence`] up front.
+///
+/// # Cancellation
+///
+/// Dropping a `Transfer` cancels it; its work drains in the background and the fence
+/// (from [`fence`](Self::fence), taken before the drop) fires when the destination
+/// blocks are quiet and the staging pages are back.
+pub struct Transfer {
+    fence: DrainFence,
+    fut: std::pin::Pin<Box<dyn std::future::Future<Output = Result<Landed, GetFailure>> + Send>>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer").field("fence", &self.fence).finish()
+    }
+}
+
+impl Transfer {
+    /// The fence that fires when this transfer's work has drained.
+    pub fn fence(&self) -> DrainFence {
+        self.fence.clone()
+    }
+}
+
+impl std::future::Future for Transfer {
+    type Output = Result<Landed, GetFailure>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        self.fut.as_mut().poll(cx)
+    }
+}
+
 /// A staged lease on a producer, from [`Consumer::stage`], to resolve later.
 #[derive(Clone, Debug)]
 pub struct StagedHandle {
@@ -522,8 +556,45 @@ impl Consumer {
     /// Runs a transfer task and awaits it under `deadline`; cancels it (drain in the
     /// background) when the deadline passes or this future is dropped.
     async fn run(&self, peer: &str, req: Request, dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
-        let started = Instant::now();
         let (signal, fence) = DrainFence::pair();
+        self.run_fenced(peer, req, dst, deadline, signal, fence).await
+    }
+
+    /// Starts an eager get whose [`DrainFence`] is available *before* it completes:
+    /// a caller that may drop the transfer (cancel it) keeps the fence and waits on it
+    /// before reusing the destination blocks.
+    pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        let (signal, fence) = DrainFence::pair();
+        if let Err(error) = check_keys(keys).and_then(|_| check_dst(keys.len(), &dst)) {
+            drop(signal);
+            let f = fence.clone();
+            return Transfer {
+                fence,
+                fut: Box::pin(async move { Err(GetFailure { error, fence: f }) }),
+            };
+        }
+        let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
+        // Dropped before its first poll, the future drops `signal` and the fence fires.
+        let fut = async move {
+            this.run_fenced(&peer, Request::Get { keys }, dst, deadline, signal, f)
+                .await
+        };
+        Transfer {
+            fence,
+            fut: Box::pin(fut),
+        }
+    }
+
+    async fn run_fenced(
+        &self,
+        peer: &str,
+        req: Request,
+        dst: Destination,
+        deadline: Instant,
+        signal: DrainSignal,
+        fence: DrainFence,
+    ) -> Result<Landed, GetFailure> {
+        let started = Instant::now();
         let cancel = CancellationToken::new();
         // If this future is dropped, the guard cancels the transfer.
         let guard = cancel.clone().drop_guard();

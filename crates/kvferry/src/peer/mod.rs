@@ -21,7 +21,7 @@ mod consumer;
 mod producer;
 mod store;
 
-pub use consumer::{Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle};
+pub use consumer::{Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
 pub use producer::{Producer, ProducerConfig, ProducerFaults, ProducerStats};
 pub use store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 
