@@ -150,8 +150,6 @@ fn case(
     let mut lease = Some(arena.try_alloc(arena.pages_for(total)).context("arena too small")?);
     // The limit: one thread, plain memcpy of the same segments into a plain buffer.
     let mut dst_plain = vec![0u8; total];
-    let mut src_bytes = vec![0u8; 0];
-    let _ = &mut src_bytes;
     let mut limit_best = f64::MAX;
     for _ in 0..reps {
         let t = Instant::now();
