@@ -119,14 +119,7 @@ async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         }) => return Err(NetError::Auth(format!("server {peer_id} refused us: {message}"))),
         Err(e) => return Err(e),
     }
-    let addr = conn.peer().addr;
-    conn.set_peer(PeerInfo {
-        peer_id,
-        incarnation,
-        addr,
-    });
-    conn.set_io_timeout(cfg.io_timeout);
-    Ok(conn)
+    Ok(established(conn, peer_id, incarnation, cfg))
 }
 
 /// Runs the server side of the handshake on an accepted stream.
@@ -208,17 +201,17 @@ async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         return Err(NetError::Protocol(format!("expected Auth, got {msg:?}")));
     };
     if let Some(secret) = &cfg.secret {
-        let (kind, why) = match proof {
-            None => (
+        let refusal = match proof {
+            None => Some((
                 ErrorKind::AuthRequired,
                 "this server requires a shared secret and none was offered",
-            ),
+            )),
             Some(p) if !auth::verify(secret, CLIENT_LABEL, &theirs, &ours, &p) => {
-                (ErrorKind::AuthFailed, "wrong shared secret")
+                Some((ErrorKind::AuthFailed, "wrong shared secret"))
             }
-            Some(_) => (ErrorKind::Internal, ""),
+            Some(_) => None,
         };
-        if kind != ErrorKind::Internal {
+        if let Some((kind, why)) = refusal {
             let _ = conn
                 .send(
                     id,
@@ -232,6 +225,12 @@ async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         }
     }
     conn.send(id, &Message::Welcome).await?;
+    Ok(established(conn, peer_id, incarnation, cfg))
+}
+
+/// A handshaken connection: records who the peer is and switches from the handshake
+/// timeout to the I/O timeout.
+fn established(mut conn: Connection, peer_id: String, incarnation: u64, cfg: &NetConfig) -> Connection {
     let addr = conn.peer().addr;
     conn.set_peer(PeerInfo {
         peer_id,
@@ -239,5 +238,5 @@ async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         addr,
     });
     conn.set_io_timeout(cfg.io_timeout);
-    Ok(conn)
+    conn
 }
