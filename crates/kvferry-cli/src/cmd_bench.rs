@@ -7,6 +7,8 @@ use clap::{Args, Subcommand};
 mod copy;
 #[path = "cmd_bench/device.rs"]
 mod device;
+#[path = "cmd_bench/limits.rs"]
+mod limits;
 #[path = "cmd_bench/p2p.rs"]
 mod p2p;
 #[path = "cmd_bench/plot.rs"]

@@ -130,7 +130,11 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
     match args.out.as_deref() {
         Some("-") => std::io::stdout().write_all(&bytes)?,
         Some(path) => std::fs::write(path, &bytes).with_context(|| format!("writing {path}"))?,
-        None => println!("got {} bytes, crc32c {:#010x}", bytes.len(), crc32c::crc32c(&bytes)),
+        None => println!(
+            "got {} bytes, crc32c {:#010x}",
+            bytes.len(),
+            kvferry::wire::crc::checksum(&bytes)
+        ),
     }
     Ok(())
 }

@@ -19,9 +19,9 @@ use kvferry::net::NetConfig;
 use kvferry::peer::{Consumer, ConsumerConfig, Destination};
 use kvferry::wire::ChunkKey;
 use serde::Serialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
+use super::limits::{memcpy_limit, pipeline_limit, tcp_limit};
 use crate::node::{start_producer, NodeArgs};
 
 /// Options for the transfer benchmark.
@@ -105,6 +105,11 @@ pub struct Point {
     pub tcp_limit_gbps: f64,
     pub ratio: f64,
     pub memcpy_gbps: f64,
+    /// The staged pipeline's limit: the design's mandatory copies (gather, socket,
+    /// landing) in plain code, same chunks and connections, no checksums.
+    pub pipeline_limit_gbps: f64,
+    /// `gbps / pipeline_limit_gbps`: what kvferry's own machinery costs.
+    pub pipeline_ratio: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub errors: u64,
@@ -223,6 +228,13 @@ fn print_table(points: &[Point]) {
             p.chunks,
             p.memcpy_gbps
         );
+        println!(
+            "staged-pipeline limit {:.2} GB/s (gather + socket + landing in plain code, {:.2} of TCP); \
+             kvferry reaches {:.2} of it",
+            p.pipeline_limit_gbps,
+            p.pipeline_limit_gbps / p.tcp_limit_gbps,
+            p.pipeline_ratio
+        );
     }
 }
 
@@ -258,7 +270,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         let p = &producers[r % args.producers].producer;
         for (c, e) in exp.iter_mut().enumerate() {
             let bytes = pattern(r, c, chunk_bytes);
-            *e = crc32c::crc32c(&bytes);
+            *e = kvferry::wire::crc::checksum(&bytes);
             p.put_local(key(r, c), &bytes)
                 .with_context(|| format!("filling request {r}"))?;
         }
@@ -397,6 +409,18 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
 
     let tcp = tcp_limit(args.connections * args.producers, moved.clamp(256 << 20, 2 << 30)).await?;
     let memcpy = memcpy_limit(256 << 20);
+    // The same source size as the producers' regions (one producer's share), so it is
+    // as cold in cache as theirs.
+    let src_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
+    let src_layout = KvLayout::preset(args.model.parse()?, src_blocks, Arrangement::LayerSeparate)?;
+    let pipeline = tokio::task::block_in_place(|| {
+        pipeline_limit(
+            src_layout,
+            args.blocks_per_chunk,
+            args.connections * args.producers,
+            moved.clamp(256 << 20, 2 << 30),
+        )
+    })?;
     let mut lat = latencies.lock().clone();
     lat.sort_by(|a, b| a.total_cmp(b));
     let pct = |q: f64| {
@@ -420,76 +444,12 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         tcp_limit_gbps: tcp,
         ratio: gbps / tcp,
         memcpy_gbps: memcpy,
+        pipeline_limit_gbps: pipeline,
+        pipeline_ratio: gbps / pipeline,
         p50_ms: pct(0.5),
         p99_ms: pct(0.99),
         errors: errors.load(Ordering::Relaxed),
         corrupted_bytes: corrupted.load(Ordering::Relaxed),
         leaked_pages: leaked,
     })
-}
-
-/// Raw loopback TCP: `conns` plain connections moving `bytes` in total with 4 MiB
-/// writes and reads, no framing, no checksums, no copies beyond the kernel's.
-async fn tcp_limit(conns: usize, bytes: u64) -> anyhow::Result<f64> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let per = bytes / conns as u64;
-    let server = tokio::spawn(async move {
-        let mut readers = Vec::new();
-        for _ in 0..conns {
-            let (mut s, _) = listener.accept().await?;
-            readers.push(tokio::spawn(async move {
-                let mut buf = vec![0u8; 4 << 20];
-                let mut got = 0u64;
-                while got < per {
-                    let n = s.read(&mut buf).await?;
-                    if n == 0 {
-                        break;
-                    }
-                    got += n as u64;
-                }
-                std::io::Result::Ok(got)
-            }));
-        }
-        let mut total = 0;
-        for r in readers {
-            total += r.await??;
-        }
-        std::io::Result::Ok(total)
-    });
-    let t = Instant::now();
-    let mut writers = Vec::new();
-    for _ in 0..conns {
-        writers.push(tokio::spawn(async move {
-            let mut s = tokio::net::TcpStream::connect(addr).await?;
-            s.set_nodelay(true)?;
-            let buf = vec![0x5Au8; 4 << 20];
-            let mut sent = 0u64;
-            while sent < per {
-                let n = (per - sent).min(buf.len() as u64) as usize;
-                s.write_all(&buf[..n]).await?;
-                sent += n as u64;
-            }
-            std::io::Result::Ok(())
-        }));
-    }
-    for w in writers {
-        w.await??;
-    }
-    let total = server.await??;
-    Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
-}
-
-/// Single-thread memcpy of `bytes` (best of 3).
-fn memcpy_limit(bytes: usize) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![2u8; bytes]; // touched now: no page faults in the timing
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    bytes as f64 / best / 1e9
 }

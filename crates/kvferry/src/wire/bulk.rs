@@ -23,7 +23,7 @@ const VERIFY_PIECE: usize = 128 << 10;
 pub async fn write_bulk<W: AsyncWrite + Unpin>(w: &mut W, request_id: u64, parts: &[&[u8]]) -> Result<(), WireError> {
     let mut checksum = 0u32;
     for p in parts {
-        checksum = crc32c::crc32c_append(checksum, p);
+        checksum = super::crc::append(checksum, p);
     }
     write_bulk_with_checksum(w, request_id, parts, checksum).await
 }
@@ -83,7 +83,7 @@ pub async fn read_bulk_body<R: AsyncRead + Unpin>(
         // Checksum each piece right after it arrives, while it is still in cache.
         for piece in d.chunks_mut(VERIFY_PIECE) {
             r.read_exact(piece).await.map_err(eof_is_truncated)?;
-            actual = crc32c::crc32c_append(actual, piece);
+            actual = super::crc::append(actual, piece);
         }
     }
     if actual != header.checksum {

@@ -1,4 +1,14 @@
-//! Fast crc32c combination: the crc32c of `A ‖ B` from `crc(A)`, `crc(B)` and `len(B)`.
+//! crc32c (Castagnoli), the checksum of every frame and bulk block: computing it
+//! ([`checksum`], [`append`]) and combining partial checksums ([`combine`]).
+//!
+//! Computing uses the `crc-fast` crate, which folds with carry-less multiplication
+//! (VPCLMULQDQ/AVX-512 where the CPU has it, SSE/PCLMUL otherwise, a table elsewhere):
+//! on cached data about four times the `crc32` instruction loop of the `crc32c` crate
+//! (72 vs 17 GB/s on 128 KiB pieces on the benchmark machine). Checksums are taken on
+//! every byte three times per transfer (staging, receive, landing checks), so this is a
+//! visible share of a core. The tests below hold it to the `crc32c` crate as an oracle.
+//!
+//! Combining: the crc32c of `A ‖ B` from `crc(A)`, `crc(B)` and `len(B)`.
 //!
 //! `crc(A ‖ B) = crc(A) · x^(8·len(B)) mod P  ⊕  crc(B)` over GF(2), in the reflected
 //! bit order crc32c uses. `x^(8·n) mod P` is built by square-and-multiply from a
@@ -6,6 +16,27 @@
 //! 32-bit carry-less multiplications modulo P — microseconds less than the
 //! matrix-squaring method, which matters when a chunk's checksum is assembled from the
 //! partial checksums of the copy threads.
+
+use crc_fast::{CrcAlgorithm, Digest};
+
+/// The crc32c of `data`.
+#[inline]
+pub fn checksum(data: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(data)
+}
+
+/// The crc32c of `A ‖ data`, given `crc = crc32c(A)` (`append(0, d) == checksum(d)`).
+#[inline]
+pub fn append(crc: u32, data: &[u8]) -> u32 {
+    if data.is_empty() {
+        return crc;
+    }
+    // crc32c's register is the complement of the published value (init and xorout are
+    // both all ones), so resuming from `crc` starts from `!crc`.
+    let mut d = Digest::new_with_init_state(CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    d.update(data);
+    d.finalize() as u32
+}
 
 /// The crc32c polynomial, reflected.
 const POLY: u32 = 0x82F6_3B78;
@@ -58,6 +89,44 @@ pub fn combine(crc1: u32, crc2: u32, len2: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sample(n: usize) -> Vec<u8> {
+        (0..n as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn checksum_and_append_match_the_crc32c_crate() {
+        let data = sample(70_000);
+        assert_eq!(checksum(b"123456789"), 0xE306_9283, "the crc32c check value");
+        assert_eq!(checksum(b""), 0);
+        for n in [0, 1, 15, 16, 63, 64, 65, 255, 256, 257, 4095, 4096, 65_537, 70_000] {
+            assert_eq!(checksum(&data[..n]), crc32c::crc32c(&data[..n]), "length {n}");
+        }
+        for split in [0, 1, 7, 63, 64, 65, 4096, 33_333, 69_999, 70_000] {
+            let (a, b) = data.split_at(split);
+            assert_eq!(append(checksum(a), b), crc32c::crc32c(&data), "split {split}");
+            assert_eq!(
+                append(0xDEAD_BEEF, b),
+                crc32c::crc32c_append(0xDEAD_BEEF, b),
+                "split {split}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn append_agrees_with_the_oracle_on_any_split(
+            data in proptest::collection::vec(proptest::num::u8::ANY, 0..5000),
+            cut in 0usize..5000,
+            seed: u32,
+        ) {
+            let cut = cut.min(data.len());
+            let (a, b) = data.split_at(cut);
+            proptest::prop_assert_eq!(append(append(seed, a), b), crc32c::crc32c_append(seed, &data));
+        }
+    }
 
     #[test]
     fn combine_matches_the_checksum_of_the_concatenation() {

@@ -1,0 +1,162 @@
+//! Limits measured in the same run as the transfer benchmark, in plain code that uses
+//! nothing of kvferry's data path:
+//!
+//! - **raw TCP** ([`tcp_limit`]): plain loopback connections moving the same bytes with
+//!   4 MiB writes and reads; the only copies are the kernel's. This is the limit.
+//! - **memcpy** ([`memcpy_limit`]): one thread copying a large buffer.
+//! - **staged pipeline** ([`pipeline_limit`]): the per-byte work the design mandates and
+//!   nothing else — per chunk the sender gathers the chunk's pieces from a source region
+//!   into a staging buffer with `memcpy`, writes it to a plain socket; the receiver reads
+//!   it into a staging buffer and scatters it into a destination with `memcpy`. No
+//!   checksums, framing, leases, verification or runtime. It is an upper bound for any
+//!   implementation of copy-before-advertise staging plus landing on this machine: on a
+//!   machine whose cores are all busy with those copies and the kernel's, it shows how
+//!   far below raw TCP the design itself sits.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Instant;
+
+use kvferry::layout::KvLayout;
+
+/// Raw loopback TCP: `conns` plain connections moving `bytes` in total with 4 MiB
+/// writes and reads, no framing, no checksums, no copies beyond the kernel's.
+pub async fn tcp_limit(conns: usize, bytes: u64) -> anyhow::Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let per = bytes / conns as u64;
+    let server = tokio::spawn(async move {
+        let mut readers = Vec::new();
+        for _ in 0..conns {
+            let (mut s, _) = listener.accept().await?;
+            readers.push(tokio::spawn(async move {
+                let mut buf = vec![0u8; 4 << 20];
+                let mut got = 0u64;
+                while got < per {
+                    let n = s.read(&mut buf).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    got += n as u64;
+                }
+                std::io::Result::Ok(got)
+            }));
+        }
+        let mut total = 0;
+        for r in readers {
+            total += r.await??;
+        }
+        std::io::Result::Ok(total)
+    });
+    let t = Instant::now();
+    let mut writers = Vec::new();
+    for _ in 0..conns {
+        writers.push(tokio::spawn(async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            let buf = vec![0x5Au8; 4 << 20];
+            let mut sent = 0u64;
+            while sent < per {
+                let n = (per - sent).min(buf.len() as u64) as usize;
+                s.write_all(&buf[..n]).await?;
+                sent += n as u64;
+            }
+            std::io::Result::Ok(())
+        }));
+    }
+    for w in writers {
+        w.await??;
+    }
+    let total = server.await??;
+    Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Single-thread memcpy of `bytes` (best of 3).
+pub fn memcpy_limit(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![2u8; bytes]; // touched now: no page faults in the timing
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best / 1e9
+}
+
+/// The staged pipeline in plain code (see the module docs): `conns` sender/receiver
+/// thread pairs over loopback, moving chunks whose pieces are
+/// `src_layout.chunk_ranges(blocks)` of a source region (all of its chunks in turn, so
+/// the source is as cold as the benchmark's producer region) and land contiguously.
+/// Returns GB/s of chunk bytes landed.
+pub fn pipeline_limit(src_layout: KvLayout, blocks_per_chunk: u32, conns: usize, bytes: u64) -> anyhow::Result<f64> {
+    anyhow::ensure!(
+        conns >= 1 && blocks_per_chunk >= 1,
+        "need a connection and a block per chunk"
+    );
+    let src_chunks = src_layout.blocks / blocks_per_chunk;
+    anyhow::ensure!(src_chunks >= 1, "source layout too small for the pipeline limit");
+    let ranges: Vec<Vec<(usize, usize)>> = (0..src_chunks)
+        .map(|c| {
+            let blocks: Vec<u32> = (0..blocks_per_chunk).map(|b| c * blocks_per_chunk + b).collect();
+            src_layout.chunk_ranges(&blocks)
+        })
+        .collect::<Result<_, _>>()?;
+    let chunk_bytes = src_layout.block_bytes() * blocks_per_chunk as usize;
+    let chunks_per_conn = (bytes / chunk_bytes as u64 / conns as u64).max(1);
+    let source: std::sync::Arc<Vec<u8>> = std::sync::Arc::new(
+        (0..src_layout.blocks as usize * src_layout.block_bytes())
+            .map(|i| (i * 31 + 7) as u8)
+            .collect(),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+
+    let mut pairs = Vec::new();
+    for _ in 0..conns {
+        let tx = TcpStream::connect(addr)?;
+        let (rx, _) = listener.accept()?;
+        tx.set_nodelay(true)?;
+        pairs.push((tx, rx));
+    }
+    let start = std::sync::Arc::new(std::sync::Barrier::new(2 * conns + 1));
+    let mut threads = Vec::new();
+    for (i, (mut tx, mut rx)) in pairs.into_iter().enumerate() {
+        let (source, ranges, start_tx, start_rx) = (source.clone(), ranges.clone(), start.clone(), start.clone());
+        threads.push(std::thread::spawn(move || -> std::io::Result<()> {
+            let mut staging = vec![1u8; chunk_bytes]; // touched: no page faults in the timing
+            start_tx.wait();
+            for n in 0..chunks_per_conn {
+                let mut at = 0;
+                let c = (i as u64 + n * conns as u64) % ranges.len() as u64;
+                for &(off, len) in &ranges[c as usize] {
+                    staging[at..at + len].copy_from_slice(&source[off..off + len]);
+                    at += len;
+                }
+                tx.write_all(&staging)?;
+            }
+            Ok(())
+        }));
+        threads.push(std::thread::spawn(move || -> std::io::Result<()> {
+            let mut staging = vec![1u8; chunk_bytes];
+            let mut destination = vec![1u8; chunk_bytes];
+            start_rx.wait();
+            for _ in 0..chunks_per_conn {
+                rx.read_exact(&mut staging)?;
+                destination.copy_from_slice(&staging);
+                std::hint::black_box(&destination);
+            }
+            Ok(())
+        }));
+    }
+    start.wait();
+    let t = Instant::now();
+    for th in threads {
+        th.join()
+            .map_err(|_| anyhow::anyhow!("pipeline-limit thread panicked"))??;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    Ok((chunks_per_conn * conns as u64 * chunk_bytes as u64) as f64 / secs / 1e9)
+}
