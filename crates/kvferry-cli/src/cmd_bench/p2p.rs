@@ -407,19 +407,25 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         p.server.shutdown().await;
     }
 
-    let tcp = tcp_limit(args.connections * args.producers, moved.clamp(256 << 20, 2 << 30)).await?;
+    // Limits are the best of three runs of 1 GiB (or what was moved, if less): a limit
+    // measured on a noisy run would flatter the ratio.
+    let limit_bytes = moved.clamp(256 << 20, 1 << 30);
+    let conns = args.connections * args.producers;
+    let mut tcp = 0f64;
+    for _ in 0..3 {
+        tcp = tcp.max(tcp_limit(conns, limit_bytes).await?);
+    }
     let memcpy = memcpy_limit(256 << 20);
     // The same source size as the producers' regions (one producer's share), so it is
     // as cold in cache as theirs.
     let src_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
     let src_layout = KvLayout::preset(args.model.parse()?, src_blocks, Arrangement::LayerSeparate)?;
-    let pipeline = tokio::task::block_in_place(|| {
-        pipeline_limit(
-            src_layout,
-            args.blocks_per_chunk,
-            args.connections * args.producers,
-            moved.clamp(256 << 20, 2 << 30),
-        )
+    let pipeline = tokio::task::block_in_place(|| -> anyhow::Result<f64> {
+        let mut best = 0f64;
+        for _ in 0..3 {
+            best = best.max(pipeline_limit(src_layout, args.blocks_per_chunk, conns, limit_bytes)?);
+        }
+        Ok(best)
     })?;
     let mut lat = latencies.lock().clone();
     lat.sort_by(|a, b| a.total_cmp(b));

@@ -13,8 +13,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::codec::eof_is_truncated;
 use super::{FrameHeader, FrameKind, WireError};
 
-/// Bytes read before checksumming them (small enough to still be in cache).
-const VERIFY_PIECE: usize = 128 << 10;
+/// Bytes read before checksumming them: small enough to still be in a core's L2, large
+/// enough that a read is few system calls (1 MiB measured best of 128 KiB – 4 MiB).
+const VERIFY_PIECE: usize = 1 << 20;
 
 /// Writes one bulk frame whose payload is the concatenation of `parts`, then flushes.
 ///
