@@ -1,5 +1,5 @@
 //! A dependency-free SVG plot of a transfer sweep: throughput against chunk size, one
-//! line per number of transfers in flight, with the measured TCP and memcpy limits.
+//! line per number of transfers in flight, with the measured TCP, memcpy and staged-pipeline limits.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -7,7 +7,7 @@ use std::fmt::Write;
 use super::p2p::Point;
 
 pub fn svg(points: &[Point]) -> String {
-    let (w, h, ml, mr, mt, mb) = (760.0, 440.0, 70.0, 190.0, 40.0, 60.0);
+    let (w, h, ml, mr, mt, mb) = (800.0, 440.0, 70.0, 230.0, 40.0, 60.0);
     let pw = w - ml - mr;
     let ph = h - mt - mb;
     // Limits are measured at every point; draw their medians.
@@ -17,6 +17,7 @@ pub fn svg(points: &[Point]) -> String {
     };
     let tcp = median(points.iter().map(|p| p.tcp_limit_gbps).collect());
     let memcpy = median(points.iter().map(|p| p.memcpy_gbps).collect());
+    let pipeline = median(points.iter().map(|p| p.pipeline_limit_gbps).collect());
     let ymax = points.iter().map(|p| p.gbps).fold(tcp.max(memcpy), f64::max) * 1.1;
     let xs: Vec<f64> = points.iter().map(|p| p.chunk_bytes as f64 / (1 << 20) as f64).collect();
     let xmax = xs.iter().cloned().fold(0.0, f64::max) * 1.1;
@@ -74,7 +75,11 @@ pub fn svg(points: &[Point]) -> String {
         mt + ph / 2.0
     );
     // Limits.
-    for (name, v, color) in [("raw TCP limit", tcp, "#c0392b"), ("memcpy limit", memcpy, "#7f8c8d")] {
+    for (name, v, color) in [
+        ("raw TCP limit", tcp, "#c0392b"),
+        ("memcpy limit", memcpy, "#7f8c8d"),
+        ("staged-pipeline limit", pipeline, "#e67e22"),
+    ] {
         if v > 0.0 {
             let _ = write!(
                 s,
