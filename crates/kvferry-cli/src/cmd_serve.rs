@@ -23,6 +23,11 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9090; off unless given).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
+    /// Read settings from a TOML file whose keys are these flags' long names, e.g.
+    /// `arena = "1GiB"`, `io-timeout = "5s"`, `max-gets = 128`, `secret-file = "/etc/kvferry/secret"`.
+    /// Flags on the command line win over the file; unknown keys are an error.
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<std::path::PathBuf>,
     #[command(flatten)]
     node: NodeArgs,
     #[command(flatten)]

@@ -10,9 +10,10 @@ mod cmd_serve;
 mod cmd_transfer;
 mod cmd_worker;
 mod node;
+mod serve_config;
 mod util;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// kvferry: a cancel-safe KV-cache transfer engine for LLM inference.
 ///
@@ -35,6 +36,7 @@ enum Command {
     /// Run benchmarks (default: the end-to-end transfer benchmark).
     Bench(cmd_bench::BenchArgs),
     /// Serve KV chunks to peers over TCP (a producer; accepts pushes too).
+    #[command(args_override_self = true)]
     Serve(cmd_serve::ServeArgs),
     /// Push a chunk's bytes to a running `kvferry serve`.
     Put(cmd_transfer::PutArgs),
@@ -67,7 +69,17 @@ fn init_tracing(json: bool) {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let command = Cli::command();
+    let serve = command.find_subcommand("serve").expect("serve is a subcommand");
+    let argv = match serve_config::expand(argv, serve) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
     init_tracing(cli.log_json);
     if let Err(e) = dispatch(cli.command) {
         // `{:#}` prints the whole context chain on one line; no backtrace noise.
