@@ -137,13 +137,14 @@ mod tests {
         .unwrap();
         assert_eq!(
             f,
+            // The table's (sorted) key order; flags do not depend on order.
             os(&[
-                "--listen",
-                "0.0.0.0:1",
-                "--io-timeout",
-                "2s",
                 "--blocks",
                 "64",
+                "--io-timeout",
+                "2s",
+                "--listen",
+                "0.0.0.0:1",
                 "--verbose"
             ])
         );
