@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::p2p::*;
 use kvferry::peer::PeerError;
-use kvferry::wire::ChunkKey;
+use kvferry::wire::{ChunkKey, Limits};
 use tokio::time::Instant;
 
 fn soon(ms: u64) -> Instant {
@@ -291,4 +291,22 @@ async fn bad_arguments_get_clear_errors() {
         .await
         .unwrap_err();
     assert!(matches!(e, PeerError::PeerLost { .. }), "{e}");
+    // More keys than a peer accepts in one request: refused locally, before any I/O,
+    // with the numbers; the pooled connection stays usable.
+    let many: Vec<ChunkKey> = (0..Limits::DEFAULT_MAX_KEYS + 1)
+        .map(|i| ChunkKey::from_name(&format!("k{i}")))
+        .collect();
+    let e = c.consumer.lookup(&node.addr, &many, soon(1000)).await.unwrap_err();
+    assert!(matches!(e, PeerError::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("4097 keys"), "{e}");
+    assert!(e.to_string().contains("at most 4096"), "{e}");
+    let e = c.consumer.stage(&node.addr, &many, soon(1000)).await.unwrap_err();
+    assert!(matches!(e, PeerError::InvalidArgument(_)), "{e}");
+    assert_eq!(
+        c.consumer
+            .lookup(&node.addr, &[ChunkKey::from_name("absent")], soon(1000))
+            .await
+            .unwrap(),
+        0
+    );
 }

@@ -317,6 +317,7 @@ impl Consumer {
 
     /// How many leading `keys` the peer holds.
     pub async fn lookup(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<usize, PeerError> {
+        check_keys(keys, self.inner.cfg.net.limits.max_keys)?;
         let msg = Message::Lookup { keys: keys.to_vec() };
         match self.simple_request(peer, &msg, deadline).await? {
             Message::LookupReply { hits } => Ok(hits as usize),
@@ -389,7 +390,7 @@ impl Consumer {
 
     /// Delayed pull, step one: asks `peer` to stage `keys` and returns a handle.
     pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
-        check_keys(keys)?;
+        check_keys(keys, self.inner.cfg.net.limits.max_keys)?;
         let sent = Instant::now();
         let msg = Message::Stage {
             keys: keys.to_vec(),
@@ -475,7 +476,9 @@ impl Consumer {
         dst: Destination,
         deadline: Instant,
     ) -> Result<Landed, GetFailure> {
-        if let Err(error) = check_keys(keys).and_then(|_| check_dst(keys.len(), &dst)) {
+        if let Err(error) =
+            check_keys(keys, self.inner.cfg.net.limits.max_keys).and_then(|_| check_dst(keys.len(), &dst))
+        {
             return Err(GetFailure {
                 error,
                 fence: DrainFence::ready(),
@@ -510,7 +513,9 @@ impl Consumer {
                 "get_blocking called from inside an async runtime; use get() there".into(),
             ));
         }
-        if let Err(error) = check_keys(keys).and_then(|_| check_dst(keys.len(), &dst)) {
+        if let Err(error) =
+            check_keys(keys, self.inner.cfg.net.limits.max_keys).and_then(|_| check_dst(keys.len(), &dst))
+        {
             return fail(error);
         }
         let started = std::time::Instant::now();
@@ -565,7 +570,9 @@ impl Consumer {
     /// before reusing the destination blocks.
     pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
         let (signal, fence) = DrainFence::pair();
-        if let Err(error) = check_keys(keys).and_then(|_| check_dst(keys.len(), &dst)) {
+        if let Err(error) =
+            check_keys(keys, self.inner.cfg.net.limits.max_keys).and_then(|_| check_dst(keys.len(), &dst))
+        {
             drop(signal);
             let f = fence.clone();
             return Transfer {
@@ -899,9 +906,18 @@ impl Consumer {
     }
 }
 
-fn check_keys(keys: &[ChunkKey]) -> Result<(), PeerError> {
+/// A request's keys: at least one, and no more than a peer accepts in one request
+/// (`max_keys`, the transport's limit, which peers share by default): refused here with
+/// a clear error rather than by the peer closing the connection.
+fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerError> {
     if keys.is_empty() {
         return Err(PeerError::InvalidArgument("empty key list".into()));
+    }
+    if keys.len() > max_keys {
+        return Err(PeerError::InvalidArgument(format!(
+            "{} keys in one request; at most {max_keys} (split the request or raise the limit)",
+            keys.len()
+        )));
     }
     Ok(())
 }
