@@ -1,6 +1,10 @@
 //! The staging arena: fixed-size pages of (preferably pinned) host memory, a free list,
 //! and a FIFO queue of allocations waiting for pages.
 //!
+//! The free list is a stack: the pages freed last are handed out first, while they are
+//! still in cache (and in the TLB), and a lease's pages come out in the order they were
+//! freed, so consecutive pages stay consecutive runs. Waiters, not pages, are FIFO.
+//!
 //! # Cancellation
 //!
 //! Dropping an [`Arena::alloc`] future removes its waiter; if pages were handed to it
@@ -101,7 +105,8 @@ struct Waiter {
 }
 
 pub(crate) struct State {
-    free: VecDeque<u32>,
+    /// Free pages, a stack: the next page handed out is the last one.
+    free: Vec<u32>,
     pages: Vec<PageState>,
     leased: usize,
     quarantined: usize,
@@ -149,7 +154,7 @@ impl Arena {
                 backing.kind(), backing.fallback_reason().unwrap_or(""));
         }
         let state = State {
-            free: (0..page_count as u32).collect(),
+            free: (0..page_count as u32).rev().collect(),
             pages: vec![PageState::Free; page_count],
             leased: 0,
             quarantined: 0,
@@ -305,7 +310,7 @@ impl Arena {
     fn take_locked(&self, st: &mut State, pages: usize) -> Lease {
         let mut ids = Vec::with_capacity(pages);
         for _ in 0..pages {
-            let p = st.free.pop_front().expect("caller checked free count");
+            let p = st.free.pop().expect("caller checked free count");
             debug_assert_eq!(st.pages[p as usize], PageState::Free);
             st.pages[p as usize] = PageState::Leased;
             ids.push(p);
@@ -405,7 +410,7 @@ impl ArenaInner {
             let w = st.waiters.pop_front().expect("front exists");
             let mut ids = Vec::with_capacity(w.pages);
             for _ in 0..w.pages {
-                let p = st.free.pop_front().expect("checked");
+                let p = st.free.pop().expect("checked");
                 st.pages[p as usize] = PageState::Leased;
                 ids.push(p);
             }
@@ -434,10 +439,12 @@ impl ArenaInner {
     fn free_pages(self: &Arc<Self>, pages: &[u32], from: PageState) {
         let handed = {
             let mut st = self.state.lock();
-            for &p in pages {
+            // Pushed in reverse so the next allocation pops them in their original
+            // order (a run of consecutive pages stays one run).
+            for &p in pages.iter().rev() {
                 assert_eq!(st.pages[p as usize], from, "page {p} is not {from:?}: returned twice?");
                 st.pages[p as usize] = PageState::Free;
-                st.free.push_back(p);
+                st.free.push(p);
             }
             match from {
                 PageState::Leased => {
@@ -667,6 +674,29 @@ mod tests {
         let q = l.quarantine();
         drop(q); // never confirmed: stays quarantined forever
         assert_eq!(a.stats().quarantined_pages, 1);
+        check(&a);
+    }
+
+    #[test]
+    fn pages_freed_last_come_back_first_in_their_order() {
+        let a = arena(8);
+        let first = a.try_alloc(3).unwrap();
+        assert_eq!(
+            first.page_ids(),
+            &[0, 1, 2],
+            "a fresh arena hands out consecutive pages"
+        );
+        let second = a.try_alloc(2).unwrap();
+        assert_eq!(second.page_ids(), &[3, 4]);
+        drop(first);
+        // The pages just freed are reused first (still in cache), in their order, so a
+        // run of consecutive pages stays one run.
+        let again = a.try_alloc(3).unwrap();
+        assert_eq!(again.page_ids(), &[0, 1, 2]);
+        drop(second);
+        let mixed = a.try_alloc(4).unwrap();
+        assert_eq!(mixed.page_ids(), &[3, 4, 5, 6]);
+        drop((again, mixed));
         check(&a);
     }
 }
