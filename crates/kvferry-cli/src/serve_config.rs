@@ -105,6 +105,13 @@ pub fn flags_from_str(text: &str, serve: &clap::Command) -> anyhow::Result<Vec<O
             other => anyhow::bail!("key `{key}` is a switch: expected true or false, got {other}"),
         }
     }
+    // Parse the file's flags alone with the real parsers now, so a bad value is reported
+    // as the file's (e.g. `io-timeout = "0s"`), not as a flag the user never typed.
+    if let Err(e) = serve.clone().no_binary_name(true).try_get_matches_from(&flags) {
+        let msg = e.to_string();
+        let first = msg.lines().next().unwrap_or("invalid value");
+        anyhow::bail!("{}", first.trim_start_matches("error: "));
+    }
     Ok(flags)
 }
 
@@ -163,6 +170,18 @@ mod tests {
             assert!(e.contains("unknown key"), "{bad}: {e}");
             assert!(e.contains("io-timeout"), "lists the known keys: {e}");
         }
+    }
+
+    #[test]
+    fn bad_values_are_reported_as_the_files() {
+        let cmd = serve().arg(
+            Arg::new("ttl")
+                .long("ttl")
+                .value_parser(|s: &str| s.parse::<u32>().map_err(|e| e.to_string())),
+        );
+        let e = format!("{:#}", flags_from_str("ttl = \"soon\"", &cmd).unwrap_err());
+        assert!(e.contains("soon") && e.contains("--ttl"), "{e}");
+        assert!(flags_from_str("ttl = 5", &cmd).is_ok());
     }
 
     #[test]

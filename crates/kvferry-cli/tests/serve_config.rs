@@ -46,6 +46,7 @@ fn unknown_keys_and_bad_values_are_refused_before_listening() {
     for (name, text, expect) in [
         ("typo", "arean = \"1GiB\"\n", "unknown key `arean`"),
         ("zero-timeout", "io-timeout = \"0s\"\n", "greater than zero"),
+        ("bad-size", "arena = \"lots\"\n", "config file"),
         ("not-toml", "arena = \n", "not valid TOML"),
     ] {
         let f = temp_file(name, text);
@@ -56,6 +57,7 @@ fn unknown_keys_and_bad_values_are_refused_before_listening() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{name}: {stderr}");
         assert!(stderr.contains(expect), "{name}: {stderr}");
+        assert!(stderr.contains("config file"), "{name}: the file is named: {stderr}");
         assert!(
             !String::from_utf8_lossy(&out.stdout).contains("listening"),
             "{name}: must not start serving"
