@@ -17,13 +17,26 @@ mod plot;
 /// Benchmark options. Without a subcommand, runs the end-to-end transfer benchmark
 /// (`bench p2p`) with the options given here.
 #[derive(Args, Debug)]
-#[command(args_conflicts_with_subcommands = true)]
+#[command(args_conflicts_with_subcommands = true, after_help = AFTER_HELP)]
 pub struct BenchArgs {
     #[command(subcommand)]
     what: Option<BenchWhat>,
     #[command(flatten)]
     p2p: p2p::P2pBenchArgs,
 }
+
+const AFTER_HELP: &str = "\
+What the transfer benchmark prints (one row per point; --json: the same fields):
+  GB/s       chunk bytes landed and verified per second
+  TCP GB/s   raw loopback TCP moving the same bytes over as many connections, measured
+             in the same run (best of 3); ratio = GB/s / TCP GB/s
+  pipe GB/s  the staged pipeline: gather memcpy + socket + landing memcpy in plain code,
+             no checksums (what the design's copies alone cost on this machine)
+  p50/p99    per-chunk latency, request to landed in the destination
+  errors     transfers that failed (none expected without faults)
+  corrupted  bytes that landed wrong; leaked: arena pages not returned afterwards
+The command exits non-zero if any byte was corrupted or any page leaked.
+Figures and the machine they were measured on: docs/benchmarks.md";
 
 #[derive(Subcommand, Debug)]
 enum BenchWhat {
@@ -35,6 +48,7 @@ enum BenchWhat {
     Device(device::DeviceBenchArgs),
     /// The end-to-end transfer benchmark (the default): producers and a consumer over
     /// loopback, every byte verified, against raw TCP measured in the same run.
+    #[command(after_help = AFTER_HELP)]
     P2p(p2p::P2pBenchArgs),
 }
 
