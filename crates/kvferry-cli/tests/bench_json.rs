@@ -1,0 +1,57 @@
+//! `kvferry bench --json` (the main job, small): one object with the fields the
+//! transfer issue names, consistent with each other, and a clean integrity record.
+
+use std::process::Command;
+
+#[test]
+fn bench_json_has_every_field_and_no_integrity_failure() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "bench",
+            "--json",
+            "--quiet",
+            "--model",
+            "tiny",
+            "--blocks-per-chunk",
+            "64",
+            "--requests",
+            "4",
+            "--bytes",
+            "16MiB",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    let num = |k: &str| {
+        v.get(k)
+            .and_then(|x| x.as_f64())
+            .unwrap_or_else(|| panic!("missing numeric field {k}: {v}"))
+    };
+    for k in [
+        "gbps",
+        "tcp_limit_gbps",
+        "tcp_hot_limit_gbps",
+        "pipeline_limit_gbps",
+        "memcpy_gbps",
+        "p50_ms",
+        "p99_ms",
+    ] {
+        assert!(num(k) > 0.0, "{k} must be a measured, positive figure: {v}");
+    }
+    // tiny: 2 layers × K/V × 4 tokens × 1 head × 64 dims × 2 bytes = 2 KiB per block.
+    let chunk = num("chunk_bytes") as u64;
+    assert_eq!(chunk, 64 * 2048, "{v}");
+    assert_eq!(num("chunks") as u64, (16 << 20) / chunk, "{v}");
+    assert_eq!(
+        num("bytes") as u64,
+        num("chunks") as u64 * chunk,
+        "every chunk moved: {v}"
+    );
+    assert!(num("p99_ms") >= num("p50_ms"), "{v}");
+    assert!((num("ratio") - num("gbps") / num("tcp_limit_gbps")).abs() < 1e-9, "{v}");
+    assert_eq!(num("errors"), 0.0, "{v}");
+    assert_eq!(num("corrupted_bytes"), 0.0, "{v}");
+    assert_eq!(num("leaked_pages"), 0.0, "{v}");
+}
