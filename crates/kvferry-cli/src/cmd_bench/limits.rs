@@ -18,6 +18,8 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use kvferry::layout::KvLayout;
 
 /// Raw loopback TCP: `conns` plain connections moving `bytes` in total, no framing, no
@@ -25,17 +27,20 @@ use kvferry::layout::KvLayout;
 ///
 /// With `source: None` every writer sends one 4 MiB buffer over and over and every
 /// reader reads into one 4 MiB buffer: both stay in cache, the most flattering limit.
-/// With `source: Some(bytes)` the writers send the bytes of that many bytes of memory in
-/// turn, `piece` bytes per write, and each reader reads into its own `piece`-sized
-/// buffer: the same bytes as the transfers, as cold in cache as theirs.
-pub async fn tcp_limit(conns: usize, bytes: u64, source: Option<(usize, usize)>) -> anyhow::Result<f64> {
+/// With `source: Some((memory, piece))` the writers send `memory` in turn, `piece` bytes
+/// per write, and each reader reads into its own `piece`-sized buffer: the same bytes as
+/// the transfers, as cold in cache as theirs.
+pub async fn tcp_limit(conns: usize, bytes: u64, source: Option<(&Arc<Vec<u8>>, usize)>) -> anyhow::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (source_len, piece) = source.unwrap_or((4 << 20, 4 << 20));
+    let (data, piece) = match source {
+        Some((memory, piece)) => (memory.clone(), piece),
+        None => (Arc::new(vec![0x5Au8; 4 << 20]), 4 << 20),
+    };
+    let source_len = data.len();
     anyhow::ensure!(
         piece >= 1 && source_len >= piece,
         "tcp limit: source smaller than a piece"
     );
-    let data: std::sync::Arc<Vec<u8>> = std::sync::Arc::new((0..source_len).map(|i| (i * 13 + 1) as u8).collect());
     let pieces = source_len / piece;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -105,13 +110,23 @@ pub fn memcpy_limit(bytes: usize) -> f64 {
 
 /// The staged pipeline in plain code (see the module docs): `conns` sender/receiver
 /// thread pairs over loopback, moving chunks whose pieces are
-/// `src_layout.chunk_ranges(blocks)` of a source region (all of its chunks in turn, so
-/// the source is as cold as the benchmark's producer region) and land contiguously.
-/// Returns GB/s of chunk bytes landed.
-pub fn pipeline_limit(src_layout: KvLayout, blocks_per_chunk: u32, conns: usize, bytes: u64) -> anyhow::Result<f64> {
+/// `src_layout.chunk_ranges(blocks)` of `source` laid out by `src_layout` (all of its
+/// chunks in turn, so the source is as cold as the benchmark's producer region) and land
+/// contiguously. Returns GB/s of chunk bytes landed.
+pub fn pipeline_limit(
+    src_layout: KvLayout,
+    source: &Arc<Vec<u8>>,
+    blocks_per_chunk: u32,
+    conns: usize,
+    bytes: u64,
+) -> anyhow::Result<f64> {
     anyhow::ensure!(
         conns >= 1 && blocks_per_chunk >= 1,
         "need a connection and a block per chunk"
+    );
+    anyhow::ensure!(
+        source.len() >= src_layout.region_bytes(),
+        "pipeline limit: source smaller than its layout"
     );
     let src_chunks = src_layout.blocks / blocks_per_chunk;
     anyhow::ensure!(src_chunks >= 1, "source layout too small for the pipeline limit");
@@ -123,11 +138,6 @@ pub fn pipeline_limit(src_layout: KvLayout, blocks_per_chunk: u32, conns: usize,
         .collect::<Result<_, _>>()?;
     let chunk_bytes = src_layout.block_bytes() * blocks_per_chunk as usize;
     let chunks_per_conn = (bytes / chunk_bytes as u64 / conns as u64).max(1);
-    let source: std::sync::Arc<Vec<u8>> = std::sync::Arc::new(
-        (0..src_layout.blocks as usize * src_layout.block_bytes())
-            .map(|i| (i * 31 + 7) as u8)
-            .collect(),
-    );
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
 
@@ -138,7 +148,7 @@ pub fn pipeline_limit(src_layout: KvLayout, blocks_per_chunk: u32, conns: usize,
         tx.set_nodelay(true)?;
         pairs.push((tx, rx));
     }
-    let start = std::sync::Arc::new(std::sync::Barrier::new(2 * conns + 1));
+    let start = Arc::new(std::sync::Barrier::new(2 * conns + 1));
     let mut threads = Vec::new();
     for (i, (mut tx, mut rx)) in pairs.into_iter().enumerate() {
         let (source, ranges, start_tx, start_rx) = (source.clone(), ranges.clone(), start.clone(), start.clone());

@@ -415,8 +415,8 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     // Quiesce and account every page of every arena.
     let quiesce = Instant::now() + Duration::from_secs(5);
     let leaked = loop {
-        let mut leaked =
-            (arena.stats().total_pages - arena.stats().free_pages - arena.stats().quarantined_pages) as u64;
+        let s = arena.stats();
+        let mut leaked = (s.total_pages - s.free_pages - s.quarantined_pages) as u64;
         for p in &producers {
             let s = p.producer.arena().stats();
             leaked += (s.total_pages - s.free_pages - s.quarantined_pages) as u64;
@@ -434,22 +434,28 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     // measured on a noisy run would flatter the ratio.
     let limit_bytes = moved.clamp(256 << 20, 1 << 30);
     let conns = args.connections * args.producers;
+    // One source for the same-bytes limits: as much memory as one producer's region,
+    // laid out like it, so it is as cold in cache as theirs.
+    let src_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
+    let src_layout = KvLayout::preset(args.model.parse()?, src_blocks, Arrangement::LayerSeparate)?;
+    let source: Arc<Vec<u8>> = Arc::new((0..src_layout.region_bytes()).map(|i| (i * 31 + 7) as u8).collect());
     let mut tcp = 0f64;
     let mut tcp_hot = 0f64;
-    let source = per_producer_reqs * args.chunks_per_request * chunk_bytes;
     for _ in 0..3 {
-        tcp = tcp.max(tcp_limit(conns, limit_bytes, Some((source, chunk_bytes))).await?);
+        tcp = tcp.max(tcp_limit(conns, limit_bytes, Some((&source, chunk_bytes))).await?);
         tcp_hot = tcp_hot.max(tcp_limit(conns, limit_bytes, None).await?);
     }
     let memcpy = memcpy_limit(256 << 20);
-    // The same source size as the producers' regions (one producer's share), so it is
-    // as cold in cache as theirs.
-    let src_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
-    let src_layout = KvLayout::preset(args.model.parse()?, src_blocks, Arrangement::LayerSeparate)?;
     let pipeline = tokio::task::block_in_place(|| -> anyhow::Result<f64> {
         let mut best = 0f64;
         for _ in 0..3 {
-            best = best.max(pipeline_limit(src_layout, args.blocks_per_chunk, conns, limit_bytes)?);
+            best = best.max(pipeline_limit(
+                src_layout,
+                &source,
+                args.blocks_per_chunk,
+                conns,
+                limit_bytes,
+            )?);
         }
         Ok(best)
     })?;
