@@ -315,9 +315,14 @@ impl Consumer {
         Ok(p)
     }
 
+    /// Keys a peer accepts in one request (the transport's limit).
+    fn max_keys(&self) -> usize {
+        self.inner.cfg.net.limits.max_keys
+    }
+
     /// How many leading `keys` the peer holds.
     pub async fn lookup(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<usize, PeerError> {
-        check_keys(keys, self.inner.cfg.net.limits.max_keys)?;
+        check_keys(keys, self.max_keys())?;
         let msg = Message::Lookup { keys: keys.to_vec() };
         match self.simple_request(peer, &msg, deadline).await? {
             Message::LookupReply { hits } => Ok(hits as usize),
@@ -390,7 +395,7 @@ impl Consumer {
 
     /// Delayed pull, step one: asks `peer` to stage `keys` and returns a handle.
     pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
-        check_keys(keys, self.inner.cfg.net.limits.max_keys)?;
+        check_keys(keys, self.max_keys())?;
         let sent = Instant::now();
         let msg = Message::Stage {
             keys: keys.to_vec(),
@@ -476,9 +481,7 @@ impl Consumer {
         dst: Destination,
         deadline: Instant,
     ) -> Result<Landed, GetFailure> {
-        if let Err(error) =
-            check_keys(keys, self.inner.cfg.net.limits.max_keys).and_then(|_| check_dst(keys.len(), &dst))
-        {
+        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| check_dst(keys.len(), &dst)) {
             return Err(GetFailure {
                 error,
                 fence: DrainFence::ready(),
@@ -513,9 +516,7 @@ impl Consumer {
                 "get_blocking called from inside an async runtime; use get() there".into(),
             ));
         }
-        if let Err(error) =
-            check_keys(keys, self.inner.cfg.net.limits.max_keys).and_then(|_| check_dst(keys.len(), &dst))
-        {
+        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| check_dst(keys.len(), &dst)) {
             return fail(error);
         }
         let started = std::time::Instant::now();
@@ -570,9 +571,7 @@ impl Consumer {
     /// before reusing the destination blocks.
     pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
         let (signal, fence) = DrainFence::pair();
-        if let Err(error) =
-            check_keys(keys, self.inner.cfg.net.limits.max_keys).and_then(|_| check_dst(keys.len(), &dst))
-        {
+        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| check_dst(keys.len(), &dst)) {
             drop(signal);
             let f = fence.clone();
             return Transfer {
