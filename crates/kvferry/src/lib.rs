@@ -2,6 +2,8 @@
 //! a pinned host staging arena, and peer instances — without corrupting, leaking or
 //! hanging when a transfer is cancelled, times out, or a device or peer stalls.
 //!
+//! Start with [`engine::Engine`], the front door; it assembles everything below.
+//!
 //! Layers, bottom up (see `docs/architecture.md`):
 //!
 //! - [`mem`]: the staging arena, its pages and leases, and registered regions.
@@ -18,6 +20,7 @@
 pub mod cluster;
 pub mod copy;
 pub mod device;
+pub mod engine;
 pub mod layout;
 pub mod mem;
 pub mod metrics;

@@ -12,6 +12,12 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+mod blocks;
+mod kv_cache;
+
+pub use blocks::{BlockMap, Span};
+pub use kv_cache::KvCache;
+
 /// Errors from layouts.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {

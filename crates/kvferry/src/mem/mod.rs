@@ -25,12 +25,14 @@ mod arena;
 mod backing;
 mod lease;
 mod region;
+mod region_set;
 mod size;
 
 pub use arena::{Arena, ArenaConfig, ArenaStats, CloseReport};
 pub use backing::{Backing, BackingError, BackingKind, BackingRequest, ExternalFree};
 pub use lease::{Lease, Quarantined};
 pub use region::{HostMemory, Region};
+pub use region_set::RegionSet;
 pub use size::{ByteSize, ByteSizeError};
 
 use std::time::Duration;

@@ -74,6 +74,15 @@ pub enum NetError {
     /// The peer sent something that is not valid at this point of the protocol.
     #[error("protocol violation: {0}")]
     Protocol(String),
+    /// The peer answered with a message of the wrong kind (named, not dumped: a reply
+    /// may carry thousands of entries).
+    #[error("protocol violation: expected {expected}, got {got}")]
+    Unexpected {
+        /// The message kind expected.
+        expected: &'static str,
+        /// The message kind received.
+        got: &'static str,
+    },
     /// A frame could not be read or written.
     #[error(transparent)]
     Wire(#[from] WireError),

@@ -19,10 +19,14 @@
 
 mod consumer;
 mod producer;
+pub mod publish;
 mod store;
 
-pub use consumer::{Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
-pub use producer::{Producer, ProducerConfig, ProducerFaults, ProducerStats};
+pub use consumer::{
+    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer, TransferPath,
+};
+pub use producer::{LeaseRefusal, Producer, ProducerConfig, ProducerFaults, ProducerStats};
+pub use publish::{ReleaseReason, Released};
 pub use store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 
 use std::time::Duration;
@@ -90,6 +94,18 @@ pub enum PeerError {
         needed: usize,
         /// Pages free.
         free: usize,
+    },
+    /// The peer already holds its share of the staging arena.
+    #[error("staging quota of peer {peer} exceeded: holds {held} pages, asked {asked}, quota {quota}")]
+    QuotaExceeded {
+        /// The peer.
+        peer: String,
+        /// Pages it holds.
+        held: usize,
+        /// Pages asked for.
+        asked: usize,
+        /// Its quota.
+        quota: usize,
     },
     /// No room in the store for a chunk.
     #[error("chunk store full: need {needed} blocks, {free} free")]

@@ -8,6 +8,16 @@
 //! requests are capped: over the cap, the reply is an immediate `Busy` miss, not a
 //! queue.
 //!
+//! Two kinds of chunks are served: chunks of the store (copied into staging pages
+//! before they are advertised), and **published** blocks of an engine's own
+//! [`KvCache`] (see [`super::publish`]), which are sent straight from the cache with
+//! vectored writes — zero copies on this side.
+//!
+//! Leases are bound to the peer they were granted to: ids are random, and a `Done` (or
+//! pull) from another peer is refused and counted. A request listing a key twice is
+//! refused. Each peer may hold at most `max_staged_pages_per_peer` staging pages at
+//! once, and TTLs are capped at `max_ttl`, so one client cannot lock the arena.
+//!
 //! # Cancellation
 //!
 //! A handler future dropped mid-request (connection torn down, server stopped) drops
@@ -27,9 +37,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::publish::{Publication, ReleaseQueue, ReleaseReason, Released};
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
 use crate::copy::{CopyEngine, CopyPlan, Endpoint};
+use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
 use crate::net::{Connection, Handler, NetError};
 use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message};
@@ -43,14 +55,17 @@ pub struct ProducerConfig {
     pub max_ttl: Duration,
     /// Staging requests (stage, get) served at once; more get an immediate `Busy`.
     pub max_concurrent_gets: usize,
+    /// Staging pages one peer may hold at once (`None`: half the arena).
+    pub max_staged_pages_per_peer: Option<usize>,
 }
 
 impl Default for ProducerConfig {
     fn default() -> Self {
         ProducerConfig {
             default_ttl: Duration::from_secs(10),
-            max_ttl: Duration::from_secs(120),
+            max_ttl: Duration::from_secs(10),
             max_concurrent_gets: 64,
+            max_staged_pages_per_peer: None,
         }
     }
 }
@@ -108,13 +123,46 @@ pub struct ProducerStats {
     pub pushed: u64,
     /// Bytes received by push.
     pub bytes_received: u64,
+    /// Chunks published (pinned blocks of an engine's cache) right now.
+    pub published_now: usize,
+    /// `Done`s or pulls refused because the lease belongs to another peer.
+    pub foreign_lease_refused: u64,
+    /// Requests refused because the peer holds its whole staging quota.
+    pub quota_refused: u64,
+}
+
+/// Why a `Done` changed nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseRefusal {
+    /// No such lease (already released, expired, or never granted).
+    Unknown,
+    /// The lease was granted to another peer.
+    Foreign,
+}
+
+/// What a staged lease sends from.
+enum StagedData {
+    /// Staging pages holding copies of store chunks, chunk `i` at `offsets[i]`.
+    Pages { lease: Lease, offsets: Vec<usize> },
+    /// Published blocks, sent straight from the engine's cache.
+    Pinned(Vec<Arc<Publication>>),
 }
 
 struct StagedLease {
-    lease: Lease,
+    data: StagedData,
     chunks: Vec<ChunkMeta>,
-    offsets: Vec<usize>,
     expires: Instant,
+    /// The peer it was granted to.
+    owner: String,
+}
+
+impl StagedLease {
+    fn pages(&self) -> usize {
+        match &self.data {
+            StagedData::Pages { lease, .. } => lease.page_count(),
+            StagedData::Pinned(_) => 0,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -127,6 +175,8 @@ struct Counters {
     chunks_sent: AtomicU64,
     pushed: AtomicU64,
     bytes_received: AtomicU64,
+    foreign_lease_refused: AtomicU64,
+    quota_refused: AtomicU64,
 }
 
 struct Inner {
@@ -137,7 +187,10 @@ struct Inner {
     incarnation: u64,
     staged: Mutex<HashMap<u64, StagedLease>>,
     recently_expired: Mutex<VecDeque<u64>>,
-    next_lease: AtomicU64,
+    published: Mutex<HashMap<ChunkKey, Arc<Publication>>>,
+    releases: Arc<ReleaseQueue>,
+    /// Staging pages held per peer (staged and checked-out leases).
+    pages_by_peer: Mutex<HashMap<String, usize>>,
     gets: Semaphore,
     counters: Counters,
     faults: ProducerFaults,
@@ -189,7 +242,9 @@ impl Producer {
             incarnation,
             staged: Mutex::new(HashMap::new()),
             recently_expired: Mutex::new(VecDeque::new()),
-            next_lease: AtomicU64::new(1),
+            published: Mutex::new(HashMap::new()),
+            releases: Arc::new(ReleaseQueue::default()),
+            pages_by_peer: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             faults: ProducerFaults::default(),
             stop: CancellationToken::new(),
@@ -231,6 +286,9 @@ impl Producer {
             chunks_sent: c.chunks_sent.load(Ordering::Relaxed),
             pushed: c.pushed.load(Ordering::Relaxed),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            published_now: self.inner.published.lock().len(),
+            foreign_lease_refused: c.foreign_lease_refused.load(Ordering::Relaxed),
+            quota_refused: c.quota_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -239,10 +297,135 @@ impl Producer {
         &self.inner.engine
     }
 
-    /// Releases every staged lease now (e.g. at shutdown).
+    /// Releases every staged lease and publication now (e.g. at shutdown).
     pub fn release_all(&self) {
         let drained: Vec<_> = self.inner.staged.lock().drain().collect();
+        for (_, e) in &drained {
+            self.uncharge(&e.owner, e.pages());
+        }
         drop(drained);
+        let published: Vec<_> = self.inner.published.lock().drain().collect();
+        for (_, p) in &published {
+            p.retire(ReleaseReason::Shutdown);
+        }
+    }
+
+    /// Publishes `blocks` of `cache` under `key` (zero copy): the blocks are sent
+    /// straight from the cache to consumers, and the engine must not write them until
+    /// they are reported released ([`take_released`](Self::take_released)): after a
+    /// consumer's `Done` when `once`, after `ttl` (capped at `max_ttl`; zero = the
+    /// default TTL), or after [`unpublish`](Self::unpublish). Publishing a key again
+    /// replaces (and releases) the earlier publication. The checksum is computed now.
+    pub fn publish(
+        &self,
+        key: ChunkKey,
+        cache: Arc<KvCache>,
+        blocks: &[u32],
+        ttl: Duration,
+        once: bool,
+    ) -> Result<(), PeerError> {
+        cache
+            .map()
+            .check_blocks(blocks)
+            .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
+        let len = cache.map().chunk_bytes(blocks.len());
+        let ranges = cache.chunk_ranges(blocks, len)?;
+        let checksum = cache.checksum(&ranges)?;
+        let ttl = self.clamp_ttl(ttl);
+        let p = Arc::new(Publication::new(
+            key,
+            cache,
+            ranges,
+            len,
+            checksum,
+            Instant::now() + ttl,
+            once,
+            self.inner.releases.clone(),
+        ));
+        let old = self.inner.published.lock().insert(key, p);
+        if let Some(old) = old {
+            old.retire(ReleaseReason::Replaced);
+        }
+        Ok(())
+    }
+
+    /// Releases a publication now (the engine's own release). False if unknown. The
+    /// release is reported once every transfer sending it has stopped.
+    pub fn unpublish(&self, key: &ChunkKey) -> bool {
+        let p = self.inner.published.lock().remove(key);
+        match p {
+            Some(p) => {
+                p.retire(ReleaseReason::Released);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Publications released since the last call: their blocks are the engine's again.
+    pub fn take_released(&self) -> Vec<Released> {
+        self.inner.releases.take()
+    }
+
+    /// Waits until a release is reported or `deadline` passes.
+    pub async fn wait_released(&self, deadline: Instant) {
+        self.inner.releases.wait(deadline).await
+    }
+
+    fn clamp_ttl(&self, ttl: Duration) -> Duration {
+        if ttl.is_zero() {
+            self.inner.cfg.default_ttl
+        } else {
+            ttl.min(self.inner.cfg.max_ttl)
+        }
+    }
+
+    fn quota(&self) -> usize {
+        self.inner
+            .cfg
+            .max_staged_pages_per_peer
+            .unwrap_or(self.inner.arena.page_count() / 2)
+            .max(1)
+    }
+
+    /// Charges `pages` to `owner`'s quota, or refuses.
+    fn charge(&self, owner: &str, pages: usize) -> Result<(), PeerError> {
+        let quota = self.quota();
+        let mut m = self.inner.pages_by_peer.lock();
+        let held = m.get(owner).copied().unwrap_or(0);
+        if held + pages > quota {
+            self.inner.counters.quota_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(PeerError::QuotaExceeded {
+                peer: owner.to_string(),
+                held,
+                asked: pages,
+                quota,
+            });
+        }
+        *m.entry(owner.to_string()).or_insert(0) += pages;
+        Ok(())
+    }
+
+    fn uncharge(&self, owner: &str, pages: usize) {
+        if pages == 0 {
+            return;
+        }
+        let mut m = self.inner.pages_by_peer.lock();
+        if let Some(n) = m.get_mut(owner) {
+            *n = n.saturating_sub(pages);
+            if *n == 0 {
+                m.remove(owner);
+            }
+        }
+    }
+
+    fn new_lease_id(&self) -> u64 {
+        loop {
+            let id = rand::random::<u64>();
+            if id != 0 && !self.inner.staged.lock().contains_key(&id) {
+                return id;
+            }
+        }
     }
 
     /// Writes `data` into free blocks and registers it under `key` (the local put).
@@ -263,13 +446,21 @@ impl Producer {
     /// Stages the leading held chunks of `keys` (as many as fit in free arena pages)
     /// and records them under a new lease with `ttl`. Copy before advertise: the lease
     /// is recorded only after the gather completed and checksums were computed.
-    pub async fn stage(&self, keys: &[ChunkKey], ttl: Duration) -> Result<(u64, Vec<ChunkMeta>, u32), PeerError> {
+    pub async fn stage(
+        &self,
+        keys: &[ChunkKey],
+        ttl: Duration,
+        owner: &str,
+    ) -> Result<(u64, Vec<ChunkMeta>, u32), PeerError> {
         let inner = &self.inner;
-        let ttl = if ttl.is_zero() {
-            inner.cfg.default_ttl
-        } else {
-            ttl.min(inner.cfg.max_ttl)
-        };
+        let ttl = self.clamp_ttl(ttl);
+        let mut seen = std::collections::HashSet::with_capacity(keys.len());
+        if let Some(k) = keys.iter().find(|k| !seen.insert(**k)) {
+            return Err(PeerError::InvalidArgument(format!("key {k} listed twice in one request")));
+        }
+        if let Some(r) = self.stage_published(keys, ttl, owner) {
+            return r;
+        }
         let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
         if locs.is_empty() {
             return Ok((0, Vec::new(), ttl.as_millis() as u32));
@@ -277,10 +468,11 @@ impl Producer {
         // Partial stage: as many leading chunks as fit in the free pages.
         let mut lease = None;
         let mut k = locs.len();
+        let room = self.quota().saturating_sub(inner.pages_by_peer.lock().get(owner).copied().unwrap_or(0));
         while k > 0 {
             let bytes: usize = locs[..k].iter().map(|l| l.len).sum();
             let pages = inner.arena.pages_for(bytes);
-            if pages <= inner.arena.stats().free_pages {
+            if pages <= inner.arena.stats().free_pages && pages <= room {
                 if let Ok(l) = inner.arena.try_alloc(pages) {
                     lease = Some(l);
                     break;
@@ -289,6 +481,16 @@ impl Producer {
             k -= 1;
         }
         let Some(lease) = lease else {
+            let pages = inner.arena.pages_for(locs[0].len);
+            if pages > room {
+                inner.counters.quota_refused.fetch_add(1, Ordering::Relaxed);
+                return Err(PeerError::QuotaExceeded {
+                    peer: owner.to_string(),
+                    held: self.quota() - room,
+                    asked: pages,
+                    quota: self.quota(),
+                });
+            }
             inner.counters.busy.fetch_add(1, Ordering::Relaxed);
             return Err(PeerError::StagingExhausted {
                 needed: inner.arena.pages_for(locs[0].len),
@@ -329,31 +531,104 @@ impl Producer {
                 checksum: crc,
             });
         }
-        let lease_id = inner.next_lease.fetch_add(1, Ordering::Relaxed);
+        // The quota is charged with the pages (checked above, racy only between
+        // concurrent requests of one peer: then the charge refuses).
+        self.charge(owner, lease.page_count())?;
+        let lease_id = self.new_lease_id();
         inner.counters.staged.fetch_add(1, Ordering::Relaxed);
         inner.staged.lock().insert(
             lease_id,
             StagedLease {
-                lease,
+                data: StagedData::Pages { lease, offsets },
                 chunks: chunks.clone(),
-                offsets,
                 expires: Instant::now() + ttl,
+                owner: owner.to_string(),
             },
         );
         Ok((lease_id, chunks, ttl.as_millis() as u32))
     }
 
-    /// Releases a staged lease (the consumer's `Done`). False if unknown.
-    pub fn release(&self, lease_id: u64) -> bool {
-        let removed = self.inner.staged.lock().remove(&lease_id);
-        if removed.is_some() {
-            self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
+    /// Stages the leading published keys (no copy: the lease holds the publications).
+    /// `None` when the first key is not published (the store serves the request).
+    fn stage_published(
+        &self,
+        keys: &[ChunkKey],
+        ttl: Duration,
+        owner: &str,
+    ) -> Option<Result<(u64, Vec<ChunkMeta>, u32), PeerError>> {
+        let pubs: Vec<Arc<Publication>> = {
+            let table = self.inner.published.lock();
+            let now = Instant::now();
+            keys.iter()
+                .map_while(|k| table.get(k).filter(|p| p.expires > now).cloned())
+                .collect()
+        };
+        if pubs.is_empty() {
+            return None;
         }
-        removed.is_some()
+        let chunks: Vec<ChunkMeta> = pubs
+            .iter()
+            .map(|p| ChunkMeta {
+                key: p.key,
+                len: p.len as u64,
+                checksum: p.checksum,
+            })
+            .collect();
+        let lease_id = self.new_lease_id();
+        self.inner.counters.staged.fetch_add(1, Ordering::Relaxed);
+        self.inner.staged.lock().insert(
+            lease_id,
+            StagedLease {
+                data: StagedData::Pinned(pubs),
+                chunks: chunks.clone(),
+                expires: Instant::now() + ttl,
+                owner: owner.to_string(),
+            },
+        );
+        Some(Ok((lease_id, chunks, ttl.as_millis() as u32)))
+    }
+
+    /// Releases a staged lease on `owner`'s `Done`: published chunks it sent that
+    /// were published `once` leave the table. Unknown leases, and leases of another
+    /// peer (refused and counted), change nothing.
+    pub fn release(&self, lease_id: u64, owner: &str) -> Result<(), LeaseRefusal> {
+        let removed = {
+            let mut st = self.inner.staged.lock();
+            match st.get(&lease_id) {
+                Some(e) if e.owner != owner => {
+                    self.inner.counters.foreign_lease_refused.fetch_add(1, Ordering::Relaxed);
+                    return Err(LeaseRefusal::Foreign);
+                }
+                Some(_) => st.remove(&lease_id),
+                None => None,
+            }
+        };
+        let Some(entry) = removed else {
+            return Err(LeaseRefusal::Unknown);
+        };
+        self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
+        self.retire_sent(&entry);
+        self.uncharge(&entry.owner, entry.pages());
+        Ok(())
+    }
+
+    /// After a `Done`: publications made `once` that this lease sent leave the table
+    /// (if still the same publication); the release is reported when the last
+    /// holder drops them.
+    fn retire_sent(&self, entry: &StagedLease) {
+        if let StagedData::Pinned(pubs) = &entry.data {
+            let mut table = self.inner.published.lock();
+            for p in pubs.iter().filter(|p| p.once) {
+                if table.get(&p.key).is_some_and(|t| Arc::ptr_eq(t, p)) {
+                    table.remove(&p.key);
+                    p.retire(ReleaseReason::Done);
+                }
+            }
+        }
     }
 
     async fn send_lease(&self, conn: &mut Connection, request_id: u64, entry: &StagedLease) -> Result<(), NetError> {
-        for (meta, &off) in entry.chunks.iter().zip(&entry.offsets) {
+        for (i, meta) in entry.chunks.iter().enumerate() {
             let delay = self.inner.faults.send_delay_us.load(Ordering::Relaxed);
             if delay > 0 {
                 tokio::time::sleep(Duration::from_micros(delay)).await;
@@ -371,10 +646,13 @@ impl Producer {
                     reason: "injected connection reset".into(),
                 });
             }
-            let parts = entry
-                .lease
-                .io_slices(off, meta.len as usize)
-                .map_err(|e| NetError::Protocol(e.to_string()))?;
+            let parts = match &entry.data {
+                StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], meta.len as usize),
+                // Published blocks: straight from the engine's cache (the lease holds
+                // the publication, and so the cache, until this write stopped).
+                StagedData::Pinned(pubs) => pubs[i].cache.io_slices(&pubs[i].ranges),
+            }
+            .map_err(|e| NetError::Protocol(e.to_string()))?;
             let corrupt = self
                 .inner
                 .faults
@@ -398,11 +676,21 @@ impl Producer {
         Ok(())
     }
 
-    fn check_out(&self, lease_id: u64) -> Result<StagedLease, (ErrorKind, String)> {
-        let entry = self.inner.staged.lock().remove(&lease_id);
+    fn check_out(&self, lease_id: u64, owner: &str) -> Result<StagedLease, (ErrorKind, String)> {
+        let entry = {
+            let mut st = self.inner.staged.lock();
+            match st.get(&lease_id) {
+                Some(e) if e.owner != owner => {
+                    self.inner.counters.foreign_lease_refused.fetch_add(1, Ordering::Relaxed);
+                    return Err((ErrorKind::UnknownLease, format!("no lease {lease_id} for this peer")));
+                }
+                _ => st.remove(&lease_id),
+            }
+        };
         match entry {
             Some(e) if e.expires > Instant::now() => Ok(e),
-            Some(_) => {
+            Some(e) => {
+                self.uncharge(&e.owner, e.pages());
                 self.note_expired(lease_id);
                 Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired")))
             }
@@ -427,6 +715,7 @@ impl Producer {
     }
 
     async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
+        let owner = conn.peer().peer_id.clone();
         match msg {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {
@@ -442,7 +731,7 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                match self.stage(&keys, Duration::from_millis(ttl_ms as u64)).await {
+                match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
                     Ok((lease_id, chunks, ttl_ms)) => {
                         let m = Message::Staged {
                             lease_id,
@@ -460,7 +749,7 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                let (lease_id, chunks, ttl_ms) = match self.stage(&keys, Duration::from_millis(ttl_ms as u64)).await {
+                let (lease_id, chunks, ttl_ms) = match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
                     Ok(s) => s,
                     Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
                 };
@@ -474,13 +763,16 @@ impl Producer {
                 if lease_id == 0 {
                     return Ok(()); // miss: nothing staged, nothing follows
                 }
-                let entry = match self.check_out(lease_id) {
+                let entry = match self.check_out(lease_id, &owner) {
                     Ok(e) => e,
                     Err((kind, message)) => return refuse(conn, id, kind, message).await,
                 };
                 // On a failed send the entry (and its pages) drops here: the eager
                 // consumer is gone.
-                self.send_lease(conn, id, &entry).await?;
+                if let Err(e) = self.send_lease(conn, id, &entry).await {
+                    self.uncharge(&entry.owner, entry.pages());
+                    return Err(e);
+                }
                 conn.send(id, &Message::PullDone { lease_id }).await?;
                 self.check_in(lease_id, entry);
                 Ok(())
@@ -493,7 +785,7 @@ impl Producer {
                     );
                     return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
                 }
-                let entry = match self.check_out(lease_id) {
+                let entry = match self.check_out(lease_id, &owner) {
                     Ok(e) => e,
                     Err((kind, message)) => return refuse(conn, id, kind, message).await,
                 };
@@ -504,8 +796,15 @@ impl Producer {
                 conn.send(id, &Message::PullDone { lease_id }).await
             }
             Message::Done { lease_id } => {
-                self.release(lease_id);
-                conn.send(id, &Message::DoneAck).await
+                // Duplicate or unknown Dones change nothing and are acknowledged (a
+                // Done may race the TTL); a foreign one is refused.
+                match self.release(lease_id, &owner) {
+                    Err(LeaseRefusal::Foreign) => {
+                        let m = format!("lease {lease_id} was not granted to this peer");
+                        refuse(conn, id, ErrorKind::UnknownLease, m).await
+                    }
+                    _ => conn.send(id, &Message::DoneAck).await,
+                }
             }
             Message::Put { key, len } => self.receive_put(conn, id, key, len).await,
             other => {
@@ -587,7 +886,9 @@ fn message_name(m: &Message) -> String {
 
 fn kind_of(e: &PeerError) -> ErrorKind {
     match e {
-        PeerError::StagingExhausted { .. } | PeerError::StoreFull { .. } => ErrorKind::Busy,
+        PeerError::StagingExhausted { .. } | PeerError::StoreFull { .. } | PeerError::QuotaExceeded { .. } => {
+            ErrorKind::Busy
+        }
         PeerError::InvalidArgument(_) => ErrorKind::BadRequest,
         PeerError::ShuttingDown => ErrorKind::ShuttingDown,
         _ => ErrorKind::Internal,
@@ -640,10 +941,20 @@ async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
                 .filter_map(|id| st.remove(&id).map(|e| (id, e)))
                 .collect()
         };
+        let p = Producer { inner: inner.clone() };
+        let expired_pubs: Vec<Arc<Publication>> = {
+            let mut table = inner.published.lock();
+            let keys: Vec<ChunkKey> = table.iter().filter(|(_, v)| v.expires <= now).map(|(k, _)| *k).collect();
+            keys.iter().filter_map(|k| table.remove(k)).collect()
+        };
+        for pubn in &expired_pubs {
+            pubn.retire(ReleaseReason::Expired);
+        }
+        drop(expired_pubs);
         if !expired.is_empty() {
-            let p = Producer { inner: inner.clone() };
-            for (id, _) in &expired {
+            for (id, e) in &expired {
                 p.note_expired(*id);
+                p.uncharge(&e.owner, e.pages());
             }
             tracing::debug!(target: "kvferry::peer", n = expired.len(), "released expired staged leases");
         }

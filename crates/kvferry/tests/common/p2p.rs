@@ -112,6 +112,7 @@ pub async fn producer_node(opts: NodeOpts) -> ProducerNode {
         default_ttl: opts.ttl,
         max_ttl: opts.ttl,
         max_concurrent_gets: opts.max_gets,
+        max_staged_pages_per_peer: Some(usize::MAX / 2),
     };
     let producer = Producer::new(store, arena, engine, cfg, net.incarnation).unwrap();
     let server = Server::bind(&opts.listen, net, Arc::new(producer.clone()))
@@ -189,13 +190,10 @@ pub fn consumer_with_body(body: Arc<dyn CopyBody>, blocks: u32, pages: usize) ->
 impl ConsumerNode {
     /// Destination: chunk i of this transfer lands in blocks `first + i*bpc ..`.
     pub fn dst(&self, first: u32, chunks: usize, bpc: usize) -> Destination {
-        Destination {
-            region: self.region.clone(),
-            layout: self.layout,
-            chunks: (0..chunks)
-                .map(|c| (0..bpc as u32).map(|b| first + (c * bpc) as u32 + b).collect())
-                .collect(),
-        }
+        let chunks = (0..chunks)
+            .map(|c| (0..bpc as u32).map(|b| first + (c * bpc) as u32 + b).collect())
+            .collect();
+        Destination::from_layout(self.region.clone(), &self.layout, chunks).unwrap()
     }
 
     /// Bad bytes of chunk `c` of `req` as landed in `blocks` (0 when intact).

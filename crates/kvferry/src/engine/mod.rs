@@ -1,0 +1,534 @@
+//! [`Engine`]: the library's front door. One [`EngineConfig`] builds and owns the
+//! staging arena, the copy engine, the producer (store, publications, staging), the
+//! consumer (pools, transfers), the server and the metrics sources; embedders — the
+//! `kvferry` command, the Python package, connectors — use this and nothing below it.
+//!
+//! # What it offers
+//!
+//! - **Memory**: [`register`](Engine::register) a [`KvCache`] (one buffer of blocks, a
+//!   set of per-layer tensors, or a model layout); [`deregister`](Engine::deregister)
+//!   waits, bounded, until nothing uses it.
+//! - **Offering KV** (producer side): [`publish`](Engine::publish) pins blocks of a
+//!   registered cache under a key (zero copy: sent straight from the cache, released by
+//!   the consumer's `Done`, the TTL or [`unpublish`](Engine::unpublish), reported by
+//!   [`take_released`](Engine::take_released)); [`put`](Engine::put) copies bytes into
+//!   the engine's own store for callers that reuse their buffers at once.
+//! - **Fetching KV** (consumer side): [`get`](Engine::get) (eager), [`start_get`]
+//!   (a [`Transfer`] whose drain fence is known up front), [`get_blocking`]
+//!   (synchronous, bounded), [`stage`](Engine::stage) + [`resolve`](Engine::resolve)
+//!   (delayed pull), [`push`](Engine::push) and [`lookup`](Engine::lookup). Each names
+//!   its destination blocks and path (direct or staged) in a [`Destination`].
+//! - [`stats`](Engine::stats) and [`close`](Engine::close), which drains everything
+//!   and reports what was still out at its deadline.
+//!
+//! Peers are named by address (`host:port`) or by a name the configured
+//! [`Directory`] resolves.
+//!
+//! # Cancellation
+//!
+//! Every async method may be dropped: transfers cancel and drain in the background
+//! (their fences fire when destination blocks are quiet), exactly as
+//! [`Consumer`](crate::peer::Consumer) documents. [`close`](Engine::close) dropped
+//! midway leaves the engine closed to new work; what it was waiting for still drains.
+//!
+//! [`start_get`]: Engine::start_get
+//! [`get_blocking`]: Engine::get_blocking
+
+mod config;
+pub mod directory;
+
+pub use config::{EngineConfig, StoreConfig};
+pub use directory::{Directory, StaticDirectory};
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::copy::{CopyEngine, CopyStats};
+use crate::layout::{Arrangement, KvCache, KvLayout, LayoutError};
+use crate::mem::{Arena, ArenaConfig, ArenaStats, MemError, Region};
+use crate::net::{NetError, Server, ServerStats};
+use crate::peer::{
+    ChunkStore, Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerError, Producer,
+    ProducerStats, Released, StagedHandle, StoreStats, Transfer,
+};
+use crate::wire::ChunkKey;
+
+/// Errors of the engine's own (non-transfer) operations.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A setting is unusable; the message names it.
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// The engine is closed.
+    #[error("engine is closed")]
+    Closed,
+    /// A registered cache is still used by transfers or publications.
+    #[error("{name} is still in use by {holders} transfer(s) or publication(s) after {waited:?}")]
+    InUse {
+        /// The cache.
+        name: String,
+        /// Holders other than the caller.
+        holders: usize,
+        /// How long deregistration waited.
+        waited: Duration,
+    },
+    /// The cache is not registered with this engine.
+    #[error("{0} is not registered with this engine")]
+    NotRegistered(String),
+    /// Memory problem (arena, region).
+    #[error(transparent)]
+    Mem(#[from] MemError),
+    /// Layout problem.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Producer or consumer problem.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+}
+
+/// Everything an engine counts, in one snapshot.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct EngineStats {
+    /// The staging arena.
+    pub arena: ArenaStats,
+    /// The producer side.
+    pub producer: ProducerStats,
+    /// The consumer side.
+    pub consumer: ConsumerStats,
+    /// The copy-in store.
+    pub store: StoreStats,
+    /// The copy engine.
+    pub copy: CopyStats,
+    /// The server (zero for a client-only engine).
+    pub server: ServerStats,
+    /// Caches registered now.
+    pub registered: usize,
+}
+
+/// What [`Engine::close`] found at its deadline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct EngineCloseReport {
+    /// Staging pages still leased (their memory stays mapped until released).
+    pub outstanding_pages: usize,
+    /// Pages quarantined (hardware may still target them; never reused).
+    pub quarantined_pages: usize,
+    /// Transfers whose drain had not finished.
+    pub draining_transfers: u64,
+}
+
+impl EngineCloseReport {
+    /// True when everything came back.
+    pub fn is_clean(&self) -> bool {
+        self.outstanding_pages == 0 && self.quarantined_pages == 0 && self.draining_transfers == 0
+    }
+}
+
+struct Inner {
+    cfg: EngineConfig,
+    arena: Arena,
+    copy: CopyEngine,
+    producer: Producer,
+    consumer: Consumer,
+    server: Mutex<Option<Server>>,
+    address: Option<SocketAddr>,
+    /// Server counters, kept after the server stopped.
+    last_server_stats: Mutex<ServerStats>,
+    registered: Mutex<HashMap<u64, Arc<KvCache>>>,
+    next_region: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// A kvferry engine. Cheap to clone (all clones are one engine).
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("peer_id", &self.peer_id())
+            .field("address", &self.inner.address)
+            .finish()
+    }
+}
+
+/// A registered cache: the cache and its registration id.
+#[derive(Clone, Debug)]
+pub struct Registered {
+    /// Registration id (unique within the engine).
+    pub id: u64,
+    /// The cache.
+    pub cache: Arc<KvCache>,
+}
+
+fn store_layout(cfg: &StoreConfig) -> Result<KvLayout, EngineError> {
+    match cfg {
+        StoreConfig::Layout(l) => Ok(l.validated()?),
+        StoreConfig::Bytes { bytes, block_bytes } => {
+            if *block_bytes == 0 || block_bytes % 4 != 0 {
+                return Err(EngineError::InvalidConfig(format!(
+                    "store block size must be a positive multiple of 4 bytes, got {block_bytes}"
+                )));
+            }
+            let blocks = u32::try_from(bytes / block_bytes)
+                .ok()
+                .filter(|b| *b > 0)
+                .ok_or_else(|| {
+                    EngineError::InvalidConfig(format!("store of {bytes} bytes must hold 1..2^32 blocks of {block_bytes}"))
+                })?;
+            // One layer, one head: a "piece" is half a block (K, then V).
+            Ok(KvLayout {
+                layers: 1,
+                blocks,
+                tokens_per_block: 1,
+                kv_heads: 1,
+                head_dim: (*block_bytes / 4) as u32,
+                elem_size: 2,
+                arrangement: Arrangement::FullyContiguous,
+            }
+            .validated()?)
+        }
+    }
+}
+
+impl Engine {
+    /// Builds and starts an engine (binding its listen address, if any). Must be called
+    /// inside a tokio runtime: its server, sweeper and transfers run on it.
+    pub async fn start(cfg: EngineConfig) -> Result<Engine, EngineError> {
+        cfg.net.validate().map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+        if cfg.page_size == 0 {
+            return Err(EngineError::InvalidConfig("page size must be greater than zero".into()));
+        }
+        let pages = cfg.arena_bytes / cfg.page_size;
+        if pages == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "staging arena of {} bytes must hold at least one page of {}",
+                cfg.arena_bytes, cfg.page_size
+            )));
+        }
+        let mut acfg = ArenaConfig::new(cfg.page_size, pages);
+        if !cfg.pinned {
+            acfg = acfg.unpinned();
+        }
+        let arena = Arena::new(acfg)?;
+        if let Some(why) = arena.fallback_reason() {
+            tracing::info!(target: "kvferry::engine", backing = %arena.backing_kind(), "staging arena not pinned: {why}");
+        }
+        let copy = match &cfg.copy_body {
+            Some(body) => CopyEngine::with_body(cfg.copy.clone(), body.clone()),
+            None => CopyEngine::new(cfg.copy.clone()),
+        }
+        .map_err(|e| EngineError::InvalidConfig(format!("copy engine: {e}")))?;
+        let layout = store_layout(&cfg.store)?;
+        let region = Arc::new(Region::host("store", layout.region_bytes())?);
+        let store = ChunkStore::new(region, layout, cfg.store_capacity)?;
+        let producer = Producer::new(store, arena.clone(), copy.clone(), cfg.producer.clone(), cfg.net.incarnation)?;
+        let mut ccfg = ConsumerConfig::new(cfg.net.clone());
+        ccfg.lease_ttl = cfg.lease_ttl;
+        ccfg.lease_guard = cfg.lease_guard;
+        ccfg.done_timeout = cfg.done_timeout;
+        let consumer = Consumer::new(arena.clone(), copy.clone(), ccfg)?;
+        let (server, address) = match &cfg.listen {
+            Some(addr) => {
+                let s = Server::bind(addr, cfg.net.clone(), Arc::new(producer.clone()))
+                    .await
+                    .map_err(|e| EngineError::Bind {
+                        addr: addr.clone(),
+                        reason: match e {
+                            NetError::Connect { reason, .. } => reason,
+                            other => other.to_string(),
+                        },
+                    })?;
+                let a = s.local_addr();
+                (Some(s), Some(a))
+            }
+            None => (None, None),
+        };
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                cfg,
+                arena,
+                copy,
+                producer,
+                consumer,
+                server: Mutex::new(server),
+                address,
+                last_server_stats: Mutex::new(ServerStats::default()),
+                registered: Mutex::new(HashMap::new()),
+                next_region: AtomicU64::new(1),
+                closed: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// The address peers reach this engine on (`None` for a client-only engine).
+    pub fn address(&self) -> Option<SocketAddr> {
+        self.inner.address
+    }
+
+    /// This engine's peer id.
+    pub fn peer_id(&self) -> &str {
+        &self.inner.cfg.net.peer_id
+    }
+
+    /// This engine's incarnation (changes with every start).
+    pub fn incarnation(&self) -> u64 {
+        self.inner.cfg.net.incarnation
+    }
+
+    /// The configuration it was built from.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    /// The producer side (for fault injection, metrics and the store's layout).
+    pub fn producer(&self) -> &Producer {
+        &self.inner.producer
+    }
+
+    /// The consumer side (for metrics).
+    pub fn consumer(&self) -> &Consumer {
+        &self.inner.consumer
+    }
+
+    /// The staging arena.
+    pub fn arena(&self) -> &Arena {
+        &self.inner.arena
+    }
+
+    /// The server's counters (the last ones seen, once it stopped).
+    pub fn server_stats(&self) -> ServerStats {
+        match &*self.inner.server.lock() {
+            Some(s) => {
+                let st = s.stats();
+                *self.inner.last_server_stats.lock() = st;
+                st
+            }
+            None => *self.inner.last_server_stats.lock(),
+        }
+    }
+
+    /// Everything counted, in one snapshot.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            arena: self.inner.arena.stats(),
+            producer: self.inner.producer.stats(),
+            consumer: self.inner.consumer.stats(),
+            store: self.inner.producer.store().stats(),
+            copy: self.inner.copy.stats(),
+            server: self.server_stats(),
+            registered: self.inner.registered.lock().len(),
+        }
+    }
+
+    fn check_open(&self) -> Result<(), EngineError> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(EngineError::Closed);
+        }
+        Ok(())
+    }
+
+    /// Resolves a peer name through the directory; an unknown name is used as an
+    /// address.
+    pub fn resolve_peer(&self, peer: &str) -> String {
+        self.inner
+            .cfg
+            .directory
+            .as_ref()
+            .and_then(|d| d.resolve(peer))
+            .unwrap_or_else(|| peer.to_string())
+    }
+
+    /// Registers a cache: the engine holds it (and the memory it keeps alive) until
+    /// [`deregister`](Self::deregister) and every transfer touching it have finished.
+    pub fn register(&self, cache: KvCache) -> Result<Registered, EngineError> {
+        self.check_open()?;
+        let id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
+        let cache = Arc::new(cache);
+        self.inner.registered.lock().insert(id, cache.clone());
+        Ok(Registered { id, cache })
+    }
+
+    /// Deregisters a cache and waits until no transfer or publication holds it, or
+    /// `timeout` passes: then it fails with [`EngineError::InUse`] and the cache stays
+    /// registered. Publications of the cache count as uses: unpublish them first.
+    pub async fn deregister(&self, reg: &Registered, timeout: Duration) -> Result<(), EngineError> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        if !self.inner.registered.lock().contains_key(&reg.id) {
+            return Err(EngineError::NotRegistered(reg.cache.name().to_string()));
+        }
+        loop {
+            // Holders: the table, the caller's `reg`, and any transfer or publication.
+            let holders = Arc::strong_count(&reg.cache).saturating_sub(2);
+            if holders == 0 {
+                self.inner.registered.lock().remove(&reg.id);
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(EngineError::InUse {
+                    name: reg.cache.name().to_string(),
+                    holders,
+                    waited: started.elapsed(),
+                });
+            }
+            // Transfers end on their own deadlines; check again shortly (not a spin:
+            // at most every 2 ms, bounded by `timeout`).
+            tokio::time::sleep(Duration::from_millis(2).min(deadline - Instant::now())).await;
+        }
+    }
+
+    /// Publishes `blocks` of a registered cache under `key` (zero copy). The blocks
+    /// must stay unwritten until reported by [`take_released`](Self::take_released):
+    /// after a consumer's `Done` when `once`, after `ttl` (zero: the default TTL;
+    /// capped at the producer's max TTL), or after [`unpublish`](Self::unpublish).
+    pub fn publish(
+        &self,
+        key: ChunkKey,
+        reg: &Registered,
+        blocks: &[u32],
+        ttl: Duration,
+        once: bool,
+    ) -> Result<(), EngineError> {
+        self.check_open()?;
+        if !self.inner.registered.lock().contains_key(&reg.id) {
+            return Err(EngineError::NotRegistered(reg.cache.name().to_string()));
+        }
+        Ok(self.inner.producer.publish(key, reg.cache.clone(), blocks, ttl, once)?)
+    }
+
+    /// Releases a publication (reported through `take_released` once its sends
+    /// stopped). False if the key is not published.
+    pub fn unpublish(&self, key: &ChunkKey) -> bool {
+        self.inner.producer.unpublish(key)
+    }
+
+    /// Publications released since the last call.
+    pub fn take_released(&self) -> Vec<Released> {
+        self.inner.producer.take_released()
+    }
+
+    /// Waits until a publication is released or `deadline` passes.
+    pub async fn wait_released(&self, deadline: Instant) {
+        self.inner.producer.wait_released(deadline).await
+    }
+
+    /// Copies `data` into the engine's store under `key` (copy in: the caller may
+    /// reuse `data` at once).
+    pub fn put(&self, key: ChunkKey, data: &[u8]) -> Result<(), EngineError> {
+        self.check_open()?;
+        if data.is_empty() {
+            return Err(EngineError::Peer(PeerError::InvalidArgument("refusing to store an empty chunk".into())));
+        }
+        let layout = self.inner.producer.store().layout();
+        let cap = layout.block_bytes() * layout.blocks as usize;
+        if data.len() > cap {
+            return Err(EngineError::Peer(PeerError::InvalidArgument(format!(
+                "chunk of {} bytes exceeds the store ({cap} bytes)",
+                data.len()
+            ))));
+        }
+        Ok(self.inner.producer.put_local(key, data)?)
+    }
+
+    /// Releases a chunk stored with `put`... by replacing nothing: the store evicts
+    /// least recently used chunks itself. Publications are released with `unpublish`.
+    fn closed_failure(&self) -> Option<GetFailure> {
+        self.check_open().err().map(|_| GetFailure {
+            error: PeerError::ShuttingDown,
+            fence: crate::copy::DrainFence::ready(),
+            dirty: false,
+        })
+    }
+
+    /// Eager get: `peer` sends `keys` at once; they land in `dst`.
+    pub async fn get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+        if let Some(f) = self.closed_failure() {
+            return Err(f);
+        }
+        self.inner.consumer.get(&self.resolve_peer(peer), keys, dst, deadline).await
+    }
+
+    /// Starts an eager get whose drain fence is known before it completes.
+    pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        self.inner.consumer.start_get(&self.resolve_peer(peer), keys, dst, deadline)
+    }
+
+    /// The synchronous get: returns within `timeout` (plus scheduling slack). Must be
+    /// called outside the engine's runtime (it blocks the thread).
+    pub fn get_blocking(&self, peer: &str, keys: &[ChunkKey], dst: Destination, timeout: Duration) -> Result<Landed, GetFailure> {
+        if let Some(f) = self.closed_failure() {
+            return Err(f);
+        }
+        self.inner.consumer.get_blocking(&self.resolve_peer(peer), keys, dst, timeout)
+    }
+
+    /// Delayed pull, step one: `peer` stages `keys` (copies or pins them) and answers
+    /// with a handle to resolve before its lease expires.
+    pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
+        self.check_open().map_err(|_| PeerError::ShuttingDown)?;
+        self.inner.consumer.stage(&self.resolve_peer(peer), keys, deadline).await
+    }
+
+    /// Delayed pull, step two: moves the staged bytes into `dst`.
+    pub async fn resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+        if let Some(f) = self.closed_failure() {
+            return Err(f);
+        }
+        self.inner.consumer.resolve(handle, dst, deadline).await
+    }
+
+    /// Releases a staged lease without pulling it.
+    pub async fn release_staged(&self, handle: &StagedHandle, deadline: Instant) -> Result<(), PeerError> {
+        self.inner.consumer.release(handle, deadline).await
+    }
+
+    /// Pushes `data` to `peer`'s store under `key`.
+    pub async fn push(&self, peer: &str, key: ChunkKey, data: &[u8], deadline: Instant) -> Result<(), PeerError> {
+        self.check_open().map_err(|_| PeerError::ShuttingDown)?;
+        self.inner.consumer.put(&self.resolve_peer(peer), key, data, deadline).await
+    }
+
+    /// How many leading `keys` `peer` holds.
+    pub async fn lookup(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<usize, PeerError> {
+        self.check_open().map_err(|_| PeerError::ShuttingDown)?;
+        self.inner.consumer.lookup(&self.resolve_peer(peer), keys, deadline).await
+    }
+
+    /// Closes the engine: refuses new work, stops serving, releases every staged lease
+    /// and publication, waits until transfers drained and staging pages came back or
+    /// `deadline` passes, and reports what was still out. Idempotent.
+    pub async fn close(&self, deadline: Instant) -> EngineCloseReport {
+        self.inner.closed.store(true, Ordering::Release);
+        let server = self.inner.server.lock().take();
+        if let Some(s) = server {
+            *self.inner.last_server_stats.lock() = s.stats();
+            let _ = tokio::time::timeout_at(deadline, s.shutdown()).await;
+        }
+        self.inner.producer.release_all();
+        while self.inner.consumer.stats().draining > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let arena = self.inner.arena.close(deadline).await;
+        EngineCloseReport {
+            outstanding_pages: arena.outstanding_pages,
+            quarantined_pages: arena.quarantined_pages,
+            draining_transfers: self.inner.consumer.stats().draining,
+        }
+    }
+}

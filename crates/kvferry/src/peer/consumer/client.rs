@@ -1,0 +1,495 @@
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::super::PeerError;
+use super::transfer::TaskError;
+use super::types::{ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
+use crate::copy::{CopyEngine, DrainFence, DrainSignal};
+use crate::mem::Arena;
+use crate::metrics::{Histogram, HistogramSnapshot};
+use crate::net::{NetError, Pool};
+use crate::wire::{ChunkKey, Message};
+
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) completed: AtomicU64,
+    pub(super) failed: AtomicU64,
+    pub(super) cancelled: AtomicU64,
+    pub(super) checksum_failures: AtomicU64,
+    pub(super) bytes: AtomicU64,
+    pub(super) draining: AtomicU64,
+    pub(super) timeouts: AtomicU64,
+    pub(super) bytes_received: AtomicU64,
+    pub(super) chunks_received: AtomicU64,
+    pub(super) chunks_landed: AtomicU64,
+}
+
+/// Outcome labels of the latency histograms, indexing `Inner::latency`.
+pub(super) const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
+
+pub(super) struct Inner {
+    pub(super) arena: Arena,
+    pub(super) engine: CopyEngine,
+    pub(super) cfg: ConsumerConfig,
+    pub(super) pools: Mutex<HashMap<String, Pool>>,
+    pub(super) runtime: tokio::runtime::Handle,
+    pub(super) counters: Counters,
+    /// Transfer latency by outcome (as `OUTCOMES`).
+    pub(super) latency: [Histogram; 3],
+    /// Ids of transfers, for tracing.
+    pub(super) next_transfer: AtomicU64,
+}
+
+/// A consumer. Cheap to clone.
+#[derive(Clone)]
+pub struct Consumer {
+    pub(super) inner: Arc<Inner>,
+}
+
+pub(super) enum Request {
+    Get { keys: Vec<ChunkKey> },
+    Pull { handle: StagedHandle },
+}
+
+impl Consumer {
+    /// A consumer receiving into `arena` and landing with `engine`. Must be called
+    /// inside a tokio runtime (transfers run as tasks on it).
+    pub fn new(arena: Arena, engine: CopyEngine, cfg: ConsumerConfig) -> Result<Consumer, PeerError> {
+        cfg.net.validate()?;
+        for (name, d) in [("lease ttl", cfg.lease_ttl), ("done timeout", cfg.done_timeout)] {
+            if d.is_zero() {
+                return Err(PeerError::InvalidArgument(format!("{name} must be greater than zero")));
+            }
+        }
+        if cfg.lease_guard >= cfg.lease_ttl {
+            return Err(PeerError::InvalidArgument(
+                "lease guard must be shorter than the lease ttl".into(),
+            ));
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| PeerError::InvalidArgument("Consumer::new must be called inside a tokio runtime".into()))?;
+        Ok(Consumer {
+            inner: Arc::new(Inner {
+                arena,
+                engine,
+                cfg,
+                pools: Mutex::new(HashMap::new()),
+                runtime,
+                counters: Counters::default(),
+                latency: Default::default(),
+                next_transfer: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The receiver staging arena.
+    pub fn arena(&self) -> &Arena {
+        &self.inner.arena
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ConsumerStats {
+        let c = &self.inner.counters;
+        ConsumerStats {
+            completed: c.completed.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            cancelled: c.cancelled.load(Ordering::Relaxed),
+            checksum_failures: c.checksum_failures.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            draining: c.draining.load(Ordering::Relaxed),
+            timeouts: c.timeouts.load(Ordering::Relaxed),
+            bytes_received: c.bytes_received.load(Ordering::Relaxed),
+            chunks_received: c.chunks_received.load(Ordering::Relaxed),
+            chunks_landed: c.chunks_landed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The copy engine landing runs on.
+    pub fn engine(&self) -> &CopyEngine {
+        &self.inner.engine
+    }
+
+    /// Latency of transfers (start of the transfer task to landed or failed, before
+    /// `Done`), by outcome: `completed`, `failed`, `cancelled`.
+    pub fn transfer_latency(&self) -> Vec<(&'static str, HistogramSnapshot)> {
+        OUTCOMES
+            .iter()
+            .zip(&self.inner.latency)
+            .map(|(o, h)| (*o, h.snapshot()))
+            .collect()
+    }
+
+    /// A tracing span for one transfer (fields `outcome` and `bytes` are recorded at
+    /// its end).
+    pub(super) fn transfer_span(&self, peer: &str, req: &Request) -> tracing::Span {
+        let id = self.inner.next_transfer.fetch_add(1, Ordering::Relaxed);
+        let (kind, chunks) = match req {
+            Request::Get { keys } => ("get", keys.len()),
+            Request::Pull { handle } => ("pull", handle.chunks.len()),
+        };
+        tracing::info_span!(target: "kvferry::peer", "transfer", request = id, peer = %peer, kind, chunks,
+            outcome = tracing::field::Empty, bytes = tracing::field::Empty)
+    }
+
+    /// The connection pool for `peer`.
+    pub fn pool(&self, peer: &str) -> Result<Pool, PeerError> {
+        let mut pools = self.inner.pools.lock();
+        if let Some(p) = pools.get(peer) {
+            return Ok(p.clone());
+        }
+        let p = Pool::new(peer, self.inner.cfg.net.clone())?;
+        pools.insert(peer.to_string(), p.clone());
+        Ok(p)
+    }
+
+    /// Keys a peer accepts in one request (the transport's limit).
+    fn max_keys(&self) -> usize {
+        self.inner.cfg.net.limits.max_keys
+    }
+
+    /// How many leading `keys` the peer holds.
+    pub async fn lookup(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<usize, PeerError> {
+        check_keys(keys, self.max_keys())?;
+        let msg = Message::Lookup { keys: keys.to_vec() };
+        match self.simple_request(peer, &msg, deadline).await? {
+            Message::LookupReply { hits } => Ok(hits as usize),
+            other => Err(PeerError::Net(NetError::Protocol(format!(
+                "expected LookupReply, got {other:?}"
+            )))),
+        }
+    }
+
+    /// Pushes `data` to `peer` under `key` (the peer allocates staging pages, receives,
+    /// lands into its store).
+    pub async fn put(&self, peer: &str, key: ChunkKey, data: &[u8], deadline: Instant) -> Result<(), PeerError> {
+        let pool = self.pool(peer)?;
+        let fut = async {
+            let mut conn = pool.checkout(deadline).await?;
+            let id = conn.next_request_id();
+            conn.send(
+                id,
+                &Message::Put {
+                    key,
+                    len: data.len() as u64,
+                },
+            )
+            .await?;
+            conn.send_bulk(id, &[data]).await?;
+            let reply = conn.recv_reply(id).await?;
+            conn.finish();
+            match reply {
+                Message::PutAck { .. } => Ok(()),
+                other => Err(PeerError::Net(NetError::Protocol(format!(
+                    "expected PutAck, got {other:?}"
+                )))),
+            }
+        };
+        let started = Instant::now();
+        match tokio::time::timeout_at(deadline, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(PeerError::Timeout {
+                op: "put",
+                waited: started.elapsed(),
+            }),
+        }
+    }
+
+    pub(super) async fn simple_request(&self, peer: &str, msg: &Message, deadline: Instant) -> Result<Message, PeerError> {
+        let pool = self.pool(peer)?;
+        let start = Instant::now();
+        let fut = async {
+            for attempt in 0..2 {
+                let mut conn = pool.checkout(deadline).await?;
+                match conn.request(msg).await {
+                    Ok(reply) => {
+                        conn.finish();
+                        return Ok(reply);
+                    }
+                    // A reused idle connection may have died with an old incarnation.
+                    Err(NetError::Lost { .. }) if conn.reused() && attempt == 0 => continue,
+                    Err(e) => return Err(PeerError::from(e)),
+                }
+            }
+            unreachable!("the second attempt returns")
+        };
+        match tokio::time::timeout_at(deadline, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(PeerError::Timeout {
+                op: "request",
+                waited: start.elapsed(),
+            }),
+        }
+    }
+
+    /// Delayed pull, step one: asks `peer` to stage `keys` and returns a handle.
+    pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
+        check_keys(keys, self.max_keys())?;
+        let sent = Instant::now();
+        let msg = Message::Stage {
+            keys: keys.to_vec(),
+            ttl_ms: self.inner.cfg.lease_ttl.as_millis() as u32,
+        };
+        match self.simple_request(peer, &msg, deadline).await? {
+            Message::Staged {
+                lease_id,
+                incarnation,
+                chunks,
+                ttl_ms,
+            } => Ok(StagedHandle {
+                peer: peer.to_string(),
+                lease_id,
+                incarnation,
+                chunks,
+                expires: sent + Duration::from_millis(ttl_ms as u64),
+            }),
+            other => Err(PeerError::Net(NetError::Protocol(format!(
+                "expected Staged, got {other:?}"
+            )))),
+        }
+    }
+
+    /// Delayed pull, step two: moves the staged bytes into `dst`. Refused with
+    /// `LeaseExpired` when less than the guard margin is left on the lease, and with
+    /// `StaleIncarnation` when the producer has restarted since.
+    pub async fn resolve(
+        &self,
+        handle: StagedHandle,
+        dst: Destination,
+        deadline: Instant,
+    ) -> Result<Landed, GetFailure> {
+        let now = Instant::now();
+        let remaining = handle.expires.saturating_duration_since(now);
+        if remaining < self.inner.cfg.lease_guard {
+            let error = PeerError::LeaseExpired {
+                lease_id: handle.lease_id,
+                remaining,
+            };
+            return Err(GetFailure::clean(error, DrainFence::ready()));
+        }
+        let current = self.pool(&handle.peer).map(|p| p.incarnation()).unwrap_or(0);
+        if current != 0 && current != handle.incarnation {
+            let error = PeerError::StaleIncarnation {
+                handle: handle.incarnation,
+                current,
+            };
+            return Err(GetFailure::clean(error, DrainFence::ready()));
+        }
+        if handle.chunks.is_empty() {
+            return Ok(Landed { chunks: 0, bytes: 0 });
+        }
+        // The destination is checked as for `get`: the staged chunks land in its
+        // leading chunks (fewer destination chunks pull a prefix).
+        if let Err(error) = dst.check(handle.chunks.len().min(dst.chunks.len()).max(1)) {
+            return Err(GetFailure::clean(error, DrainFence::ready()));
+        }
+        let peer = handle.peer.clone();
+        self.run(&peer, Request::Pull { handle }, dst, deadline.min(now + remaining))
+            .await
+    }
+
+    /// Releases a staged lease without pulling it.
+    pub async fn release(&self, handle: &StagedHandle, deadline: Instant) -> Result<(), PeerError> {
+        self.simple_request(
+            &handle.peer,
+            &Message::Done {
+                lease_id: handle.lease_id,
+            },
+            deadline,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Eager get: the peer stages `keys` and sends them at once; they land in `dst`.
+    pub async fn get(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        dst: Destination,
+        deadline: Instant,
+    ) -> Result<Landed, GetFailure> {
+        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| dst.check(keys.len())) {
+            return Err(GetFailure::clean(error, DrainFence::ready()));
+        }
+        self.run(peer, Request::Get { keys: keys.to_vec() }, dst, deadline)
+            .await
+    }
+
+    /// The synchronous get: returns within `timeout` (plus scheduling slack) with the
+    /// result or `Timeout`. On timeout the transfer is cancelled and drained in the
+    /// background; the returned failure's fence fires when the destination is quiet.
+    /// Must not be called from inside an async task (it blocks the thread).
+    pub fn get_blocking(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        dst: Destination,
+        timeout: Duration,
+    ) -> Result<Landed, GetFailure> {
+        let fail = |error| {
+            Err(GetFailure::clean(error, DrainFence::ready()))
+        };
+        if timeout.is_zero() {
+            return fail(PeerError::InvalidArgument("timeout must be greater than zero".into()));
+        }
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return fail(PeerError::InvalidArgument(
+                "get_blocking called from inside an async runtime; use get() there".into(),
+            ));
+        }
+        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| dst.check(keys.len())) {
+            return fail(error);
+        }
+        let started = std::time::Instant::now();
+        let deadline = Instant::now() + timeout;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let (signal, fence) = DrainFence::pair();
+        let cancel = CancellationToken::new();
+        let this = self.clone();
+        let (peer, req, c2) = (peer.to_string(), Request::Get { keys: keys.to_vec() }, cancel.clone());
+        let span = self.transfer_span(&peer, &req);
+        self.inner.runtime.spawn(
+            async move {
+                let r = this.transfer(&peer, req, dst, deadline, c2, signal).await;
+                let _ = tx.send(r);
+            }
+            .instrument(span),
+        );
+        match rx.recv_timeout(timeout) {
+            Ok(r) => {
+                if matches!(r, Err(TaskError { error: PeerError::Timeout { .. }, .. })) {
+                    self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                }
+                r.map_err(|e| e.with_fence(fence))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                cancel.cancel();
+                self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(GetFailure {
+                    error: PeerError::Timeout {
+                        op: "get",
+                        waited: started.elapsed(),
+                    },
+                    fence,
+                    dirty: true,
+                })
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(GetFailure {
+                error: PeerError::Net(NetError::Protocol("transfer task ended without a result".into())),
+                fence,
+                dirty: true,
+            }),
+        }
+    }
+
+    /// Runs a transfer task and awaits it under `deadline`; cancels it (drain in the
+    /// background) when the deadline passes or this future is dropped.
+    async fn run(&self, peer: &str, req: Request, dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+        let (signal, fence) = DrainFence::pair();
+        self.run_fenced(peer, req, dst, deadline, signal, fence).await
+    }
+
+    /// Starts an eager get whose [`DrainFence`] is available *before* it completes:
+    /// a caller that may drop the transfer (cancel it) keeps the fence and waits on it
+    /// before reusing the destination blocks.
+    pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        let (signal, fence) = DrainFence::pair();
+        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| dst.check(keys.len())) {
+            drop(signal);
+            let f = fence.clone();
+            return Transfer {
+                fence,
+                fut: Box::pin(async move { Err(GetFailure::clean(error, f)) }),
+            };
+        }
+        let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
+        // Dropped before its first poll, the future drops `signal` and the fence fires.
+        let fut = async move {
+            this.run_fenced(&peer, Request::Get { keys }, dst, deadline, signal, f)
+                .await
+        };
+        Transfer {
+            fence,
+            fut: Box::pin(fut),
+        }
+    }
+
+    async fn run_fenced(
+        &self,
+        peer: &str,
+        req: Request,
+        dst: Destination,
+        deadline: Instant,
+        signal: DrainSignal,
+        fence: DrainFence,
+    ) -> Result<Landed, GetFailure> {
+        let started = Instant::now();
+        let cancel = CancellationToken::new();
+        // If this future is dropped, the guard cancels the transfer.
+        let guard = cancel.clone().drop_guard();
+        let this = self.clone();
+        let span = self.transfer_span(peer, &req);
+        let (peer, c2) = (peer.to_string(), cancel.clone());
+        let task = self
+            .inner
+            .runtime
+            .spawn(async move { this.transfer(&peer, req, dst, deadline, c2, signal).await }.instrument(span));
+        let out = tokio::time::timeout_at(deadline, task).await;
+        let timed_out = matches!(
+            out,
+            Err(_)
+                | Ok(Ok(Err(TaskError {
+                    error: PeerError::Timeout { .. },
+                    ..
+                })))
+        );
+        if timed_out {
+            self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+        match out {
+            Ok(Ok(r)) => {
+                guard.disarm();
+                r.map_err(|e| e.with_fence(fence))
+            }
+            Ok(Err(join)) => Err(GetFailure {
+                error: PeerError::Net(NetError::Protocol(format!("transfer task failed: {join}"))),
+                fence,
+                dirty: true,
+            }),
+            Err(_) => {
+                drop(guard); // cancels
+                Err(GetFailure {
+                    error: PeerError::Timeout {
+                        op: "get",
+                        waited: started.elapsed(),
+                    },
+                    fence,
+                    dirty: true,
+                })
+            }
+        }
+    }
+}
+
+/// A request's keys: at least one, and no more than a peer accepts in one request
+/// (`max_keys`, the transport's limit, which peers share by default): refused here with
+/// a clear error rather than by the peer closing the connection.
+fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerError> {
+    if keys.is_empty() {
+        return Err(PeerError::InvalidArgument("empty key list".into()));
+    }
+    if keys.len() > max_keys {
+        return Err(PeerError::InvalidArgument(format!(
+            "{} keys in one request; at most {max_keys} (split the request or raise the limit)",
+            keys.len()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,354 @@
+//! The transfer task: one per get or pull, owning everything it touches (the
+//! connection, the receiver staging lease or the destination blocks, the landing copy)
+//! until it has stopped.
+//!
+//! # Cancellation
+//!
+//! The task is cancelled through its [`CancellationToken`] (never by dropping it):
+//! a receive in progress is dropped (the connection closes, nothing writes any more), a
+//! landing copy is cancelled and awaited until its started slices stopped; only then
+//! does the task drop its [`DrainSignal`], firing the caller's fence.
+
+use std::sync::atomic::Ordering;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::super::PeerError;
+use super::client::{Consumer, Request, OUTCOMES};
+use super::types::{Destination, GetFailure, Landed, TransferPath};
+use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
+use crate::mem::{HostMemory, Lease};
+use crate::net::{NetError, Pool, PooledConnection};
+use crate::wire::{ChunkMeta, Message};
+
+/// A failed transfer as the task reports it (the caller adds the fence).
+#[derive(Debug)]
+pub(crate) struct TaskError {
+    /// What went wrong.
+    pub error: PeerError,
+    /// Whether destination bytes may have been written.
+    pub dirty: bool,
+}
+
+impl TaskError {
+    pub(super) fn with_fence(self, fence: DrainFence) -> GetFailure {
+        GetFailure {
+            error: self.error,
+            fence,
+            dirty: self.dirty,
+        }
+    }
+}
+
+/// Where a chunk's received bytes go.
+enum Sink {
+    /// Receiver staging pages, chunk `i` at `offsets[i]`.
+    Staging { lease: Lease, offsets: Vec<usize> },
+    /// Straight into the destination blocks.
+    Direct,
+}
+
+/// Everything one transfer needs, owned by its task.
+struct TransferCtx<'a> {
+    consumer: &'a Consumer,
+    pool: Pool,
+    dst: Destination,
+    deadline: Instant,
+    cancel: CancellationToken,
+    /// The producer lease to release with `Done` if the transfer did not already.
+    lease_to_release: Option<u64>,
+    /// Set once bytes may have been written into the destination blocks.
+    dirty: bool,
+    started: Instant,
+}
+
+impl Consumer {
+    /// The transfer task body. `signal` drops (firing the caller's fence) only after
+    /// everything that touched the destination or staging pages has stopped.
+    pub(super) async fn transfer(
+        &self,
+        peer: &str,
+        req: Request,
+        dst: Destination,
+        deadline: Instant,
+        cancel: CancellationToken,
+        signal: DrainSignal,
+    ) -> Result<Landed, TaskError> {
+        let inner = &self.inner;
+        let counters = &inner.counters;
+        let started = Instant::now();
+        counters.draining.fetch_add(1, Ordering::Relaxed);
+        let pool = match self.pool(peer) {
+            Ok(p) => p,
+            Err(error) => {
+                counters.draining.fetch_sub(1, Ordering::Relaxed);
+                return Err(TaskError { error, dirty: false });
+            }
+        };
+        let mut ctx = TransferCtx {
+            consumer: self,
+            pool,
+            dst,
+            deadline,
+            cancel,
+            lease_to_release: None,
+            dirty: false,
+            started,
+        };
+        let result = ctx.run(req).await;
+        let outcome = match &result {
+            Ok(l) => {
+                counters.completed.fetch_add(1, Ordering::Relaxed);
+                counters.bytes.fetch_add(l.bytes as u64, Ordering::Relaxed);
+                counters.chunks_landed.fetch_add(l.chunks as u64, Ordering::Relaxed);
+                0
+            }
+            Err(PeerError::Cancelled) => {
+                counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                2
+            }
+            Err(e) => {
+                if matches!(e, PeerError::ChecksumMismatch { .. }) {
+                    counters.checksum_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+                1
+            }
+        };
+        let elapsed = started.elapsed();
+        inner.latency[outcome].observe(elapsed);
+        let span = tracing::Span::current();
+        span.record("outcome", OUTCOMES[outcome]);
+        match &result {
+            Ok(l) => {
+                span.record("bytes", l.bytes);
+                tracing::debug!(target: "kvferry::peer", outcome = OUTCOMES[outcome], bytes = l.bytes,
+                    landed = l.chunks, ?elapsed, path = %ctx.dst.path, "transfer ended");
+            }
+            Err(PeerError::Cancelled) => {
+                tracing::debug!(target: "kvferry::peer", outcome = OUTCOMES[outcome], ?elapsed, "transfer ended")
+            }
+            Err(e) => {
+                tracing::info!(target: "kvferry::peer", outcome = OUTCOMES[outcome], error = %e, ?elapsed,
+                    dirty = ctx.dirty, "transfer ended")
+            }
+        }
+        let (dirty, lease_to_release) = (ctx.dirty, ctx.lease_to_release.take());
+        // Everything that touched the destination or the staging pages has finished:
+        // the connection, the staging lease and the landing job are gone with `ctx`.
+        drop(ctx);
+        drop(signal);
+        counters.draining.fetch_sub(1, Ordering::Relaxed);
+        // Tell the producer to release its pages (best effort, bounded).
+        if let Some(lease_id) = lease_to_release {
+            let done_deadline = Instant::now() + inner.cfg.done_timeout;
+            let _ = self
+                .simple_request(peer, &Message::Done { lease_id }, done_deadline)
+                .await;
+        }
+        result.map_err(|error| TaskError { error, dirty })
+    }
+}
+
+impl TransferCtx<'_> {
+    fn timeout(&self, op: &'static str) -> PeerError {
+        PeerError::Timeout {
+            op,
+            waited: self.started.elapsed(),
+        }
+    }
+
+    async fn run(&mut self, req: Request) -> Result<Landed, PeerError> {
+        let inner = &self.consumer.inner;
+        let nchunks = match &req {
+            Request::Get { keys } => keys.len(),
+            Request::Pull { handle } => handle.chunks.len().min(self.dst.chunks.len()),
+        };
+        let caps: Vec<usize> = (0..nchunks).map(|i| self.dst.capacity(i)).collect();
+        // 1. Staged path: receiver staging for every chunk first, or the request is a miss.
+        let mut sink = match self.dst.path {
+            TransferPath::Direct => Sink::Direct,
+            TransferPath::Staged => {
+                let offsets: Vec<usize> = caps
+                    .iter()
+                    .scan(0, |at, c| Some(std::mem::replace(at, *at + c)))
+                    .collect();
+                let pages = inner.arena.pages_for(caps.iter().sum());
+                let lease = inner.arena.try_alloc(pages).map_err(|_| PeerError::StagingExhausted {
+                    needed: pages,
+                    free: inner.arena.stats().free_pages,
+                })?;
+                Sink::Staging { lease, offsets }
+            }
+        };
+
+        // 2. Receive (cancel or deadline drops the connection: nothing writes after).
+        let cancel = self.cancel.clone();
+        let deadline = self.deadline;
+        let chunks = tokio::select! {
+            r = self.receive(req, &mut sink, &caps) => r?,
+            _ = cancel.cancelled() => return Err(PeerError::Cancelled),
+            _ = tokio::time::sleep_until(deadline) => return Err(self.timeout("receive")),
+        };
+        let bytes: usize = chunks.iter().map(|m| m.len as usize).sum();
+        let landed = Landed {
+            chunks: chunks.len(),
+            bytes,
+        };
+        let Sink::Staging { lease, offsets } = sink else {
+            return Ok(landed); // direct: the bytes are already in place, verified
+        };
+        if chunks.is_empty() {
+            return Ok(landed);
+        }
+
+        // 3. Land: scatter each chunk into its destination blocks.
+        let memory: std::sync::Arc<dyn HostMemory> = self.dst.cache.memory().clone();
+        let mut plan = CopyPlan::new(lease, Endpoint::Memory(memory));
+        for (i, meta) in chunks.iter().enumerate() {
+            let ranges = self.dst.cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
+            let mut at = offsets[i];
+            for (off, n) in ranges {
+                plan.push(at, off, n);
+                at += n;
+            }
+        }
+        self.dirty = true;
+        let mut job = inner.engine.copy(plan);
+        tokio::select! {
+            r = &mut job => {
+                // The plan (and the staging lease) drops here, after the copy completed.
+                r.map_err(|f| PeerError::Copy(f.error))?;
+            }
+            _ = cancel.cancelled() => {
+                // The caller gave up during the landing copy: cancel it and wait until
+                // every started slice has stopped before releasing anything.
+                let _ = job.cancel().await;
+                return Err(PeerError::Cancelled);
+            }
+        }
+        Ok(landed)
+    }
+
+    /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
+    /// metadata (a prefix of what was asked; empty on a miss).
+    async fn receive(&mut self, req: Request, sink: &mut Sink, caps: &[usize]) -> Result<Vec<ChunkMeta>, PeerError> {
+        let mut conn: PooledConnection = self.pool.checkout(self.deadline).await?;
+        let id = conn.next_request_id();
+        let chunks = match req {
+            Request::Get { keys } => {
+                let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
+                conn.send(
+                    id,
+                    &Message::Get {
+                        keys: keys.clone(),
+                        ttl_ms,
+                    },
+                )
+                .await?;
+                match conn.recv_reply(id).await? {
+                    Message::Staged { lease_id, chunks, .. } => {
+                        if lease_id != 0 {
+                            self.lease_to_release = Some(lease_id);
+                        }
+                        if chunks.len() > keys.len() || chunks.iter().zip(&keys).any(|(c, k)| c.key != *k) {
+                            return Err(PeerError::Net(NetError::Protocol(
+                                "staged chunks do not match the keys".into(),
+                            )));
+                        }
+                        chunks
+                    }
+                    other => return Err(unexpected("Staged", &other)),
+                }
+            }
+            Request::Pull { handle } => {
+                self.lease_to_release = Some(handle.lease_id);
+                conn.send(
+                    id,
+                    &Message::Pull {
+                        lease_id: handle.lease_id,
+                        incarnation: handle.incarnation,
+                    },
+                )
+                .await?;
+                handle.chunks.into_iter().take(caps.len()).collect()
+            }
+        };
+        if chunks.is_empty() {
+            conn.finish();
+            return Ok(chunks);
+        }
+        for (i, meta) in chunks.iter().enumerate() {
+            if meta.len as usize > caps[i] {
+                return Err(PeerError::InvalidArgument(format!(
+                    "chunk {} is {} bytes but its destination blocks hold {}",
+                    meta.key, meta.len, caps[i]
+                )));
+            }
+            let len = meta.len as usize;
+            let received = match sink {
+                Sink::Staging { lease, offsets } => {
+                    let mut parts = lease.io_slices_mut(offsets[i], len)?;
+                    conn.recv_bulk(id, &mut parts).await
+                }
+                Sink::Direct => {
+                    let ranges = self.dst.cache.chunk_ranges(&self.dst.chunks[i], len)?;
+                    self.dirty = true;
+                    // SAFETY: the destination's blocks were checked distinct
+                    // (`Destination::check`), so the slices do not overlap; the task
+                    // owns `dst` (and through it the memory) until it has stopped, and
+                    // the engine leaves the blocks alone until the transfer reports
+                    // them quiet (the fence).
+                    let mut parts = unsafe { self.dst.cache.io_slices_mut(&ranges)? };
+                    conn.recv_bulk(id, &mut parts).await
+                }
+            };
+            let actual = match received {
+                Ok(crc) => crc,
+                // The frame's checksum is the one computed at staging: a mismatch
+                // means the bytes changed between staging and here.
+                Err(NetError::Wire(crate::wire::WireError::ChecksumMismatch { actual, .. })) => actual,
+                Err(e) => return Err(e.into()),
+            };
+            let counters = &self.consumer.inner.counters;
+            counters.bytes_received.fetch_add(meta.len, Ordering::Relaxed);
+            counters.chunks_received.fetch_add(1, Ordering::Relaxed);
+            if actual != meta.checksum {
+                return Err(PeerError::ChecksumMismatch {
+                    key: meta.key,
+                    expected: meta.checksum,
+                    actual,
+                });
+            }
+        }
+        match conn.recv_reply(id).await? {
+            Message::PullDone { .. } => {}
+            other => return Err(unexpected("PullDone", &other)),
+        }
+        // Every byte is here: the producer's copy is no longer needed. Release it on
+        // the same connection (no second checkout on the hot path).
+        if let Some(lease_id) = self.lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(unexpected("DoneAck", &other)),
+                // Not fatal for this transfer: the bytes are here; the producer's TTL
+                // releases its pages.
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer TTL will release: {e}");
+                    return Ok(chunks);
+                }
+            }
+        }
+        conn.finish();
+        Ok(chunks)
+    }
+}
+
+/// A reply of the wrong kind, named without dumping its (possibly huge) contents.
+pub(super) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
+    PeerError::Net(NetError::Unexpected {
+        expected,
+        got: got.name(),
+    })
+}

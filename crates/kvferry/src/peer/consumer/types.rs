@@ -1,0 +1,256 @@
+//! The consumer's public types: settings, destinations, results, failures, handles and
+//! counters.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::super::PeerError;
+use crate::copy::DrainFence;
+use crate::layout::{KvCache, KvLayout};
+use crate::mem::Region;
+use crate::net::NetConfig;
+use crate::wire::ChunkMeta;
+
+/// Consumer settings.
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// Transport settings (peer id, secret, timeouts, connections per peer).
+    pub net: NetConfig,
+    /// TTL asked for staged leases.
+    pub lease_ttl: Duration,
+    /// Resolving a delayed-pull handle is refused when less than this is left.
+    pub lease_guard: Duration,
+    /// Bound on sending `Done` after a transfer.
+    pub done_timeout: Duration,
+}
+
+impl ConsumerConfig {
+    /// Defaults around a transport config.
+    pub fn new(net: NetConfig) -> ConsumerConfig {
+        ConsumerConfig {
+            net,
+            lease_ttl: Duration::from_secs(10),
+            lease_guard: Duration::from_millis(100),
+            done_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+/// How received bytes reach the destination blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferPath {
+    /// Zero-copy: the socket reads straight into the destination blocks (vectored
+    /// reads), each chunk's crc32c verified as it arrives. A failed transfer leaves the
+    /// blocks dirty (reported in [`GetFailure::dirty`]).
+    #[default]
+    Direct,
+    /// Through receiver staging pages: the bytes land (one copy) only after every
+    /// chunk arrived and verified, so a failed receive never touches the destination.
+    Staged,
+}
+
+impl std::fmt::Display for TransferPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransferPath::Direct => "direct",
+            TransferPath::Staged => "staged",
+        })
+    }
+}
+
+impl std::str::FromStr for TransferPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "direct" => Ok(TransferPath::Direct),
+            "staged" => Ok(TransferPath::Staged),
+            _ => Err(format!("unknown transfer path {s:?} (expected direct or staged)")),
+        }
+    }
+}
+
+/// Where landed chunks go: a KV cache, the block ids of each chunk, and the path.
+#[derive(Clone, Debug)]
+pub struct Destination {
+    /// The consumer's KV cache.
+    pub cache: Arc<KvCache>,
+    /// For each requested chunk, in key order, the blocks it lands in.
+    pub chunks: Vec<Vec<u32>>,
+    /// How the bytes get there.
+    pub path: TransferPath,
+}
+
+impl Destination {
+    /// Chunks into `cache`'s blocks, on the direct path.
+    pub fn new(cache: Arc<KvCache>, chunks: Vec<Vec<u32>>) -> Destination {
+        Destination {
+            cache,
+            chunks,
+            path: TransferPath::Direct,
+        }
+    }
+
+    /// Chunks into a region laid out by `layout`, through staging (the path that never
+    /// leaves a destination dirty).
+    pub fn from_layout(region: Arc<Region>, layout: &KvLayout, chunks: Vec<Vec<u32>>) -> Result<Destination, PeerError> {
+        let cache = KvCache::with_layout(region, layout)?;
+        Ok(Destination {
+            cache: Arc::new(cache),
+            chunks,
+            path: TransferPath::Staged,
+        })
+    }
+
+    /// The same destination on another path.
+    pub fn with_path(mut self, path: TransferPath) -> Destination {
+        self.path = path;
+        self
+    }
+
+    pub(super) fn capacity(&self, i: usize) -> usize {
+        self.cache.map().chunk_bytes(self.chunks[i].len())
+    }
+
+    /// Checks the destination against `nkeys` requested chunks: enough chunks, valid
+    /// block lists, and no block listed twice across the whole transfer.
+    pub(super) fn check(&self, nkeys: usize) -> Result<(), PeerError> {
+        if self.chunks.len() < nkeys {
+            return Err(PeerError::InvalidArgument(format!(
+                "{nkeys} keys but destination blocks for only {} chunks",
+                self.chunks.len()
+            )));
+        }
+        let all: Vec<u32> = self.chunks.iter().take(nkeys).flatten().copied().collect();
+        if self.chunks.iter().take(nkeys).any(|c| c.is_empty()) {
+            return Err(PeerError::InvalidArgument("a destination chunk has no blocks".into()));
+        }
+        self.cache
+            .map()
+            .check_blocks(&all)
+            .map_err(|e| PeerError::InvalidArgument(format!("destination blocks: {e}")))
+    }
+}
+
+/// What a successful transfer landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Landed {
+    /// Leading chunks landed (fewer than requested on a partial hit; 0 on a miss).
+    pub chunks: usize,
+    /// Bytes landed.
+    pub bytes: usize,
+}
+
+/// A failed transfer. The destination blocks are quiet only once `fence` fires (the
+/// background drain finished); `dirty` says whether they may have been written.
+#[derive(Debug)]
+pub struct GetFailure {
+    /// What went wrong.
+    pub error: PeerError,
+    /// Fires once the transfer's work has drained and its staging pages are back.
+    pub fence: DrainFence,
+    /// True when bytes may have been written into the destination blocks (a direct
+    /// receive or a landing copy had started): their content is undefined, never a
+    /// landed chunk.
+    pub dirty: bool,
+}
+
+impl GetFailure {
+    pub(super) fn clean(error: PeerError, fence: DrainFence) -> GetFailure {
+        GetFailure {
+            error,
+            fence,
+            dirty: false,
+        }
+    }
+}
+
+impl std::fmt::Display for GetFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for GetFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+/// A transfer in flight from [`Consumer::start_get`](super::Consumer::start_get): a
+/// future of its result that also exposes its [`DrainFence`] up front.
+///
+/// # Cancellation
+///
+/// Dropping a `Transfer` cancels it; its work drains in the background and the fence
+/// (from [`fence`](Self::fence), taken before the drop) fires when the destination
+/// blocks are quiet and the staging pages are back.
+pub struct Transfer {
+    pub(super) fence: DrainFence,
+    pub(super) fut: std::pin::Pin<Box<dyn std::future::Future<Output = Result<Landed, GetFailure>> + Send>>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer").field("fence", &self.fence).finish()
+    }
+}
+
+impl Transfer {
+    /// The fence that fires when this transfer's work has drained.
+    pub fn fence(&self) -> DrainFence {
+        self.fence.clone()
+    }
+}
+
+impl std::future::Future for Transfer {
+    type Output = Result<Landed, GetFailure>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        self.fut.as_mut().poll(cx)
+    }
+}
+
+/// A staged lease on a producer, from [`Consumer::stage`](super::Consumer::stage), to
+/// resolve later.
+#[derive(Clone, Debug)]
+pub struct StagedHandle {
+    /// The producer's address.
+    pub peer: String,
+    /// The lease.
+    pub lease_id: u64,
+    /// The producer incarnation that granted it.
+    pub incarnation: u64,
+    /// The staged chunks (a prefix of the keys asked for).
+    pub chunks: Vec<ChunkMeta>,
+    /// When the lease expires, by this side's clock (conservative: measured from
+    /// when the request was sent).
+    pub expires: Instant,
+}
+
+/// Consumer counters.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ConsumerStats {
+    /// Transfers that landed.
+    pub completed: u64,
+    /// Transfers that failed.
+    pub failed: u64,
+    /// Transfers cancelled by their caller (deadline or drop).
+    pub cancelled: u64,
+    /// Chunks refused for a checksum mismatch.
+    pub checksum_failures: u64,
+    /// Bytes landed.
+    pub bytes: u64,
+    /// Transfers whose background drain is still running.
+    pub draining: u64,
+    /// Transfers answered with `Timeout` (get, resolve, get_blocking).
+    pub timeouts: u64,
+    /// Bytes received (into staging pages or straight into destination blocks).
+    pub bytes_received: u64,
+    /// Chunks received (checksum verified or not).
+    pub chunks_received: u64,
+    /// Chunks landed.
+    pub chunks_landed: u64,
+}

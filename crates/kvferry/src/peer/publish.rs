@@ -1,0 +1,136 @@
+//! Published block leases: the zero-copy ("pin") way a producer offers blocks of an
+//! engine's own [`KvCache`].
+//!
+//! [`Producer::publish`](super::Producer::publish) records a chunk key for some blocks
+//! of a registered cache. The engine promises not to write those blocks until kvferry
+//! reports them released (the "delay free blocks" contract inference engines already
+//! keep for their connectors); kvferry sends them to consumers with vectored writes
+//! straight from the cache, with the checksum computed at publication.
+//!
+//! A publication is held by the producer's table and by every transfer sending it (an
+//! `Arc`). It is **released** — reported once through the producer's release queue —
+//! when the last holder lets go after it left the table: by the consumer's `Done`
+//! (when published `once`), by TTL expiry, by an explicit release, or by being
+//! replaced. A send in progress therefore always finishes from live, unreleased
+//! blocks: the engine hears "released" only after the last socket write stopped.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::layout::KvCache;
+use crate::wire::ChunkKey;
+
+/// Why a publication was released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseReason {
+    /// A consumer's `Done` for a transfer that sent it (publications made `once`).
+    Done,
+    /// Its TTL passed without a `Done`.
+    Expired,
+    /// The engine released it explicitly.
+    Released,
+    /// Published again under the same key.
+    Replaced,
+    /// The producer shut down.
+    Shutdown,
+}
+
+/// A publication's blocks are free for the engine again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Released {
+    /// The key it was published under.
+    pub key: ChunkKey,
+    /// Why.
+    pub reason: ReleaseReason,
+}
+
+/// Where released publications are reported.
+#[derive(Default)]
+pub(crate) struct ReleaseQueue {
+    queue: Mutex<Vec<Released>>,
+    notify: tokio::sync::Notify,
+}
+
+impl ReleaseQueue {
+    fn push(&self, r: Released) {
+        self.queue.lock().push(r);
+        self.notify.notify_waiters();
+    }
+
+    /// Takes everything reported so far.
+    pub(crate) fn take(&self) -> Vec<Released> {
+        std::mem::take(&mut *self.queue.lock())
+    }
+
+    /// Waits until something is reported (or `deadline`).
+    pub(crate) async fn wait(&self, deadline: Instant) {
+        let notified = self.notify.notified();
+        if !self.queue.lock().is_empty() {
+            return;
+        }
+        let _ = tokio::time::timeout_at(deadline, notified).await;
+    }
+}
+
+/// One published chunk: blocks of a cache, pinned until released.
+pub(crate) struct Publication {
+    pub key: ChunkKey,
+    pub cache: Arc<KvCache>,
+    pub ranges: Vec<(usize, usize)>,
+    pub len: usize,
+    pub checksum: u32,
+    pub expires: Instant,
+    /// Leaves the table on the first `Done` of a transfer that sent it.
+    pub once: bool,
+    reason: Mutex<ReleaseReason>,
+    queue: Arc<ReleaseQueue>,
+}
+
+impl std::fmt::Debug for Publication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Publication({}, {} bytes)", self.key, self.len)
+    }
+}
+
+impl Publication {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        key: ChunkKey,
+        cache: Arc<KvCache>,
+        ranges: Vec<(usize, usize)>,
+        len: usize,
+        checksum: u32,
+        expires: Instant,
+        once: bool,
+        queue: Arc<ReleaseQueue>,
+    ) -> Publication {
+        Publication {
+            key,
+            cache,
+            ranges,
+            len,
+            checksum,
+            expires,
+            once,
+            reason: Mutex::new(ReleaseReason::Shutdown),
+            queue,
+        }
+    }
+
+    /// Records why it leaves the table (reported when the last holder drops it).
+    pub(crate) fn retire(&self, reason: ReleaseReason) {
+        *self.reason.lock() = reason;
+    }
+}
+
+impl Drop for Publication {
+    fn drop(&mut self) {
+        self.queue.push(Released {
+            key: self.key,
+            reason: *self.reason.lock(),
+        });
+    }
+}
