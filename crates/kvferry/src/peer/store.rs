@@ -6,6 +6,13 @@
 //! gather that reads them has drained. The pin is released by dropping a [`ChunkPins`],
 //! which the staging copy's plan owns (through [`PinnedRegion`]) — so it is released
 //! after the copy threads have left, on every path.
+//!
+//! Eviction skips pinned chunks; a chunk replaced while pinned is **retired**: it leaves
+//! the key table at once (lookups miss it, the key holds the new chunk) and waits in a
+//! separate retired table, keyed by its generation — a number unique to each insertion —
+//! until its last pin drops, which frees its blocks. Internal bookkeeping never shares a
+//! keyspace with client keys, so no key a client chooses can overwrite or reach a retired
+//! entry.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,11 +33,13 @@ struct Entry {
     gen: u64,
     /// Last use, for LRU.
     tick: u64,
-    evicted: bool,
 }
 
 struct State {
+    /// Live chunks, by client key.
     map: HashMap<ChunkKey, Entry>,
+    /// Chunks replaced while pinned, by generation, until their last pin drops.
+    retired: HashMap<u64, Entry>,
     free_blocks: Vec<u32>,
     /// Monotonic counter for generations and LRU ticks.
     tick: u64,
@@ -45,6 +54,8 @@ pub struct StoreStats {
     pub capacity: usize,
     /// Free blocks in the region.
     pub free_blocks: usize,
+    /// Chunks replaced while pinned, holding their blocks until unpinned.
+    pub retired: usize,
 }
 
 /// The chunk store. Cheap to clone.
@@ -72,9 +83,10 @@ pub struct ChunkLocation {
 }
 
 /// Pins on some chunks; dropping it unpins them (and frees blocks of chunks that were
-/// evicted or replaced while pinned).
+/// replaced while pinned).
 pub struct ChunkPins {
     store: ChunkStore,
+    /// Each pinned chunk's key and generation.
     keys: Vec<(ChunkKey, u64)>,
 }
 
@@ -87,33 +99,25 @@ impl std::fmt::Debug for ChunkPins {
 impl Drop for ChunkPins {
     fn drop(&mut self) {
         let mut st = self.store.inner.state.lock();
-        for (key, tick) in &self.keys {
-            // A replaced entry lives on under a tombstone key until unpinned.
-            let tomb = tombstone(key, *tick);
-            let mut free = None;
-            for k in [tomb, *key] {
-                if let Some(e) = st.map.get_mut(&k) {
-                    if e.gen == *tick {
-                        e.pins -= 1;
-                        if e.pins == 0 && e.evicted {
-                            free = st.map.remove(&k).map(|e| e.blocks);
-                        }
-                        break;
+        let st = &mut *st;
+        for (key, gen) in &self.keys {
+            // The pinned entry is live under its key, or retired under its generation.
+            if let Some(e) = st.map.get_mut(key).filter(|e| e.gen == *gen) {
+                debug_assert!(e.pins > 0, "unpinning an unpinned chunk");
+                e.pins = e.pins.saturating_sub(1);
+            } else if let Some(e) = st.retired.get_mut(gen) {
+                debug_assert!(e.pins > 0, "unpinning an unpinned retired chunk");
+                e.pins = e.pins.saturating_sub(1);
+                if e.pins == 0 {
+                    if let Some(e) = st.retired.remove(gen) {
+                        st.free_blocks.extend(e.blocks);
                     }
                 }
-            }
-            if let Some(blocks) = free {
-                st.free_blocks.extend(blocks);
+            } else {
+                debug_assert!(false, "pinned chunk (generation {gen}) is gone");
             }
         }
     }
-}
-
-fn tombstone(key: &ChunkKey, tick: u64) -> ChunkKey {
-    let mut k = key.0;
-    k[0] ^= 0xA5;
-    k[24..32].copy_from_slice(&tick.to_le_bytes());
-    ChunkKey(k)
 }
 
 /// The region as a copy source, holding pins until the copy drops its plan.
@@ -154,6 +158,7 @@ impl ChunkStore {
                 capacity,
                 state: Mutex::new(State {
                     map: HashMap::new(),
+                    retired: HashMap::new(),
                     free_blocks: (0..layout.blocks).rev().collect(),
                     tick: 0,
                 }),
@@ -175,9 +180,10 @@ impl ChunkStore {
     pub fn stats(&self) -> StoreStats {
         let st = self.inner.state.lock();
         StoreStats {
-            chunks: st.map.values().filter(|e| !e.evicted).count(),
+            chunks: st.map.len(),
             capacity: self.inner.capacity,
             free_blocks: st.free_blocks.len(),
+            retired: st.retired.len(),
         }
     }
 
@@ -189,18 +195,16 @@ impl ChunkStore {
         let mut st = self.inner.state.lock();
         st.tick += 1;
         let tick = st.tick;
-        self.remove_locked(&mut st, &key);
-        st.map.insert(
-            key,
-            Entry {
-                blocks,
-                len,
-                pins: 0,
-                gen: tick,
-                tick,
-                evicted: false,
-            },
-        );
+        let entry = Entry {
+            blocks,
+            len,
+            pins: 0,
+            gen: tick,
+            tick,
+        };
+        if let Some(old) = st.map.insert(key, entry) {
+            release_locked(&mut st, old);
+        }
         self.evict_locked(&mut st, 0);
         Ok(())
     }
@@ -226,33 +230,20 @@ impl ChunkStore {
         self.inner.state.lock().free_blocks.extend(blocks);
     }
 
-    fn remove_locked(&self, st: &mut State, key: &ChunkKey) {
-        if let Some(mut e) = st.map.remove(key) {
-            if e.pins == 0 {
-                st.free_blocks.extend(e.blocks);
-            } else {
-                e.evicted = true;
-                let tomb = tombstone(key, e.gen);
-                st.map.insert(tomb, e);
-            }
-        }
-    }
-
     /// Evicts LRU unpinned chunks until within capacity and `need_blocks` are free.
     fn evict_locked(&self, st: &mut State, need_blocks: usize) {
         loop {
-            let live = st.map.values().filter(|e| !e.evicted).count();
-            if live <= self.inner.capacity && st.free_blocks.len() >= need_blocks {
+            if st.map.len() <= self.inner.capacity && st.free_blocks.len() >= need_blocks {
                 return;
             }
             let victim = st
                 .map
                 .iter()
-                .filter(|(_, e)| !e.evicted && e.pins == 0)
+                .filter(|(_, e)| e.pins == 0)
                 .min_by_key(|(_, e)| e.tick)
                 .map(|(k, _)| *k);
-            match victim {
-                Some(k) => self.remove_locked(st, &k),
+            match victim.and_then(|k| st.map.remove(&k)) {
+                Some(e) => release_locked(st, e),
                 None => return,
             }
         }
@@ -266,11 +257,11 @@ impl ChunkStore {
         let mut hits = 0;
         for k in keys {
             match st.map.get_mut(k) {
-                Some(e) if !e.evicted => {
+                Some(e) => {
                     e.tick = e.tick.max(tick);
                     hits += 1;
                 }
-                _ => break,
+                None => break,
             }
         }
         hits
@@ -284,7 +275,7 @@ impl ChunkStore {
         let mut pinned = Vec::new();
         for k in keys.iter().take(max) {
             match st.map.get_mut(k) {
-                Some(e) if !e.evicted => {
+                Some(e) => {
                     e.pins += 1;
                     pinned.push((*k, e.gen));
                     locs.push(ChunkLocation {
@@ -293,7 +284,7 @@ impl ChunkStore {
                         len: e.len,
                     });
                 }
-                _ => break,
+                None => break,
             }
         }
         (
@@ -318,6 +309,18 @@ impl ChunkStore {
         let mut ranges = self.inner.layout.chunk_ranges(&loc.blocks)?;
         truncate_ranges(&mut ranges, loc.len);
         Ok(ranges)
+    }
+}
+
+/// Releases an entry taken out of the key table: frees its blocks, or retires it if pinned.
+fn release_locked(st: &mut State, e: Entry) {
+    if e.pins == 0 {
+        st.free_blocks.extend(e.blocks);
+    } else if let Some(prev) = st.retired.insert(e.gen, e) {
+        // Generations are unique (one per insertion, and an entry leaves the key table
+        // once), so this cannot happen; were it to, the earlier entry is still pinned and
+        // its blocks must not be reused, so they are deliberately not freed.
+        debug_assert!(false, "generation {} retired twice", prev.gen);
     }
 }
 
@@ -395,6 +398,51 @@ mod tests {
         let mut o = old_blocks;
         o.sort();
         assert_eq!(again, o, "unpinning frees the replaced chunk's blocks");
+    }
+
+    /// The key the old store kept a replaced pinned chunk under (a client could choose it).
+    fn old_tombstone(key: &ChunkKey, gen: u64) -> ChunkKey {
+        let mut k = key.0;
+        k[0] ^= 0xA5;
+        k[24..32].copy_from_slice(&gen.to_le_bytes());
+        ChunkKey(k)
+    }
+
+    #[test]
+    fn crafted_tombstone_keys_cannot_steal_capacity() {
+        let s = store(32, 64);
+        let total = s.layout().blocks as usize;
+        let victim = ChunkKey::from_name("victim");
+        let b = s.alloc_blocks(2).unwrap();
+        s.insert_blocks(victim, b, s.layout().chunk_bytes(2)).unwrap();
+        // The attacker stores chunks under every plausible tombstone key of `victim`.
+        let crafted: Vec<ChunkKey> = (1..=8).map(|g| old_tombstone(&victim, g)).collect();
+        for k in &crafted {
+            let b = s.alloc_blocks(3).unwrap();
+            s.insert_blocks(*k, b, s.layout().chunk_bytes(3)).unwrap();
+        }
+        assert_eq!(s.stats().free_blocks, total - 2 - 3 * crafted.len());
+        // Two stages pin the victim; it is replaced while pinned; both pins drop.
+        let (l1, p1) = s.pin_prefix(&[victim], 1);
+        let (l2, p2) = s.pin_prefix(&[victim], 1);
+        assert_eq!((l1.len(), l2.len()), (1, 1));
+        let b = s.alloc_blocks(2).unwrap();
+        s.insert_blocks(victim, b, s.layout().chunk_bytes(2)).unwrap();
+        drop(p1);
+        drop(p2);
+        for (i, k) in crafted.iter().enumerate() {
+            assert_eq!(s.lookup(&[*k]), 1, "crafted chunk {} lost", i + 1);
+        }
+        assert_eq!(s.lookup(&[victim]), 1);
+        assert_eq!(s.stats().chunks, 1 + crafted.len());
+        assert_eq!(s.stats().free_blocks, total - 2 - 3 * crafted.len());
+        // Evicting everything gives every block back, exactly once.
+        let mut all = s.alloc_blocks(total).unwrap();
+        assert_eq!(s.stats().chunks, 0);
+        all.sort_unstable();
+        assert_eq!(all, (0..total as u32).collect::<Vec<_>>());
+        s.free_blocks(all);
+        assert_eq!(s.stats().free_blocks, total);
     }
 
     #[test]
