@@ -40,9 +40,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kvferry::copy::{CopyConfig, CopyEngine};
-use kvferry::mem::{Arena, ArenaConfig};
-use kvferry::net::NetConfig;
-use kvferry::peer::{Consumer, ConsumerConfig};
+use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{Mutex, Semaphore};
@@ -188,25 +186,30 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
     let procs: Arc<Vec<Mutex<Option<Producer>>>> = Arc::new(procs.into_iter().map(|p| Mutex::new(Some(p))).collect());
 
     let body = Arc::new(FlakyBody::new(mix(seed, &[4]), ppm(3_000.0)));
-    let engine = CopyEngine::with_body(
-        CopyConfig {
-            threads: 2,
-            slice_bytes: 64 << 10,
-        },
-        body.clone(),
-    )?;
-    let engine_handle = engine.clone();
-    let arena = Arena::new(ArenaConfig::new(CONSUMER_PAGE, CONSUMER_PAGES).unpinned())?;
-    let mut net = NetConfig::new("chaos-consumer");
-    net.io_timeout = Duration::from_secs(2);
-    net.connect_timeout = Duration::from_secs(1);
-    net.handshake_timeout = Duration::from_secs(1);
-    let mut cfg = ConsumerConfig::new(net);
+    // The consumer is a client-only engine whose copy threads fail at random.
+    let mut cfg = EngineConfig::default()
+        .listen(None)
+        .peer_id("chaos-consumer")
+        .arena(CONSUMER_PAGE * CONSUMER_PAGES, CONSUMER_PAGE);
+    cfg.pinned = false;
+    cfg.copy = CopyConfig {
+        threads: 2,
+        slice_bytes: 64 << 10,
+    };
+    cfg.copy_body = Some(body.clone());
+    cfg.store = StoreConfig::Bytes {
+        bytes: 64 << 10,
+        block_bytes: 64 << 10,
+    };
+    cfg.net.io_timeout = Duration::from_secs(2);
+    cfg.net.connect_timeout = Duration::from_secs(1);
+    cfg.net.handshake_timeout = Duration::from_secs(1);
     cfg.lease_ttl = LEASE_TTL;
     cfg.lease_guard = Duration::from_millis(100);
     cfg.done_timeout = Duration::from_millis(500);
-    let consumer = Consumer::new(arena, engine, cfg)?;
-    let engine = engine_handle;
+    let kv_engine = Engine::start(cfg).await?;
+    let consumer = kv_engine.consumer().clone();
+    let engine = consumer.engine().clone();
     if args.sabotage == Some(Sabotage::Leak) {
         // Proves the leak check: one staging page that never comes back.
         std::mem::forget(consumer.arena().try_alloc(1)?);

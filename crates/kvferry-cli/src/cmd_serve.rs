@@ -4,11 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use kvferry::engine::Engine;
 use kvferry::metrics::{sources::server_metrics, Encoder, MetricsServer, Registry};
-use kvferry::net::Server;
-use kvferry::peer::Producer;
 
-use crate::node::{start_producer, NodeArgs};
+use crate::engine_args::EngineArgs;
 
 /// Options for `serve`.
 #[derive(Args, Debug)]
@@ -29,7 +28,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE.toml")]
     config: Option<std::path::PathBuf>,
     #[command(flatten)]
-    node: NodeArgs,
+    node: EngineArgs,
     #[command(flatten)]
     faults: FaultArgs,
 }
@@ -75,22 +74,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 args.listen
             );
         }
-        let node = start_producer(&args.node, &args.listen, &peer_id).await?;
-        args.faults.apply(node.producer.faults());
-        let a = node.producer.arena();
+        let engine = args.node.start(Some(&args.listen), &peer_id).await?;
+        args.faults.apply(engine.producer().faults());
+        let a = engine.arena();
         println!(
             "kvferry serve: listening on {} (peer {peer_id}, incarnation {:#x}, model {}, {} blocks, arena {} x {} {})",
-            node.server.local_addr(),
-            node.producer.incarnation(),
+            engine.address().expect("serve listens"),
+            engine.incarnation(),
             args.node.model,
-            node.layout.blocks,
+            engine.producer().store().layout().blocks,
             a.page_count(),
             kvferry::mem::ByteSize(a.page_size() as u64),
             a.backing_kind()
         );
-        let server = Arc::new(node.server);
         let metrics = match &args.metrics {
-            Some(addr) => Some(serve_metrics(addr, &node.producer, &server).await?),
+            Some(addr) => Some(serve_metrics(addr, &engine).await?),
             None => None,
         };
         use std::io::Write;
@@ -101,27 +99,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             _ = term.recv() => {}
         }
         eprintln!("kvferry serve: shutting down");
-        let producer = node.producer.clone();
         if let Some(m) = metrics {
             m.shutdown().await;
-        }
-        // The metrics endpoint held the server only weakly: this is the last reference.
-        match Arc::try_unwrap(server) {
-            Ok(server) => server.shutdown().await,
-            Err(server) => drop(server),
         }
         // What was still held before the forced release (pages a Done or a TTL should
         // already have returned; `kvferry chaos` counts them as leaked).
         eprintln!(
             "kvferry serve: stopped serving: {} staged leases, {} pages leased",
-            producer.stats().staged_now,
-            producer.arena().stats().leased_pages
+            engine.producer().stats().staged_now,
+            engine.arena().stats().leased_pages
         );
-        producer.release_all();
-        let report = producer
-            .arena()
-            .close(tokio::time::Instant::now() + Duration::from_secs(5))
-            .await;
+        let report = engine.close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
         eprintln!(
             "kvferry serve: arena closed: {} pages outstanding, {} quarantined",
             report.outstanding_pages, report.quarantined_pages
@@ -132,14 +120,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Starts the metrics endpoint on `addr` (the producer with its arena and copy engine,
 /// and the transport server) and prints where it listens.
-async fn serve_metrics(addr: &str, producer: &Producer, server: &Arc<Server>) -> anyhow::Result<MetricsServer> {
+async fn serve_metrics(addr: &str, engine: &Engine) -> anyhow::Result<MetricsServer> {
     let registry = Arc::new(Registry::new());
-    registry.register(producer.clone());
-    let server = Arc::downgrade(server);
+    registry.register(engine.producer().clone());
+    let e = engine.clone();
     registry.register(move |out: &mut Encoder| {
-        if let Some(s) = server.upgrade() {
-            server_metrics(out, &s.stats());
-        }
+        server_metrics(out, &e.server_stats());
     });
     let endpoint = MetricsServer::bind(addr, registry).await?;
     println!("kvferry serve: metrics on {} (GET /metrics)", endpoint.local_addr());

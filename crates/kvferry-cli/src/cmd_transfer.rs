@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvferry::copy::{CopyConfig, CopyEngine};
+use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
-use kvferry::mem::{Arena, ArenaConfig, Region};
-use kvferry::net::NetConfig;
-use kvferry::peer::{Consumer, ConsumerConfig, Destination};
+use kvferry::mem::Region;
+use kvferry::peer::Destination;
 use kvferry::wire::ChunkKey;
 use tokio::time::Instant;
 
@@ -64,17 +63,22 @@ fn key(s: &str) -> ChunkKey {
     s.parse::<ChunkKey>().unwrap_or_else(|_| ChunkKey::from_name(s))
 }
 
-fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Consumer> {
-    let mut net = NetConfig::new(format!("kvferry-cli-{}", std::process::id()));
-    net.secret = p.secret.as_ref().map(|s| s.as_bytes().to_vec());
-    net.connections_per_peer = 1;
+/// A client-only engine (serves nothing) with a small staging arena and store.
+async fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Engine> {
     let page = 64 << 10;
-    let arena = Arena::new(ArenaConfig::new(page, arena_bytes.div_ceil(page).max(1)).unpinned())?;
-    let engine = CopyEngine::new(CopyConfig {
-        threads: 1,
-        ..CopyConfig::default()
-    })?;
-    Ok(Consumer::new(arena, engine, ConsumerConfig::new(net))?)
+    let mut cfg = EngineConfig::default()
+        .listen(None)
+        .peer_id(format!("kvferry-cli-{}", std::process::id()))
+        .secret(p.secret.as_ref().map(|s| s.as_bytes().to_vec()))
+        .arena(arena_bytes.div_ceil(page).max(1) * page, page);
+    cfg.pinned = false;
+    cfg.net.connections_per_peer = 1;
+    cfg.copy.threads = 1;
+    cfg.store = StoreConfig::Bytes {
+        bytes: 64 << 10,
+        block_bytes: 64 << 10,
+    };
+    Ok(Engine::start(cfg).await?)
 }
 
 pub fn put(args: PutArgs) -> anyhow::Result<()> {
@@ -87,10 +91,10 @@ pub fn put(args: PutArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!data.is_empty(), "refusing to put an empty chunk");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let c = consumer(&args.peer, 64 << 10)?;
+        let c = consumer(&args.peer, 64 << 10).await?;
         let k = key(&args.peer.key);
         let deadline = Instant::now() + args.peer.timeout;
-        c.put(&args.peer.peer, k, &data, deadline)
+        c.push(&args.peer.peer, k, &data, deadline)
             .await
             .with_context(|| format!("put to {}", args.peer.peer))?;
         println!("put {} bytes as {k}", data.len());
@@ -107,13 +111,9 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let (landed, bytes) = rt.block_on(async {
-        let c = consumer(&args.peer, layout.region_bytes())?;
+        let c = consumer(&args.peer, layout.region_bytes()).await?;
         let region = Arc::new(Region::host("get", layout.region_bytes())?);
-        let dst = Destination {
-            region: region.clone(),
-            layout,
-            chunks: vec![(0..args.max_blocks).collect()],
-        };
+        let dst = Destination::from_layout(region.clone(), &layout, vec![(0..args.max_blocks).collect()]).expect("valid destination");
         let deadline = Instant::now() + args.peer.timeout;
         let k = key(&args.peer.key);
         let landed = c

@@ -9,7 +9,7 @@ mod cmd_cluster_demo;
 mod cmd_serve;
 mod cmd_transfer;
 mod cmd_worker;
-mod node;
+mod engine_args;
 mod serve_config;
 mod util;
 

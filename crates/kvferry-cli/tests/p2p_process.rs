@@ -103,11 +103,7 @@ fn sigkilled_producer_is_peer_lost_promptly_and_its_restart_is_a_new_incarnation
             tokio::time::Instant::now() + Duration::from_secs(5),
         ))
         .unwrap();
-    let dst = Destination {
-        region: region.clone(),
-        layout,
-        chunks: (0..3).map(|i| (i * 4..i * 4 + 4).collect()).collect(),
-    };
+    let dst = Destination::from_layout(region.clone(), &layout, (0..3).map(|i| (i * 4..i * 4 + 4).collect()).collect()).expect("valid destination");
     let (c2, addr, k2) = (c.clone(), p.addr.clone(), keys.clone());
     let get = rt.spawn(async move {
         c2.get(&addr, &k2, dst, tokio::time::Instant::now() + Duration::from_secs(30))
@@ -139,11 +135,7 @@ fn sigkilled_producer_is_peer_lost_promptly_and_its_restart_is_a_new_incarnation
             "a new process holds nothing yet"
         );
         assert_eq!(c.pool(&addr).unwrap().restarts_seen(), 1);
-        let dst = Destination {
-            region: region.clone(),
-            layout,
-            chunks: vec![(0..4).collect()],
-        };
+        let dst = Destination::from_layout(region.clone(), &layout, vec![(0..4).collect()]).expect("valid destination");
         let e = c.resolve(handle, dst.clone(), deadline).await.unwrap_err();
         assert!(matches!(e.error, PeerError::StaleIncarnation { .. }), "{}", e.error);
         c.put(&addr, keys[0], &vec![9u8; chunk], deadline).await.unwrap();

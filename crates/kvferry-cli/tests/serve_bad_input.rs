@@ -105,11 +105,7 @@ fn running_server_survives_garbage_oversize_slow_loris_and_idle_floods() {
         rt.block_on(async {
             let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
             region.fill(0, layout.region_bytes(), round).unwrap();
-            let dst = Destination {
-                region: region.clone(),
-                layout,
-                chunks: vec![vec![0, 1]],
-            };
+            let dst = Destination::from_layout(region.clone(), &layout, vec![vec![0, 1]]).expect("valid destination");
             let landed = consumer.get(&addr, &[key], dst, deadline).await.unwrap();
             assert_eq!(landed.chunks, 1);
             assert_eq!(region.to_vec(0, data.len()).unwrap(), data, "round {round}");

@@ -14,17 +14,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use kvferry::copy::{CopyConfig, CopyEngine};
-use kvferry::layout::{Arrangement, KvLayout};
-use kvferry::mem::{Arena, ArenaConfig, ByteSize, Region};
-use kvferry::net::NetConfig;
-use kvferry::peer::{Consumer, ConsumerConfig, Destination};
+use kvferry::engine::Engine;
+use kvferry::layout::{Arrangement, KvCache, KvLayout};
+use kvferry::mem::{ByteSize, Region};
+use kvferry::peer::{Destination, TransferPath};
 use kvferry::wire::ChunkKey;
 use serde::Serialize;
 use tokio::sync::Semaphore;
 
 use super::limits::{memcpy_limit, pipeline_limit, tcp_limit};
-use crate::node::{start_producer, NodeArgs};
+use crate::engine_args::EngineArgs;
 
 /// Options for the transfer benchmark.
 #[derive(Args, Debug, Clone)]
@@ -57,6 +56,12 @@ pub struct P2pBenchArgs {
     /// Copy threads per engine (default: available cores).
     #[arg(long)]
     pub copy_threads: Option<usize>,
+    /// How KV moves: `direct` (zero copy: producers publish blocks of their KV cache and
+    /// the socket writes from them; the consumer's socket reads straight into its
+    /// destination blocks) or `staged` (producers copy chunks into staging pages before
+    /// advertising them; the consumer receives into staging pages, then lands them).
+    #[arg(long, default_value = "direct")]
+    pub path: TransferPath,
     /// Run a sweep over chunk sizes and transfers in flight instead of one point.
     #[arg(long)]
     pub sweep: bool,
@@ -84,6 +89,7 @@ impl Default for P2pBenchArgs {
             connections: 4,
             producers: 1,
             copy_threads: None,
+            path: TransferPath::Direct,
             sweep: false,
             plot: None,
             json: false,
@@ -96,6 +102,8 @@ impl Default for P2pBenchArgs {
 #[derive(Serialize, Debug, Clone)]
 pub struct Point {
     pub model: String,
+    /// `direct` or `staged` (see `--path`).
+    pub path: TransferPath,
     pub chunk_bytes: usize,
     pub in_flight: usize,
     pub connections: usize,
@@ -262,43 +270,71 @@ fn print_table(points: &[Point]) {
 }
 
 async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
-    let probe = NodeArgs {
+    let probe = EngineArgs {
         model: args.model.clone(),
         blocks: 1,
-        ..NodeArgs::default()
+        ..EngineArgs::default()
     };
     let block_bytes = probe.layout(Arrangement::LayerSeparate)?.block_bytes();
     let bpc = args.blocks_per_chunk as usize;
     let chunk_bytes = block_bytes * bpc;
     let per_producer_reqs = args.requests.div_ceil(args.producers);
     let staging_page: usize = 1 << 20;
-    // Producer: region for its requests; staging for every transfer in flight, twice
-    // (a lease waits for `Done` while the next is staged).
-    let pnode = NodeArgs {
+    let staged = args.path == TransferPath::Staged;
+    let producer_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
+    // Producer: store (staged) or published KV cache (direct) for its requests; staging
+    // for every transfer in flight, twice (a lease waits for `Done` while the next is
+    // staged).
+    let pnode = EngineArgs {
         model: args.model.clone(),
-        blocks: (per_producer_reqs * args.chunks_per_request * bpc) as u32,
+        blocks: if staged { producer_blocks } else { 1 },
         arena: ByteSize((2 * args.in_flight.max(2) * chunk_bytes.div_ceil(staging_page) * staging_page) as u64),
         page_size: ByteSize(staging_page as u64),
         copy_threads: args.copy_threads,
         max_gets: 1024,
-        ..NodeArgs::default()
+        max_ttl: Some(Duration::from_secs(24 * 3600)),
+        peer_quota_pages: Some(usize::MAX / 2),
+        ..EngineArgs::default()
     };
     let mut producers = Vec::new();
     for i in 0..args.producers {
-        producers.push(start_producer(&pnode, "127.0.0.1:0", &format!("bench-producer-{i}")).await?);
+        producers.push(pnode.start(Some("127.0.0.1:0"), &format!("bench-producer-{i}")).await?);
     }
     // Fill: request r lives on producer r % P, every chunk with its own pattern.
+    let playout = KvLayout::preset(args.model.parse()?, producer_blocks, Arrangement::LayerSeparate)?;
+    let mut caches = Vec::new();
+    if !staged {
+        for p in &producers {
+            let region = Arc::new(Region::host("bench-kv", playout.region_bytes())?);
+            caches.push((p.register(KvCache::with_layout(region.clone(), &playout)?)?, region));
+        }
+    }
     let mut expected = vec![vec![0u32; args.chunks_per_request]; args.requests];
     for (r, exp) in expected.iter_mut().enumerate() {
-        let p = &producers[r % args.producers].producer;
+        let p = &producers[r % args.producers];
         for (c, e) in exp.iter_mut().enumerate() {
             let bytes = pattern(r, c, chunk_bytes);
             *e = kvferry::wire::crc::checksum(&bytes);
-            p.put_local(key(r, c), &bytes)
-                .with_context(|| format!("filling request {r}"))?;
+            if staged {
+                p.put(key(r, c), &bytes).with_context(|| format!("filling request {r}"))?;
+            } else {
+                // Request r's chunk c takes consecutive blocks of its producer's cache.
+                let first = ((r / args.producers) * args.chunks_per_request + c) * bpc;
+                let blocks: Vec<u32> = (first as u32..(first + bpc) as u32).collect();
+                let (reg, region) = &caches[r % args.producers];
+                let mut at = 0;
+                for (off, len) in playout.chunk_ranges(&blocks)? {
+                    region.write(off, &bytes[at..at + len])?;
+                    at += len;
+                }
+                p.publish(key(r, c), reg, &blocks, Duration::from_secs(24 * 3600), false)?;
+            }
         }
     }
-    let addrs: Vec<String> = producers.iter().map(|p| p.server.local_addr().to_string()).collect();
+    let addrs: Vec<String> = producers
+        .iter()
+        .map(|p| p.address().expect("producers listen").to_string())
+        .collect();
 
     // Consumer: one destination slot per transfer in flight.
     let layout = KvLayout::preset(
@@ -307,18 +343,25 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         Arrangement::FullyContiguous,
     )?;
     let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);
-    let arena = Arena::new(ArenaConfig::new(
-        staging_page,
-        args.in_flight * chunk_bytes.div_ceil(staging_page),
-    ))?;
-    let mut cc = CopyConfig::default();
-    if let Some(t) = args.copy_threads {
-        cc.threads = t;
-    }
-    let engine = CopyEngine::new(cc)?;
-    let mut net = NetConfig::new("bench-consumer");
-    net.connections_per_peer = args.connections;
-    let consumer = Consumer::new(arena.clone(), engine, ConsumerConfig::new(net))?;
+    let cache = Arc::new(KvCache::with_layout(region.clone(), &layout)?);
+    let consumer_pages = if staged {
+        args.in_flight * chunk_bytes.div_ceil(staging_page)
+    } else {
+        1
+    };
+    let cnode = EngineArgs {
+        model: args.model.clone(),
+        blocks: 1,
+        arena: ByteSize((consumer_pages * staging_page) as u64),
+        page_size: ByteSize(staging_page as u64),
+        copy_threads: args.copy_threads,
+        ..EngineArgs::default()
+    };
+    let mut ccfg = cnode.config(None, "bench-consumer")?;
+    ccfg.net.connections_per_peer = args.connections;
+    let consumer = Engine::start(ccfg).await?;
+    let arena = consumer.arena().clone();
+    let path = args.path;
 
     let total_chunks = (args.bytes.bytes() as usize / chunk_bytes).max(1) as u64;
     let bar = if args.quiet || args.json {
@@ -342,9 +385,10 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     for n in 0..total_chunks {
         let permit = sem.clone().acquire_owned().await?;
         let slot = slots.lock().pop().expect("a slot per permit");
-        let (consumer, region, slots, errors, corrupted, latencies, expected, bar) = (
+        let (consumer, region, cache, slots, errors, corrupted, latencies, expected, bar) = (
             consumer.clone(),
             region.clone(),
+            cache.clone(),
             slots.clone(),
             errors.clone(),
             corrupted.clone(),
@@ -357,11 +401,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         let addr = addrs[r % args.producers].clone();
         tasks.spawn(async move {
             let blocks: Vec<u32> = (0..bpc as u32).map(|b| (slot * bpc) as u32 + b).collect();
-            let dst = Destination {
-                region: region.clone(),
-                layout,
-                chunks: vec![blocks.clone()],
-            };
+            let dst = Destination::new(cache.clone(), vec![blocks.clone()]).with_path(path);
             let t = Instant::now();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             match consumer.get(&addr, &[key(r, c)], dst, deadline).await {
@@ -418,7 +458,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         let s = arena.stats();
         let mut leaked = (s.total_pages - s.free_pages - s.quarantined_pages) as u64;
         for p in &producers {
-            let s = p.producer.arena().stats();
+            let s = p.arena().stats();
             leaked += (s.total_pages - s.free_pages - s.quarantined_pages) as u64;
         }
         if leaked == 0 || Instant::now() > quiesce {
@@ -427,8 +467,9 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     for p in producers {
-        p.server.shutdown().await;
+        p.close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
     }
+    consumer.close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
 
     // Limits are the best of three runs of 1 GiB (or what was moved, if less): a limit
     // measured on a noisy run would flatter the ratio.
@@ -471,6 +512,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let gbps = moved as f64 / elapsed / 1e9;
     Ok(Point {
         model: args.model.clone(),
+        path: args.path,
         chunk_bytes,
         in_flight: args.in_flight,
         connections: args.connections,

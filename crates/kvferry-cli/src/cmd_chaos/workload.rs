@@ -256,11 +256,7 @@ impl Dest {
 
     /// The library's view: chunk `i` of `set` in consecutive blocks from the base.
     pub fn destination(&self, set: &Set) -> Destination {
-        Destination {
-            region: self.region.clone(),
-            layout: self.layout,
-            chunks: self.chunk_blocks(set),
-        }
+        Destination::from_layout(self.region.clone(), &self.layout, self.chunk_blocks(set)).expect("valid destination")
     }
 
     fn chunk_blocks(&self, set: &Set) -> Vec<Vec<u32>> {

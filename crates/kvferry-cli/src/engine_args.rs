@@ -1,23 +1,22 @@
-//! Building a producer node (store, arena, copy engine, server) from command-line
-//! settings; shared by `serve` and `bench`.
+//! The engine's command-line settings (store, staging, limits, secret), turned into a
+//! [`kvferry::engine::EngineConfig`]; shared by `serve`, `bench` and `chaos`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvferry::copy::{CopyConfig, CopyEngine};
+use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
-use kvferry::mem::{Arena, ArenaConfig, ByteSize, Region};
-use kvferry::net::{NetConfig, Server};
-use kvferry::peer::{ChunkStore, Producer, ProducerConfig};
+use kvferry::mem::ByteSize;
+use kvferry::net::NetConfig;
+use kvferry::peer::ProducerConfig;
 use kvferry::wire::Limits;
 
 use crate::util::parse_timeout;
 
 /// Settings of a node's KV store and staging.
 #[derive(Args, Debug, Clone)]
-pub struct NodeArgs {
+pub struct EngineArgs {
     /// Model preset giving the KV layout: llama3-8b, llama3-70b-tp8, tiny.
     #[arg(long, default_value = "llama3-70b-tp8")]
     pub model: String,
@@ -36,9 +35,17 @@ pub struct NodeArgs {
     /// Copy threads (default: available cores).
     #[arg(long)]
     pub copy_threads: Option<usize>,
-    /// TTL of staged leases not released by `Done`.
+    /// TTL of staged leases not released by `Done` (granted when a client asks for none).
     #[arg(long, default_value = "10s", value_parser = parse_timeout)]
     pub ttl: Duration,
+    /// Longest TTL a client may ask for (default: --ttl). Caps how long one client's
+    /// staged pages can stay leased without a `Done`.
+    #[arg(long, value_parser = parse_timeout)]
+    pub max_ttl: Option<Duration>,
+    /// Staging pages one peer may hold at once (default: half the arena), so that one
+    /// client cannot lock the whole arena.
+    #[arg(long)]
+    pub peer_quota_pages: Option<usize>,
     /// Staging requests served at once; more get an immediate "busy" miss.
     #[arg(long, default_value_t = 64)]
     pub max_gets: usize,
@@ -65,7 +72,7 @@ pub struct NodeArgs {
     pub max_connections: usize,
 }
 
-impl NodeArgs {
+impl EngineArgs {
     pub fn layout(&self, arrangement: Arrangement) -> anyhow::Result<KvLayout> {
         let preset: Preset = self.model.parse()?;
         Ok(KvLayout::preset(preset, self.blocks, arrangement)?)
@@ -96,35 +103,61 @@ impl NodeArgs {
         Ok(net)
     }
 
-    pub fn arena(&self) -> anyhow::Result<Arena> {
+    /// The engine's configuration: the store laid out by `--model`/`--blocks`, serving
+    /// on `listen` (`None`: client only) as `peer_id`.
+    pub fn config(&self, listen: Option<&str>, peer_id: &str) -> anyhow::Result<EngineConfig> {
         let page = self.page_size.bytes() as usize;
         anyhow::ensure!(page > 0, "--page-size must be greater than zero");
-        let pages = (self.arena.bytes() as usize) / page;
         anyhow::ensure!(
-            pages > 0,
+            self.arena.bytes() as usize >= page,
             "--arena ({}) must hold at least one page of {}",
             self.arena,
             self.page_size
         );
-        let arena = Arena::new(ArenaConfig::new(page, pages)).context("creating the staging arena")?;
-        if let Some(why) = arena.fallback_reason() {
-            eprintln!("note: staging arena is {} ({why})", arena.backing_kind());
+        let max_ttl = self.max_ttl.unwrap_or(self.ttl);
+        anyhow::ensure!(
+            max_ttl >= self.ttl,
+            "--max-ttl ({max_ttl:?}) must be at least --ttl ({:?})",
+            self.ttl
+        );
+        let mut cfg = EngineConfig::default();
+        cfg.listen = listen.map(str::to_string);
+        cfg.net = self.net(peer_id)?;
+        cfg.arena_bytes = self.arena.bytes() as usize;
+        cfg.page_size = page;
+        if let Some(t) = self.copy_threads {
+            anyhow::ensure!(t > 0, "--copy-threads must be at least 1");
+            cfg.copy.threads = t;
         }
-        Ok(arena)
+        cfg.store = StoreConfig::Layout(self.layout(Arrangement::LayerSeparate)?);
+        cfg.store_capacity = self.store_capacity;
+        cfg.producer = ProducerConfig {
+            default_ttl: self.ttl,
+            max_ttl,
+            max_concurrent_gets: self.max_gets,
+            max_staged_pages_per_peer: self.peer_quota_pages,
+        };
+        Ok(cfg)
     }
 
-    pub fn engine(&self) -> anyhow::Result<CopyEngine> {
-        let mut cfg = CopyConfig::default();
-        if let Some(t) = self.copy_threads {
-            cfg.threads = t;
+    /// Starts an engine with these settings. Must run inside a tokio runtime.
+    pub async fn start(&self, listen: Option<&str>, peer_id: &str) -> anyhow::Result<Engine> {
+        let cfg = self.config(listen, peer_id)?;
+        let engine = Engine::start(cfg).await?;
+        let a = engine.arena();
+        if let Some(why) = a.fallback_reason() {
+            eprintln!(
+                "note: staging arena is {} ({why}); raise the limit with `ulimit -l unlimited` for pinned staging",
+                a.backing_kind()
+            );
         }
-        Ok(CopyEngine::new(cfg)?)
+        Ok(engine)
     }
 }
 
-impl Default for NodeArgs {
+impl Default for EngineArgs {
     fn default() -> Self {
-        NodeArgs {
+        EngineArgs {
             model: "llama3-70b-tp8".into(),
             blocks: 1024,
             arena: ByteSize(256 << 20),
@@ -132,6 +165,8 @@ impl Default for NodeArgs {
             store_capacity: 100_000,
             copy_threads: None,
             ttl: Duration::from_secs(10),
+            max_ttl: None,
+            peer_quota_pages: None,
             max_gets: 64,
             secret: None,
             secret_file: None,
@@ -142,33 +177,4 @@ impl Default for NodeArgs {
             max_connections: 4096,
         }
     }
-}
-
-/// A running producer node.
-pub struct ProducerNode {
-    pub producer: Producer,
-    pub server: Server,
-    pub layout: KvLayout,
-}
-
-/// Starts a producer serving on `listen`. Must run inside a tokio runtime.
-pub async fn start_producer(args: &NodeArgs, listen: &str, peer_id: &str) -> anyhow::Result<ProducerNode> {
-    let layout = args.layout(Arrangement::LayerSeparate)?;
-    let region = Arc::new(Region::host("kv", layout.region_bytes()).context("allocating the KV region")?);
-    let store = ChunkStore::new(region, layout, args.store_capacity)?;
-    let net = args.net(peer_id)?;
-    let cfg = ProducerConfig {
-        default_ttl: args.ttl,
-        max_ttl: args.ttl.max(Duration::from_secs(120)),
-        max_concurrent_gets: args.max_gets,
-    };
-    let producer = Producer::new(store, args.arena()?, args.engine()?, cfg, net.incarnation)?;
-    let server = Server::bind(listen, net, Arc::new(producer.clone()))
-        .await
-        .with_context(|| format!("listening on {listen}"))?;
-    Ok(ProducerNode {
-        producer,
-        server,
-        layout,
-    })
 }
