@@ -244,7 +244,7 @@ impl Connection {
         let r = bounded(
             "read bulk frame",
             d,
-            wire::read_bulk_body(&mut self.stream, &header, dst),
+            wire::read_bulk_body_tcp(&mut self.stream, &header, dst),
         )
         .await;
         r.map_err(|e| self.lost(e))?;
@@ -263,7 +263,7 @@ impl Connection {
         let r = bounded(
             "read bulk frame",
             d,
-            wire::read_bulk_body(&mut self.stream, header, dst),
+            wire::read_bulk_body_tcp(&mut self.stream, header, dst),
         )
         .await;
         r.map_err(|e| self.lost(e))?;

@@ -45,11 +45,34 @@ pub async fn write_bulk_with_checksum<W: AsyncWrite + Unpin>(
         len,
         checksum,
     };
-    w.write_all(&header.encode()).await?;
-    for p in parts {
-        w.write_all(p).await?;
-    }
+    let head = header.encode();
+    write_all_vectored(w, &head, parts).await?;
     w.flush().await?;
+    Ok(())
+}
+
+/// Most slices handed to one vectored write (Linux's `IOV_MAX` is 1024).
+const MAX_IOVECS: usize = 1024;
+
+/// Writes `head` then every part with vectored writes: a chunk made of hundreds of
+/// small pieces (one per layer and K/V of each block) goes out in a few system calls,
+/// not one per piece.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(w: &mut W, head: &[u8], parts: &[&[u8]]) -> Result<(), WireError> {
+    let mut slices: Vec<std::io::IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
+    slices.push(std::io::IoSlice::new(head));
+    slices.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| std::io::IoSlice::new(p)));
+    let mut bufs: &mut [std::io::IoSlice<'_>] = &mut slices;
+    while !bufs.is_empty() {
+        let n = bufs.len().min(MAX_IOVECS);
+        let written = w.write_vectored(&bufs[..n]).await?;
+        if written == 0 {
+            return Err(WireError::Io(std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                "connection accepted no more bytes",
+            )));
+        }
+        std::io::IoSlice::advance_slices(&mut bufs, written);
+    }
     Ok(())
 }
 
@@ -85,6 +108,85 @@ pub async fn read_bulk_body<R: AsyncRead + Unpin>(
         for piece in d.chunks_mut(VERIFY_PIECE) {
             r.read_exact(piece).await.map_err(eof_is_truncated)?;
             actual = super::crc::append(actual, piece);
+        }
+    }
+    if actual != header.checksum {
+        return Err(WireError::ChecksumMismatch {
+            expected: header.checksum,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// As [`read_bulk_body`], reading a TCP stream with vectored reads: a destination made
+/// of many small pieces (one per layer and K/V of each block) fills in a few system
+/// calls. Each read is capped near [`VERIFY_PIECE`] bytes and checksummed right after
+/// it arrived, while still in cache.
+pub async fn read_bulk_body_tcp(
+    stream: &mut tokio::net::TcpStream,
+    header: &FrameHeader,
+    dst: &mut [&mut [u8]],
+) -> Result<(), WireError> {
+    if header.kind != FrameKind::Bulk {
+        return Err(WireError::UnexpectedFrame {
+            expected: FrameKind::Bulk,
+            got: header.kind,
+        });
+    }
+    let total: u64 = dst.iter().map(|d| d.len() as u64).sum();
+    if total != header.len {
+        return Err(WireError::LengthMismatch {
+            expected: header.len,
+            actual: total,
+        });
+    }
+    let mut actual = 0u32;
+    // Position: slice `idx`, byte `off` within it.
+    let (mut idx, mut off) = (0usize, 0usize);
+    while idx < dst.len() && dst[idx].is_empty() {
+        idx += 1;
+    }
+    while idx < dst.len() {
+        stream.readable().await?;
+        let read = {
+            let mut iov: Vec<std::io::IoSliceMut<'_>> = Vec::new();
+            let mut budget = VERIFY_PIECE;
+            let (first, rest) = dst[idx..].split_first_mut().expect("idx < len");
+            let head = &mut first[off..];
+            let take = head.len().min(budget);
+            budget -= take;
+            iov.push(std::io::IoSliceMut::new(&mut head[..take]));
+            for d in rest.iter_mut() {
+                if budget == 0 || iov.len() == MAX_IOVECS {
+                    break;
+                }
+                let take = d.len().min(budget);
+                budget -= take;
+                iov.push(std::io::IoSliceMut::new(&mut d[..take]));
+            }
+            match stream.try_read_vectored(&mut iov) {
+                Ok(0) => return Err(WireError::Truncated),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(WireError::Io(e)),
+            }
+        };
+        // Checksum what just arrived and advance the position.
+        let mut left = read;
+        while left > 0 {
+            let d = &dst[idx];
+            let take = (d.len() - off).min(left);
+            actual = super::crc::append(actual, &d[off..off + take]);
+            off += take;
+            left -= take;
+            if off == d.len() {
+                idx += 1;
+                off = 0;
+                while idx < dst.len() && dst[idx].is_empty() {
+                    idx += 1;
+                }
+            }
         }
     }
     if actual != header.checksum {

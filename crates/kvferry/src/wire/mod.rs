@@ -27,7 +27,7 @@ pub mod key;
 pub mod limits;
 pub mod message;
 
-pub use bulk::{read_bulk_body, write_bulk, write_bulk_with_checksum};
+pub use bulk::{read_bulk_body, read_bulk_body_tcp, write_bulk, write_bulk_with_checksum};
 pub use codec::{read_control, read_control_body, read_frame_header, skip_body, write_control};
 pub use error::WireError;
 pub use frame::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, VERSION};

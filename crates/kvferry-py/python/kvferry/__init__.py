@@ -1,0 +1,51 @@
+"""kvferry: moves the KV cache of LLM inference between engines — never corrupts,
+never leaks, never hangs.
+
+    import kvferry
+    with kvferry.Engine() as prefill, kvferry.Engine() as decode:
+        src = prefill.register_kv_cache(kv, block_bytes=4096)
+        prefill.publish("req-1", src, block_ids=[3, 4, 5])
+        dst = decode.register_kv_cache(out, block_bytes=4096)
+        decode.get_blocking(prefill.address, "req-1", dst, block_ids=[10, 11, 12], timeout=5.0)
+"""
+
+from . import errors
+from ._engine import Engine, Region, Transfer
+from ._kvferry import __version__, key_bytes
+from .errors import (
+    AuthError,
+    BusyError,
+    CancelledError,
+    ChecksumError,
+    ClosedError,
+    Error,
+    InUseError,
+    InvalidArgumentError,
+    LeaseExpiredError,
+    NotFoundError,
+    PeerLostError,
+    PeerRestartedError,
+    TimeoutError,
+)
+
+__all__ = [
+    "Engine",
+    "Region",
+    "Transfer",
+    "key_bytes",
+    "errors",
+    "Error",
+    "InvalidArgumentError",
+    "TimeoutError",
+    "CancelledError",
+    "PeerLostError",
+    "PeerRestartedError",
+    "AuthError",
+    "BusyError",
+    "NotFoundError",
+    "LeaseExpiredError",
+    "ChecksumError",
+    "InUseError",
+    "ClosedError",
+    "__version__",
+]

@@ -1,0 +1,365 @@
+"""The :class:`Engine`: kvferry for Python inference servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any, Union
+
+from . import _kvferry
+from ._memory import byte_view, check_raw, is_raw, layer_spans
+from .errors import InvalidArgumentError
+
+Key = Union[str, bytes]
+Region = _kvferry.Region
+
+_PATHS = ("direct", "staged")
+
+
+def _ids(block_ids: Any, what: str = "block_ids") -> list[int]:
+    tolist = getattr(block_ids, "tolist", None)
+    ids = tolist() if callable(tolist) else block_ids
+    try:
+        out = [int(b) for b in ids]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{what} must be a sequence of ints, got {block_ids!r}") from None
+    if not out:
+        raise InvalidArgumentError(f"{what} is empty")
+    if any(b < 0 or b >= 1 << 32 for b in out):
+        raise InvalidArgumentError(f"{what}: block ids must be in 0..2**32, got {out}")
+    return out
+
+
+def _batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[list[int]]]:
+    """One key with its block ids, or a batch: keys with one block-id list per key."""
+    if isinstance(key, (str, bytes)):
+        return [key], [_ids(block_ids)]
+    tolist = getattr(key, "tolist", None)
+    keys = list(tolist() if callable(tolist) else key)
+    if not keys:
+        raise InvalidArgumentError("empty key list")
+    rows = block_ids.tolist() if callable(getattr(block_ids, "tolist", None)) else list(block_ids)
+    if len(rows) != len(keys):
+        raise InvalidArgumentError(f"{len(keys)} keys but {len(rows)} block-id lists")
+    return keys, [_ids(r, f"block_ids[{i}]") for i, r in enumerate(rows)]
+
+
+def _path(path: str) -> str:
+    if path not in _PATHS:
+        raise InvalidArgumentError(f"path must be one of {_PATHS}, got {path!r}")
+    return path
+
+
+class Transfer:
+    """A get in flight, from :meth:`Engine.get`.
+
+    ``wait(timeout)`` returns the number of chunks landed or raises the transfer's
+    error; ``done()`` tells whether it finished; ``cancel()`` cancels it and returns
+    after its drain (the destination blocks are quiet, staging pages are back);
+    ``error`` is its exception (or None). ``await transfer`` works in asyncio without a
+    thread per await.
+    """
+
+    __slots__ = ("_t",)
+
+    def __init__(self, t: _kvferry.Transfer) -> None:
+        self._t = t
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Chunks landed; raises the transfer's error, or ``TimeoutError`` if
+        ``timeout`` seconds passed first (the transfer goes on). Ctrl-C cancels the
+        transfer, waits for its drain, then raises ``KeyboardInterrupt``."""
+        return self._t.wait(timeout)
+
+    def done(self) -> bool:
+        """True once the transfer finished."""
+        return self._t.done()
+
+    def cancel(self) -> bool:
+        """Cancels and returns after the drain (False if the drain outlived its bound)."""
+        return self._t.cancel()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception of a failed transfer, else None."""
+        return self._t.error
+
+    @property
+    def result(self) -> int | None:
+        """Chunks landed, once finished successfully; else None."""
+        return self._t.result
+
+    def __await__(self) -> Generator[Any, None, int]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        def on_done() -> None:  # runs on an engine thread
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+        self._t.add_done_callback(on_done)
+        yield from fut.__await__()
+        return self._t.wait(None)
+
+    def __repr__(self) -> str:
+        return repr(self._t)
+
+
+class Engine:
+    """A kvferry engine: serves this process's KV to peers and fetches theirs.
+
+    ``Engine()`` listens on loopback on an ephemeral port; ``address`` says where.
+    Use it as a context manager, or call :meth:`close`.
+
+    Args:
+        listen: ``"host:port"`` to serve on, or None for a client-only engine.
+        secret: shared secret (str or bytes) peers must prove; None for no auth.
+        arena_bytes: size of the pinned host staging arena.
+        device: ``"host"``. Device memory (``"sim"``, ``"cuda:N"``) is not supported
+            by this build yet and raises ``InvalidArgumentError``.
+        peer_id: this engine's stable name (default: ``kvferry-<pid>-<random>``).
+        page_size: staging page size.
+        copy_threads: copy threads (default: the available cores).
+        store_bytes, store_block_bytes: the copy-in store used by :meth:`put`.
+        lease_ttl: TTL this engine asks for leases it stages on peers (seconds).
+        ttl, max_ttl: TTL granted to peers' leases and publications by default, and
+            at most (seconds).
+        io_timeout: an I/O step making no progress for this long fails (seconds).
+        connect_timeout: bound on connecting to a peer (seconds).
+        connections_per_peer: pooled connections to each peer.
+        pinned: ask for mlocked staging memory (falls back, and says so in stats).
+        runtime_threads: threads of the engine's I/O runtime.
+        directory: ``{name: "host:port"}``: peers that may be named instead of addressed.
+    """
+
+    def __init__(
+        self,
+        listen: str | None = "127.0.0.1:0",
+        secret: str | bytes | None = None,
+        arena_bytes: int = 64 << 20,
+        device: str = "host",
+        peer_id: str | None = None,
+        *,
+        page_size: int = 1 << 20,
+        copy_threads: int | None = None,
+        store_bytes: int = 64 << 20,
+        store_block_bytes: int = 64 << 10,
+        lease_ttl: float = 10.0,
+        ttl: float = 10.0,
+        max_ttl: float | None = None,
+        io_timeout: float = 5.0,
+        connect_timeout: float = 3.0,
+        connections_per_peer: int = 4,
+        pinned: bool = True,
+        runtime_threads: int = 2,
+        directory: Mapping[str, str] | None = None,
+    ) -> None:
+        if device != "host":
+            raise InvalidArgumentError(
+                f"device {device!r} is not supported by this build: only host memory "
+                "(device='host') moves through the Python engine so far"
+            )
+        if isinstance(secret, str):
+            secret = secret.encode()
+        self._directory = dict(directory or {})
+        self._e = _kvferry.Engine(
+            listen,
+            secret,
+            int(arena_bytes),
+            int(page_size),
+            peer_id,
+            copy_threads,
+            int(store_bytes),
+            int(store_block_bytes),
+            float(lease_ttl),
+            float(ttl),
+            float(max_ttl if max_ttl is not None else ttl),
+            float(io_timeout),
+            float(connect_timeout),
+            int(connections_per_peer),
+            bool(pinned),
+            int(runtime_threads),
+        )
+        self.device = device
+
+    # -- identity and lifecycle ---------------------------------------------------
+
+    @property
+    def address(self) -> str | None:
+        """``"host:port"`` peers reach this engine on (None if client-only)."""
+        return self._e.address
+
+    @property
+    def peer_id(self) -> str:
+        """This engine's peer id."""
+        return self._e.peer_id
+
+    @property
+    def incarnation(self) -> int:
+        """Changes every time an engine starts: a restarted peer is a new incarnation."""
+        return self._e.incarnation
+
+    def stats(self) -> dict[str, Any]:
+        """Every counter: ``arena``, ``producer``, ``consumer``, ``store``, ``copy``,
+        ``server``, ``registered``."""
+        return json.loads(self._e.stats_json())
+
+    def close(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Stops serving, releases publications and staged leases, waits (at most
+        ``timeout`` seconds) for transfers to drain and pages to come back, and returns
+        what was still out (``clean`` is True when nothing was). Idempotent."""
+        if self._e.closed:
+            return {"outstanding_pages": 0, "quarantined_pages": 0, "draining_transfers": 0, "clean": True}
+        return self._e.close(float(timeout))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Engine(peer_id={self.peer_id!r}, address={self.address!r})"
+
+    def _peer(self, peer: str) -> str:
+        return self._directory.get(peer, peer)
+
+    # -- memory ----------------------------------------------------------------
+
+    def register_kv_cache(self, obj: Any, block_bytes: int, *, name: str = "kv") -> Region:
+        """Registers one buffer of consecutive blocks of ``block_bytes`` each (a numpy
+        array, bytearray, memoryview, mmap, torch CPU tensor, any ``__dlpack__``
+        object, or a raw ``(ptr, nbytes, "cpu")`` tuple). The engine keeps the object
+        alive until it is deregistered and every transfer touching it has drained."""
+        if not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if is_raw(obj):
+            ptr, nbytes = check_raw(obj, name)
+            if nbytes % block_bytes:
+                raise InvalidArgumentError(f"{name}: {nbytes} bytes is not a whole number of {block_bytes}-byte blocks")
+            return self._e.register_raw(name, ptr, nbytes, [(0, block_bytes, block_bytes)], nbytes // block_bytes, None)
+        mv = byte_view(obj, name)
+        if mv.nbytes % block_bytes:
+            raise InvalidArgumentError(
+                f"{name}: buffer of {mv.nbytes} bytes is not a whole number of {block_bytes}-byte blocks"
+            )
+        return self._e.register_spans(name, [(mv, [(0, block_bytes, block_bytes)])], mv.nbytes // block_bytes)
+
+    def register_kv_caches(self, caches: Mapping[str, Any], num_blocks: int | None = None, *, name: str = "kv") -> Region:
+        """Registers per-layer paged caches (``{layer_name: tensor}``, vLLM's layout)
+        as one region: block *i* spans every layer, in the mapping's order, K then V
+        where a tensor is ``[2, num_blocks, ...]`` (else ``[num_blocks, ...]``)."""
+        if not caches:
+            raise InvalidArgumentError("no caches to register")
+        parts = []
+        blocks = num_blocks
+        for layer, t in caches.items():
+            what = f"{name}[{layer}]"
+            mv = byte_view(t, what)
+            shape = tuple(getattr(t, "shape", None) or memoryview(t).shape)
+            nb, spans = layer_spans(mv, shape, blocks, what)
+            blocks = nb
+            parts.append((mv, spans))
+        assert blocks is not None
+        return self._e.register_spans(name, parts, blocks)
+
+    def register(self, obj: Any, *, name: str = "buffer") -> Region:
+        """Registers a plain buffer as a region of one block."""
+        mv = byte_view(obj, name)
+        return self._e.register_spans(name, [(mv, [(0, mv.nbytes, mv.nbytes)])], 1)
+
+    def deregister(self, region: Region, timeout: float = 5.0) -> None:
+        """Deregisters ``region`` once nothing uses it, waiting at most ``timeout``
+        seconds; raises ``InUseError`` if transfers or publications still hold it."""
+        self._e.deregister(region, float(timeout))
+
+    # -- offering KV -----------------------------------------------------------
+
+    def publish(self, key: Key, region: Region, block_ids: Any, ttl: float | None = None, *, once: bool = True) -> None:
+        """Publishes blocks of ``region`` under ``key``, zero copy: peers' gets read
+        them straight from your memory. They are pinned — do not write them — until
+        :meth:`released` reports the key: after a consumer's ``Done`` (``once``), after
+        ``ttl`` seconds (default and cap: the engine's ``ttl``/``max_ttl``), or after
+        :meth:`release`."""
+        self._e.publish(key, region, _ids(block_ids), None if ttl is None else float(ttl), bool(once))
+
+    def put(self, key: Key, data: Any) -> None:
+        """Copies ``data`` into the engine's store under ``key`` (copy in: reuse
+        ``data`` at once)."""
+        self._e.put(key, byte_view(data, "put"))
+
+    def release(self, key: Key) -> bool:
+        """Releases a publication now (reported by :meth:`released` once its sends
+        stopped). False if ``key`` is not published."""
+        return self._e.unpublish(key)
+
+    def released(self) -> list[tuple[Key, str]]:
+        """``[(key, reason)]`` of publications released since the last call; reason is
+        ``done``, ``expired``, ``released``, ``replaced`` or ``shutdown``."""
+        return self._e.take_released()
+
+    # -- fetching KV ------------------------------------------------------------
+
+    def get(
+        self,
+        peer: str,
+        key: Key | Sequence[Key],
+        dst: Region,
+        block_ids: Any,
+        *,
+        timeout: float = 30.0,
+        path: str = "direct",
+    ) -> Transfer:
+        """Starts fetching ``key`` (or a batch of keys, with one block-id list each)
+        from ``peer`` into ``block_ids`` of ``dst``; returns at once. ``path``:
+        ``direct`` (the socket writes your blocks) or ``staged`` (through staging pages,
+        landing only verified chunks)."""
+        keys, blocks = _batch(key, block_ids)
+        return Transfer(self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path)))
+
+    def get_blocking(
+        self,
+        peer: str,
+        key: Key | Sequence[Key],
+        dst: Region,
+        block_ids: Any,
+        timeout: float = 5.0,
+        *,
+        path: str = "direct",
+    ) -> int:
+        """Fetches and returns the chunks landed, within ``timeout`` seconds or raises
+        ``TimeoutError``. A miss raises ``NotFoundError``; a partial hit returns how many
+        leading chunks landed. The GIL is released while waiting."""
+        keys, blocks = _batch(key, block_ids)
+        return self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path)).wait(None)
+
+    def pull(
+        self,
+        peer: str,
+        key: Key | Sequence[Key],
+        dst: Region,
+        block_ids: Any,
+        timeout: float = 5.0,
+        *,
+        path: str = "direct",
+    ) -> int:
+        """Delayed pull: the peer stages the keys under a lease, then their bytes move
+        into ``dst``; returns the chunks landed."""
+        keys, blocks = _batch(key, block_ids)
+        return self._e.pull(keys, self._peer(peer), dst, blocks, float(timeout), _path(path))
+
+    def push(self, peer: str, key: Key, data: Any, timeout: float = 5.0) -> None:
+        """Pushes ``data`` into ``peer``'s store under ``key``."""
+        self._e.push(self._peer(peer), key, byte_view(data, "push"), float(timeout))
+
+    def lookup(self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0) -> int:
+        """How many leading ``keys`` ``peer`` holds."""
+        ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
+        return self._e.lookup(self._peer(peer), ks, float(timeout))

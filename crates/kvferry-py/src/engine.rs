@@ -1,0 +1,463 @@
+//! `Engine`: the Python face of [`kvferry::engine::Engine`]. It owns a tokio runtime
+//! on which the engine's server and transfers run; every call that waits or copies
+//! releases the GIL.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::layout::{KvCache, Span};
+use kvferry::mem::Region;
+use kvferry::peer::{Destination, TransferPath};
+use kvferry::wire::ChunkKey;
+use parking_lot::Mutex;
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use tokio::runtime::Runtime;
+
+use crate::errors::{py_err, ErrInfo};
+use crate::region::PyRegion;
+use crate::transfer::PyTransfer;
+
+static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
+
+/// Seconds from Python as a duration: positive and finite, or `None`.
+pub fn duration(secs: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
+    match secs {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(ErrInfo::invalid(format!("{what} must be a positive number of seconds, got {s}")).into()),
+    }
+}
+
+fn required(secs: f64, what: &str) -> PyResult<Duration> {
+    Ok(duration(Some(secs), what)?.expect("Some in, Some out"))
+}
+
+/// A chunk key from Python: a `str` (hashed) or 32 raw `bytes`.
+pub fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<ChunkKey> {
+    if let Ok(s) = obj.extract::<&str>() {
+        if s.is_empty() {
+            return Err(ErrInfo::invalid("a key must not be empty").into());
+        }
+        return Ok(ChunkKey::from_name(s));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let b = b.as_bytes();
+        return <[u8; 32]>::try_from(b)
+            .map(ChunkKey)
+            .map_err(|_| ErrInfo::invalid(format!("a bytes key must be 32 bytes, got {}", b.len())).into());
+    }
+    Err(ErrInfo::invalid(format!(
+        "a key must be str or 32 bytes, got {}",
+        obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+    ))
+    .into())
+}
+
+/// A C-contiguous byte view of a buffer-protocol object (the Python layer passes
+/// `memoryview(obj).cast("B")`).
+fn byte_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>> {
+    let buf = PyBuffer::<u8>::get(obj).map_err(|e| ErrInfo::invalid(format!("{what}: not a byte buffer ({e})")))?;
+    if !buf.is_c_contiguous() {
+        return Err(ErrInfo::invalid(format!("{what}: buffer is not C-contiguous")).into());
+    }
+    Ok(buf)
+}
+
+/// Registered Python memory: the buffer (holding its exporter) keeps it alive.
+struct HeldBuffer(#[allow(dead_code)] PyBuffer<u8>);
+
+/// Raw memory handed out by another engine: kept alive by `owner` (any object).
+struct HeldObject(#[allow(dead_code)] Py<PyAny>);
+
+/// The kvferry engine.
+#[pyclass(name = "Engine", module = "kvferry._kvferry", frozen)]
+pub struct PyEngine {
+    runtime: Mutex<Option<Runtime>>,
+    handle: tokio::runtime::Handle,
+    engine: Engine,
+    id: usize,
+    /// The Python key objects of publications, to report releases by them.
+    published: Mutex<HashMap<ChunkKey, Py<PyAny>>>,
+}
+
+impl PyEngine {
+    fn check_region(&self, region: &PyRegion) -> PyResult<()> {
+        if region.engine_id != self.id {
+            return Err(ErrInfo::invalid("region was registered with another engine").into());
+        }
+        Ok(())
+    }
+
+    fn destination(&self, region: &PyRegion, block_ids: Vec<Vec<u32>>, path: &str) -> PyResult<Destination> {
+        self.check_region(region)?;
+        if region.readonly {
+            return Err(ErrInfo::invalid(format!("{} is read-only: it cannot receive", region.cache().name())).into());
+        }
+        let path: TransferPath = path.parse().map_err(ErrInfo::invalid)?;
+        Ok(Destination::new(region.cache().clone(), block_ids).with_path(path))
+    }
+
+    fn keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<ChunkKey>> {
+        keys.iter().map(|k| key_of(&k)).collect()
+    }
+
+    fn register_cache(&self, cache: KvCache, readonly: bool) -> PyResult<PyRegion> {
+        let reg = self.engine.register(cache).map_err(py_err)?;
+        Ok(PyRegion {
+            reg,
+            readonly,
+            engine_id: self.id,
+        })
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (listen, secret, arena_bytes, page_size, peer_id, copy_threads, store_bytes,
+        store_block_bytes, lease_ttl, default_ttl, max_ttl, io_timeout, connect_timeout,
+        connections_per_peer, pinned, runtime_threads))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        listen: Option<String>,
+        secret: Option<Vec<u8>>,
+        arena_bytes: usize,
+        page_size: usize,
+        peer_id: Option<String>,
+        copy_threads: Option<usize>,
+        store_bytes: usize,
+        store_block_bytes: usize,
+        lease_ttl: f64,
+        default_ttl: f64,
+        max_ttl: f64,
+        io_timeout: f64,
+        connect_timeout: f64,
+        connections_per_peer: usize,
+        pinned: bool,
+        runtime_threads: usize,
+    ) -> PyResult<PyEngine> {
+        let mut cfg = EngineConfig::default()
+            .listen(listen.as_deref())
+            .secret(secret)
+            .arena(arena_bytes, page_size);
+        if let Some(id) = peer_id {
+            cfg = cfg.peer_id(id);
+        }
+        if let Some(t) = copy_threads {
+            if t == 0 {
+                return Err(ErrInfo::invalid("copy_threads must be at least 1").into());
+            }
+            cfg.copy.threads = t;
+        }
+        cfg.store = StoreConfig::Bytes {
+            bytes: store_bytes,
+            block_bytes: store_block_bytes,
+        };
+        cfg.lease_ttl = required(lease_ttl, "lease_ttl")?;
+        cfg.producer.default_ttl = required(default_ttl, "default_ttl")?;
+        cfg.producer.max_ttl = required(max_ttl, "max_ttl")?;
+        if cfg.producer.max_ttl < cfg.producer.default_ttl {
+            return Err(ErrInfo::invalid("max_ttl must be at least default_ttl").into());
+        }
+        cfg.net.io_timeout = required(io_timeout, "io_timeout")?;
+        cfg.net.connect_timeout = required(connect_timeout, "connect_timeout")?;
+        cfg.net.connections_per_peer = connections_per_peer;
+        cfg.pinned = pinned;
+        if runtime_threads == 0 {
+            return Err(ErrInfo::invalid("runtime_threads must be at least 1").into());
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(runtime_threads)
+            .thread_name("kvferry-rt")
+            .enable_all()
+            .build()
+            .map_err(|e| ErrInfo::new("Error", format!("starting the engine's runtime: {e}")))?;
+        let handle = runtime.handle().clone();
+        let engine = py
+            .detach(|| runtime.block_on(Engine::start(cfg)))
+            .map_err(py_err)?;
+        Ok(PyEngine {
+            runtime: Mutex::new(Some(runtime)),
+            handle,
+            engine,
+            id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
+            published: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `"host:port"` peers reach this engine on (None for a client-only engine).
+    #[getter]
+    fn address(&self) -> Option<String> {
+        self.engine.address().map(|a| a.to_string())
+    }
+
+    /// This engine's peer id.
+    #[getter]
+    fn peer_id(&self) -> String {
+        self.engine.peer_id().to_string()
+    }
+
+    /// This engine's incarnation (a new one at every start).
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.engine.incarnation()
+    }
+
+    /// Every counter, as JSON (the Python layer parses it into a dict).
+    fn stats_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.engine.stats()).map_err(|e| ErrInfo::new("Error", e.to_string()).into())
+    }
+
+    /// Registers `parts` — `[(buffer, [(offset, stride, length), ...]), ...]` — as one
+    /// KV cache of `blocks` blocks; block *i* is every part's spans at `i`, in order.
+    fn register_spans(
+        &self,
+        py: Python<'_>,
+        name: String,
+        parts: Vec<(Bound<'_, PyAny>, Vec<(usize, usize, usize)>)>,
+        blocks: u32,
+    ) -> PyResult<PyRegion> {
+        if parts.is_empty() {
+            return Err(ErrInfo::invalid("nothing to register").into());
+        }
+        let mut regions = Vec::with_capacity(parts.len());
+        let mut readonly = false;
+        for (i, (obj, spans)) in parts.iter().enumerate() {
+            let buf = byte_buffer(obj, &name)?;
+            readonly |= buf.readonly();
+            let len = buf.len_bytes();
+            let ptr = NonNull::new(buf.buf_ptr() as *mut u8)
+                .ok_or_else(|| ErrInfo::invalid(format!("{name}: buffer {i} is empty")))?;
+            // SAFETY: `ptr` is the buffer's memory, valid for `len` bytes while the
+            // `PyBuffer` is held; the region holds it (and so the exporting object) until
+            // every copy and socket operation referencing the region has dropped it.
+            // Writes happen only into regions that are not read-only (checked per
+            // transfer) and only into blocks a transfer owns.
+            let region = unsafe { Region::from_raw(format!("{name}[{i}]"), ptr, len, Box::new(HeldBuffer(buf))) };
+            let spans = spans
+                .iter()
+                .map(|&(offset, stride, len)| Span { offset, stride, len })
+                .collect();
+            regions.push((Arc::new(region), spans));
+        }
+        let _ = py;
+        let cache = KvCache::new(name, regions, blocks).map_err(|e| ErrInfo::invalid(e.to_string()))?;
+        self.register_cache(cache, readonly)
+    }
+
+    /// Registers raw memory another engine handed out: `ptr`, `nbytes` on the host,
+    /// laid out by `spans`; `owner` (any object) is kept alive as long as the region.
+    /// The caller guarantees the memory stays valid while `owner` lives.
+    #[pyo3(signature = (name, ptr, nbytes, spans, blocks, owner=None))]
+    fn register_raw(
+        &self,
+        py: Python<'_>,
+        name: String,
+        ptr: usize,
+        nbytes: usize,
+        spans: Vec<(usize, usize, usize)>,
+        blocks: u32,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<PyRegion> {
+        let ptr = NonNull::new(ptr as *mut u8).ok_or_else(|| ErrInfo::invalid("ptr must not be null"))?;
+        let owner = owner.unwrap_or_else(|| py.None());
+        // SAFETY: the caller of this documented-unsafe entry point promises `ptr` is
+        // valid for `nbytes` while `owner` lives; the region keeps `owner` until every
+        // transfer touching it has drained.
+        let region = unsafe { Region::from_raw(name.clone(), ptr, nbytes, Box::new(HeldObject(owner))) };
+        let spans = spans.iter().map(|&(offset, stride, len)| Span { offset, stride, len }).collect();
+        let cache = KvCache::new(name, vec![(Arc::new(region), spans)], blocks)
+            .map_err(|e| ErrInfo::invalid(e.to_string()))?;
+        self.register_cache(cache, false)
+    }
+
+    /// Deregisters `region`, waiting up to `timeout` seconds for the transfers and
+    /// publications using it; raises `InUseError` if they did not finish.
+    fn deregister(&self, py: Python<'_>, region: &PyRegion, timeout: f64) -> PyResult<()> {
+        self.check_region(region)?;
+        let t = required(timeout, "timeout")?;
+        let (e, reg) = (&self.engine, &region.reg);
+        py.detach(|| self.handle.block_on(e.deregister(reg, t))).map_err(py_err)
+    }
+
+    /// Publishes blocks of `region` under `key`, zero copy. The blocks must not be
+    /// written until `take_released()` reports the key.
+    #[pyo3(signature = (key, region, block_ids, ttl, once))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        key: Bound<'_, PyAny>,
+        region: &PyRegion,
+        block_ids: Vec<u32>,
+        ttl: Option<f64>,
+        once: bool,
+    ) -> PyResult<()> {
+        self.check_region(region)?;
+        let k = key_of(&key)?;
+        let ttl = duration(ttl, "ttl")?.unwrap_or(Duration::ZERO);
+        let (e, reg) = (&self.engine, &region.reg);
+        py.detach(|| e.publish(k, reg, &block_ids, ttl, once)).map_err(py_err)?;
+        self.published.lock().insert(k, key.unbind());
+        Ok(())
+    }
+
+    /// Releases a publication. False if the key is not published.
+    fn unpublish(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.engine.unpublish(&key_of(key)?))
+    }
+
+    /// `[(key, reason), ...]` of publications released since the last call.
+    fn take_released(&self, py: Python<'_>) -> Vec<(Py<PyAny>, String)> {
+        let released = self.engine.take_released();
+        let mut names = self.published.lock();
+        released
+            .into_iter()
+            .map(|r| {
+                let reason = serde_json::to_value(r.reason)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default();
+                let key = names
+                    .remove(&r.key)
+                    .unwrap_or_else(|| PyBytes::new(py, &r.key.0).into_any().unbind());
+                (key, reason)
+            })
+            .collect()
+    }
+
+    /// Copies `data` (any buffer) into the engine's store under `key`.
+    fn put(&self, py: Python<'_>, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = key_of(key)?;
+        let buf = byte_buffer(data, "put")?;
+        let len = buf.len_bytes();
+        // SAFETY: the buffer is held (and C-contiguous) for this call; it is only read.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) };
+        let e = &self.engine;
+        py.detach(|| e.put(k, bytes)).map_err(py_err)
+    }
+
+    /// Starts an eager get of `keys` from `peer` into `block_ids` of `region`.
+    fn get(
+        &self,
+        keys: &Bound<'_, PyList>,
+        peer: String,
+        region: &PyRegion,
+        block_ids: Vec<Vec<u32>>,
+        timeout: f64,
+        path: &str,
+    ) -> PyResult<PyTransfer> {
+        let keys = Self::keys(keys)?;
+        let dst = self.destination(region, block_ids, path)?;
+        let t = required(timeout, "timeout")?;
+        let _guard = self.handle.enter();
+        let deadline = tokio::time::Instant::now() + t;
+        let transfer = self.engine.start_get(&peer, &keys, dst, deadline);
+        let fence = transfer.fence();
+        Ok(PyTransfer::spawn(self.handle.clone(), peer, fence, transfer))
+    }
+
+    /// Delayed pull: asks `peer` to stage `keys`, then moves them into `block_ids` of
+    /// `region`; returns the chunks landed.
+    fn pull(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        peer: String,
+        region: &PyRegion,
+        block_ids: Vec<Vec<u32>>,
+        timeout: f64,
+        path: &str,
+    ) -> PyResult<usize> {
+        let keys = Self::keys(keys)?;
+        let dst = self.destination(region, block_ids, path)?;
+        let t = required(timeout, "timeout")?;
+        let e = self.engine.clone();
+        let p2 = peer.clone();
+        let fut = async move {
+            let deadline = tokio::time::Instant::now() + t;
+            let handle = e.stage(&p2, &keys, deadline).await.map_err(|error| kvferry::peer::GetFailure {
+                error,
+                fence: kvferry::copy::DrainFence::ready(),
+                dirty: false,
+            })?;
+            e.resolve(handle, dst, deadline).await
+        };
+        let (signal, fence) = kvferry::copy::DrainFence::pair();
+        let fut = async move {
+            let r = fut.await;
+            drop(signal);
+            r
+        };
+        let tr = PyTransfer::spawn(self.handle.clone(), peer.clone(), fence, fut);
+        match tr.wait_outcome(py, None)? {
+            Some(Ok(n)) => Ok(n),
+            Some(Err(mut e)) => {
+                e.op = Some("pull".into());
+                Err(e.to_py(py))
+            }
+            None => unreachable!("waits without a bound"),
+        }
+    }
+
+    /// Pushes `data` to `peer`'s store under `key`.
+    fn push(&self, py: Python<'_>, peer: String, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, timeout: f64) -> PyResult<()> {
+        let k = key_of(key)?;
+        let buf = byte_buffer(data, "push")?;
+        let t = required(timeout, "timeout")?;
+        let len = buf.len_bytes();
+        // SAFETY: the buffer is held (and C-contiguous) for this call; it is only read.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) };
+        let e = &self.engine;
+        py.detach(|| {
+            self.handle
+                .block_on(async { e.push(&peer, k, bytes, tokio::time::Instant::now() + t).await })
+                .map_err(|err| ErrInfo::from(&err).peer(&peer).op("push"))
+        })
+        .map_err(PyErr::from)
+    }
+
+    /// How many leading `keys` `peer` holds.
+    fn lookup(&self, py: Python<'_>, peer: String, keys: &Bound<'_, PyList>, timeout: f64) -> PyResult<usize> {
+        let keys = Self::keys(keys)?;
+        let t = required(timeout, "timeout")?;
+        let e = &self.engine;
+        py.detach(|| {
+            self.handle
+                .block_on(async { e.lookup(&peer, &keys, tokio::time::Instant::now() + t).await })
+                .map_err(|err| ErrInfo::from(&err).peer(&peer).op("lookup"))
+        })
+        .map_err(PyErr::from)
+    }
+
+    /// Closes the engine (drains everything, at most `timeout` seconds) and returns
+    /// what was still out. Idempotent.
+    fn close<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        let t = required(timeout, "timeout")?;
+        let e = &self.engine;
+        let report = py.detach(|| self.handle.block_on(e.close(tokio::time::Instant::now() + t)));
+        let rt = self.runtime.lock().take();
+        if let Some(rt) = rt {
+            py.detach(|| rt.shutdown_timeout(Duration::from_millis(500)));
+        }
+        self.published.lock().clear();
+        let d = PyDict::new(py);
+        d.set_item("outstanding_pages", report.outstanding_pages)?;
+        d.set_item("quarantined_pages", report.quarantined_pages)?;
+        d.set_item("draining_transfers", report.draining_transfers)?;
+        d.set_item("clean", report.is_clean())?;
+        Ok(d)
+    }
+
+    /// True once `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.runtime.lock().is_none()
+    }
+}

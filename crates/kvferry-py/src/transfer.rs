@@ -1,0 +1,222 @@
+//! `Transfer`: a get in flight. It runs as a task on the engine's runtime; Python
+//! waits on it with the GIL released, in short slices so that Ctrl-C is noticed
+//! within tens of milliseconds.
+//!
+//! # Cancellation
+//!
+//! `cancel()` (and a `KeyboardInterrupt` during `wait`) cancels the transfer and
+//! returns only after its drain: no socket or copy thread touches the destination
+//! blocks any more and its staging pages are back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry::copy::DrainFence;
+use kvferry::peer::{GetFailure, Landed, PeerError};
+use parking_lot::{Condvar, Mutex};
+use pyo3::prelude::*;
+use tokio::runtime::Handle;
+use tokio_util::sync::CancellationToken;
+
+use crate::errors::ErrInfo;
+
+/// Bound on waiting for a cancelled transfer's drain (it is itself bounded by the
+/// engine's I/O timeout and one copy slice; this only keeps Python responsive).
+const DRAIN_BOUND: Duration = Duration::from_secs(10);
+/// How often a waiting thread looks at Python's signals.
+const SIGNAL_SLICE: Duration = Duration::from_millis(10);
+
+type Outcome = Result<usize, ErrInfo>;
+
+#[derive(Default)]
+struct Shared {
+    outcome: Mutex<Option<Outcome>>,
+    done: Condvar,
+    callbacks: Mutex<Vec<Py<PyAny>>>,
+}
+
+impl Shared {
+    fn finish(&self, o: Outcome) {
+        *self.outcome.lock() = Some(o);
+        self.done.notify_all();
+        let cbs: Vec<Py<PyAny>> = std::mem::take(&mut *self.callbacks.lock());
+        if !cbs.is_empty() {
+            Python::attach(|py| {
+                for cb in cbs {
+                    if let Err(e) = cb.call0(py) {
+                        e.print(py);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// A transfer in flight (from `Engine.get`).
+#[pyclass(name = "Transfer", module = "kvferry._kvferry", frozen)]
+pub struct PyTransfer {
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    fence: DrainFence,
+    runtime: Handle,
+    peer: String,
+}
+
+/// What a finished transfer means for Python: chunks landed, or why not.
+pub fn outcome(peer: &str, r: Result<Landed, GetFailure>, what: &str) -> Outcome {
+    match r {
+        Ok(l) if l.chunks == 0 => Err(ErrInfo::new("NotFoundError", format!("{peer} holds none of the keys"))
+            .peer(peer)
+            .op(what)),
+        Ok(l) => Ok(l.chunks),
+        Err(f) => Err(ErrInfo::from(&f).peer(peer).op(what)),
+    }
+}
+
+impl PyTransfer {
+    /// Runs `fut` (a transfer whose fence is `fence`) on `runtime`.
+    pub fn spawn<F>(runtime: Handle, peer: String, fence: DrainFence, fut: F) -> PyTransfer
+    where
+        F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
+    {
+        let shared = Arc::new(Shared::default());
+        let cancel = CancellationToken::new();
+        let (s, c, p) = (shared.clone(), cancel.clone(), peer.clone());
+        runtime.spawn(async move {
+            let r = tokio::select! {
+                r = fut => r,
+                // Dropping `fut` cancels the transfer; its drain goes on in the
+                // background and fires the fence.
+                _ = c.cancelled() => Err(GetFailure {
+                    error: PeerError::Cancelled,
+                    fence: DrainFence::ready(),
+                    dirty: true,
+                }),
+            };
+            s.finish(outcome(&p, r, "get"));
+        });
+        PyTransfer {
+            shared,
+            cancel,
+            fence,
+            runtime,
+            peer,
+        }
+    }
+
+    /// Waits for the outcome; `None` when `timeout` passed first. Python signals are
+    /// checked every few milliseconds: a `KeyboardInterrupt` cancels the transfer,
+    /// waits for its drain, and is returned.
+    pub fn wait_outcome(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<Option<Outcome>> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            let slice = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Ok(self.shared.outcome.lock().clone());
+                    }
+                    left.min(SIGNAL_SLICE)
+                }
+                None => SIGNAL_SLICE,
+            };
+            let shared = self.shared.clone();
+            let got = py.detach(move || {
+                let mut o = shared.outcome.lock();
+                if o.is_none() {
+                    shared.done.wait_for(&mut o, slice);
+                }
+                o.clone()
+            });
+            if got.is_some() {
+                return Ok(got);
+            }
+            if let Err(e) = py.check_signals() {
+                self.cancel_and_drain(py);
+                return Err(e);
+            }
+        }
+    }
+
+    fn cancel_and_drain(&self, py: Python<'_>) -> bool {
+        self.cancel.cancel();
+        let (fence, rt) = (self.fence.clone(), self.runtime.clone());
+        py.detach(move || rt.block_on(fence.wait_until(tokio::time::Instant::now() + DRAIN_BOUND)))
+    }
+}
+
+#[pymethods]
+impl PyTransfer {
+    /// Waits until the transfer finished (at most `timeout` seconds; `None`: no
+    /// bound) and returns the number of chunks landed. Raises the transfer's error,
+    /// or `kvferry.TimeoutError` when `timeout` passed first (the transfer goes on:
+    /// wait again or `cancel()` it).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
+        let t = crate::engine::duration(timeout, "timeout")?;
+        match self.wait_outcome(py, t)? {
+            Some(Ok(n)) => Ok(n),
+            Some(Err(e)) => Err(e.to_py(py)),
+            None => {
+                let mut e = ErrInfo::new("TimeoutError", format!("transfer still running after {timeout:?} s"))
+                    .peer(&self.peer)
+                    .op("wait");
+                e.waited = t;
+                Err(e.to_py(py))
+            }
+        }
+    }
+
+    /// True once the transfer has finished (landed or failed).
+    fn done(&self) -> bool {
+        self.shared.outcome.lock().is_some()
+    }
+
+    /// Cancels the transfer and returns once its drain finished (the destination
+    /// blocks are quiet and staging pages are back): True then, False if the drain
+    /// did not finish within the bound (it goes on in the background).
+    fn cancel(&self, py: Python<'_>) -> bool {
+        self.cancel_and_drain(py)
+    }
+
+    /// The transfer's exception if it failed, else None (also None while running).
+    #[getter]
+    fn error(&self, py: Python<'_>) -> Option<PyErr> {
+        match &*self.shared.outcome.lock() {
+            Some(Err(e)) => Some(e.to_py(py)),
+            _ => None,
+        }
+    }
+
+    /// The number of chunks landed, once finished successfully; else None.
+    #[getter]
+    fn result(&self) -> Option<usize> {
+        match &*self.shared.outcome.lock() {
+            Some(Ok(n)) => Some(*n),
+            _ => None,
+        }
+    }
+
+    /// Calls `callback()` (from an engine thread, holding the GIL) once the transfer
+    /// finished; at once if it already has. Used by `await transfer`.
+    fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
+        {
+            let mut cbs = self.shared.callbacks.lock();
+            if self.shared.outcome.lock().is_none() {
+                cbs.push(callback);
+                return Ok(());
+            }
+        }
+        callback.call0(py)?;
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match &*self.shared.outcome.lock() {
+            None => "running".to_string(),
+            Some(Ok(n)) => format!("landed {n} chunk(s)"),
+            Some(Err(e)) => format!("failed: {}", e.class),
+        };
+        format!("Transfer(peer={:?}, {state})", self.peer)
+    }
+}
