@@ -75,6 +75,51 @@ struct HeldBuffer(#[allow(dead_code)] PyBuffer<u8>);
 /// Raw memory handed out by another engine: kept alive by `owner` (any object).
 struct HeldObject(#[allow(dead_code)] Py<PyAny>);
 
+/// A staged lease on a peer (delayed pull), from `Engine.stage`.
+#[pyclass(name = "Staged", module = "kvferry._kvferry", frozen)]
+pub struct PyStaged {
+    handle: kvferry::peer::StagedHandle,
+}
+
+#[pymethods]
+impl PyStaged {
+    /// The peer holding the lease.
+    #[getter]
+    fn peer(&self) -> String {
+        self.handle.peer.clone()
+    }
+
+    /// The peer's incarnation that granted it.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.handle.incarnation
+    }
+
+    /// Chunks staged (a prefix of the keys asked for).
+    #[getter]
+    fn chunks(&self) -> usize {
+        self.handle.chunks.len()
+    }
+
+    /// Seconds left on the lease (by this side's conservative clock).
+    #[getter]
+    fn ttl_left(&self) -> f64 {
+        self.handle
+            .expires
+            .saturating_duration_since(tokio::time::Instant::now())
+            .as_secs_f64()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Staged(peer={:?}, chunks={}, incarnation={:#x})",
+            self.handle.peer,
+            self.handle.chunks.len(),
+            self.handle.incarnation
+        )
+    }
+}
+
 /// The kvferry engine.
 #[pyclass(name = "Engine", module = "kvferry._kvferry", frozen)]
 pub struct PyEngine {
@@ -403,6 +448,75 @@ impl PyEngine {
                 Err(e.to_py(py))
             }
             None => unreachable!("waits without a bound"),
+        }
+    }
+
+    /// Delayed pull, step one: asks `peer` to stage `keys` under a lease (copied or
+    /// pinned on its side) and returns a handle to resolve before the lease expires.
+    fn stage(&self, py: Python<'_>, peer: String, keys: &Bound<'_, PyList>, timeout: f64) -> PyResult<PyStaged> {
+        let keys = Self::keys(keys)?;
+        let t = required(timeout, "timeout")?;
+        let e = &self.engine;
+        let h = py
+            .detach(|| {
+                self.handle
+                    .block_on(async { e.stage(&peer, &keys, tokio::time::Instant::now() + t).await })
+                    .map_err(|err| ErrInfo::from(&err).peer(&peer).op("stage"))
+            })
+            .map_err(PyErr::from)?;
+        if h.chunks.is_empty() {
+            return Err(ErrInfo::new("NotFoundError", format!("{peer} holds none of the keys"))
+                .peer(&peer)
+                .op("stage")
+                .into());
+        }
+        Ok(PyStaged { handle: h })
+    }
+
+    /// Delayed pull, step two: moves a staged handle's chunks into `block_ids` of
+    /// `region`; returns the chunks landed. Raises `PeerRestartedError` if the peer
+    /// restarted since staging, `LeaseExpiredError` if the lease is (nearly) over.
+    fn resolve(
+        &self,
+        py: Python<'_>,
+        staged: &PyStaged,
+        region: &PyRegion,
+        block_ids: Vec<Vec<u32>>,
+        timeout: f64,
+        path: &str,
+    ) -> PyResult<usize> {
+        let dst = self.destination(region, block_ids, path)?;
+        let t = required(timeout, "timeout")?;
+        let (e, h) = (self.engine.clone(), staged.handle.clone());
+        let peer = h.peer.clone();
+        let _guard = self.handle.enter();
+        let (signal, fence) = kvferry::copy::DrainFence::pair();
+        let fut = async move {
+            let r = e.resolve(h, dst, tokio::time::Instant::now() + t).await;
+            drop(signal);
+            r
+        };
+        let tr = PyTransfer::spawn(self.handle.clone(), peer, fence, fut);
+        match tr.wait_outcome(py, None)? {
+            Some(Ok(n)) => Ok(n),
+            Some(Err(mut e)) => {
+                e.op = Some("resolve".into());
+                Err(e.to_py(py))
+            }
+            None => unreachable!("waits without a bound"),
+        }
+    }
+
+    /// Test hook (not API): arms the producer's fault switches. `send_delay_us` delays
+    /// every chunk sent; `corrupt_next_sends` corrupts the next N chunks on the wire.
+    #[pyo3(signature = (send_delay_us=None, corrupt_next_sends=None))]
+    fn _inject_faults(&self, send_delay_us: Option<u64>, corrupt_next_sends: Option<u64>) {
+        let f = self.engine.producer().faults();
+        if let Some(d) = send_delay_us {
+            f.send_delay_us.store(d, Ordering::Relaxed);
+        }
+        if let Some(n) = corrupt_next_sends {
+            f.corrupt_next_sends.store(n, Ordering::Relaxed);
         }
     }
 

@@ -21,6 +21,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<region::PyRegion>()?;
     m.add_class::<transfer::PyTransfer>()?;
+    m.add_class::<engine::PyStaged>()?;
     m.add_function(wrap_pyfunction!(key_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -11,7 +11,7 @@ never leaks, never hangs.
 
 from . import errors
 from ._engine import Engine, Region, Transfer
-from ._kvferry import __version__, key_bytes
+from ._kvferry import Staged, __version__, key_bytes
 from .errors import (
     AuthError,
     BusyError,
@@ -32,6 +32,7 @@ __all__ = [
     "Engine",
     "Region",
     "Transfer",
+    "Staged",
     "key_bytes",
     "errors",
     "Error",

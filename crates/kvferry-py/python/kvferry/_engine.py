@@ -355,6 +355,22 @@ class Engine:
         keys, blocks = _batch(key, block_ids)
         return self._e.pull(keys, self._peer(peer), dst, blocks, float(timeout), _path(path))
 
+    def stage(self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0) -> _kvferry.Staged:
+        """Delayed pull, step one: ``peer`` stages the keys under a lease (its TTL is
+        this engine's ``lease_ttl``) and returns a handle for :meth:`resolve`. Raises
+        ``NotFoundError`` when the peer holds none of them."""
+        ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
+        return self._e.stage(self._peer(peer), ks, float(timeout))
+
+    def resolve(self, staged: _kvferry.Staged, dst: Region, block_ids: Any, timeout: float = 5.0, *, path: str = "direct") -> int:
+        """Delayed pull, step two: moves a staged handle's chunks into ``dst``
+        (``block_ids``: one list per staged chunk, or one list for a single chunk);
+        returns the chunks landed. ``PeerRestartedError`` if the peer restarted since."""
+        rows = block_ids.tolist() if callable(getattr(block_ids, "tolist", None)) else list(block_ids)
+        if rows and not isinstance(rows[0], (list, tuple)):
+            rows = [rows]
+        return self._e.resolve(staged, dst, [_ids(r) for r in rows], float(timeout), _path(path))
+
     def push(self, peer: str, key: Key, data: Any, timeout: float = 5.0) -> None:
         """Pushes ``data`` into ``peer``'s store under ``key``."""
         self._e.push(self._peer(peer), key, byte_view(data, "push"), float(timeout))

@@ -1,0 +1,83 @@
+"""Shared helpers: a producer engine in another process (spawned, so it can be
+SIGKILLed like a crashed server) and process memory readings."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvferry
+
+BLOCK = 4096
+
+
+def producer_main(conn, listen: str, secret: bytes | None, nblocks: int, send_delay_us: int) -> None:
+    """Runs in a spawned process: publishes chunks on request and reports back."""
+    eng = kvferry.Engine(listen=listen, secret=secret, max_ttl=60.0, ttl=60.0)
+    eng._e._inject_faults(send_delay_us=send_delay_us)
+    kv = np.arange(nblocks * BLOCK, dtype=np.uint32).astype(np.uint8).reshape(nblocks, BLOCK)
+    kv += np.uint8(eng.incarnation % 251)
+    region = eng.register_kv_cache(kv, block_bytes=BLOCK)
+    conn.send((eng.address, eng.incarnation))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "publish":
+            _, key, blocks = msg
+            eng.publish(key, region, blocks, ttl=60.0, once=False)
+            conn.send(("ok", kv[blocks].tobytes()))
+        elif msg[0] == "stop":
+            eng.close()
+            conn.send(("stopped",))
+            return
+
+
+class RemoteProducer:
+    """A producer engine in a child process."""
+
+    def __init__(self, listen: str = "127.0.0.1:0", secret: bytes | None = None, nblocks: int = 64, send_delay_us: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=producer_main, args=(child, listen, secret, nblocks, send_delay_us), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(30):
+            raise RuntimeError("producer process did not start")
+        self.address, self.incarnation = self.conn.recv()
+
+    def publish(self, key: str, blocks: list[int]) -> bytes:
+        self.conn.send(("publish", key, blocks))
+        _, data = self.conn.recv()
+        return data
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            self.conn.poll(10)
+            self.proc.join(10)
+
+
+@pytest.fixture
+def remote_producer() -> Iterator[type[RemoteProducer]]:
+    made: list[RemoteProducer] = []
+
+    def make(**kw) -> RemoteProducer:
+        p = RemoteProducer(**kw)
+        made.append(p)
+        return p
+
+    yield make  # type: ignore[misc]
+    for p in made:
+        if p.proc.is_alive():
+            p.kill()
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

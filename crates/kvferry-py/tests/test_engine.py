@@ -1,0 +1,283 @@
+"""The Python engine end to end over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+import kvferry
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def pair():
+    with kvferry.Engine(peer_id="prefill") as p, kvferry.Engine(peer_id="decode") as d:
+        yield p, d
+
+
+def kv(n=64, seed=0):
+    return np.random.default_rng(seed).integers(0, 255, (n, BLOCK), dtype=np.uint8)
+
+
+def test_identity_stats_and_clean_close():
+    e = kvferry.Engine(peer_id="me")
+    host, port = e.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert e.peer_id == "me" and e.incarnation != 0
+    s = e.stats()
+    assert s["arena"]["total_pages"] == 64 and s["registered"] == 0
+    report = e.close()
+    assert report["clean"], report
+    assert e.close()["clean"]  # idempotent
+    with pytest.raises(kvferry.ClosedError):
+        e.put("k", b"x")
+
+
+def test_batched_get_with_numpy_keys_and_ids(pair):
+    p, d = pair
+    src_arr = kv()
+    src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
+    for i in range(4):
+        p.publish(f"k{i}", src, [i * 2, i * 2 + 1])
+    out = np.zeros_like(src_arr)
+    dst = d.register_kv_cache(out, block_bytes=BLOCK)
+    keys = np.array([f"k{i}" for i in range(4)])
+    ids = np.arange(40, 48).reshape(4, 2)
+    assert d.get_blocking(p.address, keys, dst, ids) == 4
+    assert (out[40:48] == src_arr[0:8]).all()
+    # once=True (default): every Done released its publication
+    released = sorted(p.released())
+    assert released == [(f"k{i}", "done") for i in range(4)]
+
+
+def test_partial_hit_and_miss(pair):
+    p, d = pair
+    src_arr = kv()
+    src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
+    p.publish("a", src, [1], once=False)
+    out = np.zeros_like(src_arr)
+    dst = d.register_kv_cache(out, block_bytes=BLOCK)
+    assert d.get_blocking(p.address, ["a", "nope"], dst, [[5], [6]]) == 1
+    assert (out[5] == src_arr[1]).all() and not out[6].any()
+    with pytest.raises(kvferry.NotFoundError) as ei:
+        d.get_blocking(p.address, "nope", dst, [7])
+    assert ei.value.peer == p.address
+
+
+def test_staged_path_and_copy_in_store(pair):
+    p, d = pair
+    data = np.random.default_rng(1).integers(0, 255, 3 * BLOCK, dtype=np.uint8)
+    p.put("stored", data)
+    data[:] = 0  # copy in: the caller may reuse its buffer at once
+    out = np.zeros((8, BLOCK), dtype=np.uint8)
+    dst = d.register_kv_cache(out, block_bytes=BLOCK)
+    assert d.get_blocking(p.address, "stored", dst, [2, 3, 4], path="staged") == 1
+    assert out[2:5].tobytes() == np.random.default_rng(1).integers(0, 255, 3 * BLOCK, dtype=np.uint8).tobytes()
+
+
+def test_push_lookup_and_pull(pair):
+    p, d = pair
+    payload = bytes(range(256)) * 64  # 16 KiB
+    d.push(p.address, "pushed", payload)
+    assert d.lookup(p.address, ["pushed", "other"]) == 1
+    out = bytearray(16 * BLOCK)
+    dst = d.register_kv_cache(out, block_bytes=BLOCK)
+    assert d.pull(p.address, "pushed", dst, [4, 5, 6, 7]) == 1
+    assert bytes(out[4 * BLOCK : 8 * BLOCK]) == payload
+    h = d.stage(p.address, ["pushed"])
+    assert h.chunks == 1 and h.ttl_left > 1
+    assert d.resolve(h, dst, [8, 9, 10, 11], path="staged") == 1
+    assert bytes(out[8 * BLOCK : 12 * BLOCK]) == payload
+
+
+def test_per_layer_caches_vllm_layout(pair):
+    p, d = pair
+    layers, nb, piece = 3, 16, 256
+    src = {f"layer.{i}": np.random.default_rng(i).integers(0, 255, (2, nb, piece), dtype=np.uint8) for i in range(layers)}
+    dst_arrays = {f"layer.{i}": np.zeros((2, nb, piece), dtype=np.uint8) for i in range(layers)}
+    s = p.register_kv_caches(src)
+    t = d.register_kv_caches(dst_arrays)
+    assert s.num_blocks == nb and s.block_bytes == layers * 2 * piece
+    p.publish("req", s, [1, 2])
+    assert d.get_blocking(p.address, "req", t, [7, 9]) == 1
+    for name in src:
+        for kvh in (0, 1):
+            assert (dst_arrays[name][kvh, 7] == src[name][kvh, 1]).all()
+            assert (dst_arrays[name][kvh, 9] == src[name][kvh, 2]).all()
+            assert not dst_arrays[name][kvh, 8].any()
+
+
+def test_bad_input_is_typed_and_named(pair):
+    p, d = pair
+    arr = kv()
+    dst = d.register_kv_cache(arr, block_bytes=BLOCK)
+    with pytest.raises(kvferry.InvalidArgumentError, match="out of range"):
+        d.get_blocking(p.address, "k", dst, [64])
+    with pytest.raises(kvferry.InvalidArgumentError, match="listed twice"):
+        d.get_blocking(p.address, "k", dst, [1, 1])
+    with pytest.raises(kvferry.InvalidArgumentError, match="not C-contiguous"):
+        d.register_kv_cache(arr[:, ::2], block_bytes=BLOCK // 2)
+    with pytest.raises(kvferry.InvalidArgumentError, match="whole number"):
+        d.register_kv_cache(arr, block_bytes=5000)
+    with pytest.raises(kvferry.InvalidArgumentError, match="neither a buffer"):
+        d.register_kv_cache(object(), block_bytes=BLOCK)
+    with pytest.raises(kvferry.InvalidArgumentError, match="read-only"):
+        ro = np.zeros((4, BLOCK), dtype=np.uint8)
+        ro.flags.writeable = False
+        d.get_blocking(p.address, "k", d.register_kv_cache(ro, block_bytes=BLOCK), [0])
+    with pytest.raises(kvferry.InvalidArgumentError, match="device"):
+        kvferry.Engine(device="cuda:0")
+    with pytest.raises(ValueError):  # InvalidArgumentError is also a ValueError
+        d.get_blocking(p.address, "k", dst, [], timeout=1.0)
+    assert d.stats()["consumer"]["failed"] == 0  # refused before any transfer
+
+
+def test_wrong_secret_is_auth_error():
+    with kvferry.Engine(secret="s" * 32) as p, kvferry.Engine(secret="t" * 32) as d:
+        out = np.zeros((4, BLOCK), dtype=np.uint8)
+        dst = d.register_kv_cache(out, block_bytes=BLOCK)
+        with pytest.raises(kvferry.AuthError):
+            d.get_blocking(p.address, "k", dst, [0], timeout=5.0)
+    with kvferry.Engine(secret="s" * 32) as p, kvferry.Engine(secret="s" * 32) as d:
+        src = p.register_kv_cache(kv(4), block_bytes=BLOCK)
+        p.publish("k", src, [0])
+        dst = d.register_kv_cache(np.zeros((4, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
+        assert d.get_blocking(p.address, "k", dst, [0]) == 1
+
+
+def test_timeout_is_bounded_and_nothing_leaks(pair):
+    p, d = pair
+    p._e._inject_faults(send_delay_us=2_000_000)
+    src = p.register_kv_cache(kv(), block_bytes=BLOCK)
+    p.publish("slow", src, [0, 1], once=False)
+    dst = d.register_kv_cache(np.zeros((64, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
+    t0 = time.monotonic()
+    with pytest.raises(kvferry.TimeoutError) as ei:
+        d.get_blocking(p.address, "slow", dst, [0, 1], timeout=0.2)
+    took = time.monotonic() - t0
+    assert isinstance(ei.value, TimeoutError)  # the builtin too
+    assert 0.2 <= took < 0.2 + 0.02, took
+    assert ei.value.waited is not None and ei.value.waited >= 0.2
+    deadline = time.monotonic() + 5
+    while d.stats()["consumer"]["draining"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    a = d.stats()["arena"]
+    assert a["free_pages"] == a["total_pages"], a
+
+
+def test_other_thread_runs_while_waiting_and_ctrl_c_cancels(pair):
+    p, d = pair
+    p._e._inject_faults(send_delay_us=3_000_000)
+    src = p.register_kv_cache(kv(), block_bytes=BLOCK)
+    p.publish("slow", src, [0], once=False)
+    dst = d.register_kv_cache(np.zeros((64, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
+    stop = threading.Event()
+    count = [0]
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    def interrupt():
+        time.sleep(0.3)
+        sent[0] = time.monotonic()
+        import _thread
+
+        _thread.interrupt_main()
+
+    sent = [0.0]
+    threading.Thread(target=spin, daemon=True).start()
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        d.get_blocking(p.address, "slow", dst, [5], timeout=10.0, path="staged")
+    raised = time.monotonic()
+    stop.set()
+    assert raised - sent[0] < 0.1, raised - sent[0]
+    assert count[0] > 1000, "the other thread was starved while we waited"
+    # The drain finished before KeyboardInterrupt was raised: nothing is out.
+    s = d.stats()
+    assert s["consumer"]["draining"] == 0
+    assert s["arena"]["free_pages"] == s["arena"]["total_pages"], s["arena"]
+
+
+def test_registered_memory_outlives_python_references(pair):
+    p, d = pair
+    p._e._inject_faults(send_delay_us=300_000)
+    src_arr = kv()
+    src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
+    p.publish("slow", src, [3, 4], once=False)
+    out = np.zeros((64, BLOCK), dtype=np.uint8)
+    addr = out.ctypes.data
+    alive = weakref.ref(out)
+    dst = d.register_kv_cache(out, block_bytes=BLOCK)
+    t = d.get(p.address, "slow", dst, [20, 21])
+    with pytest.raises(kvferry.InUseError):
+        d.deregister(dst, timeout=0.05)
+    del out
+    gc.collect()
+    assert alive() is not None, "the engine keeps the array alive while a transfer writes it"
+    assert t.wait(5.0) == 1
+    import ctypes
+
+    landed = ctypes.string_at(addr + 20 * BLOCK, 2 * BLOCK)
+    assert landed == src_arr[3:5].tobytes()
+    d.deregister(dst, timeout=1.0)
+    del dst
+    gc.collect()
+    assert alive() is None, "deregistered and drained: the array is freed"
+
+
+def test_asyncio_await_and_cancel(pair):
+    p, d = pair
+    src_arr = kv()
+    src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
+    for i in range(8):
+        p.publish(f"a{i}", src, [i])
+    out = np.zeros((64, BLOCK), dtype=np.uint8)
+    dst = d.register_kv_cache(out, block_bytes=BLOCK)
+
+    async def main():
+        ts = [d.get(p.address, f"a{i}", dst, [10 + i]) for i in range(8)]
+        return await asyncio.gather(*ts)
+
+    assert asyncio.run(main()) == [1] * 8
+    assert (out[10:18] == src_arr[0:8]).all()
+    p._e._inject_faults(send_delay_us=2_000_000)
+    p.publish("slow", src, [9], once=False)
+    t = d.get(p.address, "slow", dst, [30])
+    assert not t.done()
+    assert t.cancel() is True
+    assert t.done() and isinstance(t.error, kvferry.CancelledError)
+    assert d.stats()["consumer"]["draining"] == 0
+
+
+def test_publication_released_by_ttl_and_explicitly(pair):
+    p, d = pair
+    src = p.register_kv_cache(kv(), block_bytes=BLOCK)
+    p.publish("short", src, [0], ttl=0.2)
+    p.publish("manual", src, [1])
+    assert p.release("manual") is True and p.release("manual") is False
+    time.sleep(0.5)
+    assert sorted(p.released()) == [("manual", "released"), ("short", "expired")]
+    dst = d.register_kv_cache(np.zeros((4, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
+    with pytest.raises(kvferry.NotFoundError):
+        d.get_blocking(p.address, "short", dst, [0])
+
+
+def test_corruption_is_detected_and_reported_dirty(pair):
+    p, d = pair
+    src = p.register_kv_cache(kv(), block_bytes=BLOCK)
+    p.publish("c", src, [0, 1], once=False)
+    p._e._inject_faults(corrupt_next_sends=1)
+    dst = d.register_kv_cache(np.zeros((64, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
+    with pytest.raises(kvferry.ChecksumError) as ei:
+        d.get_blocking(p.address, "c", dst, [0, 1])
+    assert ei.value.dirty is True
+    assert d.get_blocking(p.address, "c", dst, [0, 1]) == 1  # the next one is clean
