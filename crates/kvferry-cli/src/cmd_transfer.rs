@@ -113,7 +113,8 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
     let (landed, bytes) = rt.block_on(async {
         let c = consumer(&args.peer, layout.region_bytes()).await?;
         let region = Arc::new(Region::host("get", layout.region_bytes())?);
-        let dst = Destination::from_layout(region.clone(), &layout, vec![(0..args.max_blocks).collect()]).expect("valid destination");
+        let dst = Destination::from_layout(region.clone(), &layout, vec![(0..args.max_blocks).collect()])
+            .expect("valid destination");
         let deadline = Instant::now() + args.peer.timeout;
         let k = key(&args.peer.key);
         let landed = c

@@ -120,11 +120,13 @@ impl EngineArgs {
             "--max-ttl ({max_ttl:?}) must be at least --ttl ({:?})",
             self.ttl
         );
-        let mut cfg = EngineConfig::default();
-        cfg.listen = listen.map(str::to_string);
-        cfg.net = self.net(peer_id)?;
-        cfg.arena_bytes = self.arena.bytes() as usize;
-        cfg.page_size = page;
+        let mut cfg = EngineConfig {
+            listen: listen.map(str::to_string),
+            net: self.net(peer_id)?,
+            arena_bytes: self.arena.bytes() as usize,
+            page_size: page,
+            ..EngineConfig::default()
+        };
         if let Some(t) = self.copy_threads {
             anyhow::ensure!(t > 0, "--copy-threads must be at least 1");
             cfg.copy.threads = t;

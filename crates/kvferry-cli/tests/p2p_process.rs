@@ -103,7 +103,12 @@ fn sigkilled_producer_is_peer_lost_promptly_and_its_restart_is_a_new_incarnation
             tokio::time::Instant::now() + Duration::from_secs(5),
         ))
         .unwrap();
-    let dst = Destination::from_layout(region.clone(), &layout, (0..3).map(|i| (i * 4..i * 4 + 4).collect()).collect()).expect("valid destination");
+    let dst = Destination::from_layout(
+        region.clone(),
+        &layout,
+        (0..3).map(|i| (i * 4..i * 4 + 4).collect()).collect(),
+    )
+    .expect("valid destination");
     let (c2, addr, k2) = (c.clone(), p.addr.clone(), keys.clone());
     let get = rt.spawn(async move {
         c2.get(&addr, &k2, dst, tokio::time::Instant::now() + Duration::from_secs(30))

@@ -225,9 +225,7 @@ impl PyEngine {
             .build()
             .map_err(|e| ErrInfo::new("Error", format!("starting the engine's runtime: {e}")))?;
         let handle = runtime.handle().clone();
-        let engine = py
-            .detach(|| runtime.block_on(Engine::start(cfg)))
-            .map_err(py_err)?;
+        let engine = py.detach(|| runtime.block_on(Engine::start(cfg))).map_err(py_err)?;
         Ok(PyEngine {
             runtime: Mutex::new(Some(runtime)),
             handle,
@@ -317,9 +315,12 @@ impl PyEngine {
         // valid for `nbytes` while `owner` lives; the region keeps `owner` until every
         // transfer touching it has drained.
         let region = unsafe { Region::from_raw(name.clone(), ptr, nbytes, Box::new(HeldObject(owner))) };
-        let spans = spans.iter().map(|&(offset, stride, len)| Span { offset, stride, len }).collect();
-        let cache = KvCache::new(name, vec![(Arc::new(region), spans)], blocks)
-            .map_err(|e| ErrInfo::invalid(e.to_string()))?;
+        let spans = spans
+            .iter()
+            .map(|&(offset, stride, len)| Span { offset, stride, len })
+            .collect();
+        let cache =
+            KvCache::new(name, vec![(Arc::new(region), spans)], blocks).map_err(|e| ErrInfo::invalid(e.to_string()))?;
         self.register_cache(cache, false)
     }
 
@@ -427,11 +428,14 @@ impl PyEngine {
         let p2 = peer.clone();
         let fut = async move {
             let deadline = tokio::time::Instant::now() + t;
-            let handle = e.stage(&p2, &keys, deadline).await.map_err(|error| kvferry::peer::GetFailure {
-                error,
-                fence: kvferry::copy::DrainFence::ready(),
-                dirty: false,
-            })?;
+            let handle = e
+                .stage(&p2, &keys, deadline)
+                .await
+                .map_err(|error| kvferry::peer::GetFailure {
+                    error,
+                    fence: kvferry::copy::DrainFence::ready(),
+                    dirty: false,
+                })?;
             e.resolve(handle, dst, deadline).await
         };
         let (signal, fence) = kvferry::copy::DrainFence::pair();
@@ -521,7 +525,14 @@ impl PyEngine {
     }
 
     /// Pushes `data` to `peer`'s store under `key`.
-    fn push(&self, py: Python<'_>, peer: String, key: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, timeout: f64) -> PyResult<()> {
+    fn push(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        key: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
         let k = key_of(key)?;
         let buf = byte_buffer(data, "push")?;
         let t = required(timeout, "timeout")?;

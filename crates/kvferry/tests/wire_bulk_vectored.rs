@@ -2,7 +2,9 @@
 //! read into many differently cut parts arrives intact, with its checksum verified;
 //! a wrong checksum is reported after the whole payload.
 
-use kvferry::wire::{read_bulk_body_tcp, write_bulk, write_bulk_with_checksum, FrameHeader, Limits, WireError, HEADER_LEN};
+use kvferry::wire::{
+    read_bulk_body_tcp, write_bulk, write_bulk_with_checksum, FrameHeader, Limits, WireError, HEADER_LEN,
+};
 use proptest::prelude::*;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -75,5 +77,14 @@ async fn wrong_checksum_is_reported_after_the_payload() {
     let e = roundtrip(data, vec![10, 5000, 70_000], vec![1, 2, 3, 40_000], true)
         .await
         .unwrap_err();
-    assert!(matches!(e, WireError::ChecksumMismatch { expected: 0xDEAD_BEEF, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            WireError::ChecksumMismatch {
+                expected: 0xDEAD_BEEF,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }

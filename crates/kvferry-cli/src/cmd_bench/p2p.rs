@@ -316,7 +316,8 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
             let bytes = pattern(r, c, chunk_bytes);
             *e = kvferry::wire::crc::checksum(&bytes);
             if staged {
-                p.put(key(r, c), &bytes).with_context(|| format!("filling request {r}"))?;
+                p.put(key(r, c), &bytes)
+                    .with_context(|| format!("filling request {r}"))?;
             } else {
                 // Request r's chunk c takes consecutive blocks of its producer's cache.
                 let first = ((r / args.producers) * args.chunks_per_request + c) * bpc;
@@ -469,7 +470,9 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     for p in producers {
         p.close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
     }
-    consumer.close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
+    consumer
+        .close(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
 
     // Limits are the best of three runs of 1 GiB (or what was moved, if less): a limit
     // measured on a noisy run would flatter the ratio.

@@ -189,7 +189,9 @@ fn store_layout(cfg: &StoreConfig) -> Result<KvLayout, EngineError> {
                 .ok()
                 .filter(|b| *b > 0)
                 .ok_or_else(|| {
-                    EngineError::InvalidConfig(format!("store of {bytes} bytes must hold 1..2^32 blocks of {block_bytes}"))
+                    EngineError::InvalidConfig(format!(
+                        "store of {bytes} bytes must hold 1..2^32 blocks of {block_bytes}"
+                    ))
                 })?;
             // One layer, one head: a "piece" is half a block (K, then V).
             Ok(KvLayout {
@@ -210,7 +212,9 @@ impl Engine {
     /// Builds and starts an engine (binding its listen address, if any). Must be called
     /// inside a tokio runtime: its server, sweeper and transfers run on it.
     pub async fn start(cfg: EngineConfig) -> Result<Engine, EngineError> {
-        cfg.net.validate().map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+        cfg.net
+            .validate()
+            .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
         if cfg.page_size == 0 {
             return Err(EngineError::InvalidConfig("page size must be greater than zero".into()));
         }
@@ -237,7 +241,13 @@ impl Engine {
         let layout = store_layout(&cfg.store)?;
         let region = Arc::new(Region::host("store", layout.region_bytes())?);
         let store = ChunkStore::new(region, layout, cfg.store_capacity)?;
-        let producer = Producer::new(store, arena.clone(), copy.clone(), cfg.producer.clone(), cfg.net.incarnation)?;
+        let producer = Producer::new(
+            store,
+            arena.clone(),
+            copy.clone(),
+            cfg.producer.clone(),
+            cfg.net.incarnation,
+        )?;
         let mut ccfg = ConsumerConfig::new(cfg.net.clone());
         ccfg.lease_ttl = cfg.lease_ttl;
         ccfg.lease_guard = cfg.lease_guard;
@@ -433,7 +443,9 @@ impl Engine {
     pub fn put(&self, key: ChunkKey, data: &[u8]) -> Result<(), EngineError> {
         self.check_open()?;
         if data.is_empty() {
-            return Err(EngineError::Peer(PeerError::InvalidArgument("refusing to store an empty chunk".into())));
+            return Err(EngineError::Peer(PeerError::InvalidArgument(
+                "refusing to store an empty chunk".into(),
+            )));
         }
         let layout = self.inner.producer.store().layout();
         let cap = layout.block_bytes() * layout.blocks as usize;
@@ -457,36 +469,63 @@ impl Engine {
     }
 
     /// Eager get: `peer` sends `keys` at once; they land in `dst`.
-    pub async fn get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+    pub async fn get(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        dst: Destination,
+        deadline: Instant,
+    ) -> Result<Landed, GetFailure> {
         if let Some(f) = self.closed_failure() {
             return Err(f);
         }
-        self.inner.consumer.get(&self.resolve_peer(peer), keys, dst, deadline).await
+        self.inner
+            .consumer
+            .get(&self.resolve_peer(peer), keys, dst, deadline)
+            .await
     }
 
     /// Starts an eager get whose drain fence is known before it completes.
     pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
-        self.inner.consumer.start_get(&self.resolve_peer(peer), keys, dst, deadline)
+        self.inner
+            .consumer
+            .start_get(&self.resolve_peer(peer), keys, dst, deadline)
     }
 
     /// The synchronous get: returns within `timeout` (plus scheduling slack). Must be
     /// called outside the engine's runtime (it blocks the thread).
-    pub fn get_blocking(&self, peer: &str, keys: &[ChunkKey], dst: Destination, timeout: Duration) -> Result<Landed, GetFailure> {
+    pub fn get_blocking(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        dst: Destination,
+        timeout: Duration,
+    ) -> Result<Landed, GetFailure> {
         if let Some(f) = self.closed_failure() {
             return Err(f);
         }
-        self.inner.consumer.get_blocking(&self.resolve_peer(peer), keys, dst, timeout)
+        self.inner
+            .consumer
+            .get_blocking(&self.resolve_peer(peer), keys, dst, timeout)
     }
 
     /// Delayed pull, step one: `peer` stages `keys` (copies or pins them) and answers
     /// with a handle to resolve before its lease expires.
     pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
         self.check_open().map_err(|_| PeerError::ShuttingDown)?;
-        self.inner.consumer.stage(&self.resolve_peer(peer), keys, deadline).await
+        self.inner
+            .consumer
+            .stage(&self.resolve_peer(peer), keys, deadline)
+            .await
     }
 
     /// Delayed pull, step two: moves the staged bytes into `dst`.
-    pub async fn resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
+    pub async fn resolve(
+        &self,
+        handle: StagedHandle,
+        dst: Destination,
+        deadline: Instant,
+    ) -> Result<Landed, GetFailure> {
         if let Some(f) = self.closed_failure() {
             return Err(f);
         }
@@ -501,13 +540,19 @@ impl Engine {
     /// Pushes `data` to `peer`'s store under `key`.
     pub async fn push(&self, peer: &str, key: ChunkKey, data: &[u8], deadline: Instant) -> Result<(), PeerError> {
         self.check_open().map_err(|_| PeerError::ShuttingDown)?;
-        self.inner.consumer.put(&self.resolve_peer(peer), key, data, deadline).await
+        self.inner
+            .consumer
+            .put(&self.resolve_peer(peer), key, data, deadline)
+            .await
     }
 
     /// How many leading `keys` `peer` holds.
     pub async fn lookup(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<usize, PeerError> {
         self.check_open().map_err(|_| PeerError::ShuttingDown)?;
-        self.inner.consumer.lookup(&self.resolve_peer(peer), keys, deadline).await
+        self.inner
+            .consumer
+            .lookup(&self.resolve_peer(peer), keys, deadline)
+            .await
     }
 
     /// Closes the engine: refuses new work, stops serving, releases every staged lease

@@ -37,7 +37,9 @@ impl BlockMap {
     /// (`stride >= len`).
     pub fn new(spans: Vec<Span>, blocks: u32) -> Result<BlockMap, LayoutError> {
         if spans.is_empty() || blocks == 0 {
-            return Err(LayoutError::Invalid("a block map needs at least one span and one block".into()));
+            return Err(LayoutError::Invalid(
+                "a block map needs at least one span and one block".into(),
+            ));
         }
         let mut block_bytes = 0usize;
         let mut extent = 0usize;
@@ -189,12 +191,31 @@ mod tests {
     fn contiguous_and_checks() {
         let m = BlockMap::contiguous(4096, 64).unwrap();
         assert_eq!(m.chunk_ranges(&[3, 4, 5]).unwrap(), vec![(3 * 4096, 3 * 4096)]);
-        assert_eq!(m.chunk_ranges(&[5, 3]).unwrap(), vec![(5 * 4096, 4096), (3 * 4096, 4096)]);
+        assert_eq!(
+            m.chunk_ranges(&[5, 3]).unwrap(),
+            vec![(5 * 4096, 4096), (3 * 4096, 4096)]
+        );
         assert!(m.chunk_ranges(&[64]).is_err());
         assert!(m.check_blocks(&[1, 2, 1]).is_err());
         assert!(m.check_blocks(&[]).is_err());
         assert!(m.check_blocks(&[0, 63]).is_ok());
-        assert!(BlockMap::new(vec![Span { offset: 0, stride: 8, len: 16 }], 2).is_err());
-        assert!(BlockMap::new(vec![Span { offset: usize::MAX - 4, stride: 8, len: 8 }], 2).is_err());
+        assert!(BlockMap::new(
+            vec![Span {
+                offset: 0,
+                stride: 8,
+                len: 16
+            }],
+            2
+        )
+        .is_err());
+        assert!(BlockMap::new(
+            vec![Span {
+                offset: usize::MAX - 4,
+                stride: 8,
+                len: 8
+            }],
+            2
+        )
+        .is_err());
     }
 }

@@ -32,7 +32,11 @@ impl KvCache {
     /// A cache over `parts`: each region with the spans of every block that lie in it
     /// (offsets relative to that region). A block's canonical bytes are the spans in
     /// the order given, region after region.
-    pub fn new(name: impl Into<String>, parts: Vec<(Arc<Region>, Vec<Span>)>, blocks: u32) -> Result<KvCache, LayoutError> {
+    pub fn new(
+        name: impl Into<String>,
+        parts: Vec<(Arc<Region>, Vec<Span>)>,
+        blocks: u32,
+    ) -> Result<KvCache, LayoutError> {
         let regions: Vec<Arc<Region>> = parts.iter().map(|(r, _)| r.clone()).collect();
         let memory = RegionSet::new(regions);
         let mut spans = Vec::new();
@@ -64,7 +68,7 @@ impl KvCache {
     /// One buffer of consecutive blocks of `block_bytes` each; the buffer's length must
     /// be a multiple of `block_bytes`.
     pub fn contiguous(region: Arc<Region>, block_bytes: usize) -> Result<KvCache, LayoutError> {
-        if block_bytes == 0 || region.len() % block_bytes != 0 || region.len() == 0 {
+        if block_bytes == 0 || region.is_empty() || !region.len().is_multiple_of(block_bytes) {
             return Err(LayoutError::Invalid(format!(
                 "{}: buffer of {} bytes is not a whole number of {block_bytes}-byte blocks",
                 region.name(),
@@ -164,6 +168,7 @@ impl KvCache {
     /// The ranges must not overlap each other (distinct blocks of one transfer, see
     /// [`BlockMap::check_blocks`]), no other transfer may target them at the same time,
     /// and the engine must not touch them until the transfer reports them quiet.
+    #[allow(clippy::mut_from_ref)] // shared memory by design: exclusivity is the caller's `# Safety` duty
     pub unsafe fn io_slices_mut(&self, ranges: &[(usize, usize)]) -> Result<Vec<&mut [u8]>, MemError> {
         let mut out = Vec::with_capacity(ranges.len());
         for &(off, len) in ranges {
@@ -191,14 +196,22 @@ mod tests {
             l0.write(b as usize * 8, &[b; 8]).unwrap();
             l1.write(b as usize * 8, &[100 + b; 8]).unwrap();
         }
-        let span = Span { offset: 0, stride: 8, len: 8 };
+        let span = Span {
+            offset: 0,
+            stride: 8,
+            len: 8,
+        };
         let c = KvCache::new("kv", vec![(l0, vec![span]), (l1, vec![span])], 4).unwrap();
         assert_eq!(c.map().block_bytes(), 16);
         let r = c.chunk_ranges(&[2], 16).unwrap();
         let bytes: Vec<u8> = c.io_slices(&r).unwrap().concat();
         assert_eq!(bytes, [[2u8; 8], [102u8; 8]].concat());
         assert_eq!(c.checksum(&r).unwrap(), crc32c::crc32c(&bytes));
-        let too_big = Span { offset: 0, stride: 8, len: 8 };
+        let too_big = Span {
+            offset: 0,
+            stride: 8,
+            len: 8,
+        };
         let small = Arc::new(Region::host("s", 16).unwrap());
         assert!(KvCache::new("bad", vec![(small, vec![too_big])], 4).is_err());
     }

@@ -131,6 +131,9 @@ pub struct ProducerStats {
     pub quota_refused: u64,
 }
 
+/// A stage's outcome: lease id, staged chunks, granted TTL in milliseconds.
+type StageResult = Result<(u64, Vec<ChunkMeta>, u32), PeerError>;
+
 /// Why a `Done` changed nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseRefusal {
@@ -456,7 +459,9 @@ impl Producer {
         let ttl = self.clamp_ttl(ttl);
         let mut seen = std::collections::HashSet::with_capacity(keys.len());
         if let Some(k) = keys.iter().find(|k| !seen.insert(**k)) {
-            return Err(PeerError::InvalidArgument(format!("key {k} listed twice in one request")));
+            return Err(PeerError::InvalidArgument(format!(
+                "key {k} listed twice in one request"
+            )));
         }
         if let Some(r) = self.stage_published(keys, ttl, owner) {
             return r;
@@ -468,7 +473,9 @@ impl Producer {
         // Partial stage: as many leading chunks as fit in the free pages.
         let mut lease = None;
         let mut k = locs.len();
-        let room = self.quota().saturating_sub(inner.pages_by_peer.lock().get(owner).copied().unwrap_or(0));
+        let room = self
+            .quota()
+            .saturating_sub(inner.pages_by_peer.lock().get(owner).copied().unwrap_or(0));
         while k > 0 {
             let bytes: usize = locs[..k].iter().map(|l| l.len).sum();
             let pages = inner.arena.pages_for(bytes);
@@ -550,12 +557,7 @@ impl Producer {
 
     /// Stages the leading published keys (no copy: the lease holds the publications).
     /// `None` when the first key is not published (the store serves the request).
-    fn stage_published(
-        &self,
-        keys: &[ChunkKey],
-        ttl: Duration,
-        owner: &str,
-    ) -> Option<Result<(u64, Vec<ChunkMeta>, u32), PeerError>> {
+    fn stage_published(&self, keys: &[ChunkKey], ttl: Duration, owner: &str) -> Option<StageResult> {
         let pubs: Vec<Arc<Publication>> = {
             let table = self.inner.published.lock();
             let now = Instant::now();
@@ -596,7 +598,10 @@ impl Producer {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
                 Some(e) if e.owner != owner => {
-                    self.inner.counters.foreign_lease_refused.fetch_add(1, Ordering::Relaxed);
+                    self.inner
+                        .counters
+                        .foreign_lease_refused
+                        .fetch_add(1, Ordering::Relaxed);
                     return Err(LeaseRefusal::Foreign);
                 }
                 Some(_) => st.remove(&lease_id),
@@ -681,7 +686,10 @@ impl Producer {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
                 Some(e) if e.owner != owner => {
-                    self.inner.counters.foreign_lease_refused.fetch_add(1, Ordering::Relaxed);
+                    self.inner
+                        .counters
+                        .foreign_lease_refused
+                        .fetch_add(1, Ordering::Relaxed);
                     return Err((ErrorKind::UnknownLease, format!("no lease {lease_id} for this peer")));
                 }
                 _ => st.remove(&lease_id),
@@ -749,10 +757,11 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                let (lease_id, chunks, ttl_ms) = match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
-                    Ok(s) => s,
-                    Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
-                };
+                let (lease_id, chunks, ttl_ms) =
+                    match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
+                        Ok(s) => s,
+                        Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
+                    };
                 let m = Message::Staged {
                     lease_id,
                     incarnation: self.inner.incarnation,
@@ -944,7 +953,11 @@ async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
         let p = Producer { inner: inner.clone() };
         let expired_pubs: Vec<Arc<Publication>> = {
             let mut table = inner.published.lock();
-            let keys: Vec<ChunkKey> = table.iter().filter(|(_, v)| v.expires <= now).map(|(k, _)| *k).collect();
+            let keys: Vec<ChunkKey> = table
+                .iter()
+                .filter(|(_, v)| v.expires <= now)
+                .map(|(k, _)| *k)
+                .collect();
             keys.iter().filter_map(|k| table.remove(k)).collect()
         };
         for pubn in &expired_pubs {

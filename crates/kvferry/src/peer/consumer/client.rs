@@ -201,7 +201,12 @@ impl Consumer {
         }
     }
 
-    pub(super) async fn simple_request(&self, peer: &str, msg: &Message, deadline: Instant) -> Result<Message, PeerError> {
+    pub(super) async fn simple_request(
+        &self,
+        peer: &str,
+        msg: &Message,
+        deadline: Instant,
+    ) -> Result<Message, PeerError> {
         let pool = self.pool(peer)?;
         let start = Instant::now();
         let fut = async {
@@ -333,9 +338,7 @@ impl Consumer {
         dst: Destination,
         timeout: Duration,
     ) -> Result<Landed, GetFailure> {
-        let fail = |error| {
-            Err(GetFailure::clean(error, DrainFence::ready()))
-        };
+        let fail = |error| Err(GetFailure::clean(error, DrainFence::ready()));
         if timeout.is_zero() {
             return fail(PeerError::InvalidArgument("timeout must be greater than zero".into()));
         }
@@ -364,7 +367,13 @@ impl Consumer {
         );
         match rx.recv_timeout(timeout) {
             Ok(r) => {
-                if matches!(r, Err(TaskError { error: PeerError::Timeout { .. }, .. })) {
+                if matches!(
+                    r,
+                    Err(TaskError {
+                        error: PeerError::Timeout { .. },
+                        ..
+                    })
+                ) {
                     self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
                 }
                 r.map_err(|e| e.with_fence(fence))

@@ -95,7 +95,11 @@ impl Destination {
 
     /// Chunks into a region laid out by `layout`, through staging (the path that never
     /// leaves a destination dirty).
-    pub fn from_layout(region: Arc<Region>, layout: &KvLayout, chunks: Vec<Vec<u32>>) -> Result<Destination, PeerError> {
+    pub fn from_layout(
+        region: Arc<Region>,
+        layout: &KvLayout,
+        chunks: Vec<Vec<u32>>,
+    ) -> Result<Destination, PeerError> {
         let cache = KvCache::with_layout(region, layout)?;
         Ok(Destination {
             cache: Arc::new(cache),
