@@ -209,7 +209,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Every counter: ``arena``, ``producer``, ``consumer``, ``store``, ``copy``,
         ``server``, ``registered``."""
-        return json.loads(self._e.stats_json())
+        stats: dict[str, Any] = json.loads(self._e.stats_json())
+        return stats
 
     def close(self, timeout: float = 5.0) -> dict[str, Any]:
         """Stops serving, releases publications and staged leases, waits (at most
@@ -263,7 +264,8 @@ class Engine:
         for layer, t in caches.items():
             what = f"{name}[{layer}]"
             mv = byte_view(t, what)
-            shape = tuple(getattr(t, "shape", None) or memoryview(t).shape)
+            raw_shape: Any = getattr(t, "shape", None) or memoryview(t).shape
+            shape = tuple(raw_shape)
             nb, spans = layer_spans(mv, shape, blocks, what)
             blocks = nb
             parts.append((mv, spans))

@@ -63,7 +63,7 @@ def is_raw(obj: Any) -> bool:
     return isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[0], int)
 
 
-def check_raw(obj: tuple, what: str) -> tuple[int, int]:
+def check_raw(obj: tuple[Any, ...], what: str) -> tuple[int, int]:
     ptr, nbytes, device = obj
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise InvalidArgumentError(f"{what}: nbytes must be a positive int, got {nbytes!r}")

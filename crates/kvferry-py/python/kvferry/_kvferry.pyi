@@ -1,0 +1,206 @@
+"""Typed stubs of ``kvferry._kvferry``, the PyO3 extension module (``src/*.rs``).
+
+This is the low-level layer: :mod:`kvferry` (``_engine.py``) wraps it with defaults,
+argument checking and friendlier shapes. Parameter names are the Rust ones (PyO3
+accepts them as keywords). Every parameter without a default here is required by the
+extension, ``None`` included where the type allows it.
+
+Keys: a ``str`` (hashed into a chunk key) or exactly 32 ``bytes`` (used as is); the
+extension raises ``kvferry.InvalidArgumentError`` for anything else. Lists of keys must
+be real ``list`` objects. Durations are seconds (positive, finite).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+from typing_extensions import Buffer
+
+_Key = str | bytes
+_Span = tuple[int, int, int]  # (offset, stride, length) in bytes
+
+__all__ = ["Engine", "Region", "Transfer", "Staged", "key_bytes", "__version__"]
+
+__version__: str
+"""The crate's version (``CARGO_PKG_VERSION``)."""
+
+def key_bytes(key: _Key) -> bytes:
+    """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
+
+@final
+class Region:
+    """A registered KV cache (from ``Engine.register_spans``/``register_raw``).
+
+    Holds the registration and, through it, the Python objects whose memory it uses.
+    Not constructible from Python.
+    """
+
+    @property
+    def name(self) -> str:
+        """The region's name."""
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the region."""
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (across every buffer of the region)."""
+    @property
+    def readonly(self) -> bool:
+        """True when the memory is read-only (publishable, not a destination)."""
+    @property
+    def users(self) -> int:
+        """Transfers and publications holding the region right now."""
+
+@final
+class Transfer:
+    """A transfer in flight (from ``Engine.get``). Not constructible from Python."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits (at most ``timeout`` seconds; ``None``: no bound) and returns the chunks
+        landed. Raises the transfer's error, or ``kvferry.TimeoutError`` when ``timeout``
+        passed first (the transfer goes on). Ctrl-C cancels it, waits for the drain, and
+        raises ``KeyboardInterrupt``. The GIL is released while waiting."""
+    def done(self) -> bool:
+        """True once the transfer finished (landed or failed)."""
+    def cancel(self) -> bool:
+        """Cancels and returns after the drain: True, or False if the drain outlived its
+        bound (it goes on in the background)."""
+    @property
+    def error(self) -> BaseException | None:
+        """The transfer's exception if it failed, else None (also None while running)."""
+    @property
+    def result(self) -> int | None:
+        """Chunks landed, once finished successfully; else None."""
+    def add_done_callback(self, callback: Callable[[], object]) -> None:
+        """Calls ``callback()`` once the transfer finished (from an engine thread,
+        holding the GIL); at once if it already has."""
+
+@final
+class Staged:
+    """A staged lease on a peer (delayed pull), from ``Engine.stage``. Not
+    constructible from Python."""
+
+    @property
+    def peer(self) -> str:
+        """The peer holding the lease."""
+    @property
+    def incarnation(self) -> int:
+        """The peer's incarnation that granted it."""
+    @property
+    def chunks(self) -> int:
+        """Chunks staged (a prefix of the keys asked for)."""
+    @property
+    def ttl_left(self) -> float:
+        """Seconds left on the lease (by this side's conservative clock)."""
+
+@final
+class Engine:
+    """The kvferry engine. It owns a tokio runtime; every call that waits or copies
+    releases the GIL."""
+
+    def __new__(
+        cls,
+        listen: str | None,
+        secret: bytes | None,
+        arena_bytes: int,
+        page_size: int,
+        peer_id: str | None,
+        copy_threads: int | None,
+        store_bytes: int,
+        store_block_bytes: int,
+        lease_ttl: float,
+        default_ttl: float,
+        max_ttl: float,
+        io_timeout: float,
+        connect_timeout: float,
+        connections_per_peer: int,
+        pinned: bool,
+        runtime_threads: int,
+    ) -> Engine:
+        """Starts an engine (listening on ``listen``, or client-only for None)."""
+    @property
+    def address(self) -> str | None:
+        """``"host:port"`` peers reach this engine on (None for a client-only engine)."""
+    @property
+    def peer_id(self) -> str:
+        """This engine's peer id."""
+    @property
+    def incarnation(self) -> int:
+        """This engine's incarnation (a new one at every start)."""
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` was called."""
+    def stats_json(self) -> str:
+        """Every counter, as a JSON object."""
+    def register_spans(self, name: str, parts: Sequence[tuple[Buffer, Sequence[_Span]]], blocks: int) -> Region:
+        """Registers ``parts`` (C-contiguous byte buffers, each with its spans) as one KV
+        cache of ``blocks`` blocks; block *i* is every part's spans at *i*, in order."""
+    def register_raw(
+        self,
+        name: str,
+        ptr: int,
+        nbytes: int,
+        spans: Sequence[_Span],
+        blocks: int,
+        owner: object | None = None,
+    ) -> Region:
+        """Registers raw host memory at ``ptr`` (``nbytes``), laid out by ``spans``;
+        ``owner`` is kept alive as long as the region. The caller guarantees the memory
+        stays valid while ``owner`` lives."""
+    def deregister(self, region: Region, timeout: float) -> None:
+        """Deregisters ``region`` once unused (at most ``timeout`` seconds); raises
+        ``InUseError`` if transfers or publications still hold it."""
+    def publish(self, key: _Key, region: Region, block_ids: Sequence[int], ttl: float | None, once: bool) -> None:
+        """Publishes blocks of ``region`` under ``key``, zero copy (``ttl`` None: the
+        engine's default)."""
+    def unpublish(self, key: _Key) -> bool:
+        """Releases a publication; False if ``key`` is not published."""
+    def take_released(self) -> list[tuple[_Key, str]]:
+        """``[(key, reason)]`` of publications released since the last call (the key
+        object as published, or its 32 bytes)."""
+    def put(self, key: _Key, data: Buffer) -> None:
+        """Copies ``data`` (a C-contiguous byte buffer) into the store under ``key``."""
+    def get(
+        self,
+        keys: list[_Key],
+        peer: str,
+        region: Region,
+        block_ids: Sequence[Sequence[int]],
+        timeout: float,
+        path: str,
+    ) -> Transfer:
+        """Starts an eager get of ``keys`` from ``peer`` into ``block_ids`` (one list per
+        key) of ``region``; ``path`` is ``"direct"`` or ``"staged"``. Returns at once."""
+    def pull(
+        self,
+        keys: list[_Key],
+        peer: str,
+        region: Region,
+        block_ids: Sequence[Sequence[int]],
+        timeout: float,
+        path: str,
+    ) -> int:
+        """Delayed pull (stage, then resolve); returns the chunks landed."""
+    def stage(self, peer: str, keys: list[_Key], timeout: float) -> Staged:
+        """Delayed pull, step one: ``peer`` stages ``keys`` under a lease. Raises
+        ``NotFoundError`` when it holds none of them."""
+    def resolve(
+        self,
+        staged: Staged,
+        region: Region,
+        block_ids: Sequence[Sequence[int]],
+        timeout: float,
+        path: str,
+    ) -> int:
+        """Delayed pull, step two: moves a staged handle's chunks into ``region``;
+        returns the chunks landed."""
+    def push(self, peer: str, key: _Key, data: Buffer, timeout: float) -> None:
+        """Pushes ``data`` into ``peer``'s store under ``key``."""
+    def lookup(self, peer: str, keys: list[_Key], timeout: float) -> int:
+        """How many leading ``keys`` ``peer`` holds."""
+    def close(self, timeout: float) -> dict[str, Any]:
+        """Closes the engine (drains, at most ``timeout`` seconds); returns
+        ``{"outstanding_pages": int, "quarantined_pages": int,
+        "draining_transfers": int, "clean": bool}``. Idempotent."""
+    def _inject_faults(self, send_delay_us: int | None = None, corrupt_next_sends: int | None = None) -> None:
+        """Test hook (not API): delays every chunk sent by ``send_delay_us``; corrupts
+        the next ``corrupt_next_sends`` chunks on the wire."""
