@@ -68,6 +68,7 @@ mod buffer;
 mod cuda;
 mod event;
 mod host;
+mod kv_cache;
 mod output;
 mod sim;
 mod stream;
@@ -79,9 +80,12 @@ pub use event::{
     BoxFuture, Event, EventId, EventMeta, EventSignal, EventStatus, EventTrigger, PushSignal, SettleCallback,
 };
 pub use host::HostDevice;
+pub use kv_cache::DeviceKvCache;
 pub use output::{AsyncOutput, OutputBytes};
 pub use sim::{Fault, FaultRule, SimConfig, SimDevice, Trigger};
-pub use stream::{CopyDirection, CopyOp, CopyPart, GatherSegment, HostPages, PendingCopy, Stream, StreamBackend};
+pub use stream::{
+    CopyDirection, CopyOp, CopyPart, GatherSegment, HostPages, PendingCopy, ScatterSegment, Stream, StreamBackend,
+};
 
 use std::time::Duration;
 

@@ -120,6 +120,15 @@ pub struct GatherSegment {
     pub dst_offset: usize,
 }
 
+/// One segment of a scatter: lease bytes at `src_offset` copied into a device range.
+#[derive(Clone, Debug)]
+pub struct ScatterSegment {
+    /// Where the bytes are in the lease.
+    pub src_offset: usize,
+    /// The device range they go to.
+    pub dst: DeviceSlice,
+}
+
 /// An ordered queue of device work. Cheap to clone (clones are the same stream).
 #[derive(Clone, Debug)]
 pub struct Stream {
@@ -233,6 +242,51 @@ impl Stream {
                     len,
                 }],
             });
+        }
+        self.submit(CopyDirection::HostToDevice, src, parts, op)
+    }
+
+    /// Queues a scatter of lease ranges into several device ranges (of any buffers of
+    /// this device): segment `i` copies `segments[i].dst.len` bytes from the lease at
+    /// `segments[i].src_offset`. Destination ranges within one buffer must not overlap.
+    /// The lease is owned by the copy until the returned [`PendingCopy`] hands it back.
+    pub fn copy_h2d_scatter(
+        &self,
+        src: Lease,
+        segments: &[ScatterSegment],
+        op: &str,
+    ) -> Result<PendingCopy, DeviceError> {
+        let mut dst_ranges: Vec<(u64, usize, usize)> = Vec::with_capacity(segments.len());
+        for s in segments {
+            self.check_buffer(&s.dst.buffer)?;
+            s.dst.check()?;
+            check_range(s.src_offset, s.dst.len, src.len(), "lease")?;
+            if s.dst.len > 0 {
+                let id = Arc::as_ptr(s.dst.buffer.backend()) as *const () as u64;
+                dst_ranges.push((id, s.dst.offset, s.dst.offset + s.dst.len));
+            }
+        }
+        dst_ranges.sort_unstable();
+        if let Some(w) = dst_ranges.windows(2).find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "destination ranges overlap in a device buffer at offset {}",
+                w[1].1
+            )));
+        }
+        let mut parts: Vec<CopyPart> = Vec::new();
+        for s in segments.iter().filter(|s| s.dst.len > 0) {
+            let seg = Segment {
+                src: s.src_offset,
+                dst: s.dst.offset,
+                len: s.dst.len,
+            };
+            match parts.last_mut() {
+                Some(p) if p.buffer.same_buffer(&s.dst.buffer) => p.segments.push(seg),
+                _ => parts.push(CopyPart {
+                    buffer: s.dst.buffer.clone(),
+                    segments: vec![seg],
+                }),
+            }
         }
         self.submit(CopyDirection::HostToDevice, src, parts, op)
     }

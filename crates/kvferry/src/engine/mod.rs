@@ -422,6 +422,24 @@ impl Engine {
         Ok(self.inner.producer.publish(key, reg.cache.clone(), blocks, ttl, once)?)
     }
 
+    /// Publishes `blocks` of a device cache under `key`: when a consumer asks, they are
+    /// gathered into staging pages (device-to-host on the cache's copy stream, bounded
+    /// by its op timeout) and sent from there. Release semantics as [`publish`](Self::publish).
+    pub fn publish_device(
+        &self,
+        key: ChunkKey,
+        cache: &Arc<crate::device::DeviceKvCache>,
+        blocks: &[u32],
+        ttl: Duration,
+        once: bool,
+    ) -> Result<(), EngineError> {
+        self.check_open()?;
+        Ok(self
+            .inner
+            .producer
+            .publish_device(key, cache.clone(), blocks, ttl, once)?)
+    }
+
     /// Releases a publication (reported through `take_released` once its sends
     /// stopped). False if the key is not published.
     pub fn unpublish(&self, key: &ChunkKey) -> bool {

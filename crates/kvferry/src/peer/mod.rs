@@ -23,7 +23,8 @@ pub mod publish;
 mod store;
 
 pub use consumer::{
-    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer, TransferPath,
+    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Target, Transfer,
+    TransferPath,
 };
 pub use producer::{LeaseRefusal, Producer, ProducerConfig, ProducerFaults, ProducerStats};
 pub use publish::{ReleaseReason, Released};
@@ -94,6 +95,16 @@ pub enum PeerError {
         needed: usize,
         /// Pages free.
         free: usize,
+    },
+    /// A device copy (gather of published device blocks, or landing into a device
+    /// cache) failed or did not complete in time; its staging pages are quarantined
+    /// until the device confirms.
+    #[error("device KV cache {cache}: {error}")]
+    Device {
+        /// The cache.
+        cache: String,
+        /// What the device layer reported (names the operation and rank).
+        error: crate::device::DeviceError,
     },
     /// The peer already holds its share of the staging arena.
     #[error("staging quota of peer {peer} exceeded: holds {held} pages, asked {asked}, quota {quota}")]

@@ -37,14 +37,15 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::publish::{Publication, ReleaseQueue, ReleaseReason, Released};
+use super::publish::{PubSource, Publication, ReleaseQueue, ReleaseReason, Released};
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
 use crate::copy::{CopyEngine, CopyPlan, Endpoint};
+use crate::device::DeviceKvCache;
 use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
 use crate::net::{Connection, Handler, NetError};
-use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message};
+use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, FrameKind, Message};
 
 /// Producer settings.
 #[derive(Clone, Debug)]
@@ -147,8 +148,9 @@ pub enum LeaseRefusal {
 enum StagedData {
     /// Staging pages holding copies of store chunks, chunk `i` at `offsets[i]`.
     Pages { lease: Lease, offsets: Vec<usize> },
-    /// Published blocks, sent straight from the engine's cache.
-    Pinned(Vec<Arc<Publication>>),
+    /// Published host blocks (the lease's `publications`), sent straight from the
+    /// engine's cache.
+    Pinned,
 }
 
 struct StagedLease {
@@ -157,13 +159,15 @@ struct StagedLease {
     expires: Instant,
     /// The peer it was granted to.
     owner: String,
+    /// The publications it serves (pinned until the lease ends; empty for store chunks).
+    publications: Vec<Arc<Publication>>,
 }
 
 impl StagedLease {
     fn pages(&self) -> usize {
         match &self.data {
             StagedData::Pages { lease, .. } => lease.page_count(),
-            StagedData::Pinned(_) => 0,
+            StagedData::Pinned => 0,
         }
     }
 }
@@ -334,13 +338,47 @@ impl Producer {
         let len = cache.map().chunk_bytes(blocks.len());
         let ranges = cache.chunk_ranges(blocks, len)?;
         let checksum = cache.checksum(&ranges)?;
+        self.insert_publication(key, PubSource::Host { cache, checksum }, ranges, len, ttl, once);
+        Ok(())
+    }
+
+    /// Publishes `blocks` of a device cache under `key`: as [`publish`](Self::publish),
+    /// except that the blocks are gathered into staging pages (device-to-host, bounded
+    /// by the cache's op timeout) when a consumer asks, and sent from there. The blocks
+    /// stay pinned until the release is reported.
+    pub fn publish_device(
+        &self,
+        key: ChunkKey,
+        cache: Arc<DeviceKvCache>,
+        blocks: &[u32],
+        ttl: Duration,
+        once: bool,
+    ) -> Result<(), PeerError> {
+        cache
+            .map()
+            .check_blocks(blocks)
+            .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
+        let len = cache.map().chunk_bytes(blocks.len());
+        let ranges = cache.chunk_ranges(blocks, len)?;
+        self.insert_publication(key, PubSource::Device { cache }, ranges, len, ttl, once);
+        Ok(())
+    }
+
+    fn insert_publication(
+        &self,
+        key: ChunkKey,
+        source: PubSource,
+        ranges: Vec<(usize, usize)>,
+        len: usize,
+        ttl: Duration,
+        once: bool,
+    ) {
         let ttl = self.clamp_ttl(ttl);
         let p = Arc::new(Publication::new(
             key,
-            cache,
+            source,
             ranges,
             len,
-            checksum,
             Instant::now() + ttl,
             once,
             self.inner.releases.clone(),
@@ -349,7 +387,6 @@ impl Producer {
         if let Some(old) = old {
             old.retire(ReleaseReason::Replaced);
         }
-        Ok(())
     }
 
     /// Releases a publication now (the engine's own release). False if unknown. The
@@ -463,7 +500,7 @@ impl Producer {
                 "key {k} listed twice in one request"
             )));
         }
-        if let Some(r) = self.stage_published(keys, ttl, owner) {
+        if let Some(r) = self.stage_published(keys, ttl, owner).await {
             return r;
         }
         let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
@@ -550,14 +587,17 @@ impl Producer {
                 chunks: chunks.clone(),
                 expires: Instant::now() + ttl,
                 owner: owner.to_string(),
+                publications: Vec::new(),
             },
         );
         Ok((lease_id, chunks, ttl.as_millis() as u32))
     }
 
-    /// Stages the leading published keys (no copy: the lease holds the publications).
-    /// `None` when the first key is not published (the store serves the request).
-    fn stage_published(&self, keys: &[ChunkKey], ttl: Duration, owner: &str) -> Option<StageResult> {
+    /// Stages the leading published keys: host publications with no copy (the lease
+    /// holds them and sends from the cache), device publications of one cache gathered
+    /// into staging pages. `None` when the first key is not published (the store
+    /// serves the request).
+    async fn stage_published(&self, keys: &[ChunkKey], ttl: Duration, owner: &str) -> Option<StageResult> {
         let pubs: Vec<Arc<Publication>> = {
             let table = self.inner.published.lock();
             let now = Instant::now();
@@ -565,29 +605,113 @@ impl Producer {
                 .map_while(|k| table.get(k).filter(|p| p.expires > now).cloned())
                 .collect()
         };
-        if pubs.is_empty() {
-            return None;
-        }
-        let chunks: Vec<ChunkMeta> = pubs
-            .iter()
-            .map(|p| ChunkMeta {
-                key: p.key,
-                len: p.len as u64,
-                checksum: p.checksum,
-            })
-            .collect();
+        let first = pubs.first()?;
+        let (chunks, data, pubs) = match &first.source {
+            PubSource::Host { .. } => {
+                let pubs: Vec<Arc<Publication>> = pubs
+                    .into_iter()
+                    .take_while(|p| matches!(p.source, PubSource::Host { .. }))
+                    .collect();
+                let chunks = pubs
+                    .iter()
+                    .map(|p| ChunkMeta {
+                        key: p.key,
+                        len: p.len as u64,
+                        checksum: match &p.source {
+                            PubSource::Host { checksum, .. } => *checksum,
+                            PubSource::Device { .. } => unreachable!("host publications only"),
+                        },
+                    })
+                    .collect();
+                (chunks, StagedData::Pinned, pubs)
+            }
+            PubSource::Device { cache } => {
+                let cache = cache.clone();
+                let pubs: Vec<Arc<Publication>> = pubs
+                    .into_iter()
+                    .take_while(|p| matches!(&p.source, PubSource::Device { cache: c } if Arc::ptr_eq(c, &cache)))
+                    .collect();
+                match self.gather_device(&cache, &pubs, owner).await {
+                    Ok((chunks, data)) => (chunks, data, pubs),
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+        };
         let lease_id = self.new_lease_id();
         self.inner.counters.staged.fetch_add(1, Ordering::Relaxed);
         self.inner.staged.lock().insert(
             lease_id,
             StagedLease {
-                data: StagedData::Pinned(pubs),
+                data,
                 chunks: chunks.clone(),
                 expires: Instant::now() + ttl,
                 owner: owner.to_string(),
+                publications: pubs,
             },
         );
         Some(Ok((lease_id, chunks, ttl.as_millis() as u32)))
+    }
+
+    /// Gathers device publications into fresh staging pages (device-to-host on the
+    /// cache's copy stream, waited for at most the cache's op timeout) and checksums
+    /// them. On timeout or cancel the pages are quarantined until the device confirms.
+    async fn gather_device(
+        &self,
+        cache: &Arc<DeviceKvCache>,
+        pubs: &[Arc<Publication>],
+        owner: &str,
+    ) -> Result<(Vec<ChunkMeta>, StagedData), PeerError> {
+        let inner = &self.inner;
+        let total: usize = pubs.iter().map(|p| p.len).sum();
+        let pages = inner.arena.pages_for(total);
+        let lease = inner.arena.try_alloc(pages).map_err(|_| {
+            inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+            PeerError::StagingExhausted {
+                needed: pages,
+                free: inner.arena.stats().free_pages,
+            }
+        })?;
+        self.charge(owner, lease.page_count())?;
+        let mut offsets = Vec::with_capacity(pubs.len());
+        let mut plan = Vec::with_capacity(pubs.len());
+        let mut at = 0;
+        for p in pubs {
+            offsets.push(at);
+            plan.push((p.ranges.clone(), at));
+            at += p.len;
+        }
+        let device_err = |error| PeerError::Device {
+            cache: cache.name().to_string(),
+            error,
+        };
+        let gathered = async {
+            let pending = cache.gather(&plan, lease, "stage: device-to-host gather")?;
+            let deadline = pending.event().meta().submitted() + cache.op_timeout();
+            pending.wait(deadline).await
+        }
+        .await;
+        let lease = match gathered {
+            Ok(l) => l,
+            Err(e) => {
+                // The pages are back (failed copy) or quarantined (timeout): either way
+                // no longer this peer's.
+                self.uncharge(owner, pages);
+                return Err(device_err(e));
+            }
+        };
+        let mut chunks = Vec::with_capacity(pubs.len());
+        for (p, &off) in pubs.iter().zip(&offsets) {
+            let mut crc = 0u32;
+            for s in lease.io_slices(off, p.len)? {
+                crc = crate::wire::crc::append(crc, s);
+            }
+            chunks.push(ChunkMeta {
+                key: p.key,
+                len: p.len as u64,
+                checksum: crc,
+            });
+        }
+        Ok((chunks, StagedData::Pages { lease, offsets }))
     }
 
     /// Releases a staged lease on `owner`'s `Done`: published chunks it sent that
@@ -621,13 +745,14 @@ impl Producer {
     /// (if still the same publication); the release is reported when the last
     /// holder drops them.
     fn retire_sent(&self, entry: &StagedLease) {
-        if let StagedData::Pinned(pubs) = &entry.data {
-            let mut table = self.inner.published.lock();
-            for p in pubs.iter().filter(|p| p.once) {
-                if table.get(&p.key).is_some_and(|t| Arc::ptr_eq(t, p)) {
-                    table.remove(&p.key);
-                    p.retire(ReleaseReason::Done);
-                }
+        if entry.publications.is_empty() {
+            return;
+        }
+        let mut table = self.inner.published.lock();
+        for p in entry.publications.iter().filter(|p| p.once) {
+            if table.get(&p.key).is_some_and(|t| Arc::ptr_eq(t, p)) {
+                table.remove(&p.key);
+                p.retire(ReleaseReason::Done);
             }
         }
     }
@@ -655,7 +780,10 @@ impl Producer {
                 StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], meta.len as usize),
                 // Published blocks: straight from the engine's cache (the lease holds
                 // the publication, and so the cache, until this write stopped).
-                StagedData::Pinned(pubs) => pubs[i].cache.io_slices(&pubs[i].ranges),
+                StagedData::Pinned => match &entry.publications[i].source {
+                    PubSource::Host { cache, .. } => cache.io_slices(&entry.publications[i].ranges),
+                    PubSource::Device { .. } => unreachable!("device publications are sent from pages"),
+                },
             }
             .map_err(|e| NetError::Protocol(e.to_string()))?;
             let corrupt = self
@@ -827,6 +955,16 @@ impl Producer {
     async fn receive_put(&self, conn: &mut Connection, id: u64, key: ChunkKey, len: u64) -> Result<(), NetError> {
         let inner = &self.inner;
         let header = conn.read_header(conn.io_timeout()).await?;
+        if header.request_id != id || header.kind != FrameKind::Bulk {
+            // Not this put's bytes: skip the frame (the connection stays in sync) and
+            // refuse, rather than storing (and acknowledging) another request's frame.
+            conn.skip(&header).await?;
+            let m = format!(
+                "put {id} expects its bulk frame, got a {:?} frame for request {}",
+                header.kind, header.request_id
+            );
+            return refuse(conn, id, ErrorKind::BadRequest, m).await;
+        }
         let layout = *inner.store.layout();
         let len = len as usize;
         let cap = layout.block_bytes() * layout.blocks as usize;

@@ -7,6 +7,10 @@
 //! keep for their connectors); kvferry sends them to consumers with vectored writes
 //! straight from the cache, with the checksum computed at publication.
 //!
+//! Blocks in **device** memory ([`DeviceKvCache`]) are published the same way; when a
+//! consumer asks, they are gathered into staging pages on the cache's copy stream (a
+//! device-to-host copy with a bounded wait) and sent from there.
+//!
 //! A publication is held by the producer's table and by every transfer sending it (an
 //! `Arc`). It is **released** — reported once through the producer's release queue —
 //! when the last holder lets go after it left the table: by the consumer's `Done`
@@ -19,6 +23,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use crate::device::DeviceKvCache;
 use crate::layout::KvCache;
 use crate::wire::ChunkKey;
 
@@ -75,13 +80,21 @@ impl ReleaseQueue {
     }
 }
 
+/// Where a publication's blocks live.
+pub(crate) enum PubSource {
+    /// Host memory: sent straight from the cache; checksum computed at publication.
+    Host { cache: Arc<KvCache>, checksum: u32 },
+    /// Device memory: gathered into staging pages (D2H) when a consumer asks.
+    Device { cache: Arc<DeviceKvCache> },
+}
+
 /// One published chunk: blocks of a cache, pinned until released.
 pub(crate) struct Publication {
     pub key: ChunkKey,
-    pub cache: Arc<KvCache>,
+    pub source: PubSource,
+    /// The chunk's ranges in its cache's address space.
     pub ranges: Vec<(usize, usize)>,
     pub len: usize,
-    pub checksum: u32,
     pub expires: Instant,
     /// Leaves the table on the first `Done` of a transfer that sent it.
     pub once: bool,
@@ -96,23 +109,20 @@ impl std::fmt::Debug for Publication {
 }
 
 impl Publication {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         key: ChunkKey,
-        cache: Arc<KvCache>,
+        source: PubSource,
         ranges: Vec<(usize, usize)>,
         len: usize,
-        checksum: u32,
         expires: Instant,
         once: bool,
         queue: Arc<ReleaseQueue>,
     ) -> Publication {
         Publication {
             key,
-            cache,
+            source,
             ranges,
             len,
-            checksum,
             expires,
             once,
             reason: Mutex::new(ReleaseReason::Shutdown),

@@ -29,6 +29,7 @@ pub(super) struct Counters {
     pub(super) bytes_received: AtomicU64,
     pub(super) chunks_received: AtomicU64,
     pub(super) chunks_landed: AtomicU64,
+    pub(super) device_unconfirmed: AtomicU64,
 }
 
 /// Outcome labels of the latency histograms, indexing `Inner::latency`.
@@ -108,6 +109,7 @@ impl Consumer {
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
             chunks_received: c.chunks_received.load(Ordering::Relaxed),
             chunks_landed: c.chunks_landed.load(Ordering::Relaxed),
+            device_unconfirmed: c.device_unconfirmed.load(Ordering::Relaxed),
         }
     }
 

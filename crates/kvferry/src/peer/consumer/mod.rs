@@ -34,4 +34,6 @@ mod transfer;
 pub mod types;
 
 pub use client::Consumer;
-pub use types::{ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer, TransferPath};
+pub use types::{
+    ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Target, Transfer, TransferPath,
+};

@@ -16,11 +16,20 @@ use tokio_util::sync::CancellationToken;
 
 use super::super::PeerError;
 use super::client::{Consumer, Request, OUTCOMES};
-use super::types::{Destination, GetFailure, Landed, TransferPath};
+use super::types::{Destination, GetFailure, Landed, Target, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
+use crate::device::{DeviceError, DeviceKvCache};
 use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
 use crate::wire::{ChunkMeta, Message};
+
+/// How long a transfer's drain waits for a device to settle a landing copy that
+/// outlived the transfer before declaring it unconfirmed.
+const DEVICE_DRAIN_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn inner_done_timeout(c: &Consumer) -> std::time::Duration {
+    c.inner.cfg.done_timeout
+}
 
 /// A failed transfer as the task reports it (the caller adds the fence).
 #[derive(Debug)]
@@ -60,6 +69,9 @@ struct TransferCtx<'a> {
     lease_to_release: Option<u64>,
     /// Set once bytes may have been written into the destination blocks.
     dirty: bool,
+    /// A device copy into the destination that had not settled when the transfer
+    /// ended: the fence waits for it.
+    unconfirmed: Option<crate::device::Event>,
     started: Instant,
 }
 
@@ -94,6 +106,7 @@ impl Consumer {
             cancel,
             lease_to_release: None,
             dirty: false,
+            unconfirmed: None,
             started,
         };
         let result = ctx.run(req).await;
@@ -134,10 +147,37 @@ impl Consumer {
                     dirty = ctx.dirty, "transfer ended")
             }
         }
-        let (dirty, lease_to_release) = (ctx.dirty, ctx.lease_to_release.take());
+        let (dirty, lease_to_release, unconfirmed) = (ctx.dirty, ctx.lease_to_release.take(), ctx.unconfirmed.take());
         // Everything that touched the destination or the staging pages has finished:
         // the connection, the staging lease and the landing job are gone with `ctx`.
         drop(ctx);
+        if let Some(event) = unconfirmed {
+            // Destination blocks are quiet only once the device settled the copy: a
+            // background task (so the caller has its result now) waits for that,
+            // bounded, before letting the fence fire. A device that never confirms
+            // keeps the fence unfired (reported, like a quarantined page) rather than
+            // letting the engine reuse blocks it may still write.
+            let inner = self.inner.clone();
+            tokio::spawn(async move {
+                let bound = tokio::time::Instant::now() + DEVICE_DRAIN_BOUND;
+                if event.wait(bound).await.is_err() && !event.query().is_settled() {
+                    inner.counters.device_unconfirmed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(target: "kvferry::peer", op = event.op(), rank = event.rank(),
+                        "device never confirmed a landing copy: its destination blocks stay reported busy");
+                    std::mem::forget(signal);
+                } else {
+                    drop(signal);
+                }
+                inner.counters.draining.fetch_sub(1, Ordering::Relaxed);
+            });
+            if let Some(lease_id) = lease_to_release {
+                let done_deadline = Instant::now() + inner_done_timeout(self);
+                let _ = self
+                    .simple_request(peer, &Message::Done { lease_id }, done_deadline)
+                    .await;
+            }
+            return result.map_err(|error| TaskError { error, dirty });
+        }
         drop(signal);
         counters.draining.fetch_sub(1, Ordering::Relaxed);
         // Tell the producer to release its pages (best effort, bounded).
@@ -167,7 +207,7 @@ impl TransferCtx<'_> {
         };
         let caps: Vec<usize> = (0..nchunks).map(|i| self.dst.capacity(i)).collect();
         // 1. Staged path: receiver staging for every chunk first, or the request is a miss.
-        let mut sink = match self.dst.path {
+        let mut sink = match self.dst.effective_path() {
             TransferPath::Direct => Sink::Direct,
             TransferPath::Staged => {
                 let offsets: Vec<usize> = caps
@@ -204,10 +244,17 @@ impl TransferCtx<'_> {
         }
 
         // 3. Land: scatter each chunk into its destination blocks.
-        let memory: std::sync::Arc<dyn HostMemory> = self.dst.cache.memory().clone();
+        let cache = match &self.dst.target {
+            Target::Host(c) => c.clone(),
+            Target::Device(c) => {
+                let c = c.clone();
+                return self.land_on_device(&c, lease, &offsets, &chunks, landed).await;
+            }
+        };
+        let memory: std::sync::Arc<dyn HostMemory> = cache.memory().clone();
         let mut plan = CopyPlan::new(lease, Endpoint::Memory(memory));
         for (i, meta) in chunks.iter().enumerate() {
-            let ranges = self.dst.cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
+            let ranges = cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
             let mut at = offsets[i];
             for (off, n) in ranges {
                 plan.push(at, off, n);
@@ -229,6 +276,60 @@ impl TransferCtx<'_> {
             }
         }
         Ok(landed)
+    }
+
+    /// Lands verified chunks from staging pages into a device cache: one host-to-device
+    /// scatter on the cache's copy stream, waited for until the transfer's deadline
+    /// (and at most the cache's op timeout). If the wait ends early (deadline, cancel,
+    /// failure), the pages stay quarantined until the device confirms, and this task
+    /// keeps waiting for that confirmation (bounded) before it lets the caller's fence
+    /// fire: destination blocks are reported quiet only after the scatter drained.
+    async fn land_on_device(
+        &mut self,
+        cache: &std::sync::Arc<DeviceKvCache>,
+        lease: Lease,
+        offsets: &[usize],
+        chunks: &[ChunkMeta],
+        landed: Landed,
+    ) -> Result<Landed, PeerError> {
+        let mut plan = Vec::with_capacity(chunks.len());
+        for (i, meta) in chunks.iter().enumerate() {
+            plan.push((offsets[i], cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?));
+        }
+        let device_err = |error| PeerError::Device {
+            cache: cache.name().to_string(),
+            error,
+        };
+        self.dirty = true;
+        let pending = cache
+            .scatter(lease, &plan, "land: host-to-device scatter")
+            .map_err(device_err)?;
+        let event = pending.event().clone();
+        let deadline = self.deadline.min(event.meta().submitted() + cache.op_timeout());
+        let cancel = self.cancel.clone();
+        let waited = tokio::select! {
+            r = pending.wait(deadline) => r.map(drop),
+            _ = cancel.cancelled() => Err(DeviceError::Timeout {
+                op: "land: host-to-device scatter (cancelled)".into(),
+                rank: cache.device().rank(),
+                waited: event.meta().submitted().elapsed(),
+            }),
+        };
+        match waited {
+            Ok(()) => {
+                self.dirty = false;
+                Ok(landed)
+            }
+            Err(e) => {
+                // The scatter may still be writing the destination: wait (bounded) for
+                // the device to settle it before the fence may fire.
+                self.unconfirmed = Some(event);
+                if self.cancel.is_cancelled() {
+                    return Err(PeerError::Cancelled);
+                }
+                Err(device_err(e))
+            }
+        }
     }
 
     /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
@@ -293,14 +394,17 @@ impl TransferCtx<'_> {
                     conn.recv_bulk(id, &mut parts).await
                 }
                 Sink::Direct => {
-                    let ranges = self.dst.cache.chunk_ranges(&self.dst.chunks[i], len)?;
+                    let Target::Host(cache) = &self.dst.target else {
+                        unreachable!("device targets are always staged");
+                    };
+                    let ranges = cache.chunk_ranges(&self.dst.chunks[i], len)?;
                     self.dirty = true;
                     // SAFETY: the destination's blocks were checked distinct
                     // (`Destination::check`), so the slices do not overlap; the task
                     // owns `dst` (and through it the memory) until it has stopped, and
                     // the engine leaves the blocks alone until the transfer reports
                     // them quiet (the fence).
-                    let mut parts = unsafe { self.dst.cache.io_slices_mut(&ranges)? };
+                    let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
                     conn.recv_bulk(id, &mut parts).await
                 }
             };

@@ -8,7 +8,8 @@ use tokio::time::Instant;
 
 use super::super::PeerError;
 use crate::copy::DrainFence;
-use crate::layout::{KvCache, KvLayout};
+use crate::device::DeviceKvCache;
+use crate::layout::{BlockMap, KvCache, KvLayout};
 use crate::mem::Region;
 use crate::net::NetConfig;
 use crate::wire::ChunkMeta;
@@ -72,14 +73,24 @@ impl std::str::FromStr for TransferPath {
     }
 }
 
+/// The cache a destination's blocks belong to.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// Host memory.
+    Host(Arc<KvCache>),
+    /// Device memory: always received through staging pages, then landed by a
+    /// host-to-device scatter on the cache's copy stream (bounded wait).
+    Device(Arc<DeviceKvCache>),
+}
+
 /// Where landed chunks go: a KV cache, the block ids of each chunk, and the path.
 #[derive(Clone, Debug)]
 pub struct Destination {
     /// The consumer's KV cache.
-    pub cache: Arc<KvCache>,
+    pub target: Target,
     /// For each requested chunk, in key order, the blocks it lands in.
     pub chunks: Vec<Vec<u32>>,
-    /// How the bytes get there.
+    /// How the bytes get there (a device target is always staged).
     pub path: TransferPath,
 }
 
@@ -87,9 +98,34 @@ impl Destination {
     /// Chunks into `cache`'s blocks, on the direct path.
     pub fn new(cache: Arc<KvCache>, chunks: Vec<Vec<u32>>) -> Destination {
         Destination {
-            cache,
+            target: Target::Host(cache),
             chunks,
             path: TransferPath::Direct,
+        }
+    }
+
+    /// Chunks into a device cache's blocks (through staging, then host-to-device).
+    pub fn device(cache: Arc<DeviceKvCache>, chunks: Vec<Vec<u32>>) -> Destination {
+        Destination {
+            target: Target::Device(cache),
+            chunks,
+            path: TransferPath::Staged,
+        }
+    }
+
+    /// The block map of the target cache.
+    pub fn map(&self) -> &BlockMap {
+        match &self.target {
+            Target::Host(c) => c.map(),
+            Target::Device(c) => c.map(),
+        }
+    }
+
+    /// The path actually taken: a device target is always staged.
+    pub fn effective_path(&self) -> TransferPath {
+        match self.target {
+            Target::Host(_) => self.path,
+            Target::Device(_) => TransferPath::Staged,
         }
     }
 
@@ -102,7 +138,7 @@ impl Destination {
     ) -> Result<Destination, PeerError> {
         let cache = KvCache::with_layout(region, layout)?;
         Ok(Destination {
-            cache: Arc::new(cache),
+            target: Target::Host(Arc::new(cache)),
             chunks,
             path: TransferPath::Staged,
         })
@@ -115,7 +151,7 @@ impl Destination {
     }
 
     pub(super) fn capacity(&self, i: usize) -> usize {
-        self.cache.map().chunk_bytes(self.chunks[i].len())
+        self.map().chunk_bytes(self.chunks[i].len())
     }
 
     /// Checks the destination against `nkeys` requested chunks: enough chunks, valid
@@ -131,8 +167,7 @@ impl Destination {
         if self.chunks.iter().take(nkeys).any(|c| c.is_empty()) {
             return Err(PeerError::InvalidArgument("a destination chunk has no blocks".into()));
         }
-        self.cache
-            .map()
+        self.map()
             .check_blocks(&all)
             .map_err(|e| PeerError::InvalidArgument(format!("destination blocks: {e}")))
     }
@@ -257,4 +292,7 @@ pub struct ConsumerStats {
     pub chunks_received: u64,
     /// Chunks landed.
     pub chunks_landed: u64,
+    /// Landing copies into device memory the device never confirmed: their
+    /// destination blocks stay reported busy (their fences never fire).
+    pub device_unconfirmed: u64,
 }

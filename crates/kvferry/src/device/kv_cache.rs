@@ -1,0 +1,237 @@
+//! [`DeviceKvCache`]: a paged KV cache in device memory (one or more device buffers,
+//! e.g. one per layer) with its [`BlockMap`], and the two copies that put it on the
+//! transfer path: a device-to-host **gather** of chunks into staging pages (producer)
+//! and a host-to-device **scatter** of staging pages into blocks (consumer), both on the
+//! cache's own copy stream, each completed by a fresh event.
+//!
+//! Waits are the caller's, through the returned [`PendingCopy`]: bounded, and on
+//! timeout or cancel the staging pages are quarantined until the device confirms (see
+//! the module docs of [`device`](super)).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Device, DeviceBuffer, DeviceError, DeviceSlice, GatherSegment, PendingCopy, ScatterSegment, Stream};
+use crate::layout::{BlockMap, LayoutError, Span};
+use crate::mem::Lease;
+
+/// A registered KV cache in device memory.
+pub struct DeviceKvCache {
+    name: String,
+    device: Arc<dyn Device>,
+    stream: Stream,
+    buffers: Vec<DeviceBuffer>,
+    /// Start of each buffer in the cache's address space, plus the total at the end.
+    starts: Vec<usize>,
+    map: BlockMap,
+    op_timeout: Duration,
+}
+
+impl std::fmt::Debug for DeviceKvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceKvCache")
+            .field("name", &self.name)
+            .field("device", &self.device.name())
+            .field("rank", &self.device.rank())
+            .field("blocks", &self.map.blocks())
+            .finish()
+    }
+}
+
+impl DeviceKvCache {
+    /// A cache over `parts` (each device buffer with the spans of every block inside
+    /// it, offsets relative to that buffer) of `blocks` blocks on `device`, copying on
+    /// a dedicated stream; every copy's wait is bounded by `op_timeout` from submission
+    /// (and by the transfer's deadline).
+    pub fn new(
+        name: impl Into<String>,
+        device: Arc<dyn Device>,
+        parts: Vec<(DeviceBuffer, Vec<Span>)>,
+        blocks: u32,
+        op_timeout: Duration,
+    ) -> Result<DeviceKvCache, DeviceError> {
+        let name = name.into();
+        if op_timeout.is_zero() {
+            return Err(DeviceError::InvalidArgument(format!(
+                "{name}: op timeout must be greater than zero"
+            )));
+        }
+        let bad = |e: LayoutError| DeviceError::InvalidArgument(format!("{name}: {e}"));
+        let mut starts = Vec::with_capacity(parts.len() + 1);
+        let mut spans = Vec::new();
+        let mut buffers = Vec::with_capacity(parts.len());
+        let mut at = 0usize;
+        for (i, (buf, rs)) in parts.into_iter().enumerate() {
+            if buf.device_id() != device.id() {
+                return Err(DeviceError::InvalidArgument(format!(
+                    "{name}: buffer {i} belongs to another device"
+                )));
+            }
+            let local = BlockMap::new(rs.clone(), blocks).map_err(bad)?;
+            if local.extent() > buf.len() {
+                return Err(DeviceError::InvalidArgument(format!(
+                    "{name}: buffer {i}: blocks need {} bytes but it has {}",
+                    local.extent(),
+                    buf.len()
+                )));
+            }
+            starts.push(at);
+            spans.extend(rs.iter().map(|s| Span {
+                offset: s.offset + at,
+                ..*s
+            }));
+            at += buf.len();
+            buffers.push(buf);
+        }
+        starts.push(at);
+        let map = BlockMap::new(spans, blocks).map_err(bad)?;
+        let stream = device.create_stream(&format!("{name}-copy"))?;
+        Ok(DeviceKvCache {
+            name,
+            device,
+            stream,
+            buffers,
+            starts,
+            map,
+            op_timeout,
+        })
+    }
+
+    /// One device buffer of consecutive blocks of `block_bytes` each.
+    pub fn contiguous(
+        name: impl Into<String>,
+        device: Arc<dyn Device>,
+        buffer: DeviceBuffer,
+        block_bytes: usize,
+        op_timeout: Duration,
+    ) -> Result<DeviceKvCache, DeviceError> {
+        let name = name.into();
+        if block_bytes == 0 || buffer.is_empty() || !buffer.len().is_multiple_of(block_bytes) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "{name}: buffer of {} bytes is not a whole number of {block_bytes}-byte blocks",
+                buffer.len()
+            )));
+        }
+        let blocks = u32::try_from(buffer.len() / block_bytes)
+            .map_err(|_| DeviceError::InvalidArgument(format!("{name}: more than 2^32 blocks")))?;
+        let span = Span {
+            offset: 0,
+            stride: block_bytes,
+            len: block_bytes,
+        };
+        DeviceKvCache::new(name, device, vec![(buffer, vec![span])], blocks, op_timeout)
+    }
+
+    /// The cache's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Where blocks live.
+    pub fn map(&self) -> &BlockMap {
+        &self.map
+    }
+
+    /// Bound on each copy's wait, from its submission.
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
+    /// The device buffers.
+    pub fn buffers(&self) -> &[DeviceBuffer] {
+        &self.buffers
+    }
+
+    /// Cuts a range of the cache's address space at buffer boundaries.
+    fn slices(&self, off: usize, len: usize, out: &mut Vec<DeviceSlice>) -> Result<(), DeviceError> {
+        let (mut at, end) = (off, off + len);
+        if end > *self.starts.last().expect("total") {
+            return Err(DeviceError::InvalidArgument(format!(
+                "{}: range {off}+{len} is outside the cache",
+                self.name
+            )));
+        }
+        while at < end {
+            let i = self.starts.partition_point(|s| *s <= at) - 1;
+            let within = at - self.starts[i];
+            let n = (self.buffers[i].len() - within).min(end - at);
+            if n > 0 {
+                out.push(self.buffers[i].slice(within, n));
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Ranges (in the cache's address space) of a chunk of `blocks`, cut to `len`.
+    pub fn chunk_ranges(&self, blocks: &[u32], len: usize) -> Result<Vec<(usize, usize)>, LayoutError> {
+        let mut r = self.map.chunk_ranges(blocks)?;
+        let mut left = len;
+        let mut keep = 0;
+        for x in r.iter_mut() {
+            if left == 0 {
+                break;
+            }
+            x.1 = x.1.min(left);
+            left -= x.1;
+            keep += 1;
+        }
+        r.truncate(keep);
+        Ok(r)
+    }
+
+    /// Queues a gather of `chunks` — each `(ranges, offset in the lease)` — from the
+    /// device into `dst` on the cache's copy stream.
+    pub fn gather(
+        &self,
+        chunks: &[(Vec<(usize, usize)>, usize)],
+        dst: Lease,
+        op: &str,
+    ) -> Result<PendingCopy, DeviceError> {
+        let mut segments = Vec::new();
+        let mut slices = Vec::new();
+        for (ranges, at) in chunks {
+            let mut at = *at;
+            for &(off, len) in ranges {
+                slices.clear();
+                self.slices(off, len, &mut slices)?;
+                for s in slices.drain(..) {
+                    let n = s.len;
+                    segments.push(GatherSegment { src: s, dst_offset: at });
+                    at += n;
+                }
+            }
+        }
+        self.stream.copy_d2h_gather(&segments, dst, op)
+    }
+
+    /// Queues a scatter of `chunks` — each `(offset in the lease, ranges)` — from `src`
+    /// into the device on the cache's copy stream.
+    pub fn scatter(
+        &self,
+        src: Lease,
+        chunks: &[(usize, Vec<(usize, usize)>)],
+        op: &str,
+    ) -> Result<PendingCopy, DeviceError> {
+        let mut segments = Vec::new();
+        let mut slices = Vec::new();
+        for (at, ranges) in chunks {
+            let mut at = *at;
+            for &(off, len) in ranges {
+                slices.clear();
+                self.slices(off, len, &mut slices)?;
+                for s in slices.drain(..) {
+                    let n = s.len;
+                    segments.push(ScatterSegment { src_offset: at, dst: s });
+                    at += n;
+                }
+            }
+        }
+        self.stream.copy_h2d_scatter(src, &segments, op)
+    }
+}
