@@ -39,6 +39,10 @@ pub struct EngineConfig {
     pub page_size: usize,
     /// Ask for pinned (mlocked) staging memory; falls back, and says so, when refused.
     pub pinned: bool,
+    /// A staging arena built by the caller (e.g. CUDA pinned memory from
+    /// `device::cuda_pinned_arena`), used instead of allocating one; `arena_bytes`,
+    /// `page_size` and `pinned` are then ignored.
+    pub staging: Option<crate::mem::Arena>,
     /// Copy threads and slice size.
     pub copy: CopyConfig,
     /// A custom copy body (fault injection in tests and chaos); `None`: memcpy.
@@ -81,6 +85,7 @@ impl Default for EngineConfig {
             arena_bytes: 64 << 20,
             page_size: 1 << 20,
             pinned: true,
+            staging: None,
             copy: CopyConfig::default(),
             copy_body: None,
             store: StoreConfig::Bytes {

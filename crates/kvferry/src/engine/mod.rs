@@ -215,21 +215,26 @@ impl Engine {
         cfg.net
             .validate()
             .map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
-        if cfg.page_size == 0 {
-            return Err(EngineError::InvalidConfig("page size must be greater than zero".into()));
-        }
-        let pages = cfg.arena_bytes / cfg.page_size;
-        if pages == 0 {
-            return Err(EngineError::InvalidConfig(format!(
-                "staging arena of {} bytes must hold at least one page of {}",
-                cfg.arena_bytes, cfg.page_size
-            )));
-        }
-        let mut acfg = ArenaConfig::new(cfg.page_size, pages);
-        if !cfg.pinned {
-            acfg = acfg.unpinned();
-        }
-        let arena = Arena::new(acfg)?;
+        let arena = match &cfg.staging {
+            Some(a) => a.clone(),
+            None => {
+                if cfg.page_size == 0 {
+                    return Err(EngineError::InvalidConfig("page size must be greater than zero".into()));
+                }
+                let pages = cfg.arena_bytes / cfg.page_size;
+                if pages == 0 {
+                    return Err(EngineError::InvalidConfig(format!(
+                        "staging arena of {} bytes must hold at least one page of {}",
+                        cfg.arena_bytes, cfg.page_size
+                    )));
+                }
+                let mut acfg = ArenaConfig::new(cfg.page_size, pages);
+                if !cfg.pinned {
+                    acfg = acfg.unpinned();
+                }
+                Arena::new(acfg)?
+            }
+        };
         if let Some(why) = arena.fallback_reason() {
             tracing::info!(target: "kvferry::engine", backing = %arena.backing_kind(), "staging arena not pinned: {why}");
         }

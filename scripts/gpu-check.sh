@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One run on a machine with an NVIDIA GPU verifies the CUDA backend: every CUDA test
+# (the device layer, and GPU -> peer -> GPU through the engine over loopback, every byte
+# compared), the device benchmark (pinned D2H/H2D GB/s beside the plain host-memory
+# copy), and the end-to-end GB/s. Needs only the Rust toolchain and the NVIDIA driver
+# (the CUDA backend loads libcuda dynamically; no toolkit). Takes well under 8 minutes.
+#
+#   scripts/gpu-check.sh            # results also go to $OUT (default: target/gpu-check)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-target/gpu-check}
+mkdir -p "$out"
+start=$(date +%s)
+{
+    echo "== machine"; date -u; nproc; (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "nvidia-smi: not found")
+    echo "== build (release, --features cuda)"
+    cargo build --release -q --features cuda -p kvferry-cli
+    cargo test --release -q --features kvferry/cuda -p kvferry --test device_cuda --test engine_cuda --no-run
+    echo "== CUDA tests"
+    cargo test --release --features kvferry/cuda -p kvferry --test device_cuda --test engine_cuda -- --nocapture --test-threads 1
+    echo "== device benchmark (host, sim and CUDA rows)"
+    ./target/release/kvferry bench device
+    ./target/release/kvferry bench device --json > "$out/bench-device.json"
+    echo "== end-to-end host benchmark on this machine (direct path)"
+    ./target/release/kvferry bench --bytes 4GiB --json > "$out/bench-direct.json"
+    echo "== done in $(( $(date +%s) - start )) s"
+} 2>&1 | tee "$out/gpu-check.log"
