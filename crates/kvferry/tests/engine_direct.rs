@@ -997,11 +997,9 @@ async fn close_is_clean_after_traffic_and_a_closed_engine_refuses_new_work() {
     assert_zero(&out, [20]);
 }
 
-/// `Engine::start_get` (engine/mod.rs) does not check whether the engine is closed,
-/// unlike `get`, `get_blocking`, `stage`, `resolve`, `push` and `lookup`: a closed
-/// engine still runs the transfer and lands the bytes.
+/// `Engine::start_get` refuses work on a closed engine like `get`, `get_blocking`,
+/// `stage`, `resolve`, `push` and `lookup` do (it once ran the transfer anyway).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "library bug: Engine::start_get runs transfers on a closed engine (no closed check)"]
 async fn start_get_on_a_closed_engine_is_refused() {
     let p = pair().await;
     let (_src, cache) = contiguous_cache("prefill-kv", Some(15));

@@ -510,6 +510,9 @@ impl Engine {
 
     /// Starts an eager get whose drain fence is known before it completes.
     pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        if self.check_open().is_err() {
+            return Transfer::failed(PeerError::ShuttingDown);
+        }
         self.inner
             .consumer
             .start_get(&self.resolve_peer(peer), keys, dst, deadline)

@@ -238,6 +238,17 @@ impl std::fmt::Debug for Transfer {
 }
 
 impl Transfer {
+    /// A transfer refused before it started: resolves at once to `error`, touching
+    /// nothing (its fence has fired).
+    pub fn failed(error: PeerError) -> Transfer {
+        let fence = DrainFence::ready();
+        let f = fence.clone();
+        Transfer {
+            fence,
+            fut: Box::pin(async move { Err(GetFailure::clean(error, f)) }),
+        }
+    }
+
     /// The fence that fires when this transfer's work has drained.
     pub fn fence(&self) -> DrainFence {
         self.fence.clone()
