@@ -47,7 +47,7 @@ use tokio::sync::{Mutex, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
-use crate::util::parse_timeout;
+use crate::util::{parse_timeout, usage};
 use driver::{BlockingPool, Ctx, FlakyBody, Plan};
 use ledger::{ArenaReport, EndState, Summary};
 use producers::{ChildLog, Producer, Spec};
@@ -72,7 +72,10 @@ pub struct ChaosArgs {
     /// Transfers to drive.
     #[arg(long, default_value_t = 10_000)]
     transfers: u64,
-    /// Seed of the fault schedule (default: random; printed, so a run can be repeated).
+    /// Seed of the fault schedule (default: random; printed at the start). The seed fixes
+    /// which transfer gets which fault, which producer is killed when, and the data; it
+    /// does not fix timing, so two runs with one seed can still differ in outcomes that
+    /// depend on it (which call times out, how far a cancelled transfer got, the counts).
     #[arg(long)]
     seed: Option<u64>,
     /// Producer processes.
@@ -107,13 +110,19 @@ pub enum Sabotage {
 }
 
 pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.transfers > 0, "--transfers must be at least 1");
-    anyhow::ensure!((1..=16).contains(&args.producers), "--producers must be 1..=16");
-    anyhow::ensure!((1..=256).contains(&args.concurrency), "--concurrency must be 1..=256");
-    anyhow::ensure!(
-        args.fault_rate.is_finite() && (0.0..=10.0).contains(&args.fault_rate),
-        "--fault-rate must be between 0 and 10"
-    );
+    // Flag errors exit with status 2, like the parser's own.
+    if args.transfers == 0 {
+        return Err(usage("--transfers must be at least 1"));
+    }
+    if !(1..=16).contains(&args.producers) {
+        return Err(usage("--producers must be 1..=16"));
+    }
+    if !(1..=256).contains(&args.concurrency) {
+        return Err(usage("--concurrency must be 1..=256"));
+    }
+    if !(args.fault_rate.is_finite() && (0.0..=10.0).contains(&args.fault_rate)) {
+        return Err(usage("--fault-rate must be between 0 and 10"));
+    }
     let seed = args.seed.unwrap_or_else(rand::random);
     eprintln!(
         "kvferry chaos: seed {seed}, {} transfers, {} producers, fault rate {}",

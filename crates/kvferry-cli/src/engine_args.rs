@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Args;
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
@@ -12,13 +11,13 @@ use kvferry::net::NetConfig;
 use kvferry::peer::ProducerConfig;
 use kvferry::wire::Limits;
 
-use crate::util::parse_timeout;
+use crate::util::{parse_model, parse_timeout, read_secret_file};
 
 /// Settings of a node's KV store and staging.
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
     /// Model preset giving the KV layout: llama3-8b, llama3-70b-tp8, tiny.
-    #[arg(long, default_value = "llama3-70b-tp8")]
+    #[arg(long, default_value = "llama3-70b-tp8", value_parser = parse_model)]
     pub model: String,
     /// Blocks in this node's KV region (the store's capacity in blocks).
     #[arg(long, default_value_t = 1024)]
@@ -80,10 +79,7 @@ impl EngineArgs {
 
     pub fn secret(&self) -> anyhow::Result<Option<Vec<u8>>> {
         if let Some(f) = &self.secret_file {
-            let s = std::fs::read(f).with_context(|| format!("reading secret file {}", f.display()))?;
-            let s: Vec<u8> = s.trim_ascii().to_vec();
-            anyhow::ensure!(!s.is_empty(), "secret file {} is empty", f.display());
-            return Ok(Some(s));
+            return Ok(Some(read_secret_file(f)?));
         }
         Ok(self.secret.as_ref().map(|s| s.as_bytes().to_vec()))
     }
@@ -148,13 +144,22 @@ impl EngineArgs {
         let engine = Engine::start(cfg).await?;
         let a = engine.arena();
         if let Some(why) = a.fallback_reason() {
-            eprintln!(
-                "note: staging arena is {} ({why}); raise the limit with `ulimit -l unlimited` for pinned staging",
-                a.backing_kind()
-            );
+            note_unpinned(&a.backing_kind().to_string(), &why);
         }
         Ok(engine)
     }
+}
+
+/// Says once per process (however many engines it starts) that staging memory is not
+/// pinned, why, and how to fix it.
+pub fn note_unpinned(backing: &str, why: &str) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "note: staging memory is not pinned: {backing} ({why}); raise the locked-memory \
+             limit (`ulimit -l unlimited`, or LimitMEMLOCK=infinity in a systemd unit) for pinned staging"
+        );
+    });
 }
 
 impl Default for EngineArgs {

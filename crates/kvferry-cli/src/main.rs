@@ -21,7 +21,13 @@ use clap::{CommandFactory, Parser, Subcommand};
 /// instances. It never corrupts, leaks or hangs when a transfer is cancelled, times
 /// out, or a device or peer stalls.
 #[derive(Parser, Debug)]
-#[command(name = "kvferry", version, propagate_version = true)]
+#[command(
+    name = "kvferry",
+    version,
+    propagate_version = true,
+    after_help = "Exit status: 0 on success; 1 when the work failed (the error says why); \
+                  2 when a flag, its value or a combination of flags is invalid."
+)]
 struct Cli {
     /// Log as JSON lines instead of text (filter with RUST_LOG, e.g. RUST_LOG=kvferry=debug).
     #[arg(long, global = true)]
@@ -56,10 +62,13 @@ enum Command {
 }
 
 fn init_tracing(json: bool) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    // Colour codes only for a terminal: logs piped to a file or a collector stay plain.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     if json {
         let _ = builder.json().try_init();
@@ -84,7 +93,9 @@ fn main() {
     if let Err(e) = dispatch(cli.command) {
         // `{:#}` prints the whole context chain on one line; no backtrace noise.
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // Status 2 for what the user asked for (like the parser's own refusals), 1 for
+        // everything that went wrong while doing it.
+        std::process::exit(if util::is_usage(&e) { 2 } else { 1 });
     }
 }
 
