@@ -8,6 +8,27 @@ use kvferry::engine::Engine;
 use kvferry::metrics::{sources::server_metrics, Encoder, MetricsServer, Registry};
 
 use crate::engine_args::EngineArgs;
+use crate::util::check_listen_address;
+
+/// The engine's bind failure in plain words: `cannot listen on ADDR: address in use`
+/// rather than the OS error's wording (other failures unchanged).
+fn explain_bind(e: anyhow::Error, listen: &str) -> anyhow::Error {
+    let Some(kvferry::engine::EngineError::Bind { reason, .. }) = e.downcast_ref::<kvferry::engine::EngineError>()
+    else {
+        return e;
+    };
+    let r = reason.strip_prefix("bind: ").unwrap_or(reason);
+    let why = if r.contains("os error 98") || r.contains("Address already in use") {
+        "address in use (another process listens there; pick another port or stop it)".to_string()
+    } else if r.contains("os error 99") || r.contains("Cannot assign requested address") {
+        "address not available on this host (no interface has that IP)".to_string()
+    } else if r.contains("os error 13") || r.contains("Permission denied") {
+        "permission denied (ports below 1024 need privileges)".to_string()
+    } else {
+        r.to_string()
+    };
+    anyhow::anyhow!("cannot listen on {listen}: {why}")
+}
 
 /// Options for `serve`.
 #[derive(Args, Debug)]
@@ -62,21 +83,34 @@ impl FaultArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // The address first: an unparsable one is a usage error (status 2), and the warning
+    // below is only worth printing about an address that can be listened on.
+    let ip = check_listen_address(&args.listen)?;
+    let local = match ip {
+        Some(a) => a.ip().is_loopback(),
+        None => args.listen.starts_with("localhost:"),
+    };
+    if !local && args.node.secret()?.is_none() {
+        eprintln!(
+            "warning: serving on {} without a shared secret: any host that can reach it may read KV",
+            args.listen
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let peer_id = args
             .peer_id
             .clone()
             .unwrap_or_else(|| format!("kvferry-{}", std::process::id()));
-        if !args.listen.starts_with("127.") && !args.listen.starts_with("localhost") && args.node.secret()?.is_none() {
-            eprintln!(
-                "warning: serving on {} without a shared secret: any host that can reach it may read KV",
-                args.listen
-            );
-        }
-        let engine = args.node.start(Some(&args.listen), &peer_id).await?;
+        let engine = args
+            .node
+            .start(Some(&args.listen), &peer_id)
+            .await
+            .map_err(|e| explain_bind(e, &args.listen))?;
         args.faults.apply(engine.producer().faults());
         let a = engine.arena();
+        // Printed (and flushed) as soon as the socket is bound, before anything else:
+        // scripts wait for this line.
         println!(
             "kvferry serve: listening on {} (peer {peer_id}, incarnation {:#x}, model {}, {} blocks, arena {} x {} {})",
             engine.address().expect("serve listens"),
@@ -87,11 +121,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             kvferry::mem::ByteSize(a.page_size() as u64),
             a.backing_kind()
         );
+        use std::io::Write;
+        std::io::stdout().flush()?;
         let metrics = match &args.metrics {
             Some(addr) => Some(serve_metrics(addr, &engine).await?),
             None => None,
         };
-        use std::io::Write;
         std::io::stdout().flush()?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
