@@ -9,12 +9,12 @@ use anyhow::Context;
 use clap::Args;
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
-use kvferry::mem::Region;
-use kvferry::peer::Destination;
-use kvferry::wire::ChunkKey;
+use kvferry::mem::{ByteSize, Region};
+use kvferry::peer::{Destination, PeerError};
+use kvferry::wire::{ChunkKey, ErrorKind};
 use tokio::time::Instant;
 
-use crate::util::parse_timeout;
+use crate::util::{parse_model, parse_timeout, read_secret_file};
 
 /// Connection options shared by put and get.
 #[derive(Args, Debug, Clone)]
@@ -28,9 +28,22 @@ pub struct PeerArgs {
     /// Give up after this long (e.g. 2s, 500ms).
     #[arg(long, default_value = "10s", value_parser = parse_timeout)]
     timeout: Duration,
-    /// Shared secret, if the server requires one (prefer KVFERRY_SECRET).
+    /// Shared secret, if the server requires one (prefer --secret-file or KVFERRY_SECRET).
     #[arg(long, env = "KVFERRY_SECRET", hide_env_values = true)]
     secret: Option<String>,
+    /// File holding the shared secret (like `serve --secret-file`; surrounding
+    /// whitespace is ignored).
+    #[arg(long, conflicts_with = "secret")]
+    secret_file: Option<std::path::PathBuf>,
+}
+
+impl PeerArgs {
+    fn secret(&self) -> anyhow::Result<Option<Vec<u8>>> {
+        if let Some(f) = &self.secret_file {
+            return Ok(Some(read_secret_file(f)?));
+        }
+        Ok(self.secret.as_ref().map(|s| s.as_bytes().to_vec()))
+    }
 }
 
 /// Options for `put`.
@@ -41,6 +54,10 @@ pub struct PutArgs {
     /// File with the chunk's bytes ("-" for stdin).
     #[arg(long)]
     file: String,
+    /// Largest chunk the server accepts: its `--max-bulk` (256MiB unless the server
+    /// was started with another). A larger file is refused here, before anything is sent.
+    #[arg(long, default_value = "256MiB")]
+    max_bulk: ByteSize,
 }
 
 /// Options for `get`.
@@ -52,10 +69,11 @@ pub struct GetArgs {
     #[arg(long)]
     out: Option<String>,
     /// Model preset of the server's layout (pieces must match to land).
-    #[arg(long, default_value = "llama3-70b-tp8")]
+    #[arg(long, default_value = "llama3-70b-tp8", value_parser = parse_model)]
     model: String,
-    /// Largest chunk to accept, in blocks of the model's layout.
-    #[arg(long, default_value_t = 16)]
+    /// Largest chunk to accept, in blocks of the model's layout (a bigger chunk is an
+    /// error that says how many blocks it needs).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     max_blocks: u32,
 }
 
@@ -69,7 +87,7 @@ async fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Engine> {
     let mut cfg = EngineConfig::default()
         .listen(None)
         .peer_id(format!("kvferry-cli-{}", std::process::id()))
-        .secret(p.secret.as_ref().map(|s| s.as_bytes().to_vec()))
+        .secret(p.secret()?)
         .arena(arena_bytes.div_ceil(page).max(1) * page, page);
     cfg.pinned = false;
     cfg.net.connections_per_peer = 1;
@@ -89,6 +107,17 @@ pub fn put(args: PutArgs) -> anyhow::Result<()> {
         data = std::fs::read(&args.file).with_context(|| format!("reading {}", args.file))?;
     }
     anyhow::ensure!(!data.is_empty(), "refusing to put an empty chunk");
+    let limit = args.max_bulk.bytes();
+    if data.len() as u64 > limit {
+        anyhow::bail!(
+            "{} is {} bytes ({}), more than --max-bulk {} ({limit} bytes): the server would refuse it; \
+             start the server with a larger --max-bulk and pass the same --max-bulk to put",
+            if args.file == "-" { "stdin" } else { &args.file },
+            data.len(),
+            ByteSize(data.len() as u64),
+            args.max_bulk
+        );
+    }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let c = consumer(&args.peer, 64 << 10).await?;
@@ -96,15 +125,43 @@ pub fn put(args: PutArgs) -> anyhow::Result<()> {
         let deadline = Instant::now() + args.peer.timeout;
         c.push(&args.peer.peer, k, &data, deadline)
             .await
+            .map_err(|e| explain_put(e, data.len()))
             .with_context(|| format!("put to {}", args.peer.peer))?;
         println!("put {} bytes as {k}", data.len());
         Ok(())
     })
 }
 
+/// A refused or cut-off push in terms of the server's `--max-bulk`, when that is the
+/// likely cause: the server refuses an oversized chunk and closes the connection, which
+/// the sender sees as a broken pipe when the chunk did not fit in the socket buffers.
+fn explain_put(e: PeerError, len: usize) -> anyhow::Error {
+    let size = format!("{len} bytes ({})", ByteSize(len as u64));
+    match &e {
+        PeerError::Remote {
+            kind: ErrorKind::TooLarge,
+            message,
+        } => anyhow::anyhow!(
+            "the server refused the chunk: it exceeds the server's --max-bulk ({message}); \
+             start the server with a larger --max-bulk"
+        ),
+        PeerError::PeerLost { reason, .. }
+            if ["Broken pipe", "Connection reset", "os error 32", "os error 104"]
+                .iter()
+                .any(|w| reason.contains(w)) =>
+        {
+            anyhow::anyhow!(
+                "the server refused the chunk: it most likely exceeds the server's --max-bulk \
+                 (256 MiB by default; this chunk is {size}): the server closed the connection \
+                 while it was sent ({reason}); start the server with a larger --max-bulk"
+            )
+        }
+        _ => anyhow::Error::new(e),
+    }
+}
+
 pub fn get(args: GetArgs) -> anyhow::Result<()> {
     let preset: Preset = args.model.parse()?;
-    anyhow::ensure!(args.max_blocks > 0, "--max-blocks must be at least 1");
     let layout = KvLayout::preset(preset, args.max_blocks, Arrangement::FullyContiguous)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -117,10 +174,10 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
             .expect("valid destination");
         let deadline = Instant::now() + args.peer.timeout;
         let k = key(&args.peer.key);
-        let landed = c
-            .get(&args.peer.peer, &[k], dst, deadline)
-            .await
-            .map_err(|f| anyhow::anyhow!("get from {} failed: {}", args.peer.peer, f.error))?;
+        let landed = c.get(&args.peer.peer, &[k], dst, deadline).await.map_err(|f| {
+            let why = explain_get(&f.error, &args, layout.block_bytes());
+            anyhow::anyhow!("get from {} failed: {why}", args.peer.peer)
+        })?;
         // Fully contiguous layout with blocks 0..n: the chunk is the region's prefix.
         let bytes = region.to_vec(0, landed.bytes)?;
         anyhow::Ok((landed, bytes))
@@ -138,4 +195,34 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         ),
     }
     Ok(())
+}
+
+/// A chunk bigger than the destination in terms of `--max-blocks`.
+fn explain_get(e: &PeerError, args: &GetArgs, block_bytes: usize) -> String {
+    if let PeerError::InvalidArgument(m) = e {
+        if m.contains("destination blocks hold") {
+            let len = m
+                .split(" is ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .and_then(|n| n.parse::<usize>().ok());
+            let limit = format!(
+                "the chunk is larger than --max-blocks {} ({} of {})",
+                args.max_blocks,
+                ByteSize(args.max_blocks as u64 * block_bytes as u64),
+                args.model
+            );
+            return match len {
+                Some(len) => {
+                    let need = len.div_ceil(block_bytes);
+                    format!(
+                        "{limit}: it is {len} bytes ({}), {need} blocks; rerun with --max-blocks {need} or more",
+                        ByteSize(len as u64)
+                    )
+                }
+                None => format!("{limit}: {m}; rerun with a larger --max-blocks"),
+            };
+        }
+    }
+    e.to_string()
 }
