@@ -29,12 +29,15 @@ const AFTER_HELP: &str = "\
 What the transfer benchmark prints (one row per point; --json: the same fields):
   GB/s       chunk bytes landed and verified per second
   TCP GB/s   raw loopback TCP moving the same bytes over as many connections, measured
-             in the same run (best of 3); ratio = GB/s / TCP GB/s
+             in the same run (best of 3); ratio = GB/s / TCP GB/s: 1.00 is the ceiling
+             (no cost over plain sockets), the target is 0.85
   pipe GB/s  the staged pipeline: gather memcpy + socket + landing memcpy in plain code,
              no checksums (what the design's copies alone cost on this machine)
   p50/p99    per-chunk latency, request to landed in the destination
   errors     transfers that failed (none expected without faults)
   corrupted  bytes that landed wrong; leaked: arena pages not returned afterwards
+Under the table: the path (direct or staged), whether staging memory was pinned, and
+the limits in words; after a sweep, the best point and the range over all points.
 The command exits non-zero if any byte was corrupted or any page leaked.
 Figures and the machine they were measured on: docs/benchmarks.md";
 

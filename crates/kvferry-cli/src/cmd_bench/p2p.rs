@@ -24,34 +24,53 @@ use tokio::sync::Semaphore;
 
 use super::limits::{memcpy_limit, pipeline_limit, tcp_limit};
 use crate::engine_args::EngineArgs;
+use crate::util::parse_model;
+
+/// Parser of counts that must be at least 1 (zero is refused with exit status 2).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
 
 /// Options for the transfer benchmark.
 #[derive(Args, Debug, Clone)]
 pub struct P2pBenchArgs {
     /// Model preset giving the KV layout (llama3-8b: 2 MiB per block; llama3-70b-tp8:
     /// 640 KiB per block).
-    #[arg(long, default_value = "llama3-70b-tp8")]
+    #[arg(long, default_value = "llama3-70b-tp8", value_parser = parse_model)]
     pub model: String,
-    /// Blocks per chunk (chunk size = blocks × block size; 4 × 640 KiB = 2.5 MiB).
-    #[arg(long, default_value_t = 4)]
+    /// Blocks per chunk (chunk size = blocks × block size; 4 × 640 KiB = 2.5 MiB)
+    /// [default: 4; under --sweep, when not given: 1, 2, 4 and 6].
+    #[arg(long = "blocks-per-chunk", value_name = "BLOCKS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub blocks_per_chunk_arg: Option<u32>,
+    /// `--blocks-per-chunk` as run (set from the flag by `run`, or by the sweep).
+    #[arg(skip = 4u32)]
     pub blocks_per_chunk: u32,
     /// Requests (distinct byte patterns) held by the producers.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
     pub requests: usize,
     /// Chunks per request.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = at_least_one)]
     pub chunks_per_request: usize,
-    /// Total bytes to move.
+    /// Total bytes to move (under --sweep: per point, at most 1GiB).
     #[arg(long, default_value = "4GiB")]
     pub bytes: ByteSize,
-    /// Transfers in flight at once.
-    #[arg(long, default_value_t = 4)]
+    /// Transfers in flight at once [default: 4; under --sweep, when not given: 1, 4
+    /// and 16].
+    #[arg(long = "in-flight", value_name = "N", value_parser = at_least_one)]
+    pub in_flight_arg: Option<usize>,
+    /// `--in-flight` as run (set from the flag by `run`, or by the sweep).
+    #[arg(skip = 4usize)]
     pub in_flight: usize,
-    /// Connections per producer (transfers are striped over them).
-    #[arg(long, default_value_t = 4)]
+    /// Connections per producer (transfers are striped over them; used at every point
+    /// of a sweep).
+    #[arg(long, default_value_t = 4, value_parser = at_least_one)]
     pub connections: usize,
     /// Producer instances.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     pub producers: usize,
     /// Copy threads per engine (default: available cores).
     #[arg(long)]
@@ -62,7 +81,11 @@ pub struct P2pBenchArgs {
     /// advertising them; the consumer receives into staging pages, then lands them).
     #[arg(long, default_value = "direct")]
     pub path: TransferPath,
-    /// Run a sweep over chunk sizes and transfers in flight instead of one point.
+    /// Run a sweep instead of one point: chunk sizes of 1, 2, 4 and 6 blocks × 1, 4 and
+    /// 16 transfers in flight, up to 1GiB per point. --blocks-per-chunk or --in-flight,
+    /// when given, fix that dimension and only the other is swept (both given: one
+    /// point). --connections, --producers, --path and --model apply to every point. The
+    /// summary reports the best point and the range over all points.
     #[arg(long)]
     pub sweep: bool,
     /// Draw throughput against chunk size and transfers in flight, with the measured
@@ -81,10 +104,12 @@ impl Default for P2pBenchArgs {
     fn default() -> Self {
         P2pBenchArgs {
             model: "llama3-70b-tp8".into(),
+            blocks_per_chunk_arg: None,
             blocks_per_chunk: 4,
             requests: 32,
             chunks_per_request: 4,
             bytes: ByteSize(4 << 30),
+            in_flight_arg: None,
             in_flight: 4,
             connections: 4,
             producers: 1,
@@ -130,6 +155,13 @@ pub struct Point {
     pub errors: u64,
     pub corrupted_bytes: u64,
     pub leaked_pages: u64,
+    /// Backing of the staging arenas (consumer's and producers'), e.g.
+    /// `mmap+mlock (pinned)`; the least pinned one when they differ.
+    pub staging_backing: String,
+    /// Whether every staging arena is pinned (page-locked).
+    pub staging_pinned: bool,
+    /// Why staging is not pinned, when it is not (e.g. `RLIMIT_MEMLOCK` too low).
+    pub staging_fallback: Option<String>,
 }
 
 fn word(req: usize, chunk: usize, i: usize) -> u64 {
@@ -153,7 +185,29 @@ fn key(req: usize, chunk: usize) -> ChunkKey {
     ChunkKey::from_name(&format!("bench/req{req}/chunk{chunk}"))
 }
 
-pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
+/// The sweep's points `(blocks per chunk, transfers in flight)`: the dimensions given on
+/// the command line are fixed, the others take the sweep's values.
+fn sweep_plan(args: &P2pBenchArgs) -> Vec<(u32, usize)> {
+    let bpcs = match args.blocks_per_chunk_arg {
+        Some(b) => vec![b],
+        None => vec![1, 2, 4, 6],
+    };
+    let inflights = match args.in_flight_arg {
+        Some(n) => vec![n],
+        None => vec![1, 4, 16],
+    };
+    bpcs.iter()
+        .flat_map(|&b| inflights.iter().map(move |&n| (b, n)))
+        .collect()
+}
+
+pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
+    if let Some(b) = args.blocks_per_chunk_arg {
+        args.blocks_per_chunk = b;
+    }
+    if let Some(n) = args.in_flight_arg {
+        args.in_flight = n;
+    }
     anyhow::ensure!(args.in_flight >= 1, "--in-flight must be at least 1");
     anyhow::ensure!(args.connections >= 1, "--connections must be at least 1");
     anyhow::ensure!(args.producers >= 1, "--producers must be at least 1");
@@ -165,27 +219,49 @@ pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let sweep = args.sweep || args.plot.is_some();
     let points = if sweep {
+        let plan = sweep_plan(&args);
+        let per_point = ByteSize(args.bytes.bytes().min(1 << 30));
+        if !args.json {
+            let fixed = |given: bool| if given { " (given)" } else { "" };
+            let mut bpcs: Vec<u32> = plan.iter().map(|p| p.0).collect();
+            bpcs.dedup();
+            let mut ifs: Vec<usize> = plan.iter().map(|p| p.1).collect();
+            ifs.sort_unstable();
+            ifs.dedup();
+            eprintln!(
+                "sweep: {}: {} blocks per chunk{} x {} in flight{}; {} connection(s) per producer, \
+                 {} producer(s), path {}, {} per point",
+                points_word(plan.len()),
+                join(&bpcs),
+                fixed(args.blocks_per_chunk_arg.is_some()),
+                join(&ifs),
+                fixed(args.in_flight_arg.is_some()),
+                args.connections,
+                args.producers,
+                args.path,
+                per_point
+            );
+        }
         let mut pts = Vec::new();
-        for bpc in [1u32, 2, 4, 6] {
-            for inflight in [1usize, 4, 16] {
-                let mut a = args.clone();
-                a.blocks_per_chunk = bpc;
-                a.in_flight = inflight;
-                a.bytes = ByteSize(args.bytes.bytes().min(1 << 30));
-                a.quiet = true;
-                let p = rt.block_on(run_point(&a))?;
-                if !args.json {
-                    eprintln!(
-                        "  chunk {:>9}  in flight {:>2}: {:.2} GB/s ({:.2} of TCP, {:.2} of the staged pipeline)",
-                        ByteSize(p.chunk_bytes as u64).to_string(),
-                        inflight,
-                        p.gbps,
-                        p.ratio,
-                        p.pipeline_ratio
-                    );
-                }
-                pts.push(p);
+        for (bpc, inflight) in plan {
+            let mut a = args.clone();
+            a.blocks_per_chunk = bpc;
+            a.in_flight = inflight;
+            a.bytes = per_point;
+            a.quiet = true;
+            let p = rt.block_on(run_point(&a))?;
+            if !args.json {
+                eprintln!(
+                    "  chunk {:>9}  in flight {:>2}: {:.2} GB/s ({:.2} of raw TCP moving the same bytes, \
+                     {:.2} of the staged pipeline)",
+                    ByteSize(p.chunk_bytes as u64).to_string(),
+                    inflight,
+                    p.gbps,
+                    p.ratio,
+                    p.pipeline_ratio
+                );
             }
+            pts.push(p);
         }
         pts
     } else {
@@ -203,6 +279,11 @@ pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
         }
     } else {
         print_table(&points);
+        if sweep {
+            print_sweep_summary(&points);
+        } else {
+            print_point_summary(&points[0]);
+        }
     }
     let bad: Vec<&Point> = points
         .iter()
@@ -215,6 +296,17 @@ pub fn run(args: P2pBenchArgs) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+fn points_word(n: usize) -> String {
+    format!("{n} point{}", if n == 1 { "" } else { "s" })
+}
+
+fn join<T: std::fmt::Display>(v: &[T]) -> String {
+    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// The ratio kvferry aims at (docs/benchmarks.md, "Against the target").
+const TARGET_RATIO: f64 = 0.85;
 
 fn print_table(points: &[Point]) {
     println!(
@@ -249,24 +341,125 @@ fn print_table(points: &[Point]) {
             p.leaked_pages
         );
     }
-    if let Some(p) = points.first() {
-        println!(
-            "moved {} in {} chunks over loopback; verification on; memcpy limit {:.2} GB/s; \
-             raw TCP from a hot 4 MiB buffer {:.2} GB/s ({:.2} of it)",
-            ByteSize(p.bytes),
-            p.chunks,
-            p.memcpy_gbps,
-            p.tcp_hot_limit_gbps,
-            p.gbps / p.tcp_hot_limit_gbps
-        );
-        println!(
-            "staged-pipeline limit {:.2} GB/s (gather + socket + landing in plain code, {:.2} of TCP); \
-             kvferry reaches {:.2} of it",
-            p.pipeline_limit_gbps,
-            p.pipeline_limit_gbps / p.tcp_limit_gbps,
-            p.pipeline_ratio
-        );
+}
+
+/// `path direct (zero copy); staging mmap+mlock (pinned)` or, when not pinned, why.
+fn setup_line(p: &Point) -> String {
+    let path = match p.path {
+        TransferPath::Staged => "staged (through staging pages on both sides)",
+        _ => "direct (zero copy: sockets read and write the KV blocks)",
+    };
+    let bypass = if p.path == TransferPath::Staged {
+        ""
+    } else {
+        "; the direct path bypasses it"
+    };
+    let staging = match &p.staging_fallback {
+        None if p.staging_pinned => format!("staging memory pinned ({}{bypass})", p.staging_backing),
+        None => format!("staging memory NOT pinned ({}{bypass})", p.staging_backing),
+        Some(why) => format!(
+            "staging memory NOT pinned ({}: {why}; `ulimit -l unlimited` fixes it{bypass})",
+            p.staging_backing
+        ),
+    };
+    format!("path {path}; {staging}")
+}
+
+/// What a ratio to same-bytes raw TCP means.
+const CEILING: &str = "1.00 is the ceiling: kvferry costing nothing over plain sockets \
+                       (no framing, checksums or copies)";
+
+fn print_point_summary(p: &Point) {
+    println!("{}", setup_line(p));
+    println!(
+        "moved {} in {} chunks over loopback, every byte verified: {:.2} GB/s",
+        ByteSize(p.bytes),
+        p.chunks,
+        p.gbps
+    );
+    println!(
+        "ratio {:.2} of raw TCP moving the same bytes ({:.2} GB/s over {} connection(s), best of 3 in this run)",
+        p.ratio,
+        p.tcp_limit_gbps,
+        p.connections * p.producers,
+    );
+    println!(
+        "  {CEILING}; target >= {TARGET_RATIO:.2}: {}",
+        if p.ratio >= TARGET_RATIO { "met" } else { "not met" }
+    );
+    println!(
+        "staged-pipeline limit {:.2} GB/s (the staged design's copies alone in plain code, {:.2} of raw TCP); \
+         kvferry reaches {:.2} of it",
+        p.pipeline_limit_gbps,
+        p.pipeline_limit_gbps / p.tcp_limit_gbps,
+        p.pipeline_ratio
+    );
+    println!(
+        "for reference: raw TCP from one hot 4 MiB buffer {:.2} GB/s (kvferry {:.2} of it; the most flattering \
+         loopback figure); single-thread memcpy {:.2} GB/s",
+        p.tcp_hot_limit_gbps,
+        p.gbps / p.tcp_hot_limit_gbps,
+        p.memcpy_gbps
+    );
+}
+
+/// `lo–hi` of `f` over the points, with `digits` decimals.
+fn range(points: &[Point], f: impl Fn(&Point) -> f64) -> String {
+    let lo = points.iter().map(&f).fold(f64::INFINITY, f64::min);
+    let hi = points.iter().map(&f).fold(f64::NEG_INFINITY, f64::max);
+    if (hi - lo).abs() < 0.005 {
+        format!("{lo:.2}")
+    } else {
+        format!("{lo:.2}-{hi:.2}")
     }
+}
+
+fn print_sweep_summary(points: &[Point]) {
+    let Some(best) = points.iter().max_by(|a, b| a.gbps.total_cmp(&b.gbps)) else {
+        return;
+    };
+    let moved: u64 = points.iter().map(|p| p.bytes).sum();
+    let chunks: u64 = points.iter().map(|p| p.chunks).sum();
+    let met = points.iter().filter(|p| p.ratio >= TARGET_RATIO).count();
+    // Staging is reported as the least pinned point's.
+    let setup = points
+        .iter()
+        .find(|p| !p.staging_pinned)
+        .map_or_else(|| setup_line(best), setup_line);
+    println!("sweep of {}; {setup}", points_word(points.len()));
+    println!(
+        "moved {} in {} chunks over loopback in all, every byte verified",
+        ByteSize(moved),
+        chunks
+    );
+    println!(
+        "best point: {:.2} GB/s at {} chunks, {} in flight = {:.2} of raw TCP moving the same bytes ({:.2} GB/s)",
+        best.gbps,
+        ByteSize(best.chunk_bytes as u64),
+        best.in_flight,
+        best.ratio,
+        best.tcp_limit_gbps
+    );
+    println!(
+        "over all points: {} GB/s; ratio {} of raw TCP moving the same bytes; {} of the staged pipeline; \
+         p99 {} ms",
+        range(points, |p| p.gbps),
+        range(points, |p| p.ratio),
+        range(points, |p| p.pipeline_ratio),
+        range(points, |p| p.p99_ms)
+    );
+    println!(
+        "limits measured at each point: raw TCP (same bytes) {} GB/s, staged pipeline {} GB/s, \
+         raw TCP from a hot buffer {} GB/s, memcpy {} GB/s",
+        range(points, |p| p.tcp_limit_gbps),
+        range(points, |p| p.pipeline_limit_gbps),
+        range(points, |p| p.tcp_hot_limit_gbps),
+        range(points, |p| p.memcpy_gbps)
+    );
+    println!(
+        "  {CEILING}; target >= {TARGET_RATIO:.2}: met at {met} of {}",
+        points_word(points.len())
+    );
 }
 
 async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
@@ -368,10 +561,13 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let bar = if args.quiet || args.json {
         indicatif::ProgressBar::hidden()
     } else {
-        let b = indicatif::ProgressBar::new(total_chunks);
+        // Counted in bytes, so the rate is bytes per second, in the table's decimal GB/s.
+        let b = indicatif::ProgressBar::new(total_chunks * chunk_bytes as u64);
         b.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks  {binary_bytes_per_sec}  eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {decimal_bytes}/{decimal_total_bytes}  {decimal_bytes_per_sec}  eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b
     };
@@ -438,7 +634,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
                     f.fence.wait().await;
                 }
             }
-            bar.inc(1);
+            bar.inc(chunk_bytes as u64);
             slots.lock().push(slot);
             drop(permit);
         });
@@ -452,6 +648,21 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let elapsed = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let moved = (total_chunks - errors.load(Ordering::Relaxed)) * chunk_bytes as u64;
+
+    // Staging backing, for the summary: the least pinned arena's.
+    let is_pinned = |a: &kvferry::mem::Arena| a.backing_kind() != kvferry::mem::BackingKind::Unlocked;
+    let mut staging = (arena.backing_kind().to_string(), arena.fallback_reason());
+    let mut pinned = is_pinned(&arena);
+    for p in &producers {
+        let a = p.arena();
+        if pinned && !is_pinned(a) {
+            staging = (a.backing_kind().to_string(), a.fallback_reason());
+            pinned = false;
+        }
+    }
+    if let Some(why) = &staging.1 {
+        crate::engine_args::note_unpinned(&staging.0, why);
+    }
 
     // Quiesce and account every page of every arena.
     let quiesce = Instant::now() + Duration::from_secs(5);
@@ -535,5 +746,25 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         errors: errors.load(Ordering::Relaxed),
         corrupted_bytes: corrupted.load(Ordering::Relaxed),
         leaked_pages: leaked,
+        staging_backing: staging.0,
+        staging_pinned: pinned,
+        staging_fallback: staging.1,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweep_sweeps_only_what_was_not_given() {
+        let mut a = P2pBenchArgs::default();
+        assert_eq!(sweep_plan(&a).len(), 12);
+        a.in_flight_arg = Some(8);
+        assert_eq!(sweep_plan(&a), [(1, 8), (2, 8), (4, 8), (6, 8)]);
+        a.blocks_per_chunk_arg = Some(3);
+        assert_eq!(sweep_plan(&a), [(3, 8)]);
+        a.in_flight_arg = None;
+        assert_eq!(sweep_plan(&a), [(3, 1), (3, 4), (3, 16)]);
+    }
 }
