@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use kvferry::device::{Device, DeviceBuffer, DeviceKvCache, SimConfig, SimDevice};
 use kvferry::engine::Engine;
 use kvferry::layout::{Arrangement, KvCache, KvLayout};
 use kvferry::mem::{ByteSize, Region};
@@ -77,10 +78,12 @@ pub struct P2pBenchArgs {
     pub copy_threads: Option<usize>,
     /// How KV moves: `direct` (zero copy: producers publish blocks of their KV cache and
     /// the socket writes from them; the consumer's socket reads straight into its
-    /// destination blocks) or `staged` (producers copy chunks into staging pages before
-    /// advertising them; the consumer receives into staging pages, then lands them).
+    /// destination blocks), `staged` (producers copy chunks into staging pages before
+    /// advertising them; the consumer receives into staging pages, then lands them), or
+    /// `device-sim` (KV in simulated device memory on both sides: device-to-host gather
+    /// into staging, socket, host-to-device scatter; every byte still verified).
     #[arg(long, default_value = "direct")]
-    pub path: TransferPath,
+    pub path: BenchPath,
     /// Run a sweep instead of one point: chunk sizes of 1, 2, 4 and 6 blocks × 1, 4 and
     /// 16 transfers in flight, up to 1GiB per point. --blocks-per-chunk or --in-flight,
     /// when given, fix that dimension and only the other is swept (both given: one
@@ -114,7 +117,7 @@ impl Default for P2pBenchArgs {
             connections: 4,
             producers: 1,
             copy_threads: None,
-            path: TransferPath::Direct,
+            path: BenchPath::Direct,
             sweep: false,
             plot: None,
             json: false,
@@ -128,7 +131,7 @@ impl Default for P2pBenchArgs {
 pub struct Point {
     pub model: String,
     /// `direct` or `staged` (see `--path`).
-    pub path: TransferPath,
+    pub path: BenchPath,
     pub chunk_bytes: usize,
     pub in_flight: usize,
     pub connections: usize,
@@ -343,16 +346,52 @@ fn print_table(points: &[Point]) {
     }
 }
 
+/// How the benchmark's KV moves (`--path`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BenchPath {
+    /// Producers publish host blocks; sockets write from and read into KV blocks.
+    Direct,
+    /// Store chunks copied into staging pages; received into staging pages, landed.
+    Staged,
+    /// KV in (simulated) device memory on both sides: device-to-host gather into
+    /// staging, socket, staging, host-to-device scatter.
+    DeviceSim,
+}
+
+impl std::str::FromStr for BenchPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "direct" => Ok(BenchPath::Direct),
+            "staged" => Ok(BenchPath::Staged),
+            "device-sim" => Ok(BenchPath::DeviceSim),
+            _ => Err(format!("unknown path {s:?} (expected direct, staged or device-sim)")),
+        }
+    }
+}
+
+impl std::fmt::Display for BenchPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BenchPath::Direct => "direct",
+            BenchPath::Staged => "staged",
+            BenchPath::DeviceSim => "device-sim",
+        })
+    }
+}
+
 /// `path direct (zero copy); staging mmap+mlock (pinned)` or, when not pinned, why.
 fn setup_line(p: &Point) -> String {
     let path = match p.path {
-        TransferPath::Staged => "staged (through staging pages on both sides)",
-        _ => "direct (zero copy: sockets read and write the KV blocks)",
+        BenchPath::Staged => "staged (through staging pages on both sides)",
+        BenchPath::DeviceSim => "device-sim (sim device memory on both sides, through staging pages)",
+        BenchPath::Direct => "direct (zero copy: sockets read and write the KV blocks)",
     };
-    let bypass = if p.path == TransferPath::Staged {
-        ""
-    } else {
+    let bypass = if p.path == BenchPath::Direct {
         "; the direct path bypasses it"
+    } else {
+        ""
     };
     let staging = match &p.staging_fallback {
         None if p.staging_pinned => format!("staging memory pinned ({}{bypass})", p.staging_backing),
@@ -473,7 +512,8 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let chunk_bytes = block_bytes * bpc;
     let per_producer_reqs = args.requests.div_ceil(args.producers);
     let staging_page: usize = 1 << 20;
-    let staged = args.path == TransferPath::Staged;
+    let staged = args.path == BenchPath::Staged;
+    let on_device = args.path == BenchPath::DeviceSim;
     let producer_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
     // Producer: store (staged) or published KV cache (direct) for its requests; staging
     // for every transfer in flight, twice (a lease waits for `Done` while the next is
@@ -496,7 +536,22 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     // Fill: request r lives on producer r % P, every chunk with its own pattern.
     let playout = KvLayout::preset(args.model.parse()?, producer_blocks, Arrangement::LayerSeparate)?;
     let mut caches = Vec::new();
-    if !staged {
+    let mut device_caches = Vec::new();
+    if on_device {
+        for (i, _) in producers.iter().enumerate() {
+            let dev: Arc<dyn Device> = SimDevice::new(SimConfig::new(i as u32))?;
+            let buf = dev.alloc(playout.region_bytes())?;
+            let spans = kvferry::layout::BlockMap::from_layout(&playout).spans().to_vec();
+            let cache = DeviceKvCache::new(
+                "bench-kv",
+                dev,
+                vec![(buf.clone(), spans)],
+                producer_blocks,
+                Duration::from_secs(10),
+            )?;
+            device_caches.push((Arc::new(cache), buf));
+        }
+    } else if !staged {
         for p in &producers {
             let region = Arc::new(Region::host("bench-kv", playout.region_bytes())?);
             caches.push((p.register(KvCache::with_layout(region.clone(), &playout)?)?, region));
@@ -511,6 +566,16 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
             if staged {
                 p.put(key(r, c), &bytes)
                     .with_context(|| format!("filling request {r}"))?;
+            } else if on_device {
+                let first = ((r / args.producers) * args.chunks_per_request + c) * bpc;
+                let blocks: Vec<u32> = (first as u32..(first + bpc) as u32).collect();
+                let (cache, buf) = &device_caches[r % args.producers];
+                let mut at = 0;
+                for (off, len) in playout.chunk_ranges(&blocks)? {
+                    buf.write(off, &bytes[at..at + len])?;
+                    at += len;
+                }
+                p.publish_device(key(r, c), cache, &blocks, Duration::from_secs(24 * 3600), false)?;
             } else {
                 // Request r's chunk c takes consecutive blocks of its producer's cache.
                 let first = ((r / args.producers) * args.chunks_per_request + c) * bpc;
@@ -538,7 +603,23 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     )?;
     let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);
     let cache = Arc::new(KvCache::with_layout(region.clone(), &layout)?);
-    let consumer_pages = if staged {
+    // On the device-sim path the destination is sim device memory of the same shape.
+    let device_dst: Option<(Arc<DeviceKvCache>, DeviceBuffer)> = if on_device {
+        let dev: Arc<dyn Device> = SimDevice::new(SimConfig::new(99))?;
+        let buf = dev.alloc(layout.region_bytes())?;
+        let spans = kvferry::layout::BlockMap::from_layout(&layout).spans().to_vec();
+        let c = DeviceKvCache::new(
+            "bench-consumer",
+            dev,
+            vec![(buf.clone(), spans)],
+            layout.blocks,
+            Duration::from_secs(10),
+        )?;
+        Some((Arc::new(c), buf))
+    } else {
+        None
+    };
+    let consumer_pages = if staged || on_device {
         args.in_flight * chunk_bytes.div_ceil(staging_page)
     } else {
         1
@@ -555,7 +636,11 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     ccfg.net.connections_per_peer = args.connections;
     let consumer = Engine::start(ccfg).await?;
     let arena = consumer.arena().clone();
-    let path = args.path;
+    let path = if staged {
+        TransferPath::Staged
+    } else {
+        TransferPath::Direct
+    };
 
     let total_chunks = (args.bytes.bytes() as usize / chunk_bytes).max(1) as u64;
     let bar = if args.quiet || args.json {
@@ -582,10 +667,11 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     for n in 0..total_chunks {
         let permit = sem.clone().acquire_owned().await?;
         let slot = slots.lock().pop().expect("a slot per permit");
-        let (consumer, region, cache, slots, errors, corrupted, latencies, expected, bar) = (
+        let (consumer, region, cache, device_dst, slots, errors, corrupted, latencies, expected, bar) = (
             consumer.clone(),
             region.clone(),
             cache.clone(),
+            device_dst.clone(),
             slots.clone(),
             errors.clone(),
             corrupted.clone(),
@@ -598,7 +684,17 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         let addr = addrs[r % args.producers].clone();
         tasks.spawn(async move {
             let blocks: Vec<u32> = (0..bpc as u32).map(|b| (slot * bpc) as u32 + b).collect();
-            let dst = Destination::new(cache.clone(), vec![blocks.clone()]).with_path(path);
+            let dst = match &device_dst {
+                Some((dcache, _)) => Destination::device(dcache.clone(), vec![blocks.clone()]),
+                None => Destination::new(cache.clone(), vec![blocks.clone()]).with_path(path),
+            };
+            // Reads landed bytes back (from the sim device's memory on that path).
+            let read = |off: usize, len: usize| -> Vec<u8> {
+                match &device_dst {
+                    Some((_, buf)) => buf.to_vec(off, len).expect("in range"),
+                    None => region.to_vec(off, len).expect("in range"),
+                }
+            };
             let t = Instant::now();
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             match consumer.get(&addr, &[key(r, c)], dst, deadline).await {
@@ -609,7 +705,10 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
                     let ranges = layout.chunk_ranges(&blocks).expect("valid blocks");
                     let mut crc = 0u32;
                     for (off, len) in &ranges {
-                        let piece = region.checksum(*off, *len).expect("in range");
+                        let piece = match &device_dst {
+                            Some(_) => kvferry::wire::crc::checksum(&read(*off, *len)),
+                            None => region.checksum(*off, *len).expect("in range"),
+                        };
                         crc = kvferry::wire::crc::combine(crc, piece, *len);
                     }
                     if crc != expected[r][c] {
@@ -617,7 +716,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
                         let mut at = 0;
                         let mut bad = 0u64;
                         for (off, len) in &ranges {
-                            let got = region.to_vec(*off, *len).expect("in range");
+                            let got = read(*off, *len);
                             bad += got.iter().zip(&want[at..at + len]).filter(|(a, b)| a != b).count() as u64;
                             at += len;
                         }
