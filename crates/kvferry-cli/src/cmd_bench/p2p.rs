@@ -158,6 +158,11 @@ pub struct Point {
     pub errors: u64,
     pub corrupted_bytes: u64,
     pub leaked_pages: u64,
+    /// Process resident memory after the first tenth of the transfers (warm-up), MiB.
+    pub rss_warm_mib: f64,
+    /// Process resident memory after the last transfer, MiB: flat against
+    /// `rss_warm_mib` means nothing grows per transfer.
+    pub rss_end_mib: f64,
     /// Backing of the staging arenas (consumer's and producers'), e.g.
     /// `mmap+mlock (pinned)`; the least pinned one when they differ.
     pub staging_backing: String,
@@ -182,6 +187,17 @@ fn pattern(req: usize, chunk: usize, len: usize) -> Vec<u8> {
     }
     v.truncate(len);
     v
+}
+
+/// This process's resident memory in MiB (0 where /proc is not available).
+fn rss_mib() -> f64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()))
+        .unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as f64;
+    pages * page / (1 << 20) as f64
 }
 
 fn key(req: usize, chunk: usize) -> ChunkKey {
@@ -664,7 +680,11 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let expected = Arc::new(expected);
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
+    let mut rss_warm = 0.0;
     for n in 0..total_chunks {
+        if n == total_chunks / 10 {
+            rss_warm = rss_mib();
+        }
         let permit = sem.clone().acquire_owned().await?;
         let slot = slots.lock().pop().expect("a slot per permit");
         let (consumer, region, cache, device_dst, slots, errors, corrupted, latencies, expected, bar) = (
@@ -745,6 +765,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         r?;
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let rss_end = rss_mib();
     bar.finish_and_clear();
     let moved = (total_chunks - errors.load(Ordering::Relaxed)) * chunk_bytes as u64;
 
@@ -845,6 +866,8 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         errors: errors.load(Ordering::Relaxed),
         corrupted_bytes: corrupted.load(Ordering::Relaxed),
         leaked_pages: leaked,
+        rss_warm_mib: rss_warm,
+        rss_end_mib: rss_end,
         staging_backing: staging.0,
         staging_pinned: pinned,
         staging_fallback: staging.1,
