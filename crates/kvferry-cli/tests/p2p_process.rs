@@ -153,7 +153,9 @@ fn sigkilled_producer_is_peer_lost_promptly_and_its_restart_is_a_new_incarnation
 
 #[test]
 fn put_and_get_commands_round_trip_and_fail_clearly() {
-    let p = serve("127.0.0.1:0", &["--secret", "hunter2"]);
+    // At least 32 bytes: shorter secrets are refused at start-up.
+    const SECRET: &str = "hunter2-hunter2-hunter2-hunter2-hunter2";
+    let p = serve("127.0.0.1:0", &["--secret", SECRET]);
     let dir = std::env::temp_dir().join(format!("kvferry-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.bin");
@@ -177,7 +179,7 @@ fn put_and_get_commands_round_trip_and_fail_clearly() {
             "--file",
             input.to_str().unwrap(),
         ],
-        "hunter2",
+        SECRET,
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = run(
@@ -192,24 +194,25 @@ fn put_and_get_commands_round_trip_and_fail_clearly() {
             "--out",
             output.to_str().unwrap(),
         ],
-        "hunter2",
+        SECRET,
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(std::fs::read(&output).unwrap(), data);
     let out = run(
         &["get", "--peer", &p.addr, "--key", "absent", "--model", "tiny"],
-        "hunter2",
+        SECRET,
     );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("miss"));
-    let out = run(&["get", "--peer", &p.addr, "--key", "doc", "--model", "tiny"], "wrong");
+    let wrong = "wrong-wrong-wrong-wrong-wrong-wrong";
+    let out = run(&["get", "--peer", &p.addr, "--key", "doc", "--model", "tiny"], wrong);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("authentication failed"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = run(&["get", "--peer", &p.addr, "--key", "doc", "--timeout=-1s"], "hunter2");
+    let out = run(&["get", "--peer", &p.addr, "--key", "doc", "--timeout=-1s"], SECRET);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("negative"));
     let _ = std::fs::remove_dir_all(&dir);

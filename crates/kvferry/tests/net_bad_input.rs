@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use common::eventually;
 use common::p2p::*;
-use kvferry::wire::auth::{self, CLIENT_LABEL, SERVER_LABEL};
+use kvferry::wire::auth::{self, Keys, Role, Transcript};
 use kvferry::wire::{self, ChunkKey, ErrorKind, FrameHeader, FrameKind, Limits, Message, WireError, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -766,6 +766,9 @@ async fn a_thousand_idle_connections_do_not_starve_a_good_client() {
     assert!(n >= 100, "open-files limit {limit} too low for this test");
     let opts = NodeOpts {
         handshake_timeout: Some(Duration::from_secs(60)),
+        // Room for all of them (the default budget closes the oldest beyond 64; see
+        // net_preauth.rs).
+        max_unauthenticated: Some(2 * N),
         ..NodeOpts::default()
     };
     let p = producer_node(opts).await;
@@ -829,15 +832,28 @@ async fn connections_over_the_cap_are_refused_with_busy() {
     };
     let p = producer_node(opts).await;
     let good = Good::new(&p, 10, None);
-    let mut held = vec![
-        open(&p.addr, true).await,
+    // Connections still handshaking take no place among the three.
+    let _strangers = [
+        open(&p.addr, false).await,
         open(&p.addr, false).await,
         open(&p.addr, false).await,
     ];
-    eventually("three connections open", || p.server.stats().active == 3).await;
+    let mut held = vec![
+        open(&p.addr, true).await,
+        open(&p.addr, true).await,
+        open(&p.addr, true).await,
+    ];
+    eventually("three authenticated, three handshaking", || {
+        let st = p.server.stats();
+        (st.authenticated, st.handshaking) == (3, 3)
+    })
+    .await;
+    // A fourth client is refused once it has completed its part of the handshake.
     for _ in 0..2 {
         let mut s = connect(&p.addr).await;
-        expect_error(&mut s, ErrorKind::Busy, "3 connections").await;
+        hello_challenge(&mut s, false, auth::nonce()).await;
+        send(&mut s, 2, &Message::Auth { proof: None }).await;
+        assert_eq!(expect_error(&mut s, ErrorKind::Busy, "3 connections").await, 2);
         expect_closed(&mut s).await;
     }
     // A consumer over the cap gets a clear, typed refusal.
@@ -859,43 +875,71 @@ async fn connections_over_the_cap_are_refused_with_busy() {
         "expected a Busy refusal, got {err}"
     );
     let st = p.server.stats();
-    assert_eq!((st.refused, st.active), (3, 3), "{st:?}");
+    assert_eq!((st.refused, st.authenticated, st.handshaking), (3, 3, 3), "{st:?}");
     // The held connections are unaffected.
     expect_pong(&mut held[0], 50).await;
     // Freeing a slot lets the consumer in.
     held.truncate(1);
-    eventually("slots freed", || p.server.stats().active == 1).await;
+    eventually("slots freed", || p.server.stats().authenticated == 1).await;
     good.round(&p.addr).await;
 }
 
 // ---------------------------------------------------------------------------------
 // 8. Wrong and missing secrets.
 
+/// At least 32 bytes, as `NetConfig::validate` requires.
+const SECRET: &[u8] = b"s3cret-s3cret-s3cret-s3cret-s3cret";
+
+/// The transcript of a raw handshake (client "raw-client", incarnation 0x5eed, as in
+/// [`hello`]) with the producer node.
+fn transcript<'a>(ours: &'a [u8; 32], theirs: &'a [u8; 32], server_incarnation: u64) -> Transcript<'a> {
+    Transcript {
+        client_id: "raw-client",
+        client_incarnation: 0x5eed,
+        client_nonce: ours,
+        server_id: "producer",
+        server_incarnation,
+        server_nonce: theirs,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_and_missing_secrets_are_refused_by_the_handshake() {
     let _g = GATE.read().await;
-    let secret = b"s3cret".to_vec();
     let p = producer_node(NodeOpts {
-        secret: Some(secret.clone()),
+        secret: Some(SECRET.to_vec()),
         ..NodeOpts::default()
     })
     .await;
-    let good = Good::new(&p, 11, Some(secret.clone()));
-    // (wants_auth, the proof we send given (our nonce, server nonce), expected refusal)
-    type Prove = fn(&[u8; 32], &[u8; 32]) -> Option<[u8; 32]>;
-    let cases: [(bool, Prove, ErrorKind, &str); 4] = [
-        (false, |_, _| None, ErrorKind::AuthRequired, "requires a shared secret"),
-        (true, |_, _| None, ErrorKind::AuthRequired, "requires a shared secret"),
+    let good = Good::new(&p, 11, Some(SECRET.to_vec()));
+    // (wants_auth, the proof we send for the handshake's transcript, expected refusal)
+    type Prove = fn(&Transcript<'_>) -> Option<[u8; 32]>;
+    let cases: [(bool, Prove, ErrorKind, &str); 5] = [
+        (false, |_| None, ErrorKind::AuthRequired, "requires a shared secret"),
+        (true, |_| None, ErrorKind::AuthRequired, "requires a shared secret"),
         (
             true,
-            |c, s| Some(auth::proof(b"wrong", CLIENT_LABEL, c, s)),
+            |t| Some(Keys::derive(b"wrong-wrong-wrong-wrong-wrong-wrong").proof(Role::Client, t)),
             ErrorKind::AuthFailed,
             "wrong shared secret",
         ),
-        // The right secret, but the server's own proof reflected back.
+        // The right secret, but the server's proof (another key) sent back at it.
         (
             true,
-            |c, s| Some(auth::proof(b"s3cret", SERVER_LABEL, s, c)),
+            |t| Some(Keys::derive(SECRET).proof(Role::Server, t)),
+            ErrorKind::AuthFailed,
+            "wrong shared secret",
+        ),
+        // The right secret over a transcript without the server's nonce.
+        (
+            true,
+            |t| {
+                let t = Transcript {
+                    server_nonce: t.client_nonce,
+                    ..*t
+                };
+                Some(Keys::derive(SECRET).proof(Role::Client, &t))
+            },
             ErrorKind::AuthFailed,
             "wrong shared secret",
         ),
@@ -903,23 +947,42 @@ async fn wrong_and_missing_secrets_are_refused_by_the_handshake() {
     for (wants_auth, prove, kind, needle) in cases {
         let mut s = connect(&p.addr).await;
         let ours = auth::nonce();
-        let (theirs, _, proof) = hello_challenge(&mut s, wants_auth, ours).await;
-        let proof = proof.expect("a server with a secret proves it");
-        assert!(
-            auth::verify(&secret, SERVER_LABEL, &theirs, &ours, &proof),
-            "the server's proof verifies"
-        );
+        let (theirs, inc, proof) = hello_challenge(&mut s, wants_auth, ours).await;
+        assert_eq!(proof, None, "the server proves nothing before the client has");
         send(
             &mut s,
             2,
             &Message::Auth {
-                proof: prove(&ours, &theirs),
+                proof: prove(&transcript(&ours, &theirs, inc)),
             },
         )
         .await;
         assert_eq!(expect_error(&mut s, kind, needle).await, 2);
         expect_closed(&mut s).await;
     }
+    // The right proof: the server proves the secret over the same transcript.
+    let mut s = connect(&p.addr).await;
+    let ours = auth::nonce();
+    let (theirs, inc, _) = hello_challenge(&mut s, true, ours).await;
+    let t = transcript(&ours, &theirs, inc);
+    let keys = Keys::derive(SECRET);
+    send(
+        &mut s,
+        2,
+        &Message::Auth {
+            proof: Some(keys.proof(Role::Client, &t)),
+        },
+    )
+    .await;
+    match recv(&mut s).await {
+        (2, Message::WelcomeAuth { proof }) => {
+            assert!(keys.verify(Role::Server, &t, &proof), "the server's proof verifies");
+            assert!(!keys.verify(Role::Client, &t, &proof), "and is not a client proof");
+        }
+        other => panic!("expected WelcomeAuth, got {other:?}"),
+    }
+    expect_pong(&mut s, 3).await;
+    drop(s);
     // Skipping Auth altogether.
     let mut s = connect(&p.addr).await;
     hello_challenge(&mut s, true, auth::nonce()).await;
@@ -948,7 +1011,7 @@ async fn wrong_and_missing_secrets_are_refused_by_the_handshake() {
 
     all_closed(&p).await;
     let st = p.server.stats();
-    assert_eq!((st.auth_failures, st.handshake_failures), (4, 6), "{st:?}");
+    assert_eq!((st.auth_failures, st.handshake_failures), (5, 7), "{st:?}");
     good.round(&p.addr).await;
 }
 

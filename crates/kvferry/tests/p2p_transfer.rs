@@ -218,12 +218,12 @@ async fn push_lands_in_the_peer_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_or_missing_secret_is_refused_on_both_sides() {
     let node = producer_node(NodeOpts {
-        secret: Some(b"s3cret".to_vec()),
+        secret: Some(b"s3cret-s3cret-s3cret-s3cret-s3cret".to_vec()),
         ..NodeOpts::default()
     })
     .await;
     let keys = fill(&node.producer, 1, 1, 1);
-    for secret in [None, Some(b"wrong".to_vec())] {
+    for secret in [None, Some(b"wrong-wrong-wrong-wrong-wrong-wrong".to_vec())] {
         let engine = kvferry::copy::CopyEngine::new(kvferry::copy::CopyConfig {
             threads: 1,
             slice_bytes: 1 << 20,
@@ -240,7 +240,7 @@ async fn wrong_or_missing_secret_is_refused_on_both_sides() {
         slice_bytes: 1 << 20,
     })
     .unwrap();
-    let good = consumer_with_engine(engine, 16, 16, Some(b"s3cret".to_vec()));
+    let good = consumer_with_engine(engine, 16, 16, Some(b"s3cret-s3cret-s3cret-s3cret-s3cret".to_vec()));
     assert_eq!(good.consumer.lookup(&node.addr, &keys, soon(2000)).await.unwrap(), 1);
 }
 

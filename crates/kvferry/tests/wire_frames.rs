@@ -383,7 +383,7 @@ proptest! {
     #[test]
     fn header_round_trip(kind in kind(), request_id: u64, len: u64, checksum: u32) {
         let h = FrameHeader { kind, request_id, len, checksum };
-        let limits = Limits { max_control_bytes: u64::MAX, max_bulk_bytes: u64::MAX, max_keys: 0 };
+        let limits = Limits { max_control_bytes: u64::MAX, max_bulk_bytes: u64::MAX, max_keys: 0, ..Limits::default() };
         prop_assert_eq!(FrameHeader::decode(&h.encode(), &limits).unwrap(), h);
         let got = FrameHeader::decode(&h.encode(), &Limits::default());
         let limit = match kind {

@@ -3,20 +3,24 @@
 use std::time::Duration;
 
 use super::NetError;
+use crate::wire::auth::MIN_SECRET_BYTES;
 use crate::wire::Limits;
 
 /// Settings shared by clients and servers.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct NetConfig {
     /// This node's stable identity.
     pub peer_id: String,
     /// Changes every time this process starts (a restarted peer is a new incarnation).
     pub incarnation: u64,
-    /// Shared secret; when set, both sides must prove it (HMAC challenge-response).
+    /// Shared secret; when set, both sides must prove it (HMAC challenge-response over
+    /// keys derived from it). At least [`MIN_SECRET_BYTES`] bytes, e.g. the output of
+    /// `head -c 32 /dev/urandom | base64`.
     pub secret: Option<Vec<u8>>,
     /// Bound on TCP connect.
     pub connect_timeout: Duration,
-    /// Bound on the whole handshake.
+    /// Bound on the whole handshake (on a server: how long an unauthenticated connection
+    /// may live).
     pub handshake_timeout: Duration,
     /// Bound on any single read or write making no progress once a frame has started.
     pub io_timeout: Duration,
@@ -26,8 +30,23 @@ pub struct NetConfig {
     pub keepalive: Duration,
     /// Connections per peer in a client pool (transfers are striped over them).
     pub connections_per_peer: usize,
-    /// Accepted connections a server keeps at once; more are refused with `Busy`.
+    /// Authenticated (handshaken) connections a server keeps at once; a client that
+    /// completes its handshake beyond this is refused with `Busy`. Connections still
+    /// handshaking do not count here (see `max_unauthenticated`).
     pub max_connections: usize,
+    /// Connections a server keeps handshaking (not yet authenticated) at once. When a
+    /// new connection arrives with this many handshaking, the oldest of them is closed
+    /// as soon as it has been handshaking for an eighth of `handshake_timeout` (until
+    /// then the newcomer waits in the listen backlog): idle strangers cannot keep peers
+    /// with the secret out, and a burst of honest peers, each done in a round trip or
+    /// two, waits its turn instead of closing each other.
+    pub max_unauthenticated: usize,
+    /// Failed authentications from one source address (IPv6: one /64) within
+    /// `auth_failure_window` after which the server refuses that address's handshakes
+    /// at once, for `auth_failure_window`.
+    pub auth_failure_limit: u32,
+    /// The window of `auth_failure_limit`, and how long an address stays refused.
+    pub auth_failure_window: Duration,
     /// Frame and message limits.
     pub limits: Limits,
 }
@@ -46,6 +65,9 @@ impl NetConfig {
             keepalive: Duration::from_secs(10),
             connections_per_peer: 4,
             max_connections: 4096,
+            max_unauthenticated: 64,
+            auth_failure_limit: 10,
+            auth_failure_window: Duration::from_secs(60),
             limits: Limits::default(),
         }
     }
@@ -68,6 +90,7 @@ impl NetConfig {
             ("io timeout", self.io_timeout),
             ("idle timeout", self.idle_timeout),
             ("keepalive", self.keepalive),
+            ("auth failure window", self.auth_failure_window),
         ] {
             if d.is_zero() {
                 return bad(format!("{name} must be greater than zero"));
@@ -85,9 +108,89 @@ impl NetConfig {
         if self.max_connections == 0 {
             return bad("max connections must be at least 1".into());
         }
-        if matches!(&self.secret, Some(s) if s.is_empty()) {
-            return bad("secret must not be empty".into());
+        if self.max_unauthenticated == 0 {
+            return bad("max unauthenticated connections must be at least 1".into());
+        }
+        if self.auth_failure_limit == 0 {
+            return bad("auth failure limit must be at least 1".into());
+        }
+        let hs = self.limits.max_handshake_bytes;
+        if !(Limits::MIN_HANDSHAKE_BYTES..=MAX_HANDSHAKE_BYTES).contains(&hs) {
+            return bad(format!(
+                "max handshake bytes must be {}..={MAX_HANDSHAKE_BYTES}, got {hs}",
+                Limits::MIN_HANDSHAKE_BYTES
+            ));
+        }
+        if let Some(s) = &self.secret {
+            if s.len() < MIN_SECRET_BYTES {
+                return bad(format!(
+                    "the shared secret is {} bytes; at least {MIN_SECRET_BYTES} are required \
+                     (generate one with `head -c 32 /dev/urandom | base64`)",
+                    s.len()
+                ));
+            }
         }
         Ok(())
+    }
+}
+
+/// Largest accepted [`Limits::max_handshake_bytes`].
+const MAX_HANDSHAKE_BYTES: u64 = 64 << 10;
+
+impl std::fmt::Debug for NetConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetConfig")
+            .field("peer_id", &self.peer_id)
+            .field("incarnation", &self.incarnation)
+            .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("connect_timeout", &self.connect_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("keepalive", &self.keepalive)
+            .field("connections_per_peer", &self.connections_per_peer)
+            .field("max_connections", &self.max_connections)
+            .field("max_unauthenticated", &self.max_unauthenticated)
+            .field("auth_failure_limit", &self.auth_failure_limit)
+            .field("auth_failure_window", &self.auth_failure_window)
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_secrets_are_refused_with_a_how_to() {
+        for len in [0, 1, 6, 31] {
+            let e = NetConfig::new("a").with_secret(vec![b'x'; len]).validate().unwrap_err();
+            let m = e.to_string();
+            assert!(m.contains(&format!("{len} bytes")), "{m}");
+            assert!(m.contains("head -c 32 /dev/urandom | base64"), "{m}");
+        }
+        NetConfig::new("a").with_secret(vec![b'x'; 32]).validate().unwrap();
+        NetConfig::new("a").validate().unwrap();
+    }
+
+    #[test]
+    fn debug_redacts_the_secret() {
+        let c = NetConfig::new("a").with_secret(b"super-secret-value-0123456789abcdef".to_vec());
+        let d = format!("{c:?}");
+        assert!(!d.contains("super-secret") && d.contains("<set>"), "{d}");
+    }
+
+    #[test]
+    fn handshake_budget_and_limits_are_checked() {
+        let mut c = NetConfig::new("a");
+        c.max_unauthenticated = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("unauthenticated"));
+        let mut c = NetConfig::new("a");
+        c.limits.max_handshake_bytes = 100;
+        assert!(c.validate().unwrap_err().to_string().contains("handshake bytes"));
+        let mut c = NetConfig::new("a");
+        c.auth_failure_limit = 0;
+        assert!(c.validate().is_err());
     }
 }

@@ -61,6 +61,10 @@ impl Connection {
         self.io_timeout = d;
     }
 
+    pub(crate) fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
     /// True if the peer has closed this (idle) connection or sent something unasked:
     /// either way it must not be reused. Never blocks.
     pub fn is_stale(&self) -> bool {

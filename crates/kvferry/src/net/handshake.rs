@@ -1,10 +1,50 @@
-//! The connection handshake: `Hello` → `Challenge` → `Auth` → `Welcome`.
+//! The connection handshake.
 //!
-//! Both sides exchange their peer id and **incarnation** (random per process start).
-//! With a shared secret, each side proves it with an HMAC over both nonces; the server
-//! proves first, so a client never sends a proof to a server that could not make one.
-//! A wrong or missing secret fails on both sides with a clear error; the whole
-//! handshake is bounded by the handshake timeout.
+//! Both sides exchange their peer id and **incarnation** (random per process start),
+//! and, with a shared secret configured, prove that they hold it:
+//!
+//! ```text
+//! client                                   server
+//!   Hello { id_c, inc_c, nonce N_c, wants_auth }  →
+//!                                         ←  Challenge { id_s, inc_s, nonce N_s }
+//!   Auth { proof_c }                      →      (server checks proof_c)
+//!                                         ←  WelcomeAuth { proof_s }   (secret)
+//!                                            Welcome                   (no secret)
+//!                                            Error { AuthFailed | AuthRequired | Busy }
+//! ```
+//!
+//! `proof_c = HMAC(K_client, T)` and `proof_s = HMAC(K_server, T)`, where the keys are
+//! derived from the secret with HKDF-SHA256 (one label per role) and the transcript `T`
+//! binds both ids, both incarnations and both nonces (see [`crate::wire::auth`]).
+//!
+//! # What a connection reveals
+//!
+//! - **Every proof covers both nonces**, so neither side ever proves anything over
+//!   values the other side chose alone, and no proof is valid in another handshake.
+//!   Distinct keys per role make a reflected proof fail.
+//! - **The client proves first; the server proves only to a client that proved.** A
+//!   stranger who connects to a server gets a `Challenge` (a random nonce and public
+//!   identities) and then an `Error`: nothing computed from the secret, so nothing it
+//!   could test guesses against offline. To obtain the server's proof it must first
+//!   contribute a valid proof of its own, i.e. already hold the secret.
+//! - The client's proof goes to whatever listens at the address it was configured to
+//!   dial; that party could test guesses against it offline. This is why secrets
+//!   shorter than 32 bytes ([`MIN_SECRET_BYTES`](crate::wire::auth::MIN_SECRET_BYTES))
+//!   are refused at configuration time: guessing 256 random bits is hopeless. A client
+//!   with a secret never sends a proof to a server that says it has none (such a
+//!   server refuses `Hello { wants_auth: true }` at once), and refuses a server that
+//!   proves in `Challenge` (the handshake of older builds).
+//!
+//! # Bounds
+//!
+//! Until the handshake completes, frames are limited to
+//! [`Limits::max_handshake_bytes`](crate::wire::Limits::max_handshake_bytes) (a
+//! stranger's oversize frame is refused from its header, nothing allocated), and the
+//! whole handshake, on both sides, is bounded by the handshake timeout. A wrong or
+//! missing secret fails on both sides with a clear error. The server's budget of
+//! handshaking connections, its connection cap (checked once the client proved
+//! itself, answered with `Busy` in place of the welcome) and its per-address limit on
+//! failed authentications are in [`server`](super::server).
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -12,7 +52,7 @@ use std::net::SocketAddr;
 use tokio::net::TcpStream;
 
 use super::{Connection, NetConfig, NetError};
-use crate::wire::auth::{self, CLIENT_LABEL, SERVER_LABEL};
+use crate::wire::auth::{self, Keys, Role, Transcript};
 use crate::wire::{ErrorKind, Message, WireError};
 
 /// The identity of the other side of a connection.
@@ -70,8 +110,8 @@ pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, N
         incarnation: 0,
         addr: peer_addr,
     };
-    let conn = Connection::new(stream, unknown, cfg.limits.clone(), cfg.handshake_timeout);
-    match tokio::time::timeout(cfg.handshake_timeout, client_side(conn, cfg)).await {
+    let conn = Connection::new(stream, unknown, cfg.limits.handshake(), cfg.handshake_timeout);
+    match tokio::time::timeout(cfg.handshake_timeout, client_side(conn, addr, cfg)).await {
         Ok(r) => r,
         Err(_) => Err(NetError::Timeout {
             op: "handshake",
@@ -80,7 +120,18 @@ pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, N
     }
 }
 
-async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection, NetError> {
+/// An authentication refusal from the server becomes [`NetError::Auth`].
+fn refused_by(server: &str, e: NetError) -> NetError {
+    match e {
+        NetError::Remote {
+            kind: ErrorKind::AuthFailed | ErrorKind::AuthRequired,
+            message,
+        } => NetError::Auth(format!("server {server} refused us: {message}")),
+        e => e,
+    }
+}
+
+async fn client_side(mut conn: Connection, addr: &str, cfg: &NetConfig) -> Result<Connection, NetError> {
     let ours = auth::nonce();
     let hello = Message::Hello {
         peer_id: cfg.peer_id.clone(),
@@ -88,7 +139,7 @@ async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         nonce: ours,
         wants_auth: cfg.secret.is_some(),
     };
-    let reply = conn.request(&hello).await?;
+    let reply = conn.request(&hello).await.map_err(|e| refused_by(addr, e))?;
     let Message::Challenge {
         peer_id,
         incarnation,
@@ -96,34 +147,89 @@ async fn client_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection
         proof,
     } = reply
     else {
-        return Err(NetError::Protocol(format!("expected Challenge, got {reply:?}")));
+        return Err(NetError::Unexpected {
+            expected: "Challenge",
+            got: reply.name(),
+        });
     };
-    let my_proof = match &cfg.secret {
-        Some(secret) => {
-            let ok = proof.is_some_and(|p| auth::verify(secret, SERVER_LABEL, &theirs, &ours, &p));
-            if !ok {
+    if proof.is_some() {
+        return Err(NetError::Auth(format!(
+            "server {peer_id} at {addr} speaks the handshake of an older kvferry (it proves first); \
+             upgrade it"
+        )));
+    }
+    let keys = cfg.secret.as_deref().map(Keys::derive);
+    let t = Transcript {
+        client_id: &cfg.peer_id,
+        client_incarnation: cfg.incarnation,
+        client_nonce: &ours,
+        server_id: &peer_id,
+        server_incarnation: incarnation,
+        server_nonce: &theirs,
+    };
+    let my_proof = keys.as_ref().map(|k| k.proof(Role::Client, &t));
+    let reply = conn
+        .request(&Message::Auth { proof: my_proof })
+        .await
+        .map_err(|e| refused_by(&peer_id, e))?;
+    match (&keys, reply) {
+        (None, Message::Welcome) => {}
+        (Some(k), Message::WelcomeAuth { proof }) => {
+            if !k.verify(Role::Server, &t, &proof) {
                 return Err(NetError::Auth(format!(
-                    "server {peer_id} did not prove the shared secret (wrong secret, or none configured there)"
+                    "server {peer_id} at {addr} did not prove the shared secret (a different secret \
+                     there, or not the server it claims to be)"
                 )));
             }
-            Some(auth::proof(secret, CLIENT_LABEL, &ours, &theirs))
         }
-        None => None,
-    };
-    match conn.request(&Message::Auth { proof: my_proof }).await {
-        Ok(Message::Welcome) => {}
-        Ok(other) => return Err(NetError::Protocol(format!("expected Welcome, got {other:?}"))),
-        Err(NetError::Remote {
-            kind: ErrorKind::AuthFailed | ErrorKind::AuthRequired,
-            message,
-        }) => return Err(NetError::Auth(format!("server {peer_id} refused us: {message}"))),
-        Err(e) => return Err(e),
+        (Some(_), Message::Welcome) => {
+            return Err(NetError::Auth(format!(
+                "server {peer_id} at {addr} did not prove the shared secret (none configured there)"
+            )))
+        }
+        (_, other) => {
+            return Err(NetError::Unexpected {
+                expected: if keys.is_some() { "WelcomeAuth" } else { "Welcome" },
+                got: other.name(),
+            })
+        }
     }
     Ok(established(conn, peer_id, incarnation, cfg))
 }
 
-/// Runs the server side of the handshake on an accepted stream.
-pub(crate) async fn accept(stream: TcpStream, cfg: &NetConfig) -> Result<Connection, NetError> {
+/// Why the server side of a handshake did not produce a connection.
+#[derive(Debug)]
+pub(crate) enum Rejected {
+    /// The handshake failed: timeout, I/O, a malformed or unexpected frame.
+    Failed(NetError),
+    /// The client did not prove the shared secret.
+    Auth {
+        /// Why, for the server's log ("wrong secret", "no secret offered").
+        why: &'static str,
+        /// The peer id the client claimed.
+        claimed: String,
+    },
+    /// The client proved itself but was not admitted (connection cap); it was told so.
+    Full(String),
+}
+
+impl From<NetError> for Rejected {
+    fn from(e: NetError) -> Rejected {
+        Rejected::Failed(e)
+    }
+}
+
+/// Runs the server side of the handshake on an accepted stream, within the handshake
+/// timeout. `keys` are derived from the server's secret, if any. Once the client has
+/// proved itself, `admit` decides whether it may stay: `Ok(slot)` is returned with the
+/// connection (dropping it releases the place), `Err(message)` is sent to the client
+/// as a `Busy` error in place of the welcome.
+pub(crate) async fn accept<T>(
+    stream: TcpStream,
+    cfg: &NetConfig,
+    keys: Option<&Keys>,
+    admit: impl FnOnce() -> Result<T, String>,
+) -> Result<(Connection, T), Rejected> {
     tune(&stream, cfg);
     let addr = stream.peer_addr().ok();
     let unknown = PeerInfo {
@@ -131,13 +237,13 @@ pub(crate) async fn accept(stream: TcpStream, cfg: &NetConfig) -> Result<Connect
         incarnation: 0,
         addr,
     };
-    let conn = Connection::new(stream, unknown, cfg.limits.clone(), cfg.handshake_timeout);
-    match tokio::time::timeout(cfg.handshake_timeout, server_side(conn, cfg)).await {
+    let conn = Connection::new(stream, unknown, cfg.limits.handshake(), cfg.handshake_timeout);
+    match tokio::time::timeout(cfg.handshake_timeout, server_side(conn, cfg, keys, admit)).await {
         Ok(r) => r,
-        Err(_) => Err(NetError::Timeout {
+        Err(_) => Err(Rejected::Failed(NetError::Timeout {
             op: "handshake",
             waited: cfg.handshake_timeout,
-        }),
+        })),
     }
 }
 
@@ -150,86 +256,97 @@ async fn recv_or_refuse(conn: &mut Connection) -> Result<(u64, Message), NetErro
             NetError::Wire(WireError::Oversize { .. }) => ErrorKind::TooLarge,
             _ => ErrorKind::BadRequest,
         };
-        let _ = conn
-            .send(
-                0,
-                &Message::Error {
-                    kind,
-                    message: e.to_string(),
-                },
-            )
-            .await;
+        refuse(conn, 0, kind, e.to_string()).await;
     }
     r
 }
 
-async fn server_side(mut conn: Connection, cfg: &NetConfig) -> Result<Connection, NetError> {
+/// Tells the client why it is refused (best effort: it is closed next either way).
+async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String) {
+    let _ = conn.send(id, &Message::Error { kind, message }).await;
+}
+
+async fn server_side<T>(
+    mut conn: Connection,
+    cfg: &NetConfig,
+    keys: Option<&Keys>,
+    admit: impl FnOnce() -> Result<T, String>,
+) -> Result<(Connection, T), Rejected> {
     let (id, hello) = recv_or_refuse(&mut conn).await?;
     let Message::Hello {
         peer_id,
         incarnation,
         nonce: theirs,
-        ..
+        wants_auth,
     } = hello
     else {
-        let m = Message::Error {
-            kind: ErrorKind::BadRequest,
-            message: "expected Hello".into(),
-        };
-        let _ = conn.send(id, &m).await;
-        return Err(NetError::Protocol(format!("expected Hello, got {hello:?}")));
+        refuse(&mut conn, id, ErrorKind::BadRequest, "expected Hello".into()).await;
+        return Err(NetError::Protocol(format!("expected Hello, got {}", hello.name())).into());
     };
+    if wants_auth && keys.is_none() {
+        // Say so now, before the client sends a proof to a server that cannot check it.
+        let why = "this server has no shared secret configured, and the client expects one";
+        refuse(&mut conn, id, ErrorKind::AuthRequired, why.into()).await;
+        return Err(NetError::Auth(format!("client {peer_id}: {why}")).into());
+    }
     let ours = auth::nonce();
-    let proof = cfg
-        .secret
-        .as_ref()
-        .map(|s| auth::proof(s, SERVER_LABEL, &ours, &theirs));
     let challenge = Message::Challenge {
         peer_id: cfg.peer_id.clone(),
         incarnation: cfg.incarnation,
         nonce: ours,
-        proof,
+        proof: None,
     };
     conn.send(id, &challenge).await?;
     let (id, msg) = recv_or_refuse(&mut conn).await?;
     let Message::Auth { proof } = msg else {
-        let m = Message::Error {
-            kind: ErrorKind::BadRequest,
-            message: format!("expected Auth, got {}", msg.name()),
-        };
-        let _ = conn.send(id, &m).await;
-        return Err(NetError::Protocol(format!("expected Auth, got {msg:?}")));
+        let why = format!("expected Auth, got {}", msg.name());
+        refuse(&mut conn, id, ErrorKind::BadRequest, why.clone()).await;
+        return Err(NetError::Protocol(why).into());
     };
-    if let Some(secret) = &cfg.secret {
-        let refusal = match proof {
-            None => Some((
-                ErrorKind::AuthRequired,
-                "this server requires a shared secret and none was offered",
-            )),
-            Some(p) if !auth::verify(secret, CLIENT_LABEL, &theirs, &ours, &p) => {
-                Some((ErrorKind::AuthFailed, "wrong shared secret"))
+    let welcome = match keys {
+        None => Message::Welcome,
+        Some(k) => {
+            let t = Transcript {
+                client_id: &peer_id,
+                client_incarnation: incarnation,
+                client_nonce: &theirs,
+                server_id: &cfg.peer_id,
+                server_incarnation: cfg.incarnation,
+                server_nonce: &ours,
+            };
+            let refusal = match proof {
+                None => Some((
+                    ErrorKind::AuthRequired,
+                    "this server requires a shared secret and none was offered",
+                    "no secret offered",
+                )),
+                Some(p) if !k.verify(Role::Client, &t, &p) => {
+                    Some((ErrorKind::AuthFailed, "wrong shared secret", "wrong secret"))
+                }
+                Some(_) => None,
+            };
+            if let Some((kind, message, why)) = refusal {
+                refuse(&mut conn, id, kind, message.into()).await;
+                return Err(Rejected::Auth { why, claimed: peer_id });
             }
-            Some(_) => None,
-        };
-        if let Some((kind, why)) = refusal {
-            let _ = conn
-                .send(
-                    id,
-                    &Message::Error {
-                        kind,
-                        message: why.into(),
-                    },
-                )
-                .await;
-            return Err(NetError::Auth(format!("client {peer_id}: {why}")));
+            Message::WelcomeAuth {
+                proof: k.proof(Role::Server, &t),
+            }
         }
-    }
-    conn.send(id, &Message::Welcome).await?;
-    Ok(established(conn, peer_id, incarnation, cfg))
+    };
+    let slot = match admit() {
+        Ok(slot) => slot,
+        Err(message) => {
+            refuse(&mut conn, id, ErrorKind::Busy, message.clone()).await;
+            return Err(Rejected::Full(message));
+        }
+    };
+    conn.send(id, &welcome).await?;
+    Ok((established(conn, peer_id, incarnation, cfg), slot))
 }
 
 /// A handshaken connection: records who the peer is and switches from the handshake
-/// timeout to the I/O timeout.
+/// timeout and limits to the I/O timeout and the full limits.
 fn established(mut conn: Connection, peer_id: String, incarnation: u64, cfg: &NetConfig) -> Connection {
     let addr = conn.peer().addr;
     conn.set_peer(PeerInfo {
@@ -238,5 +355,6 @@ fn established(mut conn: Connection, peer_id: String, incarnation: u64, cfg: &Ne
         addr,
     });
     conn.set_io_timeout(cfg.io_timeout);
+    conn.set_limits(cfg.limits.clone());
     conn
 }

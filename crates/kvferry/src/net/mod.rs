@@ -1,6 +1,8 @@
 //! TCP transport: connection set-up with bounded timeouts, the handshake (peer id,
-//! incarnation, optional HMAC challenge-response), framed requests over a
-//! [`Connection`], per-peer connection [`Pool`]s, and the accepting [`Server`].
+//! incarnation, optional HMAC challenge-response in which the client proves first),
+//! framed requests over a [`Connection`], per-peer connection [`Pool`]s, and the
+//! accepting [`Server`] (a small budget of handshaking connections, a cap on
+//! authenticated ones, and a per-address limit on failed authentications).
 //!
 //! # Ownership of bytes in flight
 //!

@@ -3,10 +3,25 @@
 //!
 //! Each connection is served by its own task. A malformed, oversize, truncated or
 //! unauthenticated connection gets a typed error, is closed, and affects no other
-//! connection. Connections beyond `max_connections` get a `Busy` error and are closed
-//! at once. An idle connection is closed quietly after the idle timeout; a frame that
-//! has started must finish within the I/O timeout (slow clients cannot hold a task
-//! forever).
+//! connection.
+//!
+//! Before authentication (see [`handshake`](super::handshake)):
+//!
+//! - a connection takes one of `max_unauthenticated` handshaking places, not one of the
+//!   `max_connections`; when all are taken, a new connection closes the *oldest*
+//!   handshaking one once that one is stale (an eighth of the handshake timeout; until
+//!   then the newcomer waits in the listen backlog), so idle strangers cannot keep out
+//!   peers that complete their handshake in a round trip;
+//! - its frames are limited to `Limits::max_handshake_bytes`, and the whole handshake
+//!   to the handshake timeout;
+//! - a failed authentication is counted (`auth_failures`), logged with the peer's
+//!   address, and charged to its source address: after `auth_failure_limit` failures
+//!   within `auth_failure_window`, connections from that address are refused at once
+//!   (`rate_limited`) for that window.
+//!
+//! A client that proves itself while `max_connections` authenticated connections are
+//! open gets `Busy` in place of the welcome. An idle connection is closed quietly after
+//! the idle timeout; a frame that has started must finish within the I/O timeout.
 //!
 //! # Cancellation
 //!
@@ -14,16 +29,22 @@
 //! handler's future is dropped at an await point, so whatever it owns (leases being
 //! written) is released after the socket write stopped.
 
-use std::net::SocketAddr;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::{handshake, Connection, NetConfig, NetError};
+use super::handshake::{self, Rejected};
+use super::{Connection, NetConfig, NetError};
+use crate::wire::auth::Keys;
 use crate::wire::{ErrorKind, FrameKind, Message, WireError};
 
 /// Serves requests on accepted connections.
@@ -47,14 +68,25 @@ pub trait Handler: Send + Sync + 'static {
 pub struct ServerStats {
     /// Connections accepted.
     pub accepted: u64,
-    /// Connections open now.
+    /// Connections open now (handshaking or authenticated).
     pub active: usize,
-    /// Connections refused because `max_connections` were open.
+    /// Connections handshaking now (not yet authenticated).
+    pub handshaking: usize,
+    /// Authenticated connections open now (at most `max_connections`).
+    pub authenticated: usize,
+    /// Clients that completed their handshake while `max_connections` were open, and
+    /// were refused with `Busy`.
     pub refused: u64,
-    /// Handshakes that failed (including authentication).
+    /// Handshakes that failed (including authentication and evictions).
     pub handshake_failures: u64,
-    /// Handshakes that failed authentication.
+    /// Handshakes that failed authentication (wrong or missing secret).
     pub auth_failures: u64,
+    /// Handshaking connections closed to make room for a new one
+    /// (`max_unauthenticated` were handshaking).
+    pub evicted: u64,
+    /// Connections refused at once because their source address failed authentication
+    /// too often (`auth_failure_limit`).
+    pub rate_limited: u64,
     /// Connections closed for a protocol or frame error.
     pub protocol_errors: u64,
     /// Requests handled.
@@ -65,18 +97,35 @@ pub struct ServerStats {
 struct Counters {
     accepted: AtomicU64,
     active: AtomicUsize,
+    authenticated: AtomicUsize,
     refused: AtomicU64,
     handshake_failures: AtomicU64,
     auth_failures: AtomicU64,
+    evicted: AtomicU64,
+    rate_limited: AtomicU64,
     protocol_errors: AtomicU64,
     requests: AtomicU64,
+}
+
+/// State shared by the accept loop and the connection tasks.
+struct Shared {
+    cfg: NetConfig,
+    /// Proof keys derived from the secret, once.
+    keys: Option<Keys>,
+    counters: Counters,
+    /// Connections handshaking, by accept order, with when they were accepted: closing
+    /// one is cancelling its token.
+    pending: Mutex<BTreeMap<u64, (Instant, CancellationToken)>>,
+    /// Signalled when a connection leaves `pending`.
+    left_pending: Notify,
+    limiter: Mutex<AuthLimiter>,
 }
 
 /// A running server. Dropping it stops it.
 pub struct Server {
     addr: SocketAddr,
     stop: CancellationToken,
-    counters: Arc<Counters>,
+    shared: Arc<Shared>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -99,18 +148,19 @@ impl Server {
             reason: e.to_string(),
         })?;
         let stop = CancellationToken::new();
-        let counters = Arc::new(Counters::default());
-        let task = tokio::spawn(accept_loop(
-            listener,
-            Arc::new(cfg),
-            handler,
-            stop.clone(),
-            counters.clone(),
-        ));
+        let shared = Arc::new(Shared {
+            keys: cfg.secret.as_deref().map(Keys::derive),
+            limiter: Mutex::new(AuthLimiter::new(cfg.auth_failure_limit, cfg.auth_failure_window)),
+            cfg,
+            counters: Counters::default(),
+            pending: Mutex::new(BTreeMap::new()),
+            left_pending: Notify::new(),
+        });
+        let task = tokio::spawn(accept_loop(listener, shared.clone(), handler, stop.clone()));
         Ok(Server {
             addr: local,
             stop,
-            counters,
+            shared,
             task: Some(task),
         })
     }
@@ -122,13 +172,17 @@ impl Server {
 
     /// Counters.
     pub fn stats(&self) -> ServerStats {
-        let c = &self.counters;
+        let c = &self.shared.counters;
         ServerStats {
             accepted: c.accepted.load(Ordering::Relaxed),
             active: c.active.load(Ordering::Relaxed),
+            handshaking: self.shared.pending.lock().len(),
+            authenticated: c.authenticated.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             auth_failures: c.auth_failures.load(Ordering::Relaxed),
+            evicted: c.evicted.load(Ordering::Relaxed),
+            rate_limited: c.rate_limited.load(Ordering::Relaxed),
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
         }
@@ -171,14 +225,10 @@ async fn listen(addr: &str) -> std::io::Result<TcpListener> {
     Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "resolves to no address")))
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    cfg: Arc<NetConfig>,
-    handler: Arc<dyn Handler>,
-    stop: CancellationToken,
-    counters: Arc<Counters>,
-) {
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, handler: Arc<dyn Handler>, stop: CancellationToken) {
     let mut tasks = JoinSet::new();
+    let mut seq = 0u64;
+    let counters = &shared.counters;
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -195,35 +245,146 @@ async fn accept_loop(
             }
         };
         counters.accepted.fetch_add(1, Ordering::Relaxed);
-        if counters.active.load(Ordering::Relaxed) >= cfg.max_connections {
-            counters.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(target: "kvferry::net", %peer, "refusing connection: {} already open", cfg.max_connections);
-            refuse_busy(&stream, cfg.max_connections).await;
-            drop(stream);
+        let blocked = shared.limiter.lock().blocked(peer.ip(), Instant::now());
+        if let Some(left) = blocked {
+            counters.rate_limited.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(target: "kvferry::net", %peer, "refusing connection: too many failed authentications");
+            let message = format!(
+                "too many failed authentications from {}; retry in {}s",
+                peer.ip(),
+                left.as_secs().max(1)
+            );
+            refuse_now(&stream, ErrorKind::AuthFailed, message).await;
             continue;
         }
+        // A place among the handshaking connections: free, or made by closing the
+        // oldest once it is stale; meanwhile new connections wait in the backlog.
+        let token = stop.child_token();
+        seq += 1;
+        loop {
+            let wait = shared.admit_handshaking(seq, &token, Instant::now());
+            let Some(until) = wait else { break };
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = shared.left_pending.notified() => {}
+                _ = tokio::time::sleep_until(until.into()) => {}
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+        if stop.is_cancelled() {
+            break;
+        }
         counters.active.fetch_add(1, Ordering::Relaxed);
-        let (cfg, handler, counters, stop) = (cfg.clone(), handler.clone(), counters.clone(), stop.clone());
+        let (shared, handler, id) = (shared.clone(), handler.clone(), seq);
         tasks.spawn(async move {
             tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = serve_connection(stream, &cfg, &*handler, &counters) => {}
+                _ = token.cancelled() => {}
+                _ = serve_connection(stream, peer, id, &shared, &*handler) => {}
             }
-            counters.active.fetch_sub(1, Ordering::Relaxed);
+            shared.leave_pending(id);
+            shared.counters.active.fetch_sub(1, Ordering::Relaxed);
         });
     }
     tasks.shutdown().await;
 }
 
-async fn serve_connection(stream: tokio::net::TcpStream, cfg: &NetConfig, handler: &dyn Handler, counters: &Counters) {
-    let mut conn = match handshake::accept(stream, cfg).await {
-        Ok(c) => c,
-        Err(e) => {
-            counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
-            if matches!(e, NetError::Auth(_)) {
-                counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+/// How long a connection may handshake before a newcomer may close it to take its
+/// place: an eighth of the handshake timeout, so that a burst of peers (each done in a
+/// round trip or two) waits its turn instead of closing each other.
+fn stale_after(cfg: &NetConfig) -> Duration {
+    cfg.handshake_timeout / 8
+}
+
+impl Shared {
+    /// Enters connection `id` among the handshaking ones if there is room, closing the
+    /// oldest if it is stale; otherwise returns when to try again (at the latest).
+    fn admit_handshaking(&self, id: u64, token: &CancellationToken, now: Instant) -> Option<Instant> {
+        let mut pending = self.pending.lock();
+        while pending.len() >= self.cfg.max_unauthenticated {
+            let Some(oldest) = pending.first_entry() else { break };
+            let stale = oldest.get().0 + stale_after(&self.cfg);
+            if stale > now {
+                return Some(stale);
             }
-            tracing::warn!(target: "kvferry::net", "handshake failed: {e}");
+            oldest.get().1.cancel();
+            oldest.remove();
+            self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+            self.counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(target: "kvferry::net", "closing the oldest handshaking connection to make room");
+        }
+        pending.insert(id, (now, token.clone()));
+        None
+    }
+
+    fn leave_pending(&self, id: u64) {
+        if self.pending.lock().remove(&id).is_some() {
+            self.left_pending.notify_one();
+        }
+    }
+}
+
+/// A place among the `max_connections` authenticated connections; dropping it frees it.
+struct Slot<'a>(&'a Counters);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.authenticated.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn admit(counters: &Counters, max: usize) -> Result<Slot<'_>, String> {
+    let n = &counters.authenticated;
+    let mut cur = n.load(Ordering::Relaxed);
+    loop {
+        if cur >= max {
+            return Err(format!("server is at its limit of {max} connections; retry later"));
+        }
+        match n.compare_exchange_weak(cur, cur + 1, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Ok(Slot(counters)),
+            Err(now) => cur = now,
+        }
+    }
+}
+
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    addr: SocketAddr,
+    id: u64,
+    shared: &Shared,
+    handler: &dyn Handler,
+) {
+    let (cfg, counters) = (&shared.cfg, &shared.counters);
+    let accepted = handshake::accept(stream, cfg, shared.keys.as_ref(), || {
+        admit(counters, cfg.max_connections)
+    })
+    .await;
+    // Authenticated or not, it no longer takes a handshaking place.
+    shared.leave_pending(id);
+    let (mut conn, _slot) = match accepted {
+        Ok(c) => c,
+        Err(Rejected::Failed(e)) => {
+            counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(target: "kvferry::net", "handshake failed from {addr}: {e}");
+            return;
+        }
+        Err(Rejected::Auth { why, claimed }) => {
+            counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+            counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(target: "kvferry::net", claimed_peer_id = %claimed, "authentication failed from {addr}: {why}");
+            let limit = shared.cfg.auth_failure_limit;
+            if shared.limiter.lock().record_failure(addr.ip(), Instant::now()) {
+                tracing::warn!(
+                    target: "kvferry::net",
+                    "refusing handshakes from {} for {:?}: {limit} failed authentications",
+                    addr.ip(),
+                    shared.cfg.auth_failure_window
+                );
+            }
+            return;
+        }
+        Err(Rejected::Full(why)) => {
+            counters.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(target: "kvferry::net", "refusing connection from {addr}: {why}");
             return;
         }
     };
@@ -283,14 +444,11 @@ fn note_protocol_error(counters: &Counters, peer: &super::PeerInfo, e: &NetError
     tracing::warn!(target: "kvferry::net", %peer, "closing connection: {e}");
 }
 
-/// Tells a connection over `max_connections` why it is closed, without waiting: the
-/// frame fits in a fresh socket's send buffer, and a peer that cannot take it at once
-/// gets only the close.
-async fn refuse_busy(stream: &tokio::net::TcpStream, max: usize) {
-    let msg = Message::Error {
-        kind: ErrorKind::Busy,
-        message: format!("server is at its limit of {max} connections; retry later"),
-    };
+/// Tells a refused connection why it is closed, without waiting: the frame fits in a
+/// fresh socket's send buffer, and a peer that cannot take it at once gets only the
+/// close.
+async fn refuse_now(stream: &tokio::net::TcpStream, kind: ErrorKind, message: String) {
+    let msg = Message::Error { kind, message };
     let mut frame = Vec::new();
     if crate::wire::write_control(&mut frame, 0, &msg).await.is_ok() {
         let _ = stream.try_write(&frame);
@@ -314,4 +472,160 @@ async fn reply_error(conn: &mut Connection, request_id: u64, e: &NetError) {
         ),
     )
     .await;
+}
+
+/// Source addresses tracked by the [`AuthLimiter`] at most.
+const MAX_TRACKED_SOURCES: usize = 4096;
+
+/// Failed authentications per source address: after `limit` within `window`, the
+/// address is refused for `window`. Bounded: at most [`MAX_TRACKED_SOURCES`] entries;
+/// when full, expired entries go first, then the unblocked one whose window started
+/// earliest.
+/// IPv6 addresses count per /64 (one host usually owns a whole /64).
+struct AuthLimiter {
+    limit: u32,
+    window: Duration,
+    sources: HashMap<IpAddr, Failures>,
+}
+
+struct Failures {
+    since: Instant,
+    count: u32,
+    blocked_until: Option<Instant>,
+}
+
+impl Failures {
+    fn expired(&self, now: Instant, window: Duration) -> bool {
+        self.blocked_until.is_none_or(|t| t <= now) && now.duration_since(self.since) >= window
+    }
+}
+
+impl AuthLimiter {
+    fn new(limit: u32, window: Duration) -> AuthLimiter {
+        AuthLimiter {
+            limit,
+            window,
+            sources: HashMap::new(),
+        }
+    }
+
+    /// The unit that is counted: an IPv4 address, or an IPv6 /64.
+    fn source(ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(_) => ip,
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+            },
+        }
+    }
+
+    /// How much longer `ip` is refused, if it is.
+    fn blocked(&self, ip: IpAddr, now: Instant) -> Option<Duration> {
+        let until = self.sources.get(&Self::source(ip))?.blocked_until?;
+        (until > now).then(|| until - now)
+    }
+
+    /// Counts a failure from `ip`; true if that starts a block.
+    fn record_failure(&mut self, ip: IpAddr, now: Instant) -> bool {
+        let key = Self::source(ip);
+        if !self.sources.contains_key(&key) && self.sources.len() >= MAX_TRACKED_SOURCES {
+            let window = self.window;
+            self.sources.retain(|_, f| !f.expired(now, window));
+            if self.sources.len() >= MAX_TRACKED_SOURCES {
+                // Blocked sources last: a burst of new addresses does not lift a block.
+                let oldest = self
+                    .sources
+                    .iter()
+                    .min_by_key(|(_, f)| (f.blocked_until.is_some_and(|t| t > now), f.since))
+                    .map(|(k, _)| *k);
+                if let Some(k) = oldest {
+                    self.sources.remove(&k);
+                }
+            }
+        }
+        let f = self.sources.entry(key).or_insert(Failures {
+            since: now,
+            count: 0,
+            blocked_until: None,
+        });
+        if f.blocked_until.is_some_and(|t| t > now) {
+            return false;
+        }
+        if f.expired(now, self.window) {
+            *f = Failures {
+                since: now,
+                count: 0,
+                blocked_until: None,
+            };
+        }
+        f.count += 1;
+        if f.count < self.limit {
+            return false;
+        }
+        *f = Failures {
+            since: now,
+            count: 0,
+            blocked_until: Some(now + self.window),
+        };
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_after_the_limit_within_the_window_then_forgets() {
+        let w = Duration::from_secs(60);
+        let mut l = AuthLimiter::new(3, w);
+        let t0 = Instant::now();
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        assert!(!l.record_failure(a, t0));
+        assert!(!l.record_failure(a, t0 + Duration::from_secs(1)));
+        assert_eq!(l.blocked(a, t0 + Duration::from_secs(2)), None);
+        assert!(l.record_failure(a, t0 + Duration::from_secs(2)));
+        assert!(l.blocked(a, t0 + Duration::from_secs(3)).is_some());
+        assert_eq!(l.blocked(b, t0 + Duration::from_secs(3)), None, "per source");
+        assert_eq!(l.blocked(a, t0 + Duration::from_secs(62)), None, "the block ends");
+        // Failures spread wider than the window never block.
+        let mut l = AuthLimiter::new(2, w);
+        assert!(!l.record_failure(b, t0));
+        assert!(!l.record_failure(b, t0 + Duration::from_secs(61)));
+        assert!(l.record_failure(b, t0 + Duration::from_secs(62)));
+    }
+
+    #[test]
+    fn ipv6_counts_per_64_and_mapped_ipv4_as_ipv4() {
+        let mut l = AuthLimiter::new(2, Duration::from_secs(60));
+        let t = Instant::now();
+        l.record_failure("2001:db8::1".parse().unwrap(), t);
+        assert!(l.record_failure("2001:db8::ffff:2".parse().unwrap(), t));
+        assert!(l.blocked("2001:db8::77".parse().unwrap(), t).is_some());
+        assert!(l.blocked("2001:db8:0:1::1".parse().unwrap(), t).is_none());
+        l.record_failure("::ffff:10.1.2.3".parse().unwrap(), t);
+        assert!(l.record_failure("10.1.2.3".parse().unwrap(), t));
+    }
+
+    #[test]
+    fn state_stays_bounded() {
+        let mut l = AuthLimiter::new(5, Duration::from_secs(60));
+        let t = Instant::now();
+        for i in 0..(3 * MAX_TRACKED_SOURCES as u32) {
+            l.record_failure(IpAddr::V4(i.into()), t + Duration::from_millis(i as u64));
+        }
+        assert!(l.sources.len() <= MAX_TRACKED_SOURCES);
+        // A blocked source is not pushed out by a burst of new ones.
+        let mut l = AuthLimiter::new(2, Duration::from_secs(60));
+        let bad: IpAddr = "192.0.2.1".parse().unwrap();
+        l.record_failure(bad, t);
+        assert!(l.record_failure(bad, t));
+        for i in 0..(2 * MAX_TRACKED_SOURCES as u32) {
+            l.record_failure(IpAddr::V4((i + 1).into()), t + Duration::from_secs(1));
+        }
+        assert!(l.sources.len() <= MAX_TRACKED_SOURCES);
+        assert!(l.blocked(bad, t + Duration::from_secs(30)).is_some());
+    }
 }

@@ -3,7 +3,9 @@
 //! Flows (the client is the side that connected; request ids pair requests with replies
 //! and with the bulk frames belonging to them):
 //!
-//! - Handshake: `Hello` → `Challenge` → `Auth` → `Welcome` (or `Error`).
+//! - Handshake: `Hello` → `Challenge` → `Auth` → `Welcome` (or `Error`); with a
+//!   shared secret the last reply is `WelcomeAuth`, which carries the server's proof
+//!   (see `net::handshake`).
 //! - Lookup: `Lookup` → `LookupReply`.
 //! - Delayed pull: `Stage` → `Staged`; later `Pull` → one bulk frame per staged chunk →
 //!   `PullDone`; finally `Done` → `DoneAck`.
@@ -81,8 +83,7 @@ pub enum Message {
         /// Whether the client has a secret configured and expects mutual auth.
         wants_auth: bool,
     },
-    /// Server → client: the server's identity and nonce, and its proof when a secret is
-    /// configured (HMAC with the server label over both nonces).
+    /// Server → client: the server's identity and nonce.
     Challenge {
         /// The server's stable identity.
         peer_id: String,
@@ -90,16 +91,18 @@ pub enum Message {
         incarnation: u64,
         /// The server's fresh random nonce.
         nonce: [u8; 32],
-        /// The server's proof over the client nonce, if a secret is configured.
+        /// Always `None`: the server proves the secret only in [`Message::WelcomeAuth`],
+        /// after the client proved it. (Builds before handshake v2 put a proof here; a
+        /// client refuses such a server with a clear error.)
         proof: Option<[u8; 32]>,
     },
-    /// Client → server: the client's proof over the server nonce, if a secret is
-    /// configured.
+    /// Client → server: the client's proof of the shared secret over both nonces, if a
+    /// secret is configured.
     Auth {
-        /// The client's proof (HMAC with the client label), if any.
+        /// The client's proof (HMAC with the client key over the transcript), if any.
         proof: Option<[u8; 32]>,
     },
-    /// Server → client: handshake complete.
+    /// Server → client: handshake complete (no shared secret configured).
     Welcome,
     /// Asks how many leading `keys` the peer holds.
     Lookup {
@@ -181,6 +184,13 @@ pub enum Message {
     Ping,
     /// Reply to [`Message::Ping`].
     Pong,
+    /// Server → client, in place of [`Message::Welcome`] when a shared secret is
+    /// configured: the client's proof verified, handshake complete, and here is the
+    /// server's own proof (HMAC with the server key over the same transcript).
+    WelcomeAuth {
+        /// The server's proof.
+        proof: [u8; 32],
+    },
 }
 
 impl Message {
@@ -212,7 +222,8 @@ impl Message {
             | Message::DoneAck
             | Message::PutAck { .. }
             | Message::Ping
-            | Message::Pong => Ok(()),
+            | Message::Pong
+            | Message::WelcomeAuth { .. } => Ok(()),
         }
     }
 
@@ -237,6 +248,7 @@ impl Message {
             Message::Error { .. } => "Error",
             Message::Ping => "Ping",
             Message::Pong => "Pong",
+            Message::WelcomeAuth { .. } => "WelcomeAuth",
         }
     }
 }

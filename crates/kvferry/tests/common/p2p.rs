@@ -64,6 +64,8 @@ pub struct NodeOpts {
     pub handshake_timeout: Option<Duration>,
     /// Server `max_connections` (None: the `NetConfig` default).
     pub max_connections: Option<usize>,
+    /// Server `max_unauthenticated` (None: the `NetConfig` default).
+    pub max_unauthenticated: Option<usize>,
 }
 
 impl Default for NodeOpts {
@@ -80,6 +82,7 @@ impl Default for NodeOpts {
             idle_timeout: None,
             handshake_timeout: None,
             max_connections: None,
+            max_unauthenticated: None,
         }
     }
 }
@@ -107,6 +110,9 @@ pub async fn producer_node(opts: NodeOpts) -> ProducerNode {
     }
     if let Some(n) = opts.max_connections {
         net.max_connections = n;
+    }
+    if let Some(n) = opts.max_unauthenticated {
+        net.max_unauthenticated = n;
     }
     let cfg = ProducerConfig {
         default_ttl: opts.ttl,
