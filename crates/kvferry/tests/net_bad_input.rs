@@ -579,7 +579,7 @@ async fn a_flood_of_oversize_headers_does_not_disturb_a_good_client() {
 // 6. Slow-loris clients.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_loris_frames_are_cut_at_the_io_timeout() {
+async fn slow_loris_frames_are_cut_once_they_stall_for_the_io_timeout() {
     let _g = GATE.read().await;
     let io = Duration::from_millis(300);
     let p = producer_node(NodeOpts {
@@ -598,8 +598,9 @@ async fn slow_loris_frames_are_cut_at_the_io_timeout() {
     )
     .await
     .unwrap();
-    // A header that trickles in, and a payload that trickles in after a whole header:
-    // neither ever finishes.
+    // A header that trickles in, and a payload that trickles in after a whole header,
+    // a byte per 40 ms (well within the progress timeout), each stopping one byte
+    // short: each is cut once no byte came for the I/O timeout.
     let trickles = [
         ("read frame header timed out", lookup[..HEADER_LEN - 1].to_vec(), 0),
         (
@@ -611,6 +612,8 @@ async fn slow_loris_frames_are_cut_at_the_io_timeout() {
     let mut set = JoinSet::new();
     for (needle, bytes, at_once) in trickles {
         let (s, _) = handshake(&p.addr).await;
+        // When the last byte goes out.
+        let trickle = Duration::from_millis(40) * (bytes.len() - at_once - 1) as u32;
         set.spawn(async move {
             let (mut rd, mut wr) = s.into_split();
             let started = std::time::Instant::now();
@@ -639,10 +642,13 @@ async fn slow_loris_frames_are_cut_at_the_io_timeout() {
                 other => panic!("expected a timeout error, got {other:?}"),
             }
             assert!(
-                waited >= io - Duration::from_millis(50),
-                "cut after {waited:?}, before the {io:?} timeout"
+                waited >= trickle + io - Duration::from_millis(50),
+                "cut after {waited:?}, before {io:?} without progress"
             );
-            assert!(waited < io + Duration::from_secs(3), "cut only after {waited:?}");
+            assert!(
+                waited < trickle + io + Duration::from_secs(3),
+                "cut only after {waited:?}"
+            );
             let mut buf = [0u8; 8];
             let end = tokio::time::timeout(WAIT, rd.read(&mut buf))
                 .await

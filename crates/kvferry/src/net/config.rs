@@ -22,7 +22,14 @@ pub struct NetConfig {
     /// Bound on the whole handshake (on a server: how long an unauthenticated connection
     /// may live).
     pub handshake_timeout: Duration,
-    /// Bound on any single read or write making no progress once a frame has started.
+    /// Progress timeout of frame reads and writes: one fails when *no byte* has moved
+    /// for this long, however long the whole frame takes (a 256 MiB chunk over a slow
+    /// link is fine as long as it keeps moving). It also bounds the wait for the first
+    /// byte of a reply. The total time of an operation is bounded by the caller's
+    /// deadline, not by this. Progress is what the socket accepts or delivers: a writer
+    /// whose socket buffer is full sees progress only as the buffer drains (by about a
+    /// third of it at a time), so on a slow link keep this above
+    /// `send buffer / 3 / throughput`.
     pub io_timeout: Duration,
     /// How long an idle accepted connection may wait for its next request.
     pub idle_timeout: Duration,

@@ -1,7 +1,10 @@
 //! One framed, handshaken TCP connection.
 //!
-//! Every read and write of a frame is bounded by the configured I/O timeout; waiting
-//! for the *start* of the next request on a server is bounded by the idle timeout.
+//! Every read and write of a frame is bounded by the configured I/O timeout taken as a
+//! *progress* timeout: it fails when no byte has moved for that long, never merely
+//! because a large frame takes longer (see [`progress`](super::progress)); callers bound
+//! the total with their own deadline. Waiting for the *start* of the next request on a
+//! server is bounded by the idle timeout.
 //!
 //! # Cancellation
 //!
@@ -14,6 +17,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::progress::{self, Progress};
 use super::{NetError, PeerInfo};
 use crate::wire::{self, FrameHeader, FrameKind, Limits, Message, WireError};
 
@@ -31,14 +35,11 @@ pub struct Connection {
 /// bound of [`Connection::read_header`].
 pub(crate) const IDLE_OP: &str = "wait for next frame";
 
-async fn bounded<T>(
-    op: &'static str,
-    d: Duration,
-    f: impl std::future::Future<Output = Result<T, WireError>>,
-) -> Result<T, NetError> {
-    match tokio::time::timeout(d, f).await {
-        Ok(r) => Ok(r?),
-        Err(_) => Err(NetError::Timeout { op, waited: d }),
+/// A stall of `op` (no byte moved for `d`) becomes [`NetError::Timeout`].
+fn stalled_is_timeout(op: &'static str, d: Duration, e: WireError) -> NetError {
+    match e {
+        WireError::Io(io) if progress::is_stall(&io) => NetError::Timeout { op, waited: d },
+        e => NetError::Wire(e),
     }
 }
 
@@ -112,25 +113,15 @@ impl Connection {
     /// Sends a control message.
     pub async fn send(&mut self, request_id: u64, msg: &Message) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = bounded(
-            "send control frame",
-            d,
-            wire::write_control(&mut self.stream, request_id, msg),
-        )
-        .await;
-        r.map_err(|e| self.lost(e))
+        let r = wire::write_control(&mut Progress::new(&mut self.stream, d), request_id, msg).await;
+        r.map_err(|e| self.lost(stalled_is_timeout("send control frame", d, e)))
     }
 
     /// Sends one bulk frame made of `parts`.
     pub async fn send_bulk(&mut self, request_id: u64, parts: &[&[u8]]) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = bounded(
-            "send bulk frame",
-            d,
-            wire::write_bulk(&mut self.stream, request_id, parts),
-        )
-        .await;
-        r.map_err(|e| self.lost(e))
+        let r = wire::write_bulk(&mut Progress::new(&mut self.stream, d), request_id, parts).await;
+        r.map_err(|e| self.lost(stalled_is_timeout("send bulk frame", d, e)))
     }
 
     /// Sends one bulk frame made of `parts` whose crc32c is already known.
@@ -141,17 +132,13 @@ impl Connection {
         checksum: u32,
     ) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = bounded(
-            "send bulk frame",
-            d,
-            wire::write_bulk_with_checksum(&mut self.stream, request_id, parts, checksum),
-        )
-        .await;
-        r.map_err(|e| self.lost(e))
+        let mut stream = Progress::new(&mut self.stream, d);
+        let r = wire::write_bulk_with_checksum(&mut stream, request_id, parts, checksum).await;
+        r.map_err(|e| self.lost(stalled_is_timeout("send bulk frame", d, e)))
     }
 
-    /// Reads the next frame header, waiting at most `idle` for it to start and the I/O
-    /// timeout for the rest of it.
+    /// Reads the next frame header, waiting at most `idle` for it to start; the rest of
+    /// it fails only after the I/O timeout without a byte.
     pub async fn read_header(&mut self, idle: Duration) -> Result<FrameHeader, NetError> {
         let mut first = [0u8; 1];
         let n = match tokio::time::timeout(idle, self.stream.read(&mut first)).await {
@@ -168,32 +155,27 @@ impl Connection {
             return Err(self.lost(NetError::Wire(WireError::Closed)));
         }
         let d = self.io_timeout;
-        let limits = self.limits.clone();
-        let mut chained = (&first[..]).chain(&mut self.stream);
-        let r = bounded("read frame header", d, wire::read_frame_header(&mut chained, &limits)).await;
+        let mut chained = (&first[..]).chain(Progress::new(&mut self.stream, d));
+        let r = wire::read_frame_header(&mut chained, &self.limits).await;
         r.map_err(|e| match e {
-            NetError::Wire(WireError::Closed) => self.lost(NetError::Wire(WireError::Truncated)),
-            e => self.lost(e),
+            WireError::Closed => self.lost(NetError::Wire(WireError::Truncated)),
+            e => self.lost(stalled_is_timeout("read frame header", d, e)),
         })
     }
 
     /// Reads a control message body for `header`, validated against the limits.
     pub async fn read_control_body(&mut self, header: &FrameHeader) -> Result<Message, NetError> {
         let d = self.io_timeout;
-        let limits = self.limits.clone();
-        let r = bounded(
-            "read control frame",
-            d,
-            wire::read_control_body::<_, Message>(&mut self.stream, header, &limits),
-        )
-        .await;
-        let msg = r.map_err(|e| self.lost(e))?;
+        let mut stream = Progress::new(&mut self.stream, d);
+        let r = wire::read_control_body::<_, Message>(&mut stream, header, &self.limits).await;
+        let msg = r.map_err(|e| self.lost(stalled_is_timeout("read control frame", d, e)))?;
         msg.validate(&self.limits)?;
         Ok(msg)
     }
 
-    /// Reads the next frame, which must be a control message, within the I/O timeout.
-    /// A peer `Error` message is returned as [`NetError::Remote`].
+    /// Reads the next frame, which must be a control message: its first byte must come
+    /// within the I/O timeout, and the rest keep coming. A peer `Error` message is
+    /// returned as [`NetError::Remote`].
     pub async fn recv(&mut self) -> Result<(u64, Message), NetError> {
         let header = self.read_header(self.io_timeout).await?;
         if header.kind != FrameKind::Control {
@@ -245,13 +227,8 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = bounded(
-            "read bulk frame",
-            d,
-            wire::read_bulk_body_tcp(&mut self.stream, &header, dst),
-        )
-        .await;
-        r.map_err(|e| self.lost(e))?;
+        let r = progress::read_bulk_vectored(&mut self.stream, &header, dst, d).await;
+        r.map_err(|e| self.lost(stalled_is_timeout("read bulk frame", d, e)))?;
         Ok(header.checksum)
     }
 
@@ -264,13 +241,8 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = bounded(
-            "read bulk frame",
-            d,
-            wire::read_bulk_body_tcp(&mut self.stream, header, dst),
-        )
-        .await;
-        r.map_err(|e| self.lost(e))?;
+        let r = progress::read_bulk_vectored(&mut self.stream, header, dst, d).await;
+        r.map_err(|e| self.lost(stalled_is_timeout("read bulk frame", d, e)))?;
         Ok(header.checksum)
     }
 
@@ -282,8 +254,8 @@ impl Connection {
     /// Discards the body of a frame (to stay in sync after refusing it).
     pub async fn skip(&mut self, header: &FrameHeader) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = bounded("skip frame", d, wire::skip_body(&mut self.stream, header)).await;
-        r.map_err(|e| self.lost(e))
+        let r = wire::skip_body(&mut Progress::new(&mut self.stream, d), header).await;
+        r.map_err(|e| self.lost(stalled_is_timeout("skip frame", d, e)))
     }
 
     /// Flushes and closes the write side (best effort).

@@ -1,8 +1,9 @@
 //! TCP transport: connection set-up with bounded timeouts, the handshake (peer id,
 //! incarnation, optional HMAC challenge-response in which the client proves first),
-//! framed requests over a [`Connection`], per-peer connection [`Pool`]s, and the
-//! accepting [`Server`] (a small budget of handshaking connections, a cap on
-//! authenticated ones, and a per-address limit on failed authentications).
+//! framed requests over a [`Connection`] (I/O timeouts are progress timeouts),
+//! per-peer connection [`Pool`]s, and the accepting [`Server`] (a small budget of
+//! handshaking connections, a cap on authenticated ones, and a per-address limit on
+//! failed authentications).
 //!
 //! # Ownership of bytes in flight
 //!
@@ -20,6 +21,7 @@ mod config;
 mod conn;
 mod handshake;
 mod pool;
+mod progress;
 mod server;
 
 pub use config::NetConfig;

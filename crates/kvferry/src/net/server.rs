@@ -21,7 +21,8 @@
 //!
 //! A client that proves itself while `max_connections` authenticated connections are
 //! open gets `Busy` in place of the welcome. An idle connection is closed quietly after
-//! the idle timeout; a frame that has started must finish within the I/O timeout.
+//! the idle timeout; a frame that has started fails once no byte moved for the I/O
+//! timeout.
 //!
 //! # Cancellation
 //!
