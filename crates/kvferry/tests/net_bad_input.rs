@@ -1229,7 +1229,7 @@ async fn broken_requests_after_the_handshake_are_answered_and_closed() {
             "a push followed by a control frame",
             control_for_bulk,
             ErrorKind::BadRequest,
-            "expected a bulk frame",
+            "bulk frame, got a Control frame",
         ),
     ];
     for (what, bytes, kind, needle) in &cases {
