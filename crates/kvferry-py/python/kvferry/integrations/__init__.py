@@ -1,0 +1,10 @@
+"""Integrations of kvferry with inference servers.
+
+Each integration lives in its own module and imports its server lazily, so
+``import kvferry`` (and ``import kvferry.integrations``) never needs the server:
+
+- :mod:`kvferry.integrations.vllm`: ``KvferryConnector``, a vLLM V1 KV connector for
+  disaggregated prefill/decode (needs ``vllm==0.33.0``; see ``docs/vllm.md``).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,756 @@
+"""``KvferryConnector``: disaggregated prefill/decode for vLLM V1 over kvferry.
+
+A prefill instance computes a prompt's KV cache and finishes the request after one
+token; its blocks stay pinned — published zero copy under the request id — until the
+decode instance has pulled them (or a lease expires). The decode instance receives the
+prefill's ``kv_transfer_params``, parks the request in ``WAITING_FOR_REMOTE_KVS``,
+pulls the blocks straight into its own paged KV cache, then decodes.
+
+Pinned to ``vllm==0.33.0`` (the connector API is experimental and changes between
+vLLM releases). Load it with::
+
+    from vllm.config import KVTransferConfig
+
+    KVTransferConfig(
+        kv_connector="KvferryConnector",
+        kv_connector_module_path="kvferry.integrations.vllm",
+        kv_role="kv_producer",          # prefill; "kv_consumer" for decode
+        kv_connector_extra_config={"host": "10.0.0.5", "port": 7400, "timeout": 30.0},
+    )
+
+or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
+"kv_connector_module_path": "kvferry.integrations.vllm", "kv_role": "kv_producer"}'``.
+
+``kv_connector_extra_config`` keys (all optional):
+
+``host`` (str, default ``"127.0.0.1"``)
+    Interface the worker's kvferry engine listens on. Decode instances connect here.
+``port`` (int, default ``0``)
+    Base port: tensor-parallel rank *r* listens on ``port + r``. ``0`` picks free
+    ports (the addresses travel in ``kv_transfer_params``, so nothing needs to know
+    them in advance).
+``advertise_host`` (str, default: ``host``)
+    Host written into ``kv_transfer_params`` for decode instances to connect to;
+    set it when ``host`` is a wildcard such as ``"0.0.0.0"``.
+``timeout`` (float seconds, default ``30.0``)
+    Bound on every wait: a pull that has not landed within it is cancelled and
+    becomes a load error of its request; cancels, deregistration and shutdown are
+    bounded by it too.
+``lease_ttl`` (float seconds, default ``60.0``)
+    How long a prefill instance keeps a finished request's blocks published. A
+    decode instance that has not pulled by then finds nothing (a load error on its
+    side) and the prefill instance frees the blocks — a decode instance that never
+    comes costs at most this long.
+``secret`` (str, default none)
+    Shared secret every instance must prove (HMAC handshake); none means no auth.
+``path`` (``"direct"`` or ``"staged"``, default ``"direct"``)
+    ``direct``: the socket writes the destination blocks; ``staged``: bytes go
+    through staging pages and only verified chunks land.
+``io_timeout`` (float seconds, default ``5.0``)
+    An I/O step making no progress for this long fails (a hung peer).
+``connect_timeout`` (float seconds, default ``3.0``)
+    Bound on connecting to a peer.
+``arena_bytes`` (int, default 64 MiB)
+    Staging arena of the worker's engine (used by the ``staged`` path).
+``peer_id`` (str, default ``kvferry-<engine_id>-tp<rank>``)
+    Prefix of the worker engines' peer ids (``-tp<rank>`` is appended).
+
+``kv_transfer_params`` returned by a prefill instance: ``do_remote_prefill`` (True),
+``do_remote_decode`` (False), ``remote_block_ids``, ``remote_engine_id``,
+``remote_request_id`` (the publication's key), ``remote_host``, ``remote_port``,
+``remote_num_tokens``, ``tp_size``, ``kvferry_peer_id``, ``kvferry_incarnation``
+(rank 0's; a restarted instance has a new incarnation), ``kvferry_peers`` (one
+``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank) and
+``kvferry_expires_at`` (wall-clock time the lease ends).
+
+Guarantees: a decode instance never computes on bytes that did not land verified —
+a dead, hung or restarted prefill instance, an expired lease or a timeout becomes a
+load error for exactly the requests involved (``get_block_ids_with_load_errors`` and
+``failed_recving``; vLLM then recomputes or fails them per ``kv_load_failure_policy``);
+a prefill instance frees a request's blocks only after its publication was released —
+the decode's ``Done``, a decode abort (cancelled pull), lease expiry or shutdown — and
+never while a send still reads them. Host (CPU) KV caches only: kvferry's Python
+engine moves host memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
+    from vllm.logger import init_logger
+except ImportError as e:  # pragma: no cover - exercised only without vLLM
+    raise ImportError(
+        "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 "
+        "(or run scripts/install-vllm.sh)"
+    ) from e
+
+from .. import errors
+from .._engine import Engine, Region, Transfer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+VLLM_VERSION = "0.33.0"
+
+_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 0,
+    "advertise_host": None,
+    "timeout": 30.0,
+    "lease_ttl": 60.0,
+    "secret": None,
+    "path": "direct",
+    "io_timeout": 5.0,
+    "connect_timeout": 3.0,
+    "arena_bytes": 64 << 20,
+    "peer_id": None,
+}
+
+
+@dataclass(frozen=True)
+class KvferryConfig:
+    """The connector's settings, read from ``kv_connector_extra_config`` (see the
+    module docstring for each key)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    timeout: float = 30.0
+    lease_ttl: float = 60.0
+    secret: str | None = None
+    path: str = "direct"
+    io_timeout: float = 5.0
+    connect_timeout: float = 3.0
+    arena_bytes: int = 64 << 20
+    peer_id: str | None = None
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
+        kvc = vllm_config.kv_transfer_config
+        extra = dict(kvc.kv_connector_extra_config or {}) if kvc is not None else {}
+        unknown = sorted(set(extra) - set(_DEFAULTS))
+        if unknown:
+            raise ValueError(f"KvferryConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(_DEFAULTS)}")
+        cfg = cls(
+            host=str(extra.get("host", _DEFAULTS["host"])),
+            port=int(extra.get("port", _DEFAULTS["port"])),
+            advertise_host=extra.get("advertise_host"),
+            timeout=float(extra.get("timeout", _DEFAULTS["timeout"])),
+            lease_ttl=float(extra.get("lease_ttl", _DEFAULTS["lease_ttl"])),
+            secret=extra.get("secret"),
+            path=str(extra.get("path", _DEFAULTS["path"])),
+            io_timeout=float(extra.get("io_timeout", _DEFAULTS["io_timeout"])),
+            connect_timeout=float(extra.get("connect_timeout", _DEFAULTS["connect_timeout"])),
+            arena_bytes=int(extra.get("arena_bytes", _DEFAULTS["arena_bytes"])),
+            peer_id=extra.get("peer_id"),
+        )
+        for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
+            if not getattr(cfg, name) > 0:
+                raise ValueError(f"KvferryConnector: {name} must be > 0, got {getattr(cfg, name)!r}")
+        if cfg.path not in ("direct", "staged"):
+            raise ValueError(f"KvferryConnector: path must be 'direct' or 'staged', got {cfg.path!r}")
+        if not 0 <= cfg.port < 65536:
+            raise ValueError(f"KvferryConnector: port out of range: {cfg.port}")
+        return cfg
+
+
+# -- messages between the two halves -----------------------------------------------
+
+
+@dataclass
+class KvferryHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler after registering its KV cache: where its
+    kvferry engine listens and which incarnation it is."""
+
+    address: str | None
+    peer_id: str
+    incarnation: int
+    tp_rank: int
+    num_blocks: int
+    block_bytes: int
+
+
+@dataclass
+class RecvSpec:
+    """One pull for the decode worker: ``key`` from ``peers[tp_rank]`` into
+    ``local_block_ids``; remote block *i* lands in ``local_block_ids[i]`` for
+    ``i >= skip_blocks`` (the first ``skip_blocks`` are a local prefix-cache hit)."""
+
+    key: str
+    peers: list[dict[str, Any]]
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    skip_blocks: int = 0
+
+    @property
+    def load_block_ids(self) -> list[int]:
+        """Local blocks this pull writes (reported on failure)."""
+        n = min(len(self.local_block_ids), len(self.remote_block_ids))
+        return self.local_block_ids[self.skip_blocks : n]
+
+
+@dataclass
+class KvferryConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, once per step: pulls to start and blocks to publish."""
+
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
+    expires_at: dict[str, float] = field(default_factory=dict)  # wall clock, per pull
+
+
+def _flat_block_ids(ids: Any) -> list[int]:
+    """``[1, 2]`` or one list per KV cache group (``([1, 2],)``) → ``[1, 2]``."""
+    ids = list(ids or [])
+    if ids and isinstance(ids[0], (list, tuple)):
+        if len(ids) != 1:
+            raise ValueError(f"KvferryConnector supports one KV cache group, got {len(ids)}")
+        ids = list(ids[0])
+    return [int(b) for b in ids]
+
+
+# -- scheduler side ------------------------------------------------------------------
+
+
+class KvferryConnectorScheduler:
+    """The half that lives in the scheduler (EngineCore) process."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        self.config = KvferryConfig.from_vllm(vllm_config)
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        self.engine_id: str = str(kvc.engine_id)
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self.peers: dict[int, KvferryHandshakeMetadata] = {}
+        self._need_recv: dict[str, RecvSpec] = {}
+        self._need_send: dict[str, list[int]] = {}
+        self._need_expiry: dict[str, float] = {}
+
+    # handshake
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        for rank, meta in metadata.items():
+            if not isinstance(meta, KvferryHandshakeMetadata):
+                raise ValueError(f"KvferryConnector expects KvferryHandshakeMetadata, got {type(meta).__name__}")
+            self.peers[int(rank)] = meta
+        logger.info("KvferryConnector: workers %s", {r: m.address for r, m in sorted(self.peers.items())})
+
+    # decode side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or not self._valid_remote(params):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    @staticmethod
+    def _valid_remote(params: dict[str, Any]) -> bool:
+        return bool(params.get("remote_block_ids")) and bool(params.get("kvferry_peers")) and params.get("remote_request_id") is not None
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return  # nothing to pull, or already planned (the second call)
+        params["do_remote_prefill"] = False  # one pull per request
+        if num_external_tokens <= 0:
+            # A full local prefix hit: nothing to pull. The prefill instance frees its
+            # blocks at lease expiry.
+            return
+        if not self._valid_remote(params):
+            logger.warning("KvferryConnector: unusable kv_transfer_params for %s: %s", request.request_id, params)
+            return
+        if len(blocks.blocks) != 1:
+            raise ValueError("KvferryConnector supports one KV cache group")
+        group = [b for b in blocks.blocks[0] if not getattr(b, "is_null", False)]
+        local = [b.block_id for b in group]
+        cached = sum(1 for b in group if b.block_hash is not None)
+        expires = params.get("kvferry_expires_at")
+        if expires is not None:
+            self._need_expiry[request.request_id] = float(expires)
+        self._need_recv[request.request_id] = RecvSpec(
+            key=str(params["remote_request_id"]),
+            peers=list(params["kvferry_peers"]),
+            remote_block_ids=_flat_block_ids(params["remote_block_ids"]),
+            local_block_ids=local,
+            skip_blocks=cached,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
+        meta = KvferryConnectorMetadata(reqs_to_recv=self._need_recv, reqs_to_send=self._need_send, expires_at=self._need_expiry)
+        self._need_recv = {}
+        self._need_send = {}
+        self._need_expiry = {}
+        return meta
+
+    # prefill side
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            # A decode-side request (its pull, if any, is the worker's to finish), or
+            # no P/D at all. One aborted before it was scheduled never pulled: the
+            # prefill instance frees at lease expiry.
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed prefill: nothing worth sending
+        if not self.peers:
+            logger.warning("KvferryConnector: no worker handshake yet; %s is not published", request.request_id)
+            return False, None
+        n = math.ceil(request.num_prompt_tokens / self.block_size)
+        ids = _flat_block_ids(block_ids)[:n]
+        if not ids:
+            return False, None
+        self._need_send[request.request_id] = ids
+        ranks = [self.peers[r] for r in sorted(self.peers)]
+        first = ranks[0]
+        host, _, port = (first.address or ":0").rpartition(":")
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.config.advertise_host or host,
+            "remote_port": int(port),
+            "remote_num_tokens": request.num_prompt_tokens,
+            "tp_size": self.tp_size,
+            "kvferry_peer_id": first.peer_id,
+            "kvferry_incarnation": first.incarnation,
+            "kvferry_peers": [
+                {"address": self._advertised(m.address), "peer_id": m.peer_id, "incarnation": m.incarnation} for m in ranks
+            ],
+            "kvferry_expires_at": time.time() + self.config.lease_ttl,
+        }
+
+    def _advertised(self, address: str | None) -> str | None:
+        if address is None or not self.config.advertise_host:
+            return address
+        return f"{self.config.advertise_host}:{address.rpartition(':')[2]}"
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        return
+
+
+# -- worker side ----------------------------------------------------------------------
+
+
+@dataclass
+class _Pull:
+    req_id: str
+    spec: RecvSpec
+    deadline: float  # monotonic: a load error after this
+    retry_until: float  # monotonic: misses are retried until then
+    transfer: Transfer | None = None
+    address: str | None = None
+    dst: Region | None = None
+    dst_ids: list[int] = field(default_factory=list)
+    retry_at: float | None = None
+    attempts: int = 0
+    scratch: dict[str, torch.Tensor] | None = None
+    scratch_region: Region | None = None
+    error: BaseException | None = None
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except Exception:  # not initialized (a scheduler-less test, a single process)
+        return 0
+
+
+class KvferryConnectorWorker:
+    """The half that lives in each worker process, next to the KV cache: owns the
+    kvferry engine, publishes finished prefills and pulls remote ones."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        self.config = KvferryConfig.from_vllm(vllm_config)
+        kvc = vllm_config.kv_transfer_config
+        assert kvc is not None
+        self.engine_id = str(kvc.engine_id)
+        self.listens = kvc.kv_role != "kv_consumer"
+        self.tp_rank = _tp_rank(vllm_config)
+        self.num_blocks: int | None = kv_cache_config.num_blocks if kv_cache_config is not None else None
+        self.engine: Engine | None = None
+        self.region: Region | None = None
+        self.caches: dict[str, torch.Tensor] = {}
+        self._kv_first: dict[str, bool] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._sending: set[str] = set()  # published, not yet released
+        self._released: set[str] = set()  # released, not yet seen finished
+        self._finished_seen: set[str] = set()  # finished, publication still out
+        self._load_errors: set[int] = set()
+        self._done_meta: KvferryConnectorMetadata | None = None
+
+    # setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in kv_caches.items():
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"KvferryConnector: layer {name} lives on {t.device}; kvferry's Python engine "
+                    "moves host (CPU) KV caches only"
+                )
+            ptr = t.data_ptr()
+            if ptr in seen:  # a layer sharing another's cache moves once
+                continue
+            seen.add(ptr)
+            caches[name] = t
+        if not caches:
+            raise ValueError("KvferryConnector: no KV caches to register")
+        first = next(iter(caches.values()))
+        nb = self.num_blocks
+        if nb is None:
+            nb = int(first.shape[1] if first.shape[0] == 2 and first.dim() >= 2 else first.shape[0])
+        self.num_blocks = nb
+        for name, t in caches.items():
+            self._kv_first[name] = t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == nb
+        cfg = self.config
+        port = cfg.port + self.tp_rank if cfg.port else 0
+        peer_id = f"{cfg.peer_id or 'kvferry-' + self.engine_id}-tp{self.tp_rank}"
+        self.engine = Engine(
+            listen=f"{cfg.host}:{port}" if self.listens else None,
+            secret=cfg.secret,
+            arena_bytes=cfg.arena_bytes,
+            peer_id=peer_id,
+            ttl=cfg.lease_ttl,
+            max_ttl=cfg.lease_ttl,
+            io_timeout=cfg.io_timeout,
+            connect_timeout=cfg.connect_timeout,
+        )
+        self.caches = caches
+        self.region = self.engine.register_kv_caches(caches, num_blocks=nb, name="vllm-kv")
+        logger.info(
+            "KvferryConnector worker tp%d: %s, %d blocks of %d bytes, incarnation %#x",
+            self.tp_rank,
+            self.engine.address or "client only",
+            self.region.num_blocks,
+            self.region.block_bytes,
+            self.engine.incarnation,
+        )
+
+    def get_handshake_metadata(self) -> KvferryHandshakeMetadata | None:
+        if self.engine is None or self.region is None:
+            return None
+        return KvferryHandshakeMetadata(
+            address=self.engine.address,
+            peer_id=self.engine.peer_id,
+            incarnation=self.engine.incarnation,
+            tp_rank=self.tp_rank,
+            num_blocks=self.region.num_blocks,
+            block_bytes=self.region.block_bytes,
+        )
+
+    # per step
+    def start_step(self, meta: KvferryConnectorMetadata) -> None:
+        """Publishes this step's finished prefills and starts its pulls (once per
+        metadata object; both start_load_kv and wait_for_save call it)."""
+        if self._done_meta is meta:  # a reference, not id(): ids of freed objects recur
+            return
+        self._done_meta = meta
+        for req_id, block_ids in meta.reqs_to_send.items():
+            self._publish(req_id, block_ids)
+        for req_id, spec in meta.reqs_to_recv.items():
+            self._start_pull(req_id, spec, meta.expires_at.get(req_id))
+
+    def _publish(self, req_id: str, block_ids: list[int]) -> None:
+        assert self.engine is not None and self.region is not None
+        try:
+            self.engine.publish(req_id, self.region, block_ids, ttl=self.config.lease_ttl, once=True)
+        except errors.Error as e:
+            # Nothing pins the blocks: free them now; the decode side gets a miss.
+            logger.error("KvferryConnector: publishing %s failed: %s", req_id, e)
+            self._released.add(req_id)
+            return
+        self._sending.add(req_id)
+
+    def _start_pull(self, req_id: str, spec: RecvSpec, expires_at: float | None) -> None:
+        assert self.engine is not None and self.region is not None
+        now = time.monotonic()
+        deadline = now + self.config.timeout
+        # The prefill instance publishes one engine step after it returned the params,
+        # so a miss is retried — until the lease would have ended (the wall-clock
+        # expiry it advertised), and never past the timeout.
+        retry_until = deadline if expires_at is None else min(deadline, now + max(0.0, expires_at - time.time()))
+        pull = _Pull(req_id, spec, deadline=deadline, retry_until=retry_until)
+        self._pulls[req_id] = pull
+        try:
+            if len(spec.peers) <= self.tp_rank:
+                raise errors.InvalidArgumentError(
+                    f"prefill instance has {len(spec.peers)} tensor-parallel ranks; this is rank {self.tp_rank}"
+                )
+            peer = spec.peers[self.tp_rank]
+            pull.address = peer.get("address")
+            if not pull.address:
+                raise errors.InvalidArgumentError(f"no kvferry address for rank {self.tp_rank}: {peer}")
+            n_remote = len(spec.remote_block_ids)
+            if spec.skip_blocks == 0 and len(spec.local_block_ids) >= n_remote:
+                pull.dst, pull.dst_ids = self.region, spec.local_block_ids[:n_remote]
+            else:
+                # Part of the prompt is a local prefix-cache hit (or the block counts
+                # differ): the publication is one chunk, so it lands in scratch blocks
+                # and only the missing blocks are copied into the cache.
+                pull.scratch = self._scratch(n_remote)
+                pull.scratch_region = self.engine.register_kv_caches(pull.scratch, num_blocks=n_remote, name=f"scratch-{req_id}")
+                pull.dst, pull.dst_ids = pull.scratch_region, list(range(n_remote))
+            self._launch(pull)
+        except errors.Error as e:
+            pull.error = e
+
+    def _launch(self, pull: _Pull) -> None:
+        assert self.engine is not None and pull.address is not None and pull.dst is not None
+        pull.attempts += 1
+        pull.retry_at = None
+        left = max(0.001, pull.deadline - time.monotonic())
+        pull.transfer = self.engine.get(pull.address, pull.spec.key, pull.dst, pull.dst_ids, timeout=left, path=self.config.path)
+
+    def _scratch(self, n: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.caches.items():
+            shape = (2, n, *t.shape[2:]) if self._kv_first[name] else (n, *t.shape[1:])
+            out[name] = torch.empty(shape, dtype=t.dtype)
+        return out
+
+    def _land_scratch(self, pull: _Pull) -> None:
+        assert pull.scratch is not None
+        spec = pull.spec
+        n = min(len(spec.local_block_ids), len(spec.remote_block_ids))
+        src = torch.arange(spec.skip_blocks, n)
+        dst = torch.tensor(spec.local_block_ids[spec.skip_blocks : n], dtype=torch.long)
+        if len(src) == 0:
+            return
+        for name, t in self.caches.items():
+            s = pull.scratch[name]
+            if self._kv_first[name]:
+                t[:, dst] = s[:, src]
+            else:
+                t[dst] = s[src]
+
+    def _drop_scratch(self, pull: _Pull) -> None:
+        if pull.scratch_region is not None and self.engine is not None:
+            try:
+                self.engine.deregister(pull.scratch_region, timeout=self.config.timeout)
+            except errors.Error as e:  # still in use after the bound: leave it to GC
+                logger.warning("KvferryConnector: scratch for %s not deregistered: %s", pull.req_id, e)
+        pull.scratch_region = None
+        pull.scratch = None
+
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults()
+        # Decode requests finished (aborted) while pulling: cancel, wait for the drain
+        # (bounded), and hand the blocks back. Cancelling tells the prefill Done.
+        for req_id in finished_req_ids:
+            pull = self._pulls.pop(req_id, None)
+            if pull is not None:
+                if pull.transfer is not None and not pull.transfer.done():
+                    pull.transfer.cancel()
+                self._drop_scratch(pull)
+                res.finished_recving.add(req_id)
+            if req_id in self._sending or req_id in self._released:
+                self._finished_seen.add(req_id)
+        now = time.monotonic()
+        for req_id, pull in list(self._pulls.items()):
+            if pull.error is None:
+                t = pull.transfer
+                if t is None:  # waiting to retry a miss
+                    if pull.retry_at is not None and now < pull.retry_at:
+                        continue
+                    try:
+                        self._launch(pull)
+                    except errors.Error as e:
+                        pull.error = e
+                    else:
+                        continue
+                elif not t.done():
+                    if now < pull.deadline + 1.0:
+                        continue
+                    # kvferry enforces the deadline itself; this is the backstop.
+                    t.cancel()
+                    pull.error = errors.TimeoutError(f"pull of {req_id} did not finish within {self.config.timeout}s")
+                elif isinstance(t.error, errors.NotFoundError) and now < pull.retry_until:
+                    pull.transfer = None
+                    pull.retry_at = min(pull.retry_until, now + min(0.05, 0.002 * 2 ** min(pull.attempts, 5)))
+                    continue
+                else:
+                    pull.error = t.error
+            if pull.error is None and pull.scratch is not None:
+                try:
+                    self._land_scratch(pull)
+                except Exception as e:  # noqa: BLE001 - any failure is a load error
+                    pull.error = e
+            self._drop_scratch(pull)
+            del self._pulls[req_id]
+            res.finished_recving.add(req_id)
+            if pull.error is not None:
+                logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", req_id, pull.attempts, pull.error)
+                res.failed_recving.add(req_id)
+                self._load_errors.update(pull.spec.load_block_ids)
+        # Publications released (decode's Done, abort, lease expiry, shutdown): the
+        # blocks are free once the request was reported finished to this worker.
+        if self.engine is not None:
+            for key, reason in self.engine.released():
+                if reason == "replaced":
+                    continue
+                req_id = key if isinstance(key, str) else bytes(key).decode(errors="replace")
+                if req_id in self._sending:
+                    self._sending.discard(req_id)
+                    self._released.add(req_id)
+                    logger.debug("KvferryConnector: %s released (%s)", req_id, reason)
+        ready = self._released & self._finished_seen
+        if ready:
+            self._released -= ready
+            self._finished_seen -= ready
+            res.finished_sending |= ready
+        return res
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        for pull in list(self._pulls.values()):
+            if pull.transfer is not None and not pull.transfer.done():
+                pull.transfer.cancel()
+            self._drop_scratch(pull)
+        self._pulls.clear()
+        if self.engine is not None:
+            report = self.engine.close(timeout=self.config.timeout)
+            if not report.get("clean", True):
+                logger.warning("KvferryConnector: engine closed with work outstanding: %s", report)
+
+
+# -- the connector ---------------------------------------------------------------------
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector moving prefill KV to decode instances with kvferry.
+
+    One class, two roles (vLLM creates it once in the scheduler and once per worker);
+    each role delegates to :class:`KvferryConnectorScheduler` or
+    :class:`KvferryConnectorWorker`. Configuration: see this module's docstring.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        try:
+            import vllm
+
+            if vllm.__version__ != VLLM_VERSION:
+                logger.warning("KvferryConnector is pinned to vllm==%s; this is %s", VLLM_VERSION, vllm.__version__)
+        except Exception:  # pragma: no cover
+            pass
+        self.connector_scheduler: KvferryConnectorScheduler | None = None
+        self.connector_worker: KvferryConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvferryConnectorScheduler(vllm_config, kv_cache_config)
+        else:
+            self.connector_worker = KvferryConnectorWorker(vllm_config, kv_cache_config)
+
+    def _s(self) -> KvferryConnectorScheduler:
+        assert self.connector_scheduler is not None, "scheduler-side method called on a worker connector"
+        return self.connector_scheduler
+
+    def _w(self) -> KvferryConnectorWorker:
+        assert self.connector_worker is not None, "worker-side method called on a scheduler connector"
+        return self.connector_worker
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # The request's own blocks are transferred: every transfer group is restored.
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._s().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._s().update_connector_output(connector_output)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._s().set_xfer_handshake_metadata(metadata)
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._w().get_handshake_metadata() if self.connector_worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvferryConnectorMetadata)
+        self._w().start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Pulls land between steps (asynchronous loads): nothing to wait for per layer.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Nothing is copied while computing: finished requests' blocks are published
+        # zero copy (request_finished), and peers read them in place.
+        return
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvferryConnectorMetadata):
+                self._w().start_step(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._w().transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self._w().transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+
+__all__ = [
+    "KvferryConnector",
+    "KvferryConnectorScheduler",
+    "KvferryConnectorWorker",
+    "KvferryConnectorMetadata",
+    "KvferryHandshakeMetadata",
+    "KvferryConfig",
+    "RecvSpec",
+    "VLLM_VERSION",
+]

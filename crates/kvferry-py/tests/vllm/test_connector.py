@@ -1,0 +1,544 @@
+"""KvferryConnector against vLLM 0.33.0's real scheduler, on CPU.
+
+Each instance is a real ``vllm.v1.core.sched.scheduler.Scheduler`` driving a worker-side
+connector (created by vLLM's ``KVConnectorFactory`` from the module path, called through
+vLLM's own model-runner connector lifecycle) over torch CPU KV tensors. The "forward"
+writes known bytes for every computed token; the model is a tiny config.json only (no
+weights: nothing runs a model). The prefill instance runs in a spawned process (its own
+vLLM engine loop, killable); the decode instance runs in the test process.
+
+Needs vLLM: ``scripts/install-vllm.sh`` (or ``pip install vllm==0.33.0``), then
+``$KVFERRY_VLLM_VENV/bin/python -m pytest crates/kvferry-py/tests/vllm``. Without vLLM
+the module is skipped, unless ``KVFERRY_REQUIRE_VLLM=1`` (then it fails).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+PINNED = "0.33.0"
+_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry) and run pytest from that venv"
+
+if os.environ.get("KVFERRY_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401 - fails the run loudly when vLLM is required but missing
+
+    assert vllm.__version__ == PINNED, f"KvferryConnector is pinned to vllm=={PINNED}, found {vllm.__version__}"
+else:
+    vllm = pytest.importorskip("vllm", reason=f"vLLM is not installed: {_HOW}")
+    if vllm.__version__ != PINNED:
+        pytest.skip(f"KvferryConnector is pinned to vllm=={PINNED}, found {vllm.__version__}: {_HOW}", allow_module_level=True)
+
+import torch  # noqa: E402
+
+MODEL_DIR = str(Path(__file__).with_name("tiny-llama"))
+BLOCK_SIZE = 16
+NUM_LAYERS = 2
+KV_HEADS = 2
+HEAD_SIZE = 16
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+SLOT_BYTES = KV_HEADS * HEAD_SIZE * 2  # float16
+
+
+# -- one vLLM instance: real scheduler + worker-side connector -----------------------
+
+
+def _pattern(token: int, pos: int, layer: int, kv: int, salt: int) -> torch.Tensor:
+    """The bytes a "forward" writes for one token's K or V in one layer."""
+    base = (token * 7 + pos * 13 + layer * 29 + kv * 101 + salt * 53) % 256
+    return (torch.arange(SLOT_BYTES, dtype=torch.int32) * 3 + base).remainder(256).to(torch.uint8)
+
+
+class Instance:
+    """A vLLM instance minus the model: the real Scheduler, and the connector's worker
+    half called the way vLLM's model runner calls it."""
+
+    def __init__(self, role: str, extra: dict[str, Any], num_blocks: int = 512, salt: int = 0, policy: str = "recompute") -> None:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.utils.hashing import sha256
+
+        model = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float16", max_model_len=1024, seed=0)
+        self.vllm_config = VllmConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=1024, is_encoder_decoder=False
+            ),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvferryConnector",
+                kv_connector_module_path="kvferry.integrations.vllm",
+                kv_role=role,
+                kv_connector_extra_config=extra,
+                kv_load_failure_policy=policy,
+            ),
+        )
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+        page = 2 * BLOCK_SIZE * SLOT_BYTES
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS],
+            kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
+        )
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=BLOCK_SIZE,
+            log_stats=False,
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        # The worker half, as vLLM's worker makes it (ensure_kv_transfer_initialized).
+        self.connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
+        self.kv = {n: torch.zeros((2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), dtype=torch.float16) for n in LAYERS}
+        self.connector.register_kv_caches(self.kv)
+        # EngineCore._set_kv_connector_handshake_metadata
+        hs = self.connector.get_handshake_metadata()
+        self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware({(0, 0): hs})
+        self.salt = salt
+        self.free_at_start = self.free_blocks()
+        self.final: dict[str, Any] = {}  # req_id -> EngineCoreOutput that finished it
+        self.tokens: dict[str, list[int]] = {}
+        self.finished_sending: dict[str, float] = {}
+        self.finished_recving: dict[str, float] = {}
+        self.failed_recving: set[str] = set()
+        self.invalid_blocks: set[int] = set()
+
+    @property
+    def worker(self):
+        return self.connector.connector_worker
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None)
+        req = Request(req_id, list(prompt), sp, None, block_hasher=self.hasher)
+        self.scheduler.add_request(req)
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def status(self, req_id: str):
+        r = self.scheduler.requests.get(req_id)
+        return None if r is None else r.status
+
+    def step(self) -> None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        so = self.scheduler.schedule()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        with (
+            set_forward_context(None, self.vllm_config),
+            KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
+        ):
+            for rid in req_ids:  # the "forward": KV for every scheduled token
+                req = self.scheduler.requests[rid]
+                n = so.num_scheduled_tokens[rid]
+                end = req.num_computed_tokens  # already advanced by schedule()
+                (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                toks = req.all_token_ids
+                for pos in range(end - n, end):
+                    b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                    for li, name in enumerate(LAYERS):
+                        raw = self.kv[name].view(torch.uint8)
+                        for kvi in (0, 1):
+                            raw[kvi, b, off].view(-1)[:] = _pattern(toks[pos], pos, li, kvi, self.salt)
+                sampled.append([3 + (end * 17) % 1000] if end >= req.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kvo,
+        )
+        now = time.monotonic()
+        for rid in kvo.finished_sending or ():
+            self.finished_sending[rid] = now
+        for rid in kvo.finished_recving or ():
+            self.finished_recving[rid] = now
+        self.failed_recving |= kvo.failed_recving
+        self.invalid_blocks |= kvo.invalid_block_ids
+        for outs in self.scheduler.update_from_output(so, mro).values():
+            for o in outs.outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.final[o.request_id] = o
+
+    def run_until(self, pred, timeout: float, what: str) -> float:
+        t0 = time.monotonic()
+        while not pred():
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            self.step()
+            time.sleep(0.002)
+        return time.monotonic() - t0
+
+    def slot_bytes(self, req_id_blocks: list[int], pos: int) -> list[bytes]:
+        b, off = req_id_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+        return [bytes(self.kv[n].view(torch.uint8)[kvi, b, off].reshape(-1).numpy()) for n in LAYERS for kvi in (0, 1)]
+
+    def close(self) -> None:
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        self.connector.shutdown()
+        if kv_transfer_state._KV_CONNECTOR_AGENT is self.connector:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+def expected_bytes(prompt: list[int], pos: int, salt: int) -> list[bytes]:
+    return [bytes(_pattern(prompt[pos], pos, li, kvi, salt).numpy()) for li in range(NUM_LAYERS) for kvi in (0, 1)]
+
+
+# -- the prefill instance, in its own process ------------------------------------------
+
+
+def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
+    """A prefill engine loop: steps whenever the scheduler has work (as EngineCore
+    does), answering commands between steps."""
+    inst = Instance("kv_producer", extra, num_blocks=num_blocks, salt=1)
+    conn.send(("ready", inst.worker.engine.address, inst.worker.engine.incarnation, inst.free_at_start))
+    reported: set[str] = set()
+    while True:
+        busy = inst.scheduler.has_requests()
+        while conn.poll(0 if busy else 0.005):
+            msg = conn.recv()
+            cmd = msg[0]
+            if cmd == "add":
+                for rid, prompt in msg[1]:
+                    inst.add(rid, prompt, 1, {"do_remote_decode": True})
+                conn.send(("ok",))
+            elif cmd == "faults":
+                inst.worker.engine._e._inject_faults(send_delay_us=msg[1])
+                conn.send(("ok",))
+            elif cmd == "state":
+                conn.send(
+                    (
+                        "state",
+                        {
+                            "held": sorted(inst.scheduler.requests),
+                            "free": inst.free_blocks(),
+                            "free_at_start": inst.free_at_start,
+                            "finished_sending": dict(inst.finished_sending),
+                            "publishing": sorted(inst.worker._sending),
+                            "now": time.monotonic(),
+                        },
+                    )
+                )
+            elif cmd == "stop":
+                inst.close()
+                conn.send(("stopped",))
+                return
+        if busy:
+            inst.step()
+            new = {r: o for r, o in inst.final.items() if r not in reported}
+            if new:
+                reported |= set(new)
+                conn.send(("finished", {r: (str(o.finish_reason), o.kv_transfer_params) for r, o in new.items()}))
+
+
+class Prefill:
+    """Handle on a prefill instance in a spawned process."""
+
+    def __init__(self, extra: dict[str, Any], num_blocks: int = 1024) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=prefill_main, args=(child, extra, num_blocks), daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 300
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"prefill process did not start (exit code {self.proc.exitcode})")
+        _, self.address, self.incarnation, self.free_at_start = self.conn.recv()
+        self.finished: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._stash: list[tuple] = []
+
+    def _call(self, *msg: Any, timeout: float = 60.0) -> tuple:
+        self.conn.send(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._poll(deadline):
+                raise AssertionError(f"prefill did not answer {msg[0]!r}")
+            r = self.conn.recv()
+            if r[0] == "finished":
+                self.finished.update(r[1])
+                continue
+            return r
+
+    def _poll(self, deadline: float) -> bool:
+        while not self.conn.poll(0.1):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                return False
+        return True
+
+    def prefill(self, reqs: list[tuple[str, list[int]]], timeout: float = 120.0) -> dict[str, dict[str, Any]]:
+        """Runs these requests' prefill; returns their kv_transfer_params."""
+        self._call("add", reqs)
+        deadline = time.monotonic() + timeout
+        want = {r for r, _ in reqs}
+        while not want <= set(self.finished):
+            if not self._poll(deadline):
+                raise AssertionError(f"prefill of {sorted(want - set(self.finished))} did not finish")
+            r = self.conn.recv()
+            assert r[0] == "finished", r
+            self.finished.update(r[1])
+        return {r: self.finished[r][1] for r in want}
+
+    def state(self) -> dict[str, Any]:
+        return self._call("state")[1]
+
+    def faults(self, send_delay_us: int) -> None:
+        self._call("faults", send_delay_us)
+
+    def wait_freed(self, req_ids: set[str], timeout: float) -> dict[str, Any]:
+        """Waits until the prefill instance freed these requests' blocks; returns its
+        state (``free == free_at_start`` once it holds no request at all)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.state()
+            if not req_ids & set(st["held"]):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"prefill still holds {sorted(req_ids & set(st['held']))}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._call("stop", timeout=30)
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+LEASE_TTL = 8.0
+TIMEOUT = 10.0
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    p = Prefill({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT})
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def decode():
+    made: list[Instance] = []
+
+    def make(**kw) -> Instance:
+        kw.setdefault("extra", {"timeout": TIMEOUT})
+        d = Instance("kv_consumer", num_blocks=kw.pop("num_blocks", 1024), salt=2, **kw)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[tuple[str, list[int]]]:
+    rng = random.Random(seed)
+    return [(f"req-{seed}-{i}", [rng.randrange(3, 1000) for _ in range(rng.randrange(lo, hi))]) for i in range(n)]
+
+
+def check_landed(d: Instance, rid: str, prompt: list[int]) -> None:
+    """Every prompt position but the last (which decode recomputes) holds the
+    prefill's bytes."""
+    (blocks,) = d.scheduler.kv_cache_manager.get_block_ids(rid)
+    for pos in range(len(prompt) - 1):
+        assert d.slot_bytes(blocks, pos) == expected_bytes(prompt, pos, salt=1), f"{rid}: position {pos} differs"
+
+
+# -- tests ------------------------------------------------------------------------------
+
+
+def test_lifecycle_prefill_to_decode(prefill, decode):
+    d = decode()  # made first: building a vLLM config takes seconds on a busy machine
+    (rid, prompt), = prompts(1, seed=1, lo=50, hi=51)
+    params = prefill.prefill([(rid, prompt)])[rid]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_request_id"] == rid
+    assert len(params["remote_block_ids"]) == 4  # 50 tokens, 16 per block
+    host, port = prefill.address.rsplit(":", 1)
+    assert params["remote_host"] == host and params["remote_port"] == int(port)
+    assert params["kvferry_incarnation"] == prefill.incarnation and params["kvferry_peer_id"]
+    assert params["remote_engine_id"]
+    assert rid in prefill.state()["held"], "prefill frees blocks before the decode pulled"
+
+    d.add(rid, prompt, max_tokens=3, params=params)
+    d.step()
+    from vllm.v1.request import RequestStatus
+
+    assert d.status(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS
+    d.run_until(lambda: rid in d.finished_recving, 10, "the pull")
+    assert not d.failed_recving and not d.invalid_blocks
+    check_landed(d, rid, prompt)
+    d.run_until(lambda: rid in d.final, 10, "decode to finish")
+    assert len(d.tokens[rid]) == 3
+    st = prefill.wait_freed({rid}, timeout=5)
+    assert rid in st["finished_sending"]
+    assert st["free"] == st["free_at_start"], "prefill leaked blocks"
+    assert d.free_blocks() == d.free_at_start
+
+
+def test_concurrent_requests(prefill, decode):
+    d = decode()
+    reqs = prompts(48, seed=2, lo=1, hi=200)
+    params = prefill.prefill(reqs)
+    for rid, prompt in reqs:
+        d.add(rid, prompt, max_tokens=2, params=params[rid])
+    d.step()
+    d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), 30, "48 pulls")
+    assert not d.failed_recving and not d.invalid_blocks
+    for rid, prompt in reqs:
+        check_landed(d, rid, prompt)
+    d.run_until(lambda: all(r in d.final for r, _ in reqs), 30, "48 decodes")
+    st = prefill.wait_freed({r for r, _ in reqs}, timeout=10)
+    assert st["free"] == st["free_at_start"]
+    assert d.free_blocks() == d.free_at_start
+
+
+def test_local_prefix_hit_pulls_only_the_rest(prefill, decode):
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 1000) for _ in range(40)]  # 2 full blocks shared
+    a = ("prefix-a", shared + [rng.randrange(3, 1000) for _ in range(30)])
+    b = ("prefix-b", shared + [rng.randrange(3, 1000) for _ in range(25)])
+    d = decode()
+    params = prefill.prefill([a, b])
+    d.add(a[0], a[1], max_tokens=1, params=params[a[0]])
+    d.run_until(lambda: a[0] in d.final, 10, "first request")
+    d.add(b[0], b[1], max_tokens=1, params=params[b[0]])
+    d.run_until(lambda: b[0] in d.finished_recving, 10, "second pull")
+    assert not d.failed_recving
+    check_landed(d, b[0], b[1])
+    d.run_until(lambda: b[0] in d.final, 10, "second request")
+    prefill.wait_freed({a[0], b[0]}, timeout=5)
+
+
+def test_decode_abort_mid_pull(prefill, decode):
+    d = decode()
+    reqs = prompts(2, seed=3, lo=64, hi=65)
+    params = prefill.prefill(reqs)
+    prefill.faults(send_delay_us=300_000)  # 300 ms per chunk sent
+    try:
+        for rid, prompt in reqs:
+            d.add(rid, prompt, max_tokens=2, params=params[rid])
+        d.step()
+        time.sleep(0.1)
+        (gone, _), (kept, kept_prompt) = reqs
+        d.abort(gone)
+        t = d.run_until(lambda: gone in d.finished_recving, 5, "the aborted pull to drain")
+        assert t < 2.0
+        assert gone not in d.scheduler.requests  # blocks back in decode's pool
+        assert gone not in d.failed_recving
+        d.run_until(lambda: kept in d.finished_recving, 15, "the other pull")
+        assert not d.failed_recving
+        check_landed(d, kept, kept_prompt)
+        d.run_until(lambda: kept in d.final, 5, "the other request")
+        prefill.wait_freed({kept}, timeout=2.0)  # the decode's Done released it
+        # A cancelled pull leaves the publication for a retry: the prefill instance
+        # frees the aborted request's blocks at lease expiry, never later.
+        st = prefill.wait_freed({gone}, timeout=LEASE_TTL + 5)
+        assert gone in st["finished_sending"]
+        assert d.free_blocks() == d.free_at_start
+    finally:
+        prefill.faults(send_delay_us=0)
+
+
+def test_never_pulled_frees_at_lease_expiry(prefill):
+    (rid, prompt), = prompts(1, seed=4)
+    t0 = time.monotonic()
+    prefill.prefill([(rid, prompt)])
+    time.sleep(LEASE_TTL / 2)
+    assert rid in prefill.state()["held"]
+    st = prefill.wait_freed({rid}, timeout=LEASE_TTL + 5)
+    assert time.monotonic() - t0 >= LEASE_TTL * 0.9
+    assert rid in st["finished_sending"]
+    assert st["free"] == st["free_at_start"] or st["held"], "prefill leaked blocks"
+
+
+def test_pull_after_lease_expiry_is_a_load_error(prefill, decode):
+    d = decode()
+    (rid, prompt), = prompts(1, seed=6)
+    params = prefill.prefill([(rid, prompt)])[rid]
+    prefill.wait_freed({rid}, timeout=LEASE_TTL + 5)
+    d.add(rid, prompt, max_tokens=2, params=params)
+    d.run_until(lambda: rid in d.finished_recving, 10, "the failed pull")
+    assert rid in d.failed_recving and d.invalid_blocks
+    d.run_until(lambda: rid in d.final, 10, "local recompute")  # policy: recompute
+    assert len(d.tokens[rid]) == 2
+
+
+def test_prefill_killed_mid_pull():
+    p = Prefill({"lease_ttl": 30.0, "timeout": TIMEOUT})
+    d = None
+    try:
+        d = Instance("kv_consumer", {"timeout": TIMEOUT}, num_blocks=1024, salt=2, policy="recompute")
+        reqs = prompts(8, seed=7, lo=40, hi=100)
+        params = p.prefill(reqs)
+        p.faults(send_delay_us=500_000)
+        # Two healthy requests that do not involve the dead instance: plain prompts.
+        for rid, prompt in reqs:
+            d.add(rid, prompt, max_tokens=2, params=params[rid])
+        local = prompts(2, seed=8)
+        for rid, prompt in local:
+            d.add(rid, prompt, max_tokens=2, params=None)
+        d.step()
+        time.sleep(0.2)
+        killed = time.monotonic()
+        p.kill()
+        d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), TIMEOUT, "load errors")
+        assert time.monotonic() - killed < TIMEOUT
+        assert d.failed_recving == {r for r, _ in reqs}, "exactly the dead instance's requests fail"
+        owned = set()
+        for rid, _ in reqs:
+            owned |= set(d.scheduler.kv_cache_manager.get_block_ids(rid)[0]) if rid in d.scheduler.requests else set()
+        # Recompute policy: every request still completes, computed locally.
+        d.run_until(lambda: all(r in d.final for r, _ in reqs + local), 30, "recompute")
+        assert d.worker.engine.stats()["consumer"]["draining"] == 0
+        assert d.free_blocks() == d.free_at_start
+    finally:
+        if d is not None:
+            d.close()
+        p.stop()
