@@ -50,7 +50,7 @@ async fn roundtrip(data: Vec<u8>, wcuts: Vec<usize>, rcuts: Vec<usize>, corrupt:
             parts.push(p);
             rest = tail;
         }
-        read_bulk_body_tcp(&mut b, &header, &mut parts).await
+        read_bulk_body_tcp(&mut b, &header, &mut parts, std::time::Duration::from_secs(10)).await
     };
     drop(writer.await.unwrap());
     result.map(|_| out)

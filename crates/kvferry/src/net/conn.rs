@@ -39,6 +39,7 @@ pub(crate) const IDLE_OP: &str = "wait for next frame";
 fn stalled_is_timeout(op: &'static str, d: Duration, e: WireError) -> NetError {
     match e {
         WireError::Io(io) if progress::is_stall(&io) => NetError::Timeout { op, waited: d },
+        WireError::Stalled(_) => NetError::Timeout { op, waited: d },
         e => NetError::Wire(e),
     }
 }
@@ -227,7 +228,7 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = progress::read_bulk_vectored(&mut self.stream, &header, dst, d).await;
+        let r = wire::read_bulk_body_tcp(&mut self.stream, &header, dst, d).await;
         r.map_err(|e| self.lost(stalled_is_timeout("read bulk frame", d, e)))?;
         Ok(header.checksum)
     }
@@ -241,7 +242,7 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = progress::read_bulk_vectored(&mut self.stream, header, dst, d).await;
+        let r = wire::read_bulk_body_tcp(&mut self.stream, header, dst, d).await;
         r.map_err(|e| self.lost(stalled_is_timeout("read bulk frame", d, e)))?;
         Ok(header.checksum)
     }

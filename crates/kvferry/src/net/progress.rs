@@ -6,8 +6,8 @@
 //! [`io::Error`] recognised by [`is_stall`]. A transfer that keeps moving, however
 //! slowly, never trips it; the caller's own deadline bounds the total.
 //!
-//! [`read_bulk_vectored`] does the same for the vectored bulk read, whose reads go
-//! straight to the socket (`readable` then `try_read_vectored`).
+//! The vectored bulk read ([`wire::read_bulk_body_tcp`](crate::wire::read_bulk_body_tcp)),
+//! whose reads go straight to the socket, takes the same progress timeout itself.
 
 use std::future::Future;
 use std::io;
@@ -16,10 +16,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
-
-use crate::wire::{FrameHeader, FrameKind, WireError};
 
 /// The error payload of a stall, so that it is told apart from any other timeout.
 #[derive(Debug)]
@@ -37,7 +34,7 @@ fn stalled(d: Duration) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, Stalled(d))
 }
 
-/// True if `e` is a stall raised by [`Progress`] or [`read_bulk_vectored`].
+/// True if `e` is a stall raised by [`Progress`].
 pub(crate) fn is_stall(e: &io::Error) -> bool {
     e.get_ref().is_some_and(|r| r.is::<Stalled>())
 }
@@ -146,96 +143,6 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Progress<'_, S> {
             Poll::Pending => this.poll_stalled(cx),
         }
     }
-}
-
-/// Bytes read before checksumming them (as in `wire::bulk`): small enough to still be
-/// in a core's L2, large enough that a read is few system calls.
-const VERIFY_PIECE: usize = 1 << 20;
-/// Most slices handed to one vectored read (Linux's `IOV_MAX` is 1024).
-const MAX_IOVECS: usize = 1024;
-
-/// As [`wire::read_bulk_body_tcp`](crate::wire::read_bulk_body_tcp) — vectored reads
-/// scattered into `dst`, each checksummed as it arrives — failing with a stall when no
-/// byte arrived for `timeout`.
-pub(crate) async fn read_bulk_vectored(
-    stream: &mut TcpStream,
-    header: &FrameHeader,
-    dst: &mut [&mut [u8]],
-    timeout: Duration,
-) -> Result<(), WireError> {
-    if header.kind != FrameKind::Bulk {
-        return Err(WireError::UnexpectedFrame {
-            expected: FrameKind::Bulk,
-            got: header.kind,
-        });
-    }
-    let total: u64 = dst.iter().map(|d| d.len() as u64).sum();
-    if total != header.len {
-        return Err(WireError::LengthMismatch {
-            expected: header.len,
-            actual: total,
-        });
-    }
-    let mut actual = 0u32;
-    let mut deadline = Instant::now() + timeout;
-    // Position: slice `idx`, byte `off` within it.
-    let (mut idx, mut off) = (0usize, 0usize);
-    while idx < dst.len() && dst[idx].is_empty() {
-        idx += 1;
-    }
-    while idx < dst.len() {
-        match tokio::time::timeout_at(deadline, stream.readable()).await {
-            Err(_) => return Err(WireError::Io(stalled(timeout))),
-            Ok(r) => r?,
-        }
-        let read = {
-            let mut iov: Vec<io::IoSliceMut<'_>> = Vec::new();
-            let mut budget = VERIFY_PIECE;
-            let (first, rest) = dst[idx..].split_first_mut().expect("idx < len");
-            let head = &mut first[off..];
-            let take = head.len().min(budget);
-            budget -= take;
-            iov.push(io::IoSliceMut::new(&mut head[..take]));
-            for d in rest.iter_mut() {
-                if budget == 0 || iov.len() == MAX_IOVECS {
-                    break;
-                }
-                let take = d.len().min(budget);
-                budget -= take;
-                iov.push(io::IoSliceMut::new(&mut d[..take]));
-            }
-            match stream.try_read_vectored(&mut iov) {
-                Ok(0) => return Err(WireError::Truncated),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(WireError::Io(e)),
-            }
-        };
-        deadline = Instant::now() + timeout;
-        // Checksum what just arrived and advance the position.
-        let mut left = read;
-        while left > 0 {
-            let d = &dst[idx];
-            let take = (d.len() - off).min(left);
-            actual = crate::wire::crc::append(actual, &d[off..off + take]);
-            off += take;
-            left -= take;
-            if off == d.len() {
-                idx += 1;
-                off = 0;
-                while idx < dst.len() && dst[idx].is_empty() {
-                    idx += 1;
-                }
-            }
-        }
-    }
-    if actual != header.checksum {
-        return Err(WireError::ChecksumMismatch {
-            expected: header.checksum,
-            actual,
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -122,11 +122,13 @@ pub async fn read_bulk_body<R: AsyncRead + Unpin>(
 /// As [`read_bulk_body`], reading a TCP stream with vectored reads: a destination made
 /// of many small pieces (one per layer and K/V of each block) fills in a few system
 /// calls. Each read is capped near [`VERIFY_PIECE`] bytes and checksummed right after
-/// it arrived, while still in cache.
+/// it arrived, while still in cache. Fails with [`WireError::Stalled`] when no byte
+/// arrived for `progress_timeout` (a slow but steady stream never fails).
 pub async fn read_bulk_body_tcp(
     stream: &mut tokio::net::TcpStream,
     header: &FrameHeader,
     dst: &mut [&mut [u8]],
+    progress_timeout: std::time::Duration,
 ) -> Result<(), WireError> {
     if header.kind != FrameKind::Bulk {
         return Err(WireError::UnexpectedFrame {
@@ -147,8 +149,12 @@ pub async fn read_bulk_body_tcp(
     while idx < dst.len() && dst[idx].is_empty() {
         idx += 1;
     }
+    let mut deadline = tokio::time::Instant::now() + progress_timeout;
     while idx < dst.len() {
-        stream.readable().await?;
+        match tokio::time::timeout_at(deadline, stream.readable()).await {
+            Err(_) => return Err(WireError::Stalled(progress_timeout)),
+            Ok(r) => r?,
+        }
         let read = {
             let mut iov: Vec<std::io::IoSliceMut<'_>> = Vec::new();
             let mut budget = VERIFY_PIECE;
@@ -172,6 +178,7 @@ pub async fn read_bulk_body_tcp(
                 Err(e) => return Err(WireError::Io(e)),
             }
         };
+        deadline = tokio::time::Instant::now() + progress_timeout;
         // Checksum what just arrived and advance the position.
         let mut left = read;
         while left > 0 {

@@ -23,6 +23,9 @@ pub enum WireError {
     /// The stream ended in the middle of a frame header or payload.
     #[error("stream ended mid-frame")]
     Truncated,
+    /// No byte arrived for this long (a stalled peer; a slow but steady one never is).
+    #[error("no progress for {0:?}")]
+    Stalled(std::time::Duration),
     /// The frame did not start with [`MAGIC`](super::MAGIC).
     #[error("bad frame magic {0:02x?}")]
     BadMagic([u8; 4]),
