@@ -60,7 +60,8 @@ pub struct EngineArgs {
     /// Largest bulk frame (chunk) accepted.
     #[arg(long, default_value = "256MiB")]
     pub max_bulk: ByteSize,
-    /// Bound on any frame read or write once started.
+    /// A read or write fails when no byte moved for this long (a progress timeout: a slow
+    /// but steady transfer never trips it; each request's own deadline bounds the total).
     #[arg(long, default_value = "5s", value_parser = parse_timeout)]
     pub io_timeout: Duration,
     /// Idle connections are closed after this long.
