@@ -19,27 +19,44 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 PINNED = "0.33.0"
-_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry) and run pytest from that venv"
+_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry built in) and run pytest from that venv"
 
-if os.environ.get("KVFERRY_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - fails the run loudly when vLLM is required but missing
 
-    assert vllm.__version__ == PINNED, f"KvferryConnector is pinned to vllm=={PINNED}, found {vllm.__version__}"
-else:
-    vllm = pytest.importorskip("vllm", reason=f"vLLM is not installed: {_HOW}")
+def _find_vllm() -> str | None:
+    """Why the vLLM tests cannot run here, or None."""
+    try:
+        import vllm
+    except ImportError as e:
+        return f"vLLM is not installed ({e}); {_HOW}"
     if vllm.__version__ != PINNED:
-        pytest.skip(f"KvferryConnector is pinned to vllm=={PINNED}, found {vllm.__version__}: {_HOW}", allow_module_level=True)
+        return f"KvferryConnector is pinned to vllm=={PINNED}, found {vllm.__version__}; {_HOW}"
+    return None
 
-import torch  # noqa: E402
+
+WHY_NOT = _find_vllm()
+REQUIRED = os.environ.get("KVFERRY_REQUIRE_VLLM") == "1"
+
+
+@pytest.fixture(scope="module")
+def need_vllm() -> None:
+    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) when vLLM 0.33.0 is missing."""
+    if WHY_NOT is not None:
+        if REQUIRED:
+            pytest.fail(f"KVFERRY_REQUIRE_VLLM=1 but {WHY_NOT}", pytrace=False)
+        pytest.skip(WHY_NOT)
+
 
 MODEL_DIR = str(Path(__file__).with_name("tiny-llama"))
 BLOCK_SIZE = 16
@@ -55,6 +72,8 @@ SLOT_BYTES = KV_HEADS * HEAD_SIZE * 2  # float16
 
 def _pattern(token: int, pos: int, layer: int, kv: int, salt: int) -> torch.Tensor:
     """The bytes a "forward" writes for one token's K or V in one layer."""
+    import torch
+
     base = (token * 7 + pos * 13 + layer * 29 + kv * 101 + salt * 53) % 256
     return (torch.arange(SLOT_BYTES, dtype=torch.int32) * 3 + base).remainder(256).to(torch.uint8)
 
@@ -64,6 +83,7 @@ class Instance:
     half called the way vLLM's model runner calls it."""
 
     def __init__(self, role: str, extra: dict[str, Any], num_blocks: int = 512, salt: int = 0, policy: str = "recompute") -> None:
+        import torch
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -156,6 +176,7 @@ class Instance:
         return None if r is None else r.status
 
     def step(self) -> None:
+        import torch
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -203,12 +224,18 @@ class Instance:
         t0 = time.monotonic()
         while not pred():
             if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+                pulls = {r: (p.attempts, p.transfer, p.error) for r, p in self.worker._pulls.items()}
+                raise AssertionError(
+                    f"timed out after {timeout}s waiting for {what}; pulls in flight: {pulls}; "
+                    f"received: {sorted(self.finished_recving)}; failed: {sorted(self.failed_recving)}"
+                )
             self.step()
             time.sleep(0.002)
         return time.monotonic() - t0
 
     def slot_bytes(self, req_id_blocks: list[int], pos: int) -> list[bytes]:
+        import torch
+
         b, off = req_id_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
         return [bytes(self.kv[n].view(torch.uint8)[kvi, b, off].reshape(-1).numpy()) for n in LAYERS for kvi in (0, 1)]
 
@@ -356,14 +383,14 @@ TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
-def prefill():
+def prefill(need_vllm):
     p = Prefill({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT})
     yield p
     p.stop()
 
 
 @pytest.fixture
-def decode():
+def decode(need_vllm):
     made: list[Instance] = []
 
     def make(**kw) -> Instance:
@@ -510,35 +537,78 @@ def test_pull_after_lease_expiry_is_a_load_error(prefill, decode):
     assert len(d.tokens[rid]) == 2
 
 
-def test_prefill_killed_mid_pull():
-    p = Prefill({"lease_ttl": 30.0, "timeout": TIMEOUT})
-    d = None
+def test_prefill_killed_mid_pull_then_restarted(need_vllm):
+    timeout = 5.0
+    p = Prefill({"lease_ttl": 30.0, "timeout": timeout})
+    d = again = None
     try:
-        d = Instance("kv_consumer", {"timeout": TIMEOUT}, num_blocks=1024, salt=2, policy="recompute")
+        d = Instance("kv_consumer", {"timeout": timeout}, num_blocks=1024, salt=2, policy="recompute")
         reqs = prompts(8, seed=7, lo=40, hi=100)
         params = p.prefill(reqs)
         p.faults(send_delay_us=500_000)
-        # Two healthy requests that do not involve the dead instance: plain prompts.
         for rid, prompt in reqs:
             d.add(rid, prompt, max_tokens=2, params=params[rid])
+        # Requests that do not involve the dead instance: plain prompts.
         local = prompts(2, seed=8)
         for rid, prompt in local:
             d.add(rid, prompt, max_tokens=2, params=None)
         d.step()
         time.sleep(0.2)
+        assert all(r in d.worker._pulls for r, _ in reqs), "every pull is in flight"
+        loading = {b for r, _ in reqs for b in d.worker._pulls[r].spec.load_block_ids}
         killed = time.monotonic()
         p.kill()
-        d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), TIMEOUT, "load errors")
-        assert time.monotonic() - killed < TIMEOUT
+        d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), timeout, "load errors")
+        took = time.monotonic() - killed
+        assert took < timeout, took
         assert d.failed_recving == {r for r, _ in reqs}, "exactly the dead instance's requests fail"
-        owned = set()
-        for rid, _ in reqs:
-            owned |= set(d.scheduler.kv_cache_manager.get_block_ids(rid)[0]) if rid in d.scheduler.requests else set()
+        assert d.invalid_blocks == loading, "exactly the blocks they were loading"
         # Recompute policy: every request still completes, computed locally.
         d.run_until(lambda: all(r in d.final for r, _ in reqs + local), 30, "recompute")
         assert d.worker.engine.stats()["consumer"]["draining"] == 0
         assert d.free_blocks() == d.free_at_start
+
+        # Restarted on the same port: a new incarnation that holds none of the dead
+        # one's blocks. A request still carrying the dead instance's params becomes a
+        # load error within the timeout; the new instance's params work.
+        port = int(p.address.rsplit(":", 1)[1])
+        again = Prefill({"lease_ttl": 30.0, "timeout": timeout, "port": port})
+        assert again.address == p.address and again.incarnation != p.incarnation
+        (late, late_prompt), (fresh, fresh_prompt) = prompts(2, seed=9, lo=30, hi=60)
+        stale = dict(params[reqs[0][0]], do_remote_prefill=True, kvferry_expires_at=time.time() + 30.0)
+        d.failed_recving.clear()
+        d.invalid_blocks.clear()
+        fresh_params = again.prefill([(fresh, fresh_prompt)])[fresh]
+        assert fresh_params["kvferry_incarnation"] == again.incarnation
+        d.add(late, late_prompt, max_tokens=1, params=stale)
+        d.add(fresh, fresh_prompt, max_tokens=1, params=fresh_params)
+        t = d.run_until(lambda: {late, fresh} <= set(d.finished_recving), timeout + 2, "both pulls")
+        assert t < timeout + 2
+        assert d.failed_recving == {late}
+        d.run_until(lambda: {late, fresh} <= set(d.final), 10, "both requests")
+        again.wait_freed({fresh}, timeout=5)
     finally:
         if d is not None:
             d.close()
         p.stop()
+        if again is not None:
+            again.stop()
+
+
+def test_import_kvferry_without_vllm():
+    """``import kvferry`` never needs vLLM; the integration says how to get it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvferry, kvferry.integrations\n"
+        "try:\n"
+        "    import kvferry.integrations.vllm\n"
+        "except ImportError as e:\n"
+        "    assert 'vllm==0.33.0' in str(e), e\n"
+        "    print('clear')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "clear"
