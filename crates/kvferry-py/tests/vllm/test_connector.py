@@ -150,6 +150,7 @@ class Instance:
         self.finished_recving: dict[str, float] = {}
         self.failed_recving: set[str] = set()
         self.invalid_blocks: set[int] = set()
+        self.landed: dict[str, list[list[bytes]]] = {}  # req_id -> prompt slots when it landed
 
     @property
     def worker(self):
@@ -177,10 +178,12 @@ class Instance:
 
     def step(self) -> None:
         import torch
+        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # this process's worker
         so = self.scheduler.schedule()
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -219,6 +222,12 @@ class Instance:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.final[o.request_id] = o
+        for rid in kvo.finished_recving or ():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and not req.is_finished() and rid not in kvo.failed_recving:
+                # Snapshot before the next step's forward touches the request.
+                (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                self.landed[rid] = [self.slot_bytes(blocks, pos) for pos in range(req.num_prompt_tokens)]
 
     def run_until(self, pred, timeout: float, what: str) -> float:
         t0 = time.monotonic()
@@ -410,11 +419,12 @@ def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[tuple[str, l
 
 
 def check_landed(d: Instance, rid: str, prompt: list[int]) -> None:
-    """Every prompt position but the last (which decode recomputes) holds the
-    prefill's bytes."""
-    (blocks,) = d.scheduler.kv_cache_manager.get_block_ids(rid)
-    for pos in range(len(prompt) - 1):
-        assert d.slot_bytes(blocks, pos) == expected_bytes(prompt, pos, salt=1), f"{rid}: position {pos} differs"
+    """When the pull landed, every prompt position held the prefill's bytes (salt 1;
+    the decode writes salt 2, so nothing it computed itself can pass)."""
+    slots = d.landed[rid]
+    assert len(slots) == len(prompt)
+    for pos in range(len(prompt)):
+        assert slots[pos] == expected_bytes(prompt, pos, salt=1), f"{rid}: position {pos} differs"
 
 
 # -- tests ------------------------------------------------------------------------------
@@ -475,8 +485,14 @@ def test_local_prefix_hit_pulls_only_the_rest(prefill, decode):
     params = prefill.prefill([a, b])
     d.add(a[0], a[1], max_tokens=1, params=params[a[0]])
     d.run_until(lambda: a[0] in d.final, 10, "first request")
+    started = []
+    real = d.worker._start_pull
+    d.worker._start_pull = lambda rid, spec, exp: (started.append((rid, spec)), real(rid, spec, exp))
     d.add(b[0], b[1], max_tokens=1, params=params[b[0]])
     d.run_until(lambda: b[0] in d.finished_recving, 10, "second pull")
+    (rid, spec), = started
+    assert rid == b[0] and spec.skip_blocks == 2 and len(spec.remote_block_ids) == 5
+    assert len(spec.load_block_ids) == 3  # only the blocks the local cache lacks
     assert not d.failed_recving
     check_landed(d, b[0], b[1])
     d.run_until(lambda: b[0] in d.final, 10, "second request")
@@ -526,15 +542,20 @@ def test_never_pulled_frees_at_lease_expiry(prefill):
 
 
 def test_pull_after_lease_expiry_is_a_load_error(prefill, decode):
-    d = decode()
-    (rid, prompt), = prompts(1, seed=6)
-    params = prefill.prefill([(rid, prompt)])[rid]
-    prefill.wait_freed({rid}, timeout=LEASE_TTL + 5)
-    d.add(rid, prompt, max_tokens=2, params=params)
-    d.run_until(lambda: rid in d.finished_recving, 10, "the failed pull")
-    assert rid in d.failed_recving and d.invalid_blocks
-    d.run_until(lambda: rid in d.final, 10, "local recompute")  # policy: recompute
-    assert len(d.tokens[rid]) == 2
+    recompute = decode(policy="recompute")
+    fail = decode(policy="fail")  # vLLM's default kv_load_failure_policy
+    (r1, p1), (r2, p2) = prompts(2, seed=6)
+    params = prefill.prefill([(r1, p1), (r2, p2)])
+    prefill.wait_freed({r1, r2}, timeout=LEASE_TTL + 5)
+    recompute.add(r1, p1, max_tokens=2, params=params[r1])
+    fail.add(r2, p2, max_tokens=2, params=params[r2])
+    for d, rid in ((recompute, r1), (fail, r2)):
+        d.run_until(lambda: rid in d.finished_recving, 10, "the failed pull")
+        assert d.failed_recving == {rid} and d.invalid_blocks
+        d.run_until(lambda: rid in d.final, 10, "the request to finish")
+        assert d.free_blocks() == d.free_at_start
+    assert len(recompute.tokens[r1]) == 2  # computed locally
+    assert str(fail.final[r2].finish_reason) == "error" and not fail.tokens.get(r2)
 
 
 def test_prefill_killed_mid_pull_then_restarted(need_vllm):

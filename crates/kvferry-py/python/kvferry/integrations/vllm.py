@@ -260,14 +260,21 @@ class KvferryConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self._valid_remote(params):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        prompt = len(request.prompt_token_ids or ())
+        remote = int(params.get("remote_num_tokens") or prompt)  # never claim what P did not compute
+        count = min(prompt, remote) - num_computed_tokens
         if count > 0:
             return count, True
         return 0, False
 
     @staticmethod
     def _valid_remote(params: dict[str, Any]) -> bool:
-        return bool(params.get("remote_block_ids")) and bool(params.get("kvferry_peers")) and params.get("remote_request_id") is not None
+        return (
+            bool(params.get("remote_block_ids"))
+            and isinstance(params.get("kvferry_peers"), list)
+            and bool(params["kvferry_peers"])
+            and params.get("remote_request_id") is not None
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
