@@ -23,6 +23,8 @@
 
 #[path = "cmd_chaos/device.rs"]
 mod device;
+#[path = "cmd_chaos/device_link.rs"]
+mod device_link;
 #[path = "cmd_chaos/driver.rs"]
 mod driver;
 #[path = "cmd_chaos/ledger.rs"]
@@ -225,6 +227,7 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
     }
     let slots = Arc::new(Slots::new(SLOTS)?);
     let sim = device::SimRig::new(mix(seed, &[5]))?;
+    let link = device_link::DeviceLink::new(mix(seed, &[6])).await?;
     let ctx = Arc::new(Ctx::new(
         consumer,
         work,
@@ -232,6 +235,7 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
         addrs,
         BlockingPool::new(4),
         sim,
+        link,
         args.sabotage,
     ));
     for p in 0..args.producers {
@@ -450,5 +454,7 @@ async fn quiesce(ctx: &Arc<Ctx>, engine: &CopyEngine) -> Vec<ArenaReport> {
         ctx.slots.check_free(),
         "free destination slots were written after they were handed back",
     );
-    vec![consumer, ctx.sim.report()]
+    let mut reports = vec![consumer, ctx.sim.report()];
+    reports.extend(ctx.link.finish(ledger).await);
+    reports
 }

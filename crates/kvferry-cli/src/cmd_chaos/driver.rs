@@ -30,6 +30,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::device::{OffloadPlan, SimRig};
+use super::device_link::{DeviceLink, LinkPlan};
 use super::ledger::{Ledger, Outcome};
 use super::workload::{mix, Check, Dest, Set, Slots, Workload};
 use super::Sabotage;
@@ -170,6 +171,8 @@ pub enum Kind {
     Pull(PullMode),
     /// A sim-device D2H copy.
     Offload(OffloadPlan),
+    /// Device KV → peer → device KV, with device faults on either side.
+    DeviceTransfer(LinkPlan),
 }
 
 /// One transfer, drawn from the seed.
@@ -226,6 +229,7 @@ impl Plan {
             BlockingShort,
             Pull,
             Offload,
+            DeviceTransfer,
         }
         let k = pick(
             &mut rng,
@@ -237,6 +241,7 @@ impl Plan {
                 (6.0 * rate, K::BlockingShort),
                 (15.0, K::Pull),
                 (8.0, K::Offload),
+                (10.0, K::DeviceTransfer),
             ],
         );
         let mut deadline = GENEROUS;
@@ -269,6 +274,7 @@ impl Plan {
                 Kind::Pull(mode)
             }
             K::Offload => Kind::Offload(SimRig::plan(&mut rng, rate)),
+            K::DeviceTransfer => Kind::DeviceTransfer(DeviceLink::plan(&mut rng, rate)),
         };
         let drop_after = Duration::from_micros(rng.gen_range(0..=5_000));
         let hog = rng
@@ -309,6 +315,8 @@ pub struct Ctx {
     pub blocking: BlockingPool,
     /// The sim device.
     pub sim: SimRig,
+    /// Device KV over the transfer path (two engines, two sim devices).
+    pub link: DeviceLink,
     background: Mutex<Vec<JoinHandle<()>>>,
     limbo: Mutex<Vec<Limbo>>,
     sabotage: Mutex<Option<Sabotage>>,
@@ -324,6 +332,7 @@ impl Ctx {
         addrs: Vec<String>,
         blocking: BlockingPool,
         sim: SimRig,
+        link: DeviceLink,
         sabotage: Option<Sabotage>,
     ) -> Ctx {
         Ctx {
@@ -334,6 +343,7 @@ impl Ctx {
             addrs,
             blocking,
             sim,
+            link,
             background: Mutex::new(Vec::new()),
             limbo: Mutex::new(Vec::new()),
             sabotage: Mutex::new(sabotage),
@@ -596,6 +606,7 @@ pub async fn run(ctx: Arc<Ctx>, plan: Plan) {
         Kind::Blocking | Kind::BlockingShort => blocking(&ctx, &plan).await,
         Kind::Pull(mode) => pull(&ctx, &plan, mode).await,
         Kind::Offload(p) => ctx.sim.offload(&ctx.ledger, plan.index, p).await,
+        Kind::DeviceTransfer(p) => ctx.link.transfer(&ctx.ledger, p).await,
     }
 }
 

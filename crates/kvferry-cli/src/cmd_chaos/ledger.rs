@@ -258,6 +258,11 @@ pub fn classify(e: &PeerError) -> (String, Outcome) {
             )
         }
         PeerError::Net(_) => ("net_other", Outcome::Failed),
+        PeerError::Device { error, .. } => match error {
+            kvferry::device::DeviceError::Timeout { .. } => ("device_timeout", Outcome::TimedOut),
+            kvferry::device::DeviceError::CopyFailed { .. } => ("device_copy_failed", Outcome::Failed),
+            _ => ("device_other", Outcome::Failed),
+        },
         _ => ("other", Outcome::Failed),
     };
     (class.to_string(), outcome)
