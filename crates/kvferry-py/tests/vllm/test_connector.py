@@ -40,8 +40,13 @@ def _find_vllm() -> str | None:
         import vllm
     except ImportError as e:
         return f"vLLM is not installed ({e}); {_HOW}"
-    if vllm.__version__ != PINNED:
-        return f"KvferryConnector is pinned to vllm=={PINNED}, found {vllm.__version__}; {_HOW}"
+    version = getattr(vllm, "__version__", None)
+    if version is None:
+        # Without vLLM, `import vllm` can find this very test folder as a namespace
+        # package (pytest puts tests/ on sys.path): that is "not installed".
+        return f"vLLM is not installed; {_HOW}"
+    if version != PINNED:
+        return f"KvferryConnector is pinned to vllm=={PINNED}, found {version}; {_HOW}"
     return None
 
 
