@@ -52,7 +52,7 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     Bound on connecting to a peer.
 ``arena_bytes`` (int, default 64 MiB)
     Staging arena of the worker's engine (used by the ``staged`` path).
-``peer_id`` (str, default ``kvferry-<engine_id>-tp<rank>``)
+``peer_id`` (str, default ``kvferry-<engine_id>``)
     Prefix of the worker engines' peer ids (``-tp<rank>`` is appended).
 
 ``kv_transfer_params`` returned by a prefill instance: ``do_remote_prefill`` (True),
@@ -63,14 +63,20 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank) and
 ``kvferry_expires_at`` (wall-clock time the lease ends).
 
+The worker publishes one engine step after the scheduler returned the params, so a
+decode instance may ask first: a miss is retried (2-50 ms backoff) until the lease's
+advertised end or ``timeout``, whichever comes first.
+
 Guarantees: a decode instance never computes on bytes that did not land verified —
 a dead, hung or restarted prefill instance, an expired lease or a timeout becomes a
 load error for exactly the requests involved (``get_block_ids_with_load_errors`` and
-``failed_recving``; vLLM then recomputes or fails them per ``kv_load_failure_policy``);
-a prefill instance frees a request's blocks only after its publication was released —
-the decode's ``Done``, a decode abort (cancelled pull), lease expiry or shutdown — and
-never while a send still reads them. Host (CPU) KV caches only: kvferry's Python
-engine moves host memory.
+``failed_recving``; vLLM then recomputes or fails them per ``kv_load_failure_policy``).
+A decode request aborted mid-pull gets its blocks back at once (the pull is cancelled
+and drained, bounded). A prefill instance frees a request's blocks only after its
+publication was released — the decode's ``Done``, lease expiry or shutdown (a
+cancelled pull leaves the publication for a retry, so an aborted decode costs the
+prefill instance at most ``lease_ttl``) — and never while a send still reads them.
+Host (CPU) KV caches only: kvferry's Python engine moves host memory.
 """
 
 from __future__ import annotations
@@ -526,7 +532,7 @@ class KvferryConnectorWorker:
                 pull.scratch_region = self.engine.register_kv_caches(pull.scratch, num_blocks=n_remote, name=f"scratch-{req_id}")
                 pull.dst, pull.dst_ids = pull.scratch_region, list(range(n_remote))
             self._launch(pull)
-        except errors.Error as e:
+        except Exception as e:  # noqa: BLE001 - bad params, no memory...: a load error, never a crash
             pull.error = e
 
     def _launch(self, pull: _Pull) -> None:
@@ -589,7 +595,7 @@ class KvferryConnectorWorker:
                         continue
                     try:
                         self._launch(pull)
-                    except errors.Error as e:
+                    except Exception as e:  # noqa: BLE001
                         pull.error = e
                     else:
                         continue
