@@ -325,6 +325,7 @@ pub struct Ctx {
 
 impl Ctx {
     /// Shared state of a run.
+    #[allow(clippy::too_many_arguments)] // one argument per part of a run, each named
     pub fn new(
         consumer: Consumer,
         work: Workload,
