@@ -71,7 +71,20 @@ fn a_short_soak_under_every_fault_keeps_the_three_promises() {
     assert!(v["max_overrun_ms"].as_f64().is_some(), "{v:#}");
     assert!(n(&v, "quarantined_pages") <= 256, "{v:#}");
     let arenas = v["arenas"].as_array().unwrap();
-    assert_eq!(arenas.len(), 4, "consumer, sim device and two producers: {v:#}");
+    let names: Vec<&str> = arenas.iter().filter_map(|a| a["name"].as_str()).collect();
+    assert_eq!(
+        names.len(),
+        6,
+        "consumer, sim offloads, the device link's two engines and two producers: {v:#}"
+    );
+    for name in [
+        "consumer",
+        "sim-offload",
+        "device-link-producer",
+        "device-link-consumer",
+    ] {
+        assert!(names.contains(&name), "no {name} arena: {v:#}");
+    }
 }
 
 #[test]
