@@ -170,19 +170,7 @@ impl DeviceKvCache {
 
     /// Ranges (in the cache's address space) of a chunk of `blocks`, cut to `len`.
     pub fn chunk_ranges(&self, blocks: &[u32], len: usize) -> Result<Vec<(usize, usize)>, LayoutError> {
-        let mut r = self.map.chunk_ranges(blocks)?;
-        let mut left = len;
-        let mut keep = 0;
-        for x in r.iter_mut() {
-            if left == 0 {
-                break;
-            }
-            x.1 = x.1.min(left);
-            left -= x.1;
-            keep += 1;
-        }
-        r.truncate(keep);
-        Ok(r)
+        self.map.chunk_ranges_cut(blocks, len)
     }
 
     /// Queues a gather of `chunks` — each `(ranges, offset in the lease)` — from the

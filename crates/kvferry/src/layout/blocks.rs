@@ -148,6 +148,13 @@ impl BlockMap {
         Ok(out)
     }
 
+    /// Memory ranges of a chunk made of `blocks`, cut to its first `len` bytes.
+    pub fn chunk_ranges_cut(&self, blocks: &[u32], len: usize) -> Result<Vec<(usize, usize)>, LayoutError> {
+        let mut r = self.chunk_ranges(blocks)?;
+        cut_ranges(&mut r, len);
+        Ok(r)
+    }
+
     /// Checks a list of block ids for one transfer: non-empty, in range, no repeats
     /// (a repeated block would be written twice at once).
     pub fn check_blocks(&self, blocks: &[u32]) -> Result<(), LayoutError> {
@@ -167,6 +174,21 @@ impl BlockMap {
         }
         Ok(())
     }
+}
+
+/// Cuts a range list down to its first `len` bytes.
+pub fn cut_ranges(ranges: &mut Vec<(usize, usize)>, len: usize) {
+    let mut left = len;
+    let mut keep = 0;
+    for r in ranges.iter_mut() {
+        if left == 0 {
+            break;
+        }
+        r.1 = r.1.min(left);
+        left -= r.1;
+        keep += 1;
+    }
+    ranges.truncate(keep);
 }
 
 #[cfg(test)]

@@ -118,19 +118,7 @@ impl KvCache {
 
     /// Memory ranges of a chunk made of `blocks`, cut to its first `len` bytes.
     pub fn chunk_ranges(&self, blocks: &[u32], len: usize) -> Result<Vec<(usize, usize)>, LayoutError> {
-        let mut r = self.map.chunk_ranges(blocks)?;
-        let mut left = len;
-        let mut keep = 0;
-        for x in r.iter_mut() {
-            if left == 0 {
-                break;
-            }
-            x.1 = x.1.min(left);
-            left -= x.1;
-            keep += 1;
-        }
-        r.truncate(keep);
-        Ok(r)
+        self.map.chunk_ranges_cut(blocks, len)
     }
 
     /// The crc32c of `ranges`' bytes, in order, read in place.

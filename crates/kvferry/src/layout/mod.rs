@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 mod blocks;
 mod kv_cache;
 
-pub use blocks::{BlockMap, Span};
+pub use blocks::{cut_ranges, BlockMap, Span};
 pub use kv_cache::KvCache;
 
 /// Errors from layouts.

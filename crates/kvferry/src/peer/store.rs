@@ -326,17 +326,7 @@ fn release_locked(st: &mut State, e: Entry) {
 
 /// Cuts a range list down to its first `len` bytes.
 pub(crate) fn truncate_ranges(ranges: &mut Vec<(usize, usize)>, len: usize) {
-    let mut left = len;
-    let mut keep = 0;
-    for r in ranges.iter_mut() {
-        if left == 0 {
-            break;
-        }
-        r.1 = r.1.min(left);
-        left -= r.1;
-        keep += 1;
-    }
-    ranges.truncate(keep);
+    crate::layout::cut_ranges(ranges, len)
 }
 
 #[cfg(test)]
