@@ -173,28 +173,39 @@ impl DeviceKvCache {
         self.map.chunk_ranges_cut(blocks, len)
     }
 
-    /// Queues a gather of `chunks` — each `(ranges, offset in the lease)` — from the
-    /// device into `dst` on the cache's copy stream.
-    pub fn gather(
-        &self,
-        chunks: &[(Vec<(usize, usize)>, usize)],
-        dst: Lease,
-        op: &str,
-    ) -> Result<PendingCopy, DeviceError> {
-        let mut segments = Vec::new();
+    /// Pairs each lease offset with the device range it maps to: `chunks` are
+    /// `(offset in the lease, ranges in the cache)`, ranges cut at buffer boundaries.
+    fn pairs(&self, chunks: &[(usize, Vec<(usize, usize)>)]) -> Result<Vec<(usize, DeviceSlice)>, DeviceError> {
+        let mut out = Vec::new();
         let mut slices = Vec::new();
-        for (ranges, at) in chunks {
+        for (at, ranges) in chunks {
             let mut at = *at;
             for &(off, len) in ranges {
                 slices.clear();
                 self.slices(off, len, &mut slices)?;
                 for s in slices.drain(..) {
                     let n = s.len;
-                    segments.push(GatherSegment { src: s, dst_offset: at });
+                    out.push((at, s));
                     at += n;
                 }
             }
         }
+        Ok(out)
+    }
+
+    /// Queues a gather of `chunks` — each `(offset in the lease, ranges)` — from the
+    /// device into `dst` on the cache's copy stream.
+    pub fn gather(
+        &self,
+        chunks: &[(usize, Vec<(usize, usize)>)],
+        dst: Lease,
+        op: &str,
+    ) -> Result<PendingCopy, DeviceError> {
+        let segments: Vec<GatherSegment> = self
+            .pairs(chunks)?
+            .into_iter()
+            .map(|(dst_offset, src)| GatherSegment { src, dst_offset })
+            .collect();
         self.stream.copy_d2h_gather(&segments, dst, op)
     }
 
@@ -206,20 +217,11 @@ impl DeviceKvCache {
         chunks: &[(usize, Vec<(usize, usize)>)],
         op: &str,
     ) -> Result<PendingCopy, DeviceError> {
-        let mut segments = Vec::new();
-        let mut slices = Vec::new();
-        for (at, ranges) in chunks {
-            let mut at = *at;
-            for &(off, len) in ranges {
-                slices.clear();
-                self.slices(off, len, &mut slices)?;
-                for s in slices.drain(..) {
-                    let n = s.len;
-                    segments.push(ScatterSegment { src_offset: at, dst: s });
-                    at += n;
-                }
-            }
-        }
+        let segments: Vec<ScatterSegment> = self
+            .pairs(chunks)?
+            .into_iter()
+            .map(|(src_offset, dst)| ScatterSegment { src_offset, dst })
+            .collect();
         self.stream.copy_h2d_scatter(src, &segments, op)
     }
 }

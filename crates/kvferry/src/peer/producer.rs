@@ -677,7 +677,7 @@ impl Producer {
         let mut at = 0;
         for p in pubs {
             offsets.push(at);
-            plan.push((p.ranges.clone(), at));
+            plan.push((at, p.ranges.clone()));
             at += p.len;
         }
         let device_err = |error| PeerError::Device {
