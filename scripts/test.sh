@@ -4,6 +4,11 @@
 # $KVFERRY_VENV), installs maturin, pytest and numpy into it, builds the Python
 # package from source, then runs `cargo test --workspace` and pytest.
 #
+# Tests build with the release profile, like the README's first command
+# (`cargo run --release -- bench`), so the two commands compile the workspace once, not
+# twice; kvferry's own debug assertions stay on in that profile (Cargo.toml).
+# KVFERRY_TEST_PROFILE=dev runs them in the dev profile instead.
+#
 #   ./scripts/test.sh                 # everything
 #   ./scripts/test.sh -- --nocapture  # extra arguments go to cargo test
 #   KVFERRY_PYTEST_ARGS="-k readme" ./scripts/test.sh
@@ -18,11 +23,14 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "numpy>=1.24"
 
-echo "== rust tests"
-cargo test --workspace "$@"
+profile_flag=--release
+[ "${KVFERRY_TEST_PROFILE:-release}" = "dev" ] && profile_flag=
 
-echo "== python package (maturin develop)"
-(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q)
+echo "== rust tests"
+cargo test --workspace $profile_flag "$@"
+
+echo "== python package (maturin develop $profile_flag)"
+(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag)
 
 echo "== python tests"
 # shellcheck disable=SC2086
