@@ -3,7 +3,8 @@
 //! `serve` start-up line, chunks over the server's `--max-bulk` or the client's
 //! `--max-blocks`, `--secret-file` on `put`/`get`, unknown presets and bad `chaos` flags
 //! (status 2), `chaos --seed`'s help, the bench's summary and sweep, logs without
-//! colour codes when stderr is not a terminal, and the unpinned-staging note (once).
+//! colour codes when stderr is not a terminal, the unpinned-staging note (once), and a
+//! wrong secret (explained to the client, logged and counted by the server).
 //!
 //! Every test runs the real binary with the exact command line.
 
@@ -526,4 +527,93 @@ fn bench_sweep_json_keeps_its_fields_and_adds_staging() {
     ] {
         assert!(p.get(k).is_some(), "missing {k}: {p:#}");
     }
+}
+
+/// A free loopback port (bound, then released) for `--metrics`.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `GET path` over plain HTTP/1.1; the body.
+fn http_body(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to metrics");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_wrong_secret_is_explained_on_both_sides_and_counted() {
+    let dir = temp_dir("wrong-secret");
+    let (secret, wrong, log) = (dir.join("secret"), dir.join("wrong"), dir.join("serve.log"));
+    std::fs::write(&secret, "c2VjcmV0LWZvci1rdmZlcnJ5LWNsaS10ZXN0cy0xMjM0\n").unwrap();
+    std::fs::write(&wrong, "d3JvbmctZm9yLWt2ZmVycnktY2xpLXRlc3RzLTU2Nzg5\n").unwrap();
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let mut child = Command::new(EXE)
+        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--arena", "4MiB"])
+        .args(["--page-size", "64KiB", "--copy-threads", "1", "--metrics", &metrics])
+        .arg("--secret-file")
+        .arg(&secret)
+        .env_remove("KVFERRY_SECRET")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn kvferry serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .strip_prefix("kvferry serve: listening on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .to_string();
+    let s = Serve { child, addr };
+
+    let out = Command::new(EXE)
+        .args([
+            "get",
+            "--peer",
+            &s.addr,
+            "--key",
+            "k",
+            "--model",
+            "tiny",
+            "--secret-file",
+        ])
+        .arg(&wrong)
+        .env_remove("KVFERRY_SECRET")
+        .output()
+        .unwrap();
+    // The client: status 1 and the reason, not a generic I/O error.
+    expect_failure(&out, 1, &["authentication failed", "secret"]);
+
+    // The server: a warning naming the failure and where it came from, and the counter.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let logged = std::fs::read_to_string(&log).unwrap_or_default();
+        let body = http_body(&metrics, "/metrics");
+        let counted = body
+            .lines()
+            .find(|l| l.starts_with("kvferry_auth_failures_total"))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok());
+        if logged.contains("authentication failed from 127.0.0.1") && counted == Some(1.0) {
+            assert!(!logged.contains('\u{1b}'), "colour codes in a log file: {logged:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server log: {logged:?}; auth failures counted: {counted:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(s);
+    std::fs::remove_dir_all(dir).unwrap();
 }
