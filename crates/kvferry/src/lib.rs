@@ -15,6 +15,7 @@
 //! memory under a live writer, and no `Drop` ever blocks.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
 pub mod cluster;
