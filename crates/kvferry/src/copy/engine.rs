@@ -65,12 +65,12 @@ impl SliceWork<'_> {
                 let bytes = unsafe { std::slice::from_raw_parts(p.dst as *const u8, p.len) };
                 match &mut run {
                     Some(r) if r.group == p.group => {
-                        r.crc = crate::wire::crc::append(r.crc, bytes);
+                        r.crc = crate::checksum::append(r.crc, bytes);
                         r.len += p.len;
                     }
                     _ => {
                         out.extend(run.take());
-                        let crc = crate::wire::crc::checksum(bytes);
+                        let crc = crate::checksum::checksum(bytes);
                         run = Some(Partial {
                             first_piece: self.first_piece + i,
                             group: p.group,

@@ -703,7 +703,7 @@ impl Producer {
         for (p, &off) in pubs.iter().zip(&offsets) {
             let mut crc = 0u32;
             for s in lease.io_slices(off, p.len)? {
-                crc = crate::wire::crc::append(crc, s);
+                crc = crate::checksum::append(crc, s);
             }
             chunks.push(ChunkMeta {
                 key: p.key,
