@@ -421,7 +421,10 @@ async fn read_hello(mut stream: UnixStream, deadline: Instant) -> Result<(u32, u
     let read = wire::read_control::<_, ToLeader>(&mut stream, &limits);
     match tokio::time::timeout_at(deadline, read).await {
         Ok(Ok((_, ToLeader::Hello { rank, pid }))) => Ok((rank, pid, stream)),
-        Ok(Ok((_, other))) => Err(ClusterError::Protocol(format!("expected hello, got {other:?}"))),
+        Ok(Ok((_, other))) => Err(ClusterError::Unexpected {
+            expected: "Hello",
+            got: other.name(),
+        }),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err(ClusterError::Protocol("no hello before the start-up deadline".into())),
     }
