@@ -456,7 +456,7 @@ async fn read_loop(shared: Arc<Shared>, rank: u32, mut rd: OwnedReadHalf) {
                 shared.settle(&mut st, Instant::now());
             }
             Ok((_, other)) => {
-                tracing::warn!(target: "kvferry::cluster", rank, "ignoring unexpected message {other:?}");
+                tracing::warn!(target: "kvferry::cluster", rank, "ignoring unexpected message {}", other.name());
             }
             Err(WireError::Closed) => break "connection closed".to_string(),
             Err(e) => break format!("connection failed: {e}"),
