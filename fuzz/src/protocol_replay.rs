@@ -34,7 +34,12 @@ fn main() {
         let data = std::fs::read(f).unwrap_or_else(|e| panic!("reading {}: {e}", f.display()));
         let t = std::time::Instant::now();
         protocol_input::run(&data);
-        println!("ok  {} ({} ops, {:?})", f.display(), protocol_input::ops(&data).len(), t.elapsed());
+        println!(
+            "ok  {} ({} ops, {:?})",
+            f.display(),
+            protocol_input::ops(&data).len(),
+            t.elapsed()
+        );
     }
     println!("{} inputs replayed, all accounted", files.len());
 }
