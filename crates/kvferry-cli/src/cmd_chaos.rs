@@ -21,14 +21,20 @@
 //! `--seed` fixes the fault schedule (which transfer does what, which producer is
 //! killed when, the data); timing-dependent outcomes still vary from run to run.
 
+#[path = "cmd_chaos/blocking_pool.rs"]
+mod blocking_pool;
 #[path = "cmd_chaos/device.rs"]
 mod device;
 #[path = "cmd_chaos/device_link.rs"]
 mod device_link;
 #[path = "cmd_chaos/driver.rs"]
 mod driver;
+#[path = "cmd_chaos/faults.rs"]
+mod faults;
 #[path = "cmd_chaos/ledger.rs"]
 mod ledger;
+#[path = "cmd_chaos/plan.rs"]
+mod plan;
 #[path = "cmd_chaos/producers.rs"]
 mod producers;
 #[path = "cmd_chaos/workload.rs"]
@@ -50,8 +56,11 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::util::{parse_timeout, usage};
-use driver::{BlockingPool, Ctx, FlakyBody, Plan};
+use blocking_pool::BlockingPool;
+use driver::Ctx;
+use faults::FlakyBody;
 use ledger::{ArenaReport, EndState, Summary};
+use plan::Plan;
 use producers::{ChildLog, Producer, Spec};
 use workload::{mix, Slots, Workload};
 

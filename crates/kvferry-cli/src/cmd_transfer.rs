@@ -191,7 +191,7 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         None => println!(
             "got {} bytes, crc32c {:#010x}",
             bytes.len(),
-            kvferry::wire::crc::checksum(&bytes)
+            kvferry::checksum::checksum(&bytes)
         ),
     }
     Ok(())

@@ -6,6 +6,7 @@
 //!
 //! Layers, bottom up (see `docs/architecture.md`):
 //!
+//! - [`checksum`]: crc32c, computed and combined; a leaf every layer may use.
 //! - [`mem`]: the staging arena, its pages and leases, and registered regions.
 //! - [`copy`]: dedicated copy threads executing [`copy::CopyPlan`]s; a cancelled or
 //!   failed copy releases nothing until every started slice has stopped.
@@ -15,8 +16,10 @@
 //! memory under a live writer, and no `Drop` ever blocks.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod checksum;
 pub mod cluster;
 pub mod copy;
 pub mod device;

@@ -1,16 +1,20 @@
 //! The CUDA backend. Built with `--features cuda`; every test that needs a GPU prints
 //! "skipped: no CUDA device" and returns where there is none (no driver library, no
 //! GPU) — opening a device there must be a clean `NoDevice` error, never a panic.
+//! The generic device suite (`common/device_suite.rs`) runs here with pinned arenas,
+//! plus what only CUDA has: pinned backing, the async-output gather.
 #![cfg(feature = "cuda")]
+
+#[path = "common/device_suite.rs"]
+mod device_suite;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry::device::{
-    cuda_device_count, cuda_pinned_arena, cuda_pinned_backing, AsyncOutput, CudaDevice, Device, DeviceError, Event,
+    cuda_device_count, cuda_pinned_arena, cuda_pinned_backing, AsyncOutput, CudaDevice, Device, DeviceError,
 };
 use kvferry::mem::{Arena, ArenaConfig, BackingKind};
-use tokio::time::Instant;
 
 fn open() -> Option<Arc<CudaDevice>> {
     match CudaDevice::open(0, 0) {
@@ -23,9 +27,18 @@ fn open() -> Option<Arc<CudaDevice>> {
     }
 }
 
-fn far() -> Instant {
-    Instant::now() + Duration::from_secs(60)
+/// A second handle (another rank) on the same GPU: its buffers are foreign to `open()`'s.
+fn other() -> Option<Arc<CudaDevice>> {
+    CudaDevice::open(0, 1).ok()
 }
+
+fn arena(dev: &Arc<CudaDevice>, page: usize, pages: usize) -> Arena {
+    let a = cuda_pinned_arena(dev, page, pages).unwrap();
+    assert_eq!(a.backing_kind(), BackingKind::CudaHost);
+    a
+}
+
+device_suite::device_suite!();
 
 #[test]
 fn no_device_is_a_clean_error() {
@@ -40,35 +53,6 @@ fn no_device_is_a_clean_error() {
             eprintln!("skipped: no CUDA device ({e})");
         }
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn d2h_and_h2d_round_trip_through_pinned_pages() {
-    let Some(dev) = open() else { return };
-    let len = 8 << 20;
-    let arena = cuda_pinned_arena(&dev, 2 << 20, 8).unwrap();
-    assert_eq!(arena.backing_kind(), BackingKind::CudaHost);
-    let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
-    let src = dev.alloc(len).unwrap();
-    src.write(0, &data).unwrap();
-    let s = dev.create_stream("copy").unwrap();
-    let lease = s
-        .copy_d2h(&src, 0, arena.try_alloc(4).unwrap(), 0, len, "d2h")
-        .unwrap()
-        .wait(far())
-        .await
-        .unwrap();
-    assert_eq!(lease.to_vec(0, len).unwrap(), data);
-    let dst = dev.alloc(len).unwrap();
-    let lease = s
-        .copy_h2d(lease, 0, &dst, 0, len, "h2d")
-        .unwrap()
-        .wait(far())
-        .await
-        .unwrap();
-    assert_eq!(dst.to_vec(0, len).unwrap(), data);
-    drop(lease);
-    assert_eq!(arena.stats().free_pages, 8);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -94,54 +78,6 @@ async fn unpinned_arena_and_gathered_async_output() {
     let bytes = out.get_for(Duration::from_secs(30)).await.unwrap();
     assert_eq!(bytes.part(0).unwrap(), vec![1; 3000]);
     assert_eq!(bytes.part(1).unwrap(), vec![2; 5000]);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn events_wait_bounded_and_blocking() {
-    let Some(dev) = open() else { return };
-    let s = dev.create_stream("s").unwrap();
-    let e1 = s.record("r1").unwrap();
-    let e2 = s.record("r2").unwrap();
-    assert_ne!(e1.id(), e2.id(), "fresh event per operation");
-    e1.wait(far()).await.unwrap();
-    let e2b = e2.clone();
-    tokio::task::spawn_blocking(move || e2b.wait_blocking(std::time::Instant::now() + Duration::from_secs(60)))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(matches!(
-        e1.wait_for(Duration::ZERO).await,
-        Err(DeviceError::InvalidArgument(_))
-    ));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn host_gate_holds_a_stream_bounded_wait_then_late_release() {
-    let Some(dev) = open() else { return };
-    let arena = Arena::new(ArenaConfig::new(4096, 2).unpinned()).unwrap();
-    let buf = dev.alloc(4096).unwrap();
-    buf.write(0, &[0x77; 4096]).unwrap();
-    let s = dev.create_stream("gated").unwrap();
-    let (gate, trigger) = Event::manual("host gate", 0);
-    s.wait_event(&gate).unwrap();
-    let p = s
-        .copy_d2h(&buf, 0, arena.try_alloc(1).unwrap(), 0, 4096, "gated d2h")
-        .unwrap();
-    let ev = p.event().clone();
-    let err = p.wait(Instant::now() + Duration::from_millis(100)).await.unwrap_err();
-    assert!(
-        matches!(&err, DeviceError::Timeout { op, rank: 0, .. } if op == "gated d2h"),
-        "{err}"
-    );
-    assert_eq!(arena.stats().quarantined_pages, 1);
-    trigger.complete();
-    ev.wait(far()).await.unwrap();
-    // The reaper thread releases the pages shortly after it sees the completion.
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    while arena.stats().quarantined_pages > 0 && std::time::Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert_eq!(arena.stats().free_pages, 2);
 }
 
 #[test]

@@ -1,6 +1,10 @@
 //! The sim backend under fault injection, on tokio's paused clock (timing is exact, no
 //! test sleeps in real time): bounded waits, quarantine and late release, failing
-//! copies, stalled streams, bandwidth, deadlines measured from submission.
+//! copies, stalled streams, bandwidth, deadlines measured from submission. The generic
+//! device suite (`common/device_suite.rs`) also runs here, in real time.
+
+#[path = "common/device_suite.rs"]
+mod device_suite;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +38,28 @@ fn filled(dev: &Arc<SimDevice>, len: usize, seed: u8) -> DeviceBuffer {
 
 fn stream(dev: &Arc<SimDevice>, name: &str) -> Stream {
     dev.create_stream(name).unwrap()
+}
+
+fn open() -> Option<Arc<SimDevice>> {
+    Some(SimDevice::new(SimConfig::new(0)).unwrap())
+}
+
+fn other() -> Option<Arc<SimDevice>> {
+    Some(SimDevice::new(SimConfig::new(1)).unwrap())
+}
+
+fn arena_of(_: &Arc<SimDevice>, page: usize, pages: usize) -> Arena {
+    Arena::new(ArenaConfig::new(page, pages).unpinned()).unwrap()
+}
+
+mod suite {
+    use super::*;
+
+    fn arena(dev: &Arc<SimDevice>, page: usize, pages: usize) -> Arena {
+        arena_of(dev, page, pages)
+    }
+
+    crate::device_suite::device_suite!();
 }
 
 #[tokio::test(start_paused = true)]
@@ -265,47 +291,6 @@ async fn deadline_is_measured_from_the_operation_submission() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn zero_timeout_is_invalid_and_past_deadline_times_out_at_once() {
-    let dev = SimDevice::new(SimConfig::new(0).with_latency(Duration::from_millis(10))).unwrap();
-    let a = arena(2);
-    let buf = filled(&dev, PAGE, 8);
-    let s = stream(&dev, "copy");
-    let p = s.copy_d2h(&buf, 0, a.try_alloc(1).unwrap(), 0, PAGE, "zero").unwrap();
-    let ev = p.event().clone();
-    assert!(matches!(
-        ev.wait_for(Duration::ZERO).await,
-        Err(DeviceError::InvalidArgument(_))
-    ));
-    let t0 = Instant::now();
-    assert!(matches!(ev.wait(t0).await, Err(DeviceError::Timeout { .. })));
-    assert_eq!(t0.elapsed(), Duration::ZERO);
-    // The handle itself is still good.
-    p.wait(Instant::now() + Duration::from_secs(1)).await.unwrap();
-    // Once complete, even a past deadline reports the completion.
-    ev.wait(t0).await.unwrap();
-}
-
-#[tokio::test(start_paused = true)]
-async fn every_operation_gets_a_fresh_event() {
-    let dev = SimDevice::new(SimConfig::new(0)).unwrap();
-    let a = arena(4);
-    let buf = filled(&dev, PAGE, 9);
-    let s = stream(&dev, "copy");
-    let mut ids = Vec::new();
-    let mut lease = a.try_alloc(1).unwrap();
-    for i in 0..4 {
-        let p = s.copy_d2h(&buf, 0, lease, 0, PAGE, &format!("op {i}")).unwrap();
-        ids.push(p.event().id());
-        ids.push(s.record(&format!("rec {i}")).unwrap().id());
-        lease = p.wait(Instant::now() + Duration::from_secs(1)).await.unwrap();
-    }
-    let mut unique = ids.clone();
-    unique.sort();
-    unique.dedup();
-    assert_eq!(unique.len(), ids.len(), "{ids:?}");
-}
-
-#[tokio::test(start_paused = true)]
 async fn dropped_wait_quarantines_until_the_device_completes() {
     let dev = SimDevice::new(SimConfig::new(4).with_fault(Fault::NeverComplete, Trigger::Next)).unwrap();
     let a = arena(2);
@@ -374,45 +359,6 @@ async fn h2d_lands_bytes_and_stream_waits_order_work() {
     assert_eq!(dst.to_vec(0, PAGE).unwrap(), vec![0x5A; PAGE]);
     drop(lease);
     assert_eq!(a.stats().free_pages, 2);
-}
-
-#[tokio::test(start_paused = true)]
-async fn invalid_submissions_are_typed_and_return_the_lease() {
-    let dev = SimDevice::new(SimConfig::new(0)).unwrap();
-    let other = SimDevice::new(SimConfig::new(1)).unwrap();
-    let a = arena(2);
-    let buf = filled(&dev, PAGE, 11);
-    let foreign = filled(&other, PAGE, 12);
-    let s = stream(&dev, "copy");
-    let cases = [
-        s.copy_d2h(&buf, 1, a.try_alloc(1).unwrap(), 0, PAGE, "src oob")
-            .map(drop),
-        s.copy_d2h(&buf, 0, a.try_alloc(1).unwrap(), 1, PAGE, "dst oob")
-            .map(drop),
-        s.copy_d2h(&foreign, 0, a.try_alloc(1).unwrap(), 0, PAGE, "foreign")
-            .map(drop),
-        s.copy_h2d(a.try_alloc(1).unwrap(), 0, &buf, usize::MAX, 2, "overflow")
-            .map(drop),
-        s.copy_d2h_gather(
-            &[
-                kvferry::device::GatherSegment {
-                    src: buf.slice(0, 100),
-                    dst_offset: 0,
-                },
-                kvferry::device::GatherSegment {
-                    src: buf.slice(0, 100),
-                    dst_offset: 50,
-                },
-            ],
-            a.try_alloc(1).unwrap(),
-            "overlap",
-        )
-        .map(drop),
-    ];
-    for c in cases {
-        assert!(matches!(c, Err(DeviceError::InvalidArgument(_))), "{c:?}");
-    }
-    assert_eq!(a.stats().free_pages, 2, "rejected submissions return their leases");
 }
 
 #[test]

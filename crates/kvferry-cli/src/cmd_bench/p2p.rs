@@ -578,7 +578,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         let p = &producers[r % args.producers];
         for (c, e) in exp.iter_mut().enumerate() {
             let bytes = pattern(r, c, chunk_bytes);
-            *e = kvferry::wire::crc::checksum(&bytes);
+            *e = kvferry::checksum::checksum(&bytes);
             if staged {
                 p.put(key(r, c), &bytes)
                     .with_context(|| format!("filling request {r}"))?;
@@ -726,10 +726,10 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
                     let mut crc = 0u32;
                     for (off, len) in &ranges {
                         let piece = match &device_dst {
-                            Some(_) => kvferry::wire::crc::checksum(&read(*off, *len)),
+                            Some(_) => kvferry::checksum::checksum(&read(*off, *len)),
                             None => region.checksum(*off, *len).expect("in range"),
                         };
-                        crc = kvferry::wire::crc::combine(crc, piece, *len);
+                        crc = kvferry::checksum::combine(crc, piece, *len);
                     }
                     if crc != expected[r][c] {
                         let want = pattern(r, c, chunk_bytes);

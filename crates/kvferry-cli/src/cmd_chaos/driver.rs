@@ -1,6 +1,6 @@
-//! The transfers: each is drawn from the seed (kind, producer, request set, deadline,
-//! when its caller gives up), run against the consumer, timed against its deadline and
-//! verified byte for byte once its destination is quiet.
+//! The transfers: each [`Plan`] (drawn from the seed, see `plan.rs`) is run against
+//! the consumer, timed against its deadline and verified byte for byte once its
+//! destination is quiet.
 //!
 //! Kinds:
 //!
@@ -14,283 +14,32 @@
 //!   dropped at a random point — or release the lease, or abandon it to its TTL);
 //! - `offload`: a D2H copy on the sim device (see `device.rs`).
 //!
-//! Faults injected around them: slice failures in the consumer's copy engine
-//! ([`FlakyBody`]), consumer staging arena hogs ([`hog`]); the producers inject wire
-//! corruption, slow sends and connection resets, and are SIGKILLed (see the command).
+//! Faults injected around them: see `faults.rs` (slice failures in the consumer's copy
+//! engine, staging arena hogs); the producers inject wire corruption, slow sends and
+//! connection resets, and are SIGKILLed (see the command).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvferry::copy::{CopyBody, SliceWork};
 use kvferry::peer::{Consumer, GetFailure, Landed};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::device::{OffloadPlan, SimRig};
-use super::device_link::{DeviceLink, LinkPlan};
+use super::blocking_pool::BlockingPool;
+use super::device::SimRig;
+use super::device_link::DeviceLink;
+use super::faults::hog;
 use super::ledger::{Ledger, Outcome};
-use super::workload::{mix, Check, Dest, Set, Slots, Workload};
+use super::plan::{Kind, Plan, PullMode, GENEROUS};
+use super::workload::{Check, Dest, Set, Slots, Workload};
 use super::Sabotage;
 
-/// A deadline that is not meant to expire.
-const GENEROUS: Duration = Duration::from_secs(2);
 /// How long a failed transfer's fence may take before it counts as stuck.
 const DRAIN_BOUND: Duration = Duration::from_secs(10);
 /// How soon a transfer in flight when its producer is killed must fail.
 const PROMPT: Duration = Duration::from_millis(500);
 /// How long a transfer may wait for a free destination slot.
 const SLOT_WAIT: Duration = Duration::from_secs(30);
-
-/// The consumer's copy body: a memcpy that fails a slice at a given rate, half the
-/// time after writing its bytes and half the time before.
-pub struct FlakyBody {
-    ppm: u64,
-    injected: AtomicU64,
-    rng: Mutex<StdRng>,
-}
-
-impl FlakyBody {
-    /// Fails `ppm` slices per million.
-    pub fn new(seed: u64, ppm: u64) -> FlakyBody {
-        FlakyBody {
-            ppm,
-            injected: AtomicU64::new(0),
-            rng: Mutex::new(StdRng::seed_from_u64(seed)),
-        }
-    }
-
-    /// Slices failed so far.
-    pub fn injected(&self) -> u64 {
-        self.injected.load(Ordering::Relaxed)
-    }
-}
-
-impl CopyBody for FlakyBody {
-    fn run(&self, work: &SliceWork<'_>) -> Result<(), String> {
-        if self.ppm > 0 {
-            let roll = self.rng.lock().unwrap().gen_range(0..1_000_000u64);
-            if roll < self.ppm {
-                self.injected.fetch_add(1, Ordering::Relaxed);
-                if roll % 2 == 0 {
-                    work.copy();
-                }
-                return Err("injected slice failure".into());
-            }
-        }
-        work.copy();
-        Ok(())
-    }
-}
-
-/// Work for a [`BlockingPool`] thread.
-type Job = Box<dyn FnOnce() + Send>;
-
-/// Plain threads for `get_blocking` (which refuses to run inside the runtime).
-pub struct BlockingPool {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
-    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
-}
-
-impl BlockingPool {
-    /// `n` threads.
-    pub fn new(n: usize) -> BlockingPool {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
-        let threads = (0..n)
-            .map(|i| {
-                let rx = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("chaos-blocking-{i}"))
-                    .spawn(move || loop {
-                        let job = rx.lock().unwrap().recv();
-                        match job {
-                            Ok(job) => job(),
-                            Err(_) => return,
-                        }
-                    })
-                    .expect("spawn a blocking thread")
-            })
-            .collect();
-        BlockingPool {
-            tx: Mutex::new(Some(tx)),
-            threads: Mutex::new(threads),
-        }
-    }
-
-    /// Runs `f` on a pool thread; `None` if the pool is shut down or `f` panicked.
-    pub async fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || {
-            let _ = tx.send(f());
-        });
-        self.tx.lock().unwrap().as_ref()?.send(job).ok()?;
-        rx.await.ok()
-    }
-
-    /// Stops the threads once their queue is empty.
-    pub fn shutdown(&self) {
-        self.tx.lock().unwrap().take();
-        for t in self.threads.lock().unwrap().drain(..) {
-            let _ = t.join();
-        }
-    }
-}
-
-/// Delayed-pull variants.
-#[derive(Clone, Copy, Debug)]
-pub enum PullMode {
-    /// Resolve with a generous deadline.
-    Resolve,
-    /// Resolve with a short deadline.
-    ResolveShort,
-    /// Resolve, and drop the future at a random point.
-    ResolveDrop,
-    /// Release the lease without pulling.
-    Release,
-    /// Forget the handle: the producer's TTL must release the pages.
-    Abandon,
-}
-
-/// What a transfer does.
-#[derive(Clone, Copy, Debug)]
-pub enum Kind {
-    /// Eager get, generous deadline.
-    Get,
-    /// Eager get, short deadline.
-    GetShort,
-    /// Eager get dropped by its caller.
-    GetDrop,
-    /// `get_blocking`, generous timeout.
-    Blocking,
-    /// `get_blocking`, short timeout.
-    BlockingShort,
-    /// Stage, then something.
-    Pull(PullMode),
-    /// A sim-device D2H copy.
-    Offload(OffloadPlan),
-    /// Device KV → peer → device KV, with device faults on either side.
-    DeviceTransfer(LinkPlan),
-}
-
-/// One transfer, drawn from the seed.
-#[derive(Clone, Copy, Debug)]
-pub struct Plan {
-    /// Its number.
-    pub index: u64,
-    /// The producer asked.
-    pub producer: usize,
-    /// The request set asked for.
-    pub set: usize,
-    /// What it does.
-    pub kind: Kind,
-    /// Its deadline (from the call).
-    pub deadline: Duration,
-    /// When a dropping caller gives up.
-    pub drop_after: Duration,
-    /// Hog this fraction of the consumer's free staging pages for this long, first.
-    pub hog: Option<(f64, Duration)>,
-}
-
-fn short(rng: &mut StdRng) -> Duration {
-    if rng.gen_bool(0.7) {
-        Duration::from_micros(rng.gen_range(300..=3_000))
-    } else {
-        Duration::from_millis(rng.gen_range(5..=40))
-    }
-}
-
-fn pick<T: Copy>(rng: &mut StdRng, options: &[(f64, T)]) -> T {
-    let total: f64 = options.iter().map(|o| o.0).sum();
-    let mut x = rng.gen_range(0.0..total);
-    for (w, t) in options {
-        if x < *w {
-            return *t;
-        }
-        x -= w;
-    }
-    options.last().expect("options").1
-}
-
-impl Plan {
-    /// Transfer `index` of the run seeded with `seed`; `rate` scales every fault.
-    pub fn draw(seed: u64, index: u64, producers: usize, sets: usize, rate: f64) -> Plan {
-        let mut rng = StdRng::seed_from_u64(mix(seed, &[2, index]));
-        let producer = rng.gen_range(0..producers);
-        let set = rng.gen_range(0..sets);
-        #[derive(Clone, Copy)]
-        enum K {
-            Get,
-            GetShort,
-            GetDrop,
-            Blocking,
-            BlockingShort,
-            Pull,
-            Offload,
-            DeviceTransfer,
-        }
-        let k = pick(
-            &mut rng,
-            &[
-                (30.0, K::Get),
-                (15.0 * rate, K::GetShort),
-                (12.0 * rate, K::GetDrop),
-                (12.0, K::Blocking),
-                (6.0 * rate, K::BlockingShort),
-                (15.0, K::Pull),
-                (8.0, K::Offload),
-                (10.0, K::DeviceTransfer),
-            ],
-        );
-        let mut deadline = GENEROUS;
-        let kind = match k {
-            K::Get => Kind::Get,
-            K::GetShort => {
-                deadline = short(&mut rng);
-                Kind::GetShort
-            }
-            K::GetDrop => Kind::GetDrop,
-            K::Blocking => Kind::Blocking,
-            K::BlockingShort => {
-                deadline = short(&mut rng);
-                Kind::BlockingShort
-            }
-            K::Pull => {
-                let mode = pick(
-                    &mut rng,
-                    &[
-                        (70.0, PullMode::Resolve),
-                        (10.0 * rate, PullMode::ResolveShort),
-                        (10.0 * rate, PullMode::ResolveDrop),
-                        (7.0, PullMode::Release),
-                        (3.0 * rate, PullMode::Abandon),
-                    ],
-                );
-                if let PullMode::ResolveShort = mode {
-                    deadline = short(&mut rng);
-                }
-                Kind::Pull(mode)
-            }
-            K::Offload => Kind::Offload(SimRig::plan(&mut rng, rate)),
-            K::DeviceTransfer => Kind::DeviceTransfer(DeviceLink::plan(&mut rng, rate)),
-        };
-        let drop_after = Duration::from_micros(rng.gen_range(0..=5_000));
-        let hog = rng
-            .gen_bool((0.01 * rate).min(1.0))
-            .then(|| (rng.gen_range(0.6..=1.0), Duration::from_millis(rng.gen_range(10..=60))));
-        Plan {
-            index,
-            producer,
-            set,
-            kind,
-            deadline,
-            drop_after,
-            hog,
-        }
-    }
-}
 
 /// A dropped transfer's private destination, checked once the library let go of it.
 struct Limbo {
@@ -761,20 +510,5 @@ async fn pull(ctx: &Arc<Ctx>, plan: &Plan, mode: PullMode) {
             let fut = ctx.consumer.resolve(handle, dest.destination(set), deadline);
             dropped_or_settled(ctx, plan, dest, drop_at, deadline, fut, "pull-drop").await;
         }
-    }
-}
-
-/// Holds most of the consumer's free staging pages for a while: transfers meanwhile
-/// find the arena exhausted.
-async fn hog(ctx: &Ctx, fraction: f64, hold: Duration) {
-    let arena = ctx.consumer.arena();
-    let n = (arena.stats().free_pages as f64 * fraction) as usize;
-    if n == 0 {
-        return;
-    }
-    if let Ok(lease) = arena.try_alloc(n) {
-        ctx.ledger.fault("arena_hogs", 1);
-        tokio::time::sleep(hold).await;
-        drop(lease);
     }
 }

@@ -421,7 +421,10 @@ async fn read_hello(mut stream: UnixStream, deadline: Instant) -> Result<(u32, u
     let read = wire::read_control::<_, ToLeader>(&mut stream, &limits);
     match tokio::time::timeout_at(deadline, read).await {
         Ok(Ok((_, ToLeader::Hello { rank, pid }))) => Ok((rank, pid, stream)),
-        Ok(Ok((_, other))) => Err(ClusterError::Protocol(format!("expected hello, got {other:?}"))),
+        Ok(Ok((_, other))) => Err(ClusterError::Unexpected {
+            expected: "Hello",
+            got: other.name(),
+        }),
         Ok(Err(e)) => Err(e.into()),
         Err(_) => Err(ClusterError::Protocol("no hello before the start-up deadline".into())),
     }
@@ -453,7 +456,7 @@ async fn read_loop(shared: Arc<Shared>, rank: u32, mut rd: OwnedReadHalf) {
                 shared.settle(&mut st, Instant::now());
             }
             Ok((_, other)) => {
-                tracing::warn!(target: "kvferry::cluster", rank, "ignoring unexpected message {other:?}");
+                tracing::warn!(target: "kvferry::cluster", rank, "ignoring unexpected message {}", other.name());
             }
             Err(WireError::Closed) => break "connection closed".to_string(),
             Err(e) => break format!("connection failed: {e}"),

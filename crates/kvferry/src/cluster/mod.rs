@@ -135,6 +135,15 @@ pub enum ClusterError {
     /// The peer sent something the protocol does not allow.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The peer sent a message of the wrong kind (named, not dumped: a response may
+    /// carry a long failure report).
+    #[error("protocol error: expected {expected}, got {got}")]
+    Unexpected {
+        /// The message kind expected.
+        expected: &'static str,
+        /// The message kind received.
+        got: &'static str,
+    },
     /// Reading or writing a frame failed.
     #[error(transparent)]
     Wire(#[from] crate::wire::WireError),

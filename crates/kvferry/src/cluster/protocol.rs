@@ -207,3 +207,13 @@ pub enum ToLeader {
     /// The answer to the step whose id is the frame's request id.
     Response(StepOutcome),
 }
+
+impl ToLeader {
+    /// The variant's name, for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ToLeader::Hello { .. } => "Hello",
+            ToLeader::Response(_) => "Response",
+        }
+    }
+}

@@ -273,7 +273,7 @@ impl RankDevice {
             let bytes = lease
                 .to_vec(0, self.block_bytes)
                 .map_err(|e| self.failure(FailureKind::Memory, e.to_string()))?;
-            crc = crate::wire::crc::append(crc, &bytes);
+            crc = crate::checksum::append(crc, &bytes);
             staged.push((b, lease));
         }
         self.staged.lock().extend(staged);
@@ -331,7 +331,7 @@ impl RankDevice {
                 .landing
                 .to_vec(b as usize * self.block_bytes, self.block_bytes)
                 .map_err(|e| self.device_failure(e))?;
-            crc = crate::wire::crc::append(crc, &bytes);
+            crc = crate::checksum::append(crc, &bytes);
         }
         Ok(StepPayload::Landed {
             blocks: blocks.len() as u32,

@@ -65,12 +65,12 @@ impl SliceWork<'_> {
                 let bytes = unsafe { std::slice::from_raw_parts(p.dst as *const u8, p.len) };
                 match &mut run {
                     Some(r) if r.group == p.group => {
-                        r.crc = crate::wire::crc::append(r.crc, bytes);
+                        r.crc = crate::checksum::append(r.crc, bytes);
                         r.len += p.len;
                     }
                     _ => {
                         out.extend(run.take());
-                        let crc = crate::wire::crc::checksum(bytes);
+                        let crc = crate::checksum::checksum(bytes);
                         run = Some(Partial {
                             first_piece: self.first_piece + i,
                             group: p.group,
@@ -422,9 +422,12 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
             let (sp, sl) = src_runs[si];
             let (dp, dl) = dst_runs[di];
             let n = (sl - so).min(dl - doff).min(target);
-            // SAFETY (address arithmetic only): `so < sl`, `doff < dl`, in their runs.
+            // Address arithmetic only (nothing is read or written here).
             let piece = Piece {
+                // SAFETY: `so < sl`, so `sp + so` stays inside the source run of `sl`
+                // bytes that `for_each_run` reported as one allocation.
                 src: unsafe { sp.add(so) },
+                // SAFETY: `doff < dl`, so `dp + doff` stays inside the destination run.
                 dst: unsafe { dp.add(doff) },
                 len: n,
                 group,

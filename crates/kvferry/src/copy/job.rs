@@ -248,7 +248,7 @@ impl Future for CopyJob {
             let mut per_group = vec![0u32; job.groups];
             for p in parts {
                 let g = &mut per_group[p.group as usize];
-                *g = crate::wire::crc::combine(*g, p.crc, p.len);
+                *g = crate::checksum::combine(*g, p.crc, p.len);
             }
             plan.set_group_checksums(per_group);
         }

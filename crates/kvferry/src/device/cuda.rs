@@ -456,8 +456,9 @@ impl CudaDevice {
             format!("CUDA device {ordinal}")
         };
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `dev` is a valid device; `ctx` is a valid out pointer.
         check(
+            // SAFETY: `dev` is a valid device (from `cuDeviceGet`); `ctx` is a valid out
+            // pointer; the retained context is released once, by `Ctx`'s `Drop`.
             unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
             "cuDevicePrimaryCtxRetain",
         )?;

@@ -125,7 +125,7 @@ impl KvCache {
     pub fn checksum(&self, ranges: &[(usize, usize)]) -> Result<u32, MemError> {
         let mut crc = 0u32;
         for s in self.io_slices(ranges)? {
-            crc = crate::wire::crc::append(crc, s);
+            crc = crate::checksum::append(crc, s);
         }
         Ok(crc)
     }

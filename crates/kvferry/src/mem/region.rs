@@ -154,7 +154,7 @@ impl Region {
         // SAFETY: in bounds (checked); the slice lives only for this call and is only
         // read; see the type's contract for concurrent access.
         let bytes = unsafe { std::slice::from_raw_parts(self.base().add(offset), len) };
-        Ok(crate::wire::crc::checksum(bytes))
+        Ok(crate::checksum::checksum(bytes))
     }
 
     /// Fills `offset..offset+len` with `byte`.

@@ -218,7 +218,10 @@ impl Connection {
             // The peer refused instead of sending bytes.
             return match self.read_control_body(&header).await? {
                 Message::Error { kind, message } => Err(NetError::Remote { kind, message }),
-                other => Err(NetError::Protocol(format!("expected a bulk frame, got {other:?}"))),
+                other => Err(NetError::Unexpected {
+                    expected: "a bulk frame",
+                    got: other.name(),
+                }),
             };
         }
         if header.kind != FrameKind::Bulk || header.request_id != request_id {

@@ -703,7 +703,7 @@ impl Producer {
         for (p, &off) in pubs.iter().zip(&offsets) {
             let mut crc = 0u32;
             for s in lease.io_slices(off, p.len)? {
-                crc = crate::wire::crc::append(crc, s);
+                crc = crate::checksum::append(crc, s);
             }
             chunks.push(ChunkMeta {
                 key: p.key,
@@ -945,7 +945,7 @@ impl Producer {
             }
             Message::Put { key, len } => self.receive_put(conn, id, key, len).await,
             other => {
-                let m = format!("unexpected request {}", message_name(&other));
+                let m = format!("unexpected request {}", other.name());
                 refuse(conn, id, ErrorKind::BadRequest, m).await
             }
         }
@@ -1024,11 +1024,6 @@ impl Producer {
             }
         }
     }
-}
-
-fn message_name(m: &Message) -> String {
-    let s = format!("{m:?}");
-    s.split([' ', '{', '(']).next().unwrap_or("?").to_string()
 }
 
 fn kind_of(e: &PeerError) -> ErrorKind {

@@ -24,7 +24,7 @@ const VERIFY_PIECE: usize = 1 << 20;
 pub async fn write_bulk<W: AsyncWrite + Unpin>(w: &mut W, request_id: u64, parts: &[&[u8]]) -> Result<(), WireError> {
     let mut checksum = 0u32;
     for p in parts {
-        checksum = super::crc::append(checksum, p);
+        checksum = crate::checksum::append(checksum, p);
     }
     write_bulk_with_checksum(w, request_id, parts, checksum).await
 }
@@ -107,7 +107,7 @@ pub async fn read_bulk_body<R: AsyncRead + Unpin>(
         // Checksum each piece right after it arrives, while it is still in cache.
         for piece in d.chunks_mut(VERIFY_PIECE) {
             r.read_exact(piece).await.map_err(eof_is_truncated)?;
-            actual = super::crc::append(actual, piece);
+            actual = crate::checksum::append(actual, piece);
         }
     }
     if actual != header.checksum {
@@ -184,7 +184,7 @@ pub async fn read_bulk_body_tcp(
         while left > 0 {
             let d = &dst[idx];
             let take = (d.len() - off).min(left);
-            actual = super::crc::append(actual, &d[off..off + take]);
+            actual = crate::checksum::append(actual, &d[off..off + take]);
             off += take;
             left -= take;
             if off == d.len() {

@@ -58,7 +58,7 @@ pub async fn write_control<W: AsyncWrite + Unpin, M: serde::Serialize>(
         kind: FrameKind::Control,
         request_id,
         len: payload.len() as u64,
-        checksum: super::crc::checksum(payload),
+        checksum: crate::checksum::checksum(payload),
     };
     buf[..HEADER_LEN].copy_from_slice(&header.encode());
     w.write_all(&buf).await?;
@@ -92,7 +92,7 @@ pub async fn read_control_body<R: AsyncRead + Unpin, M: serde::de::DeserializeOw
     })?;
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await.map_err(eof_is_truncated)?;
-    let actual = super::crc::checksum(&body);
+    let actual = crate::checksum::checksum(&body);
     if actual != header.checksum {
         return Err(WireError::ChecksumMismatch {
             expected: header.checksum,

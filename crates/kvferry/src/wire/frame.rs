@@ -80,7 +80,7 @@ impl FrameHeader {
         b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.len.to_le_bytes());
         b[24..28].copy_from_slice(&self.checksum.to_le_bytes());
-        let crc = super::crc::checksum(&b[..28]);
+        let crc = crate::checksum::checksum(&b[..28]);
         b[28..32].copy_from_slice(&crc.to_le_bytes());
         b
     }
@@ -99,7 +99,7 @@ impl FrameHeader {
             });
         }
         let header_crc = le_u32(buf, 28);
-        let actual = super::crc::checksum(&buf[..28]);
+        let actual = crate::checksum::checksum(&buf[..28]);
         if header_crc != actual {
             return Err(WireError::BadHeader(format!(
                 "header crc mismatch: header says {header_crc:#010x}, computed {actual:#010x}"

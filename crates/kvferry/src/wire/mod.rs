@@ -1,8 +1,9 @@
-//! Wire format: frames, control messages, limits, checksums.
+//! Wire format: frames, control messages, limits.
 //!
 //! A connection carries a sequence of frames, each a fixed 32-byte [`FrameHeader`]
 //! followed by its payload: a postcard-encoded control message ([`FrameKind::Control`])
-//! or raw chunk bytes ([`FrameKind::Bulk`]). Both are crc32c-checksummed.
+//! or raw chunk bytes ([`FrameKind::Bulk`]). Both are crc32c-checksummed (with
+//! [`crate::checksum`]).
 //!
 //! Invariant of this layer: malformed input is a typed [`WireError`], never a panic or
 //! an unbounded allocation. Every peer-announced length is checked against [`Limits`]
@@ -20,7 +21,6 @@
 pub mod auth;
 pub mod bulk;
 pub mod codec;
-pub mod crc;
 pub mod error;
 pub mod frame;
 pub mod key;

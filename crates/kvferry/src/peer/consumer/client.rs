@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::super::PeerError;
-use super::transfer::TaskError;
+use super::transfer::{unexpected, TaskError};
 use super::types::{ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
 use crate::copy::{CopyEngine, DrainFence, DrainSignal};
 use crate::mem::Arena;
@@ -162,9 +162,7 @@ impl Consumer {
         let msg = Message::Lookup { keys: keys.to_vec() };
         match self.simple_request(peer, &msg, deadline).await? {
             Message::LookupReply { hits } => Ok(hits as usize),
-            other => Err(PeerError::Net(NetError::Protocol(format!(
-                "expected LookupReply, got {other:?}"
-            )))),
+            other => Err(unexpected("LookupReply", &other)),
         }
     }
 
@@ -188,9 +186,7 @@ impl Consumer {
             conn.finish();
             match reply {
                 Message::PutAck { .. } => Ok(()),
-                other => Err(PeerError::Net(NetError::Protocol(format!(
-                    "expected PutAck, got {other:?}"
-                )))),
+                other => Err(unexpected("PutAck", &other)),
             }
         };
         let started = Instant::now();
@@ -256,9 +252,7 @@ impl Consumer {
                 chunks,
                 expires: sent + Duration::from_millis(ttl_ms as u64),
             }),
-            other => Err(PeerError::Net(NetError::Protocol(format!(
-                "expected Staged, got {other:?}"
-            )))),
+            other => Err(unexpected("Staged", &other)),
         }
     }
 

@@ -1,5 +1,9 @@
-//! crc32c (Castagnoli), the checksum of every frame and bulk block: computing it
-//! ([`checksum`], [`append`]) and combining partial checksums ([`combine`]).
+//! crc32c (Castagnoli), the checksum of every frame, bulk block and staged chunk:
+//! computing it ([`checksum`], [`append`]) and combining partial checksums
+//! ([`combine`]).
+//!
+//! A leaf: it depends on nothing else in the crate, so every layer may use it — `mem`
+//! (region checksums), `copy` (checksums taken by the copy threads), `wire` (frames).
 //!
 //! Computing uses the `crc-fast` crate, which folds with carry-less multiplication
 //! (VPCLMULQDQ/AVX-512 where the CPU has it, SSE/PCLMUL otherwise, a table elsewhere):
