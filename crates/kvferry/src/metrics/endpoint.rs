@@ -18,7 +18,8 @@
 //!
 //! At most `max_connections` connections are served at once (16 by default), apart
 //! from the data port's connections and limits. One more is answered `503` from a
-//! static buffer without reading it and closed at once, so holding the budget costs an
+//! static buffer without waiting for its request and closed at once (a client whose
+//! request arrives after that may see a reset instead), so holding the budget costs an
 //! attacker a connection per slot and never delays the data port. Each served
 //! connection carries one request (`Connection: close`); its request head must arrive
 //! within `header_timeout`, and the whole exchange must end within
@@ -267,8 +268,12 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Cancellat
                         });
                     }
                     Err(_) => {
-                        // A fresh socket's send buffer takes the whole answer; a peer
-                        // that cannot take it gets only the close.
+                        // Whatever of the request already arrived is discarded (so the
+                        // close is less likely to reset the answer away), then a fresh
+                        // socket's send buffer takes the whole answer; a peer that
+                        // cannot take it gets only the close. Nothing here waits.
+                        let mut discard = [0u8; 1024];
+                        let _ = stream.try_read(&mut discard);
                         let _ = stream.try_write(BUSY);
                         tracing::debug!(target: "kvferry::metrics", %peer, "metrics connection over budget: 503");
                     }
