@@ -108,19 +108,10 @@ const KINDS: usize = RequestKind::ALL.len();
 const OUTCOMES: usize = RequestOutcome::ALL.len();
 
 /// Request counts by kind and outcome, and handling latency by kind.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct RequestStats {
     counts: [[AtomicU64; OUTCOMES]; KINDS],
     latency: [Histogram; KINDS],
-}
-
-impl Default for RequestStats {
-    fn default() -> Self {
-        RequestStats {
-            counts: Default::default(),
-            latency: Default::default(),
-        }
-    }
 }
 
 /// One request count: kind, outcome, requests.
