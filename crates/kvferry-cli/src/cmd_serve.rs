@@ -141,11 +141,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             _ = term.recv() => {}
         }
         eprintln!("kvferry serve: shutting down");
+        // /readyz answers 503 from here on; the endpoint stays up while the engine closes.
         if let Some(m) = &metrics {
             m.readiness().set(false);
-        }
-        if let Some(m) = metrics {
-            m.shutdown().await;
         }
         // What was still held before the forced release (pages a Done or a TTL should
         // already have returned; `kvferry chaos` counts them as leaked).
@@ -159,6 +157,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "kvferry serve: arena closed: {} pages outstanding, {} quarantined",
             report.outstanding_pages, report.quarantined_pages
         );
+        if let Some(m) = metrics {
+            m.shutdown().await;
+        }
         Ok(())
     })
 }

@@ -475,3 +475,19 @@ fn serve_refuses_an_unusable_token_file() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn binding_beyond_loopback_is_explicit_and_warned_about_without_a_token() {
+    let mut s = serve_with(&["--metrics", "0.0.0.0:0"]);
+    assert!(s.metrics.ip().is_unspecified(), "as given: {}", s.metrics);
+    let local = SocketAddr::from(([127, 0, 0, 1], s.metrics.port()));
+    assert_eq!(http_get(local, "/healthz").0, 200);
+    let _ = s.child.kill();
+    let _ = s.child.wait();
+    let mut err = String::new();
+    s.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(
+        err.contains("warning: metrics on 0.0.0.0:") && err.contains("without --metrics-token-file"),
+        "{err}"
+    );
+}

@@ -427,6 +427,7 @@ async fn a_bearer_token_guards_metrics_but_not_health() {
         "Authorization: Bearer correct-horse-battery-stapl\r\n",
         "Authorization: Bearer correct-horse-battery-staple-and-more\r\n",
         "Authorization: Basic Y29ycmVjdC1ob3JzZS1iYXR0ZXJ5LXN0YXBsZQ==\r\n",
+        "Authorization: Basic correct-horse-battery-staple\r\n",
         "Authorization: correct-horse-battery-staple\r\n",
         "Authorization: Bearer \r\n",
     ] {
@@ -435,6 +436,9 @@ async fn a_bearer_token_guards_metrics_but_not_health() {
     let (status, _, body) = get_with(a, "/metrics", "Authorization: Bearer correct-horse-battery-staple\r\n").await;
     assert_eq!(status, 200);
     assert!(body.contains("kvferry_build_info{"), "{body}");
+    // The scheme is case-insensitive.
+    let lower = "authorization: bearer correct-horse-battery-staple\r\n";
+    assert_eq!(get_with(a, "/metrics", lower).await.0, 200);
     assert_eq!(get(a, "/healthz").await.0, 200, "probes need no token");
     assert_eq!(get(a, "/readyz").await.0, 200);
 }

@@ -21,8 +21,8 @@
 //! static buffer without waiting for its request and closed at once (a client whose
 //! request arrives after that may see a reset instead), so holding the budget costs an
 //! attacker a connection per slot and never delays the data port. Each served
-//! connection carries one request (`Connection: close`); its request head must arrive
-//! within `header_timeout`, and the whole exchange must end within
+//! connection carries one request (`Connection: close`) with a head of at most 8 KiB,
+//! which must arrive within `header_timeout`; the whole exchange must end within
 //! `header_timeout + write_timeout`, or the connection is closed.
 //!
 //! # Cancellation
@@ -246,6 +246,10 @@ impl Drop for MetricsServer {
     }
 }
 
+/// The read buffer of a connection: a request head larger than this is refused
+/// (hyper's minimum; a scrape's head is a few hundred bytes).
+const MAX_REQUEST_BYTES: usize = 8192;
+
 /// The answer to a connection over the budget, written without reading its request.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n\
 Content-Length: 35\r\nRetry-After: 1\r\nConnection: close\r\n\r\nmetrics endpoint busy; retry later\n";
@@ -303,6 +307,7 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: Arc<Share
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(shared.cfg.header_timeout)
+        .max_buf_size(MAX_REQUEST_BYTES)
         .keep_alive(false)
         .serve_connection(TokioIo::new(stream), service);
     match tokio::time::timeout(bound, conn).await {
@@ -321,12 +326,14 @@ fn authorized(req: &Request<Incoming>, shared: &Shared) -> bool {
     let Some(expected) = &shared.token_digest else {
         return true;
     };
+    // The scheme is case-insensitive (RFC 9110); the token is compared as sent.
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map_or("", |(_, token)| token);
     bool::from(digest(given.trim()).ct_eq(expected))
 }
 
