@@ -518,3 +518,62 @@ async fn a_silent_client_is_closed_within_the_header_timeout() {
     drop(endpoint);
     eventually("the listener closed", || std::net::TcpStream::connect(a).is_err()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_and_refused_requests_are_told_apart() {
+    let ProducerNode {
+        producer, server, addr, ..
+    } = producer_node(NodeOpts {
+        max_gets: 1,
+        ..NodeOpts::default()
+    })
+    .await;
+    let c = consumer_node(64, 64);
+    let registry = Arc::new(Registry::new());
+    registry.register(producer.clone());
+    let endpoint = MetricsServer::bind("127.0.0.1:0", registry).await.unwrap();
+    let k = fill(&producer, 3, 1, 2);
+
+    // One get holds the only staging slot (its send is slowed); a second is Busy.
+    producer.faults().send_delay_us.store(400_000, Ordering::SeqCst);
+    let slow = {
+        let (consumer, addr, k, dst) = (c.consumer.clone(), addr.clone(), k.clone(), c.dst(0, 1, 2));
+        tokio::spawn(async move { consumer.get(&addr, &k, dst, soon(5000)).await.map(|l| l.chunks) })
+    };
+    eventually("the slow get is being served", || producer.stats().staged >= 1).await;
+    let e = c.consumer.get(&addr, &k, c.dst(4, 1, 2), soon(5000)).await.unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            PeerError::Remote {
+                kind: kvferry::wire::ErrorKind::Busy,
+                ..
+            }
+        ),
+        "{}",
+        e.error
+    );
+    assert_eq!(slow.await.unwrap().unwrap(), 1);
+    producer.faults().send_delay_us.store(0, Ordering::SeqCst);
+    // A stage listing a key twice is refused.
+    let twice = [k[0], k[0]];
+    let e = c.consumer.stage(&addr, &twice, soon(5000)).await.unwrap_err();
+    assert!(matches!(e, PeerError::Remote { .. }), "{e}");
+    eventually("every request recorded", || {
+        producer.request_stats().total() == server.stats().requests
+    })
+    .await;
+
+    let (status, _, body) = get(endpoint.local_addr(), "/metrics").await;
+    assert_eq!(status, 200);
+    let m = parse(&body);
+    let req = |kind: &str, outcome: &str| val(&m, "kvferry_requests_total", &[("kind", kind), ("outcome", outcome)]);
+    assert_eq!(req("get", "busy"), 1.0);
+    assert_eq!(req("get", "hit"), 1.0);
+    assert_eq!(req("stage", "refused"), 1.0);
+    assert_eq!(req("stage", "hit") + req("stage", "miss") + req("stage", "busy"), 0.0);
+    assert_eq!(val(&m, "kvferry_busy_total", &[("role", "producer")]), 1.0);
+    let (count, _) = histogram(&m, "kvferry_serve_request_seconds", &[("kind", "get")]);
+    assert_eq!(count, 2.0);
+    server.shutdown().await;
+}

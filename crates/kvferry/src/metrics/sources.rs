@@ -94,16 +94,13 @@ pub fn copy_metrics(out: &mut Samples, role: &str, s: &CopyStats) {
     }
 }
 
+const CONNECTIONS: &str = "Peer connections open now: accepted by this server (role=server, handshaking or \
+                           authenticated) or opened by this process's consumer (role=client, in use or idle).";
+
 /// Renders a transport server's connection counters (`role="server"`).
 pub fn server_metrics(out: &mut Samples, s: &ServerStats) {
     const ROLE: (&str, &str) = ("role", "server");
-    out.gauge(
-        "kvferry_peer_connections",
-        "Peer connections open now: accepted by this server (role=server, handshaking or \
-         authenticated) or opened by this process's consumer (role=client, in use or idle).",
-        &[ROLE],
-        s.active as u64,
-    );
+    out.gauge("kvferry_peer_connections", CONNECTIONS, &[ROLE], s.active as u64);
     out.gauge(
         "kvferry_peer_connections_handshaking",
         "Accepted connections that have not completed their handshake yet.",
@@ -156,8 +153,7 @@ pub fn client_connection_metrics(out: &mut Samples, s: &PoolStats) {
     const ROLE: (&str, &str) = ("role", "client");
     out.gauge(
         "kvferry_peer_connections",
-        "Peer connections open now: accepted by this server (role=server, handshaking or \
-         authenticated) or opened by this process's consumer (role=client, in use or idle).",
+        CONNECTIONS,
         &[ROLE],
         (s.in_use + s.idle) as u64,
     );

@@ -2,7 +2,7 @@
 //! [`Histogram`] and the [`RequestStats`] of a server.
 //!
 //! This is a leaf module (it imports nothing else from the crate), so `peer`, `cluster`
-//! and the rest may use it; [`crate::metrics`] sits above them and encodes what these
+//! and the rest may use it; the `metrics` module sits above them and encodes what these
 //! types hold. Nothing here knows any exposition format.
 
 mod histogram;
