@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::Args;
 use kvferry::engine::Engine;
-use kvferry::metrics::{sources::server_metrics, Encoder, MetricsServer, Registry};
+use kvferry::metrics::sources::{client_connection_metrics, server_metrics};
+use kvferry::metrics::{HttpConfig, MetricsServer, Registry, Samples};
 
 use crate::engine_args::EngineArgs;
 use crate::util::check_listen_address;
@@ -40,9 +41,15 @@ pub struct ServeArgs {
     /// This node's peer id (default: kvferry-<pid>).
     #[arg(long)]
     peer_id: Option<String>,
-    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9090; off unless given).
-    #[arg(long, value_name = "ADDR")]
+    /// Serve Prometheus metrics at http://ADDR/metrics, with /healthz and /readyz (off
+    /// unless given). A port alone (9090) means 127.0.0.1:9090; name an interface
+    /// (0.0.0.0:9090) to serve other hosts, ideally with --metrics-token-file.
+    #[arg(long, value_name = "[HOST:]PORT")]
     metrics: Option<String>,
+    /// Require `Authorization: Bearer TOKEN` on /metrics, TOKEN being this file's
+    /// content (surrounding whitespace removed).
+    #[arg(long, value_name = "FILE", requires = "metrics")]
+    metrics_token_file: Option<std::path::PathBuf>,
     /// Read settings from a TOML file whose keys are these flags' long names, e.g.
     /// `arena = "1GiB"`, `io-timeout = "5s"`, `max-gets = 128`, `secret-file = "/etc/kvferry/secret"`.
     /// Flags on the command line win over the file; unknown keys are an error.
@@ -124,7 +131,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         use std::io::Write;
         std::io::stdout().flush()?;
         let metrics = match &args.metrics {
-            Some(addr) => Some(serve_metrics(addr, &engine).await?),
+            Some(addr) => Some(serve_metrics(addr, args.metrics_token_file.as_deref(), &engine).await?),
             None => None,
         };
         std::io::stdout().flush()?;
@@ -134,8 +141,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             _ = term.recv() => {}
         }
         eprintln!("kvferry serve: shutting down");
-        if let Some(m) = metrics {
-            m.shutdown().await;
+        // /readyz answers 503 from here on; the endpoint stays up while the engine closes.
+        if let Some(m) = &metrics {
+            m.readiness().set(false);
         }
         // What was still held before the forced release (pages a Done or a TTL should
         // already have returned; `kvferry chaos` counts them as leaked).
@@ -149,20 +157,41 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "kvferry serve: arena closed: {} pages outstanding, {} quarantined",
             report.outstanding_pages, report.quarantined_pages
         );
+        if let Some(m) = metrics {
+            m.shutdown().await;
+        }
         Ok(())
     })
 }
 
-/// Starts the metrics endpoint on `addr` (the producer with its arena and copy engine,
-/// and the transport server) and prints where it listens.
-async fn serve_metrics(addr: &str, engine: &Engine) -> anyhow::Result<MetricsServer> {
+/// Starts the metrics endpoint on `spec` (a bare port means loopback) with the
+/// producer (its arena and copy engine), the transport server and the consumer's client
+/// connections, and prints where it listens.
+async fn serve_metrics(
+    spec: &str,
+    token_file: Option<&std::path::Path>,
+    engine: &Engine,
+) -> anyhow::Result<MetricsServer> {
+    let addr = kvferry::metrics::listen_address(spec)?;
+    let bearer_token = token_file.map(kvferry::metrics::read_token_file).transpose()?;
     let registry = Arc::new(Registry::new());
     registry.register(engine.producer().clone());
     let e = engine.clone();
-    registry.register(move |out: &mut Encoder| {
+    registry.register(move |out: &mut Samples| {
         server_metrics(out, &e.server_stats());
+        client_connection_metrics(out, &e.consumer().connection_stats());
     });
-    let endpoint = MetricsServer::bind(addr, registry).await?;
-    println!("kvferry serve: metrics on {} (GET /metrics)", endpoint.local_addr());
+    let cfg = HttpConfig {
+        bearer_token,
+        ..HttpConfig::default()
+    };
+    let token = cfg.bearer_token.is_some();
+    let endpoint = MetricsServer::bind_with(&addr, registry, cfg).await?;
+    let local = endpoint.local_addr();
+    if !local.ip().is_loopback() && !token {
+        eprintln!("warning: metrics on {local} without --metrics-token-file: any host that can reach it may read them");
+    }
+    let auth = if token { ", bearer token required" } else { "" };
+    println!("kvferry serve: metrics on {local} (GET /metrics, /healthz, /readyz{auth})");
     Ok(endpoint)
 }

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::cluster::{ClusterError, Leader, LeaderConfig, StepOp, WorkerFault};
-use kvferry::metrics::{Encoder, MetricsSource, Registry, StepOutcomeCounts};
+use kvferry::cluster::{ClusterError, Leader, LeaderConfig, StepOp, StepOutcomeCounts, WorkerFault};
+use kvferry::metrics::{render, MetricsSource, Registry, Samples};
 
 async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let t = std::time::Instant::now();
@@ -60,16 +60,36 @@ async fn step_outcomes_are_counted_per_rank_and_rendered() {
         ]
     );
 
-    let mut enc = Encoder::new();
-    leader.collect(&mut enc);
-    let direct = enc.finish();
+    let mut samples = Samples::new();
+    leader.collect(&mut samples);
+    let direct = render(samples);
     let registry = Registry::new();
     let l = leader.clone();
-    registry.register(move |out: &mut Encoder| l.collect(out));
+    registry.register(move |out: &mut Samples| l.collect(out));
     let out = registry.render();
-    assert_eq!(out, direct);
-    assert!(out.starts_with("# HELP kvferry_step_outcomes_total "), "{out}");
-    assert!(out.contains("# TYPE kvferry_step_outcomes_total counter\n"), "{out}");
+    // The registry adds `kvferry_build_info` before its sources.
+    let (build, rest) = out.split_at(out.find("# HELP kvferry_step_outcomes ").expect("the family"));
+    assert!(build.starts_with("# HELP kvferry_build "), "{out}");
+    assert_eq!(rest, direct.as_str());
+    assert!(out.contains("# TYPE kvferry_step_outcomes counter\n"), "{out}");
+    let scrape = prometheus_parse::Scrape::parse(out.lines().map(|l| Ok(l.to_string()))).unwrap();
+    let parsed = |rank: &str, outcome: &str| {
+        scrape
+            .samples
+            .iter()
+            .find(|s| {
+                s.metric == "kvferry_step_outcomes_total"
+                    && s.labels.get("rank") == Some(rank)
+                    && s.labels.get("outcome") == Some(outcome)
+            })
+            .map(|s| match s.value {
+                prometheus_parse::Value::Untyped(v) | prometheus_parse::Value::Counter(v) => v,
+                ref other => panic!("{other:?}"),
+            })
+            .unwrap_or_else(|| panic!("no rank {rank} {outcome} in\n{out}"))
+    };
+    assert_eq!(parsed("1", "died"), 1.0);
+    assert_eq!(parsed("0", "success"), 3.0);
     for line in [
         r#"kvferry_step_outcomes_total{rank="0",outcome="success"} 3"#,
         r#"kvferry_step_outcomes_total{rank="0",outcome="timeout"} 0"#,

@@ -1,5 +1,7 @@
 //! `kvferry serve --metrics`: the daemon's Prometheus endpoint, scraped over HTTP while
-//! `kvferry put` and `kvferry get` move a chunk through it; and the `transfer` tracing
+//! `kvferry put` and `kvferry get` move a chunk through it and parsed with an
+//! independent text-format parser (`prometheus-parse`); the endpoint's loopback
+//! default, bearer token, `/healthz` and connection budget; and the `transfer` tracing
 //! span of `kvferry get`, filtered by `RUST_LOG`, as JSON lines.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -8,6 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use prometheus_parse::{Scrape, Value};
+
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 
 /// A `kvferry serve` child, SIGKILLed on drop if still running.
@@ -15,6 +19,8 @@ struct Serve {
     child: Child,
     listen: String,
     metrics: SocketAddr,
+    /// The "listening on" line.
+    startup: String,
 }
 
 impl Drop for Serve {
@@ -25,16 +31,14 @@ impl Drop for Serve {
 }
 
 fn serve() -> Serve {
+    serve_with(&["--metrics", "127.0.0.1:0"])
+}
+
+/// `kvferry serve` on ephemeral ports with `extra` arguments (which give `--metrics`).
+fn serve_with(extra: &[&str]) -> Serve {
     let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics",
-            "127.0.0.1:0",
-            "--arena",
-            "16MiB",
-        ])
+        .args(["serve", "--listen", "127.0.0.1:0", "--arena", "16MiB"])
+        .args(extra)
         .args(["--model", "tiny", "--blocks", "64", "--copy-threads", "1"])
         .env_remove("RUST_LOG")
         .env_remove("KVFERRY_SECRET")
@@ -53,7 +57,7 @@ fn serve() -> Serve {
             }
         }
     });
-    let (mut listen, mut metrics) = (None, None);
+    let (mut listen, mut metrics, mut startup) = (None, None, String::new());
     while listen.is_none() || metrics.is_none() {
         let line = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(l) => l,
@@ -65,6 +69,7 @@ fn serve() -> Serve {
             }
         };
         if let Some(rest) = line.strip_prefix("kvferry serve: listening on ") {
+            startup = line.clone();
             listen = rest.split(' ').next().map(str::to_string);
         } else if let Some(rest) = line.strip_prefix("kvferry serve: metrics on ") {
             metrics = rest.split(' ').next().map(|a| a.parse().unwrap());
@@ -74,31 +79,95 @@ fn serve() -> Serve {
         child,
         listen: listen.unwrap(),
         metrics: metrics.unwrap(),
+        startup,
     }
 }
 
 /// A raw HTTP/1.1 GET: `(status, body)`.
 fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    http_get_with(addr, path, "")
+}
+
+/// A raw HTTP/1.1 GET with extra header lines: `(status, body)`.
+fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: kvferry\r\n\r\n").unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: kvferry\r\n{headers}\r\n").unwrap();
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     let (head, body) = raw.split_once("\r\n\r\n").unwrap();
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    if status == 200 {
-        assert!(head.contains("Content-Type: text/plain; version=0.0.4"), "{head}");
+    if status == 200 && path == "/metrics" {
+        let head = head.to_ascii_lowercase();
+        assert!(
+            head.contains("content-type: application/openmetrics-text; version=1.0.0"),
+            "{head}"
+        );
     }
     (status, body.to_string())
 }
 
-/// The value of the sample line named exactly `series`.
-fn sample(body: &str, series: &str) -> f64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {series} in\n{body}"))
-        .parse()
-        .unwrap()
+/// A GET that tolerates the endpoint closing on it: the status, or `None` when the
+/// connection was closed or reset without an answer.
+fn try_http_get(addr: SocketAddr, path: &str, headers: &str) -> Option<u16> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: kvferry\r\n{headers}\r\n");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw);
+    raw.split(' ').nth(1).and_then(|s| s.parse().ok())
+}
+
+/// Parses a scrape with `prometheus-parse`.
+fn scrape(body: &str) -> Scrape {
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).unwrap()
+}
+
+/// The value of the sample `name` whose labels are exactly `labels`.
+fn val(m: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let s = find(m, name, labels);
+    match s.value {
+        Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
+        ref other => panic!("{name} is not a number: {other:?}"),
+    }
+}
+
+fn find<'a>(m: &'a Scrape, name: &str, labels: &[(&str, &str)]) -> &'a prometheus_parse::Sample {
+    m.samples
+        .iter()
+        .find(|s| {
+            s.metric == name
+                && s.labels.len() == labels.len()
+                && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
+        })
+        .unwrap_or_else(|| panic!("no {name}{labels:?} in {:#?}", m.samples))
+}
+
+/// The `+Inf` bucket of a histogram series (its count).
+fn histogram_count(m: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let Value::Histogram(buckets) = &find(m, name, labels).value else {
+        panic!("{name} is not a histogram")
+    };
+    let inf = buckets.iter().find(|b| b.less_than == f64::INFINITY).unwrap().count;
+    assert_eq!(inf, val(m, &format!("{name}_count"), labels));
+    inf
+}
+
+/// Runs `kvferry ARGS` and returns its output.
+fn kvferry(args: &[&str]) -> std::process::Output {
+    Command::new(BIN).args(args).env_remove("RUST_LOG").output().unwrap()
+}
+
+/// Writes a `len`-byte chunk file under a fresh temp dir; returns (dir, file).
+fn chunk_file(tag: &str, len: u32) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kvferry-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("chunk");
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&file, &data).unwrap();
+    (dir, file)
 }
 
 #[test]
@@ -106,21 +175,26 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     let mut s = serve();
     let (status, body) = http_get(s.metrics, "/metrics");
     assert_eq!(status, 200);
+    let m = scrape(&body);
     // 16 MiB of 2 MiB pages, all free; nothing moved yet.
+    let p = ("role", "producer");
+    assert_eq!(val(&m, "kvferry_arena_pages", &[p, ("state", "free")]), 8.0);
+    assert_eq!(val(&m, "kvferry_arena_pages", &[p, ("state", "leased")]), 0.0);
+    assert_eq!(val(&m, "kvferry_bytes_total", &[p, ("direction", "sent")]), 0.0);
     assert_eq!(
-        sample(&body, r#"kvferry_arena_pages{role="producer",state="free"}"#),
-        8.0
-    );
-    assert_eq!(
-        sample(&body, r#"kvferry_arena_pages{role="producer",state="leased"}"#),
+        val(&m, "kvferry_connections_accepted_total", &[("role", "server")]),
         0.0
     );
-    assert_eq!(
-        sample(&body, r#"kvferry_bytes_total{role="producer",direction="sent"}"#),
-        0.0
-    );
-    assert_eq!(sample(&body, "kvferry_connections_accepted_total"), 0.0);
+    assert_eq!(val(&m, "kvferry_peer_connections", &[("role", "client")]), 0.0);
     assert!(body.contains("# TYPE kvferry_copy_queue_depth gauge\n"));
+    // Build and backing: the arena's 16 MiB under the backing the start-up line named.
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(val(&m, "kvferry_build_info", &[("version", version)]), 1.0);
+    let pinned = val(&m, "kvferry_arena_backing_bytes", &[p, ("backing", "pinned")]);
+    let unpinned = val(&m, "kvferry_arena_backing_bytes", &[p, ("backing", "unpinned")]);
+    assert_eq!(pinned + unpinned, 16.0 * 1024.0 * 1024.0);
+    assert_eq!(pinned > 0.0, s.startup.contains("(pinned)"), "{}", s.startup);
+    assert_eq!(unpinned > 0.0, s.startup.contains("(unpinned)"), "{}", s.startup);
     assert_eq!(http_get(s.metrics, "/").0, 404);
 
     // Push a chunk, then fetch it: with RUST_LOG and --log-json, `get` logs its
@@ -181,38 +255,45 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     assert!(v["span"]["request"].is_u64(), "{event}");
     let _ = std::fs::remove_dir_all(&dir);
 
+    // A miss: the daemon does not hold this key.
+    let miss = kvferry(&["get", "--peer", &s.listen, "--key", "absent", "--model", "tiny"]);
+    assert!(!miss.status.success());
+    assert!(String::from_utf8_lossy(&miss.stderr).contains("miss"), "{miss:?}");
+
     let (status, body) = http_get(s.metrics, "/metrics");
     assert_eq!(status, 200);
-    assert_eq!(
-        sample(&body, r#"kvferry_bytes_total{role="producer",direction="sent"}"#),
-        10_000.0
-    );
-    assert_eq!(
-        sample(&body, r#"kvferry_chunks_total{role="producer",direction="sent"}"#),
-        2.0
-    );
-    assert_eq!(
-        sample(&body, r#"kvferry_bytes_total{role="producer",direction="received"}"#),
-        5000.0
-    );
-    assert_eq!(
-        sample(&body, r#"kvferry_chunks_total{role="producer",direction="received"}"#),
-        1.0
-    );
-    assert_eq!(sample(&body, r#"kvferry_leases_staged_total{role="producer"}"#), 2.0);
-    assert!(sample(&body, "kvferry_connections_accepted_total") >= 3.0);
-    assert!(sample(&body, "kvferry_requests_total") >= 3.0);
-    assert!(sample(&body, r#"kvferry_copy_bytes_total{role="producer"}"#) >= 15_000.0);
+    let m = scrape(&body);
+    assert_eq!(val(&m, "kvferry_bytes_total", &[p, ("direction", "sent")]), 10_000.0);
+    assert_eq!(val(&m, "kvferry_chunks_total", &[p, ("direction", "sent")]), 2.0);
+    assert_eq!(val(&m, "kvferry_bytes_total", &[p, ("direction", "received")]), 5000.0);
+    assert_eq!(val(&m, "kvferry_chunks_total", &[p, ("direction", "received")]), 1.0);
+    assert_eq!(val(&m, "kvferry_leases_staged_total", &[p]), 2.0);
+    assert!(val(&m, "kvferry_connections_accepted_total", &[("role", "server")]) >= 4.0);
+    assert!(val(&m, "kvferry_copy_bytes_total", &[p]) >= 15_000.0);
     let pages: f64 = ["free", "leased", "quarantined"]
         .iter()
-        .map(|st| {
-            sample(
-                &body,
-                &format!(r#"kvferry_arena_pages{{role="producer",state="{st}"}}"#),
-            )
-        })
+        .map(|st| val(&m, "kvferry_arena_pages", &[p, ("state", st)]))
         .sum();
     assert_eq!(pages, 8.0);
+    // The requests `serve` handled, by kind and outcome, and their latency by kind.
+    let req = |kind: &str, outcome: &str| val(&m, "kvferry_requests_total", &[("kind", kind), ("outcome", outcome)]);
+    assert_eq!(req("put", "ok"), 1.0);
+    assert_eq!(req("get", "hit"), 2.0);
+    assert_eq!(req("get", "miss"), 1.0);
+    assert_eq!(req("get", "busy") + req("get", "refused") + req("get", "error"), 0.0);
+    assert_eq!(
+        histogram_count(&m, "kvferry_serve_request_seconds", &[("kind", "get")]),
+        3.0
+    );
+    assert_eq!(
+        histogram_count(&m, "kvferry_serve_request_seconds", &[("kind", "put")]),
+        1.0
+    );
+    assert!(val(&m, "kvferry_serve_request_seconds_sum", &[("kind", "get")]) > 0.0);
+    assert_eq!(
+        histogram_count(&m, "kvferry_serve_request_seconds", &[("kind", "pull")]),
+        0.0
+    );
 
     // SIGTERM: a clean shutdown with the endpoint running.
     // SAFETY: kill(2) on our own child's pid, which has not been reaped yet.
@@ -260,4 +341,153 @@ fn serve_refuses_an_unusable_metrics_address() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot serve metrics on {addr}")), "{err}");
+}
+
+#[test]
+fn a_bare_port_binds_loopback_and_a_token_and_a_budget_guard_the_endpoint() {
+    let (dir, token_file) = chunk_file("metrics-token", 0);
+    std::fs::write(&token_file, "metrics-token-0123456789abcdef\n").unwrap();
+    let s = serve_with(&["--metrics", "0", "--metrics-token-file", token_file.to_str().unwrap()]);
+    assert!(
+        s.metrics.ip().is_loopback(),
+        "a bare port means loopback: {}",
+        s.metrics
+    );
+    assert_eq!(s.metrics.ip().to_string(), "127.0.0.1");
+
+    // The token: refused without it or with another, served with it; probes need none.
+    let auth = "Authorization: Bearer metrics-token-0123456789abcdef\r\n";
+    assert_eq!(http_get(s.metrics, "/metrics").0, 401);
+    assert_eq!(
+        http_get_with(
+            s.metrics,
+            "/metrics",
+            "Authorization: Bearer metrics-token-0123456789abcdeF\r\n"
+        )
+        .0,
+        401
+    );
+    let (status, body) = http_get_with(s.metrics, "/metrics", auth);
+    assert_eq!(status, 200);
+    assert_eq!(
+        val(&scrape(&body), "kvferry_peer_connections", &[("role", "server")]),
+        0.0
+    );
+    assert_eq!(http_get(s.metrics, "/healthz"), (200, "ok\n".to_string()));
+    assert_eq!(http_get(s.metrics, "/readyz"), (200, "ready\n".to_string()));
+
+    // The budget: 16 idle connections hold every slot of the metrics port...
+    let (dir2, file) = chunk_file("metrics-budget", 3000);
+    let held: Vec<TcpStream> = (0..16)
+        .map(|_| {
+            let mut c = TcpStream::connect(s.metrics).unwrap();
+            c.write_all(b"GET /metr").unwrap();
+            c
+        })
+        .collect();
+    // ...so one more is answered 503 (or, if its request arrives after that answer,
+    // reset) at once; give the server a moment to accept the held ones.
+    let mut refused = false;
+    for _ in 0..100 {
+        let t = std::time::Instant::now();
+        let answer = try_http_get(s.metrics, "/metrics", auth);
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "refused quickly: {:?}",
+            t.elapsed()
+        );
+        if answer.is_none_or(|status| status == 503) {
+            refused = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(refused, "over the budget");
+    // ...while the data port serves a put and a get...
+    let put = kvferry(&[
+        "put",
+        "--peer",
+        &s.listen,
+        "--key",
+        "kb",
+        "--file",
+        file.to_str().unwrap(),
+    ]);
+    assert!(put.status.success(), "{put:?}");
+    let got = kvferry(&["get", "--peer", &s.listen, "--key", "kb", "--model", "tiny"]);
+    assert!(got.status.success(), "{got:?}");
+    assert!(String::from_utf8_lossy(&got.stdout).starts_with("got 3000 bytes"));
+    // ...and once they go, metrics answers again and saw the transfer.
+    drop(held);
+    let mut answer = (0, String::new());
+    for _ in 0..200 {
+        answer = http_get_with(s.metrics, "/metrics", auth);
+        if answer.0 == 200 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(answer.0, 200, "the budget came back");
+    let m = scrape(&answer.1);
+    assert_eq!(
+        val(&m, "kvferry_requests_total", &[("kind", "get"), ("outcome", "hit")]),
+        1.0
+    );
+    assert_eq!(
+        val(&m, "kvferry_requests_total", &[("kind", "put"), ("outcome", "ok")]),
+        1.0
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&dir2);
+}
+
+#[test]
+fn serve_refuses_an_unusable_token_file() {
+    let (dir, token_file) = chunk_file("metrics-bad-token", 0);
+    std::fs::write(&token_file, "  \n").unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--metrics", "0", "--arena", "4MiB"])
+        .args(["--metrics-token-file", token_file.to_str().unwrap()])
+        .args(["--model", "tiny", "--blocks", "8"])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot use metrics token file") && err.contains("empty"),
+        "{err}"
+    );
+    // A token file without --metrics is a usage error.
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-token-file",
+            token_file.to_str().unwrap(),
+        ])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn binding_beyond_loopback_is_explicit_and_warned_about_without_a_token() {
+    let mut s = serve_with(&["--metrics", "0.0.0.0:0"]);
+    assert!(s.metrics.ip().is_unspecified(), "as given: {}", s.metrics);
+    let local = SocketAddr::from(([127, 0, 0, 1], s.metrics.port()));
+    assert_eq!(http_get(local, "/healthz").0, 200);
+    let _ = s.child.kill();
+    let _ = s.child.wait();
+    let mut err = String::new();
+    s.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(
+        err.contains("warning: metrics on 0.0.0.0:") && err.contains("without --metrics-token-file"),
+        "{err}"
+    );
 }

@@ -29,5 +29,6 @@ pub mod mem;
 pub mod metrics;
 pub mod net;
 pub mod peer;
+pub mod stats;
 pub mod sync;
 pub mod wire;

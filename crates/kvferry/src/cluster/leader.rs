@@ -49,7 +49,7 @@ use super::protocol::{StepOp, StepOutcome, ToLeader, ToWorker};
 use super::sockdir::SocketDir;
 use super::tracker::{Health, Ingest, StepReport, StepTracker};
 use super::ClusterError;
-use crate::metrics::StepOutcomeCounts;
+use super::StepOutcomeCounts;
 use crate::wire::{self, Limits, WireError};
 
 type Waiter = oneshot::Sender<Result<StepReport, ClusterError>>;
@@ -272,7 +272,7 @@ impl Leader {
     /// Step outcomes counted so far, indexed by rank: each rank's SUCCESS and FAILURE
     /// answers (late ones included), the steps that timed out with it silent, and the
     /// steps failed because its worker died. Render with
-    /// [`metrics::sources::step_outcome_metrics`](crate::metrics::sources::step_outcome_metrics).
+    /// `metrics::sources::step_outcome_metrics`.
     pub fn step_outcomes(&self) -> Vec<StepOutcomeCounts> {
         self.shared.outcomes.lock().clone()
     }

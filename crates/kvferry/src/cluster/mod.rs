@@ -38,6 +38,7 @@
 
 pub mod config;
 mod leader;
+mod outcomes;
 pub mod protocol;
 mod rank_device;
 mod sockdir;
@@ -51,6 +52,7 @@ pub use config::{
     MAX_TIMEOUT,
 };
 pub use leader::{Leader, ShutdownReport};
+pub use outcomes::StepOutcomeCounts;
 pub use protocol::{FailureKind, RankFailure, StepOp, StepOutcome, StepPayload};
 pub use tracker::{Health, Ingest, RankHealth, Resolved, StepReport, StepTracker};
 pub use worker::{run_worker, run_worker_process};

@@ -1,16 +1,17 @@
-//! Prometheus metrics, with no dependencies beyond tokio: a lock-free fixed-bucket
-//! [`Histogram`], a hand-written text-format [`Encoder`] (exposition format 0.0.4), a
-//! [`Registry`] of [`MetricsSource`]s read at scrape time, and a tiny HTTP endpoint
-//! ([`MetricsServer`]) answering `GET /metrics`.
+//! Prometheus metrics on the standard crates: `prometheus-client` encodes what the
+//! [`MetricsSource`]s in a [`Registry`] report at scrape time (OpenMetrics text), and
+//! a hyper endpoint ([`MetricsServer`]) serves it with `/healthz` and `/readyz`.
 //!
 //! # Semantics
 //!
-//! The `stats()` methods of the arena, copy engine, server, producer and consumer are
-//! the single source of truth: a scrape reads them at that moment and renders them
-//! (see [`sources`] for the mapping and `README-notes.md` for the metric list).
-//! Nothing is counted twice and nothing is cached; a scrape costs one `stats()` call
-//! per source. The only state this module adds to the hot path is the consumer's
-//! latency [`Histogram`] (a few relaxed atomic increments per transfer).
+//! This module sits above the layers it reads. The `stats()` methods of the arena,
+//! copy engine, transport server, connection pools, producer and consumer, the
+//! producer's [`RequestStats`](crate::stats::RequestStats), the consumer's latency
+//! histograms (from the leaf [`crate::stats`]) and the cluster leader's
+//! [`StepOutcomeCounts`](crate::cluster::StepOutcomeCounts) are the single source of
+//! truth: a scrape reads them at that moment and encodes them (see [`sources`] for the
+//! mapping and `docs/metrics.md` for the list). Nothing is counted twice and nothing is
+//! cached; no lower layer imports this module.
 //!
 //! Counters reset when the process restarts (Prometheus handles that); gauges are
 //! instantaneous and may be mutually inconsistent by the events between two reads
@@ -23,29 +24,29 @@
 //! connection tasks; those own nothing but their socket and a rendered body, so no
 //! state is left behind. Sources are never cancelled mid-read: `collect` is synchronous.
 
-mod histogram;
-mod http;
+mod endpoint;
 mod registry;
-mod render;
+mod samples;
 pub mod sources;
 
-pub use histogram::{Histogram, HistogramSnapshot, LATENCY_BUCKETS};
-pub use http::{HttpConfig, MetricsServer};
-pub use registry::{MetricsSource, Registry};
-pub use render::{
-    escape_label_value, format_f64, valid_label_name, valid_metric_name, Encoder, MetricKind, CONTENT_TYPE,
-};
-pub use sources::StepOutcomeCounts;
+pub use endpoint::{listen_address, read_token_file, HttpConfig, MetricsServer, Readiness};
+pub use registry::{render, MetricsSource, Registry, CONTENT_TYPE};
+pub use samples::{valid_label_name, valid_metric_name, MetricKind, Samples};
 
 /// Errors of the metrics module.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
-    /// Histogram bucket bounds are unusable.
-    #[error("invalid histogram buckets: {0}")]
-    InvalidBuckets(String),
     /// An endpoint setting is unusable.
     #[error("invalid metrics endpoint configuration: {0}")]
     InvalidConfig(String),
+    /// The bearer token file cannot be used.
+    #[error("cannot use metrics token file {path}: {reason}")]
+    Token {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The endpoint could not listen.
     #[error("cannot serve metrics on {addr}: {source}")]
     Bind {

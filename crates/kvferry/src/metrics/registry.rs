@@ -1,31 +1,39 @@
-//! The registry: a list of [`MetricsSource`]s read at scrape time.
+//! The registry: a list of [`MetricsSource`]s read at scrape time, rendered through a
+//! `prometheus-client` registry (one collector) into the OpenMetrics text format.
 //!
 //! Sources keep no copies of the numbers: each one reads the live `stats()` of the
 //! object it watches when the registry is rendered, so those counters stay the single
-//! source of truth and nothing is counted twice.
+//! source of truth and nothing is counted twice. Every registry also reports
+//! `kvferry_build_info{version}` (value 1).
 
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
 
-use super::Encoder;
+use super::Samples;
 
-/// Something that writes its current metrics into an [`Encoder`] when scraped.
+/// The `Content-Type` of what [`Registry::render`] returns.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Something that adds its current samples when scraped.
 ///
 /// Implemented by [`Producer`](crate::peer::Producer), [`Consumer`](crate::peer::Consumer),
-/// [`Leader`](crate::cluster::Leader) and by any `Fn(&mut Encoder) + Send + Sync`
-/// closure (use one to watch something the registry cannot own, through a `Weak`).
-/// `collect` runs on the scraping task: it must be quick and must not block on I/O.
+/// [`Leader`](crate::cluster::Leader) (in [`super::sources`]) and by any
+/// `Fn(&mut Samples) + Send + Sync` closure (use one to watch something the registry
+/// cannot own, through a `Weak`). `collect` runs on the scraping task: it must be quick
+/// and must not block on I/O.
 pub trait MetricsSource: Send + Sync {
-    /// Writes this source's samples.
-    fn collect(&self, out: &mut Encoder);
+    /// Adds this source's samples.
+    fn collect(&self, out: &mut Samples);
 }
 
 impl<F> MetricsSource for F
 where
-    F: Fn(&mut Encoder) + Send + Sync,
+    F: Fn(&mut Samples) + Send + Sync,
 {
-    fn collect(&self, out: &mut Encoder) {
+    fn collect(&self, out: &mut Samples) {
         self(out)
     }
 }
@@ -46,7 +54,7 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
-    /// An empty registry.
+    /// An empty registry (it still reports `kvferry_build_info`).
     pub fn new() -> Registry {
         Registry::default()
     }
@@ -66,15 +74,53 @@ impl Registry {
         self.len() == 0
     }
 
-    /// Reads every source now and renders the text format.
-    pub fn render(&self) -> String {
+    /// Reads every source now (after `kvferry_build_info`).
+    pub fn collect(&self) -> Samples {
         // Collect outside the lock, so a slow source cannot block `register`.
         let sources: Vec<Arc<dyn MetricsSource>> = self.sources.lock().clone();
-        let mut enc = Encoder::new();
+        let mut out = Samples::new();
+        build_info(&mut out);
         for s in &sources {
-            s.collect(&mut enc);
+            s.collect(&mut out);
         }
-        enc.finish()
+        out
+    }
+
+    /// Reads every source now and renders the OpenMetrics text format.
+    pub fn render(&self) -> String {
+        render(self.collect())
+    }
+}
+
+/// Renders `samples` in the OpenMetrics text format (ending with `# EOF`).
+pub fn render(samples: Samples) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(Collected(samples)));
+    let mut out = String::new();
+    // Writing into a String fails only if an encoder refuses a value, which ours never
+    // produce (every histogram has its +Inf bucket); an empty answer would be visible.
+    if prometheus_client::encoding::text::encode(&mut out, &registry).is_err() {
+        tracing::warn!(target: "kvferry::metrics", "encoding the metrics failed");
+    }
+    out
+}
+
+/// `kvferry_build_info{version="…"} 1`.
+fn build_info(out: &mut Samples) {
+    out.info(
+        "kvferry_build_info",
+        "The kvferry library serving these metrics.",
+        &[("version", env!("CARGO_PKG_VERSION"))],
+    );
+}
+
+/// One scrape's samples as a `prometheus-client` collector.
+#[derive(Debug)]
+struct Collected(Samples);
+
+impl Collector for Collected {
+    fn encode(&self, encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
     }
 }
 
@@ -90,10 +136,21 @@ mod tests {
         let r = Registry::new();
         assert!(r.is_empty());
         let n2 = n.clone();
-        r.register(move |e: &mut Encoder| e.counter("n_total", "N.", &[], n2.load(Ordering::Relaxed)));
+        r.register(move |e: &mut Samples| e.counter("n_total", "N.", &[], n2.load(Ordering::Relaxed)));
         assert_eq!(r.len(), 1);
-        assert!(r.render().contains("n_total 1\n"));
+        assert!(r.render().contains("\nn_total 1\n"));
         n.store(5, Ordering::Relaxed);
-        assert!(r.render().contains("n_total 5\n"));
+        let out = r.render();
+        assert!(out.contains("\nn_total 5\n"), "{out}");
+        assert!(
+            out.starts_with(&format!(
+                "# HELP kvferry_build The kvferry library serving these metrics.\n\
+                 # TYPE kvferry_build info\n\
+                 kvferry_build_info{{version=\"{}\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{out}"
+        );
+        assert!(out.ends_with("# EOF\n"));
     }
 }

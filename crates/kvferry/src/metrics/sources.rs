@@ -1,37 +1,22 @@
-//! Which stats become which metrics: the one place that names them (the list is in
-//! `README-notes.md`). Each function renders one stats snapshot; the
-//! [`MetricsSource`] impls read the live snapshots at scrape time.
+//! Which stats become which metrics: the one place that names them (the list, with
+//! labels, is in `docs/metrics.md`). Each function adds one stats snapshot's samples;
+//! the [`MetricsSource`] impls read the live snapshots at scrape time.
 //!
 //! Producer and consumer metrics carry `role="producer"` or `role="consumer"`, so one
 //! process that is both (and has an arena and a copy engine on each side) exposes
-//! distinct series.
+//! distinct series; connection metrics carry `role="server"` (accepted by this
+//! process's transport server) or `role="client"` (opened by its consumer's pools).
 
-use super::{Encoder, HistogramSnapshot, MetricsSource};
-use crate::cluster::Leader;
+use super::{MetricsSource, Samples};
+use crate::cluster::{Leader, StepOutcomeCounts};
 use crate::copy::CopyStats;
-use crate::mem::ArenaStats;
-use crate::net::ServerStats;
+use crate::mem::{ArenaStats, BackingKind};
+use crate::net::{PoolStats, ServerStats};
 use crate::peer::{Consumer, ConsumerStats, Producer, ProducerStats};
-
-/// One rank's step outcomes, as counted by the cluster leader.
-///
-/// `success` and `failure` count the rank's answers (including answers that arrive
-/// after their step was already resolved); `timeout` counts steps that timed out with
-/// this rank silent; `died` counts steps failed because this rank's worker died.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct StepOutcomeCounts {
-    /// Answered SUCCESS.
-    pub success: u64,
-    /// Answered FAILURE.
-    pub failure: u64,
-    /// Silent when its step's deadline passed.
-    pub timeout: u64,
-    /// Its worker died before it answered.
-    pub died: u64,
-}
+use crate::stats::{HistogramSnapshot, RequestStats};
 
 /// Renders a staging arena's pages, leases and waiters.
-pub fn arena_metrics(out: &mut Encoder, role: &str, s: &ArenaStats) {
+pub fn arena_metrics(out: &mut Samples, role: &str, s: &ArenaStats) {
     const PAGES: &str = "Staging arena pages by state (free + leased + quarantined = total).";
     for (state, n) in [
         ("free", s.free_pages),
@@ -64,10 +49,25 @@ pub fn arena_metrics(out: &mut Encoder, role: &str, s: &ArenaStats) {
         r,
         s.waiters as u64,
     );
+    const BACKING: &str = "Staging arena bytes by backing: pinned (page-locked: CUDA host memory or mlock) \
+                           or unpinned (the fallback when locking was refused).";
+    let bytes = (s.total_pages as u64).saturating_mul(s.page_size as u64);
+    let pinned = matches!(s.backing, BackingKind::CudaHost | BackingKind::Mlocked);
+    for (backing, n) in [
+        ("pinned", if pinned { bytes } else { 0 }),
+        ("unpinned", if pinned { 0 } else { bytes }),
+    ] {
+        out.gauge(
+            "kvferry_arena_backing_bytes",
+            BACKING,
+            &[("role", role), ("backing", backing)],
+            n,
+        );
+    }
 }
 
 /// Renders a copy engine's queue and totals.
-pub fn copy_metrics(out: &mut Encoder, role: &str, s: &CopyStats) {
+pub fn copy_metrics(out: &mut Samples, role: &str, s: &CopyStats) {
     let r = &[("role", role)];
     out.gauge(
         "kvferry_copy_queue_depth",
@@ -94,13 +94,18 @@ pub fn copy_metrics(out: &mut Encoder, role: &str, s: &CopyStats) {
     }
 }
 
-/// Renders a transport server's connection counters.
-pub fn server_metrics(out: &mut Encoder, s: &ServerStats) {
+const CONNECTIONS: &str = "Peer connections open now: accepted by this server (role=server, handshaking or \
+                           authenticated) or opened by this process's consumer (role=client, in use or idle).";
+
+/// Renders a transport server's connection counters (`role="server"`).
+pub fn server_metrics(out: &mut Samples, s: &ServerStats) {
+    const ROLE: (&str, &str) = ("role", "server");
+    out.gauge("kvferry_peer_connections", CONNECTIONS, &[ROLE], s.active as u64);
     out.gauge(
-        "kvferry_peer_connections",
-        "Peer connections open now (server side).",
-        &[],
-        s.active as u64,
+        "kvferry_peer_connections_handshaking",
+        "Accepted connections that have not completed their handshake yet.",
+        &[ROLE],
+        s.handshaking as u64,
     );
     for (name, help, v) in [
         (
@@ -110,12 +115,22 @@ pub fn server_metrics(out: &mut Encoder, s: &ServerStats) {
         ),
         (
             "kvferry_connections_refused_total",
-            "Peer connections refused at the connection limit.",
+            "Peers refused with Busy at the connection limit after their handshake.",
             s.refused,
         ),
         (
+            "kvferry_connections_rate_limited_total",
+            "Connections refused at once: their source address failed authentication too often.",
+            s.rate_limited,
+        ),
+        (
+            "kvferry_connections_evicted_total",
+            "Handshaking connections closed to make room for a new one.",
+            s.evicted,
+        ),
+        (
             "kvferry_handshake_failures_total",
-            "Handshakes that failed (including authentication).",
+            "Handshakes that failed (including authentication and evictions).",
             s.handshake_failures,
         ),
         (
@@ -128,9 +143,50 @@ pub fn server_metrics(out: &mut Encoder, s: &ServerStats) {
             "Connections closed for a protocol or frame error.",
             s.protocol_errors,
         ),
-        ("kvferry_requests_total", "Peer requests handled.", s.requests),
     ] {
-        out.counter(name, help, &[], v);
+        out.counter(name, help, &[ROLE], v);
+    }
+}
+
+/// Renders a consumer's client connections (`role="client"`).
+pub fn client_connection_metrics(out: &mut Samples, s: &PoolStats) {
+    const ROLE: (&str, &str) = ("role", "client");
+    out.gauge(
+        "kvferry_peer_connections",
+        CONNECTIONS,
+        &[ROLE],
+        (s.in_use + s.idle) as u64,
+    );
+    out.counter(
+        "kvferry_connections_opened_total",
+        "Peer connections this process's consumer opened (handshake completed).",
+        &[ROLE],
+        s.opened,
+    );
+}
+
+/// Renders the requests a server handled: `kvferry_requests_total{kind,outcome}` and
+/// the handling latency `kvferry_serve_request_seconds{kind}`.
+pub fn request_metrics(out: &mut Samples, s: &RequestStats) {
+    const COUNT: &str = "Peer requests handled, by kind (ping, lookup, stage, get, pull, done, put, other) and \
+                         outcome (ok, hit, miss, busy, refused, error).";
+    for (kind, outcome, n) in s.counts() {
+        out.counter(
+            "kvferry_requests_total",
+            COUNT,
+            &[("kind", kind.as_str()), ("outcome", outcome.as_str())],
+            n,
+        );
+    }
+    const LATENCY: &str = "Time this server took to handle a request, from its message read to its last \
+                           reply (bulk bytes included) written, by kind.";
+    for (kind, snap) in s.latency() {
+        out.histogram(
+            "kvferry_serve_request_seconds",
+            LATENCY,
+            &[("kind", kind.as_str())],
+            &snap,
+        );
     }
 }
 
@@ -139,7 +195,7 @@ const BYTES: &str = "Bytes moved, by direction: sent (producer to socket), recei
 const CHUNKS: &str = "Chunks moved, by direction (as kvferry_bytes_total).";
 
 /// Renders a producer's counters (not its arena or copy engine).
-pub fn producer_metrics(out: &mut Encoder, s: &ProducerStats) {
+pub fn producer_metrics(out: &mut Samples, s: &ProducerStats) {
     const ROLE: (&str, &str) = ("role", "producer");
     out.counter(
         "kvferry_bytes_total",
@@ -191,7 +247,7 @@ pub fn producer_metrics(out: &mut Encoder, s: &ProducerStats) {
 
 /// Renders a consumer's counters and its transfer latency histograms
 /// (`(outcome, snapshot)` pairs, as [`Consumer::transfer_latency`] returns them).
-pub fn consumer_metrics(out: &mut Encoder, s: &ConsumerStats, latency: &[(&str, HistogramSnapshot)]) {
+pub fn consumer_metrics(out: &mut Samples, s: &ConsumerStats, latency: &[(&str, HistogramSnapshot)]) {
     const ROLE: (&str, &str) = ("role", "consumer");
     for (dir, bytes, chunks) in [
         ("received", s.bytes_received, s.chunks_received),
@@ -244,7 +300,7 @@ pub fn consumer_metrics(out: &mut Encoder, s: &ConsumerStats, latency: &[(&str, 
 }
 
 /// Renders per-rank step outcomes (index = rank).
-pub fn step_outcome_metrics(out: &mut Encoder, ranks: &[StepOutcomeCounts]) {
+pub fn step_outcome_metrics(out: &mut Samples, ranks: &[StepOutcomeCounts]) {
     const HELP: &str = "Step outcomes per rank: success and failure answers, timeouts (silent at the deadline), \
                         deaths.";
     for (rank, c) in ranks.iter().enumerate() {
@@ -266,18 +322,21 @@ pub fn step_outcome_metrics(out: &mut Encoder, ranks: &[StepOutcomeCounts]) {
 }
 
 impl MetricsSource for Producer {
-    /// Producer counters, its staging arena and its copy engine.
-    fn collect(&self, out: &mut Encoder) {
+    /// Producer counters, the requests it handled, its staging arena and its copy engine.
+    fn collect(&self, out: &mut Samples) {
         producer_metrics(out, &self.stats());
+        request_metrics(out, self.request_stats());
         arena_metrics(out, "producer", &self.arena().stats());
         copy_metrics(out, "producer", &self.engine().stats());
     }
 }
 
 impl MetricsSource for Consumer {
-    /// Consumer counters, latency histograms, its receive arena and its copy engine.
-    fn collect(&self, out: &mut Encoder) {
+    /// Consumer counters, latency histograms, its client connections, its receive arena
+    /// and its copy engine.
+    fn collect(&self, out: &mut Samples) {
         consumer_metrics(out, &self.stats(), &self.transfer_latency());
+        client_connection_metrics(out, &self.connection_stats());
         arena_metrics(out, "consumer", &self.arena().stats());
         copy_metrics(out, "consumer", &self.engine().stats());
     }
@@ -285,7 +344,7 @@ impl MetricsSource for Consumer {
 
 impl MetricsSource for Leader {
     /// Per-rank step outcomes.
-    fn collect(&self, out: &mut Encoder) {
+    fn collect(&self, out: &mut Samples) {
         step_outcome_metrics(out, &self.step_outcomes());
     }
 }
@@ -293,7 +352,6 @@ impl MetricsSource for Leader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mem::BackingKind;
 
     #[test]
     fn step_outcomes_render_per_rank() {
@@ -309,10 +367,10 @@ mod tests {
                 died: 1,
             },
         ];
-        let mut e = Encoder::new();
+        let mut e = Samples::new();
         step_outcome_metrics(&mut e, &ranks);
-        let out = e.finish();
-        assert_eq!(out.matches("# TYPE kvferry_step_outcomes_total counter\n").count(), 1);
+        let out = crate::metrics::render(e);
+        assert_eq!(out.matches("# TYPE kvferry_step_outcomes counter\n").count(), 1);
         for line in [
             "kvferry_step_outcomes_total{rank=\"0\",outcome=\"success\"} 3\n",
             "kvferry_step_outcomes_total{rank=\"0\",outcome=\"died\"} 0\n",
@@ -323,6 +381,7 @@ mod tests {
             assert!(out.contains(line), "missing {line:?} in\n{out}");
         }
         assert_eq!(out.lines().filter(|l| !l.starts_with('#')).count(), 8);
+        assert!(out.ends_with("# EOF\n"), "{out}");
     }
 
     #[test]
@@ -338,9 +397,9 @@ mod tests {
             backing: BackingKind::Unlocked,
             closed: false,
         };
-        let mut e = Encoder::new();
+        let mut e = Samples::new();
         arena_metrics(&mut e, "producer", &s);
-        let out = e.finish();
+        let out = crate::metrics::render(e);
         assert!(
             out.contains("kvferry_arena_pages{role=\"producer\",state=\"free\"} 6\n"),
             "{out}"
@@ -348,5 +407,7 @@ mod tests {
         assert!(out.contains("kvferry_arena_pages{role=\"producer\",state=\"leased\"} 3\n"));
         assert!(out.contains("kvferry_arena_pages{role=\"producer\",state=\"quarantined\"} 1\n"));
         assert!(out.contains("kvferry_arena_page_bytes{role=\"producer\"} 4096\n"));
+        assert!(out.contains("kvferry_arena_backing_bytes{role=\"producer\",backing=\"pinned\"} 0\n"));
+        assert!(out.contains("kvferry_arena_backing_bytes{role=\"producer\",backing=\"unpinned\"} 40960\n"));
     }
 }

@@ -27,7 +27,7 @@ mod server;
 pub use config::NetConfig;
 pub use conn::Connection;
 pub use handshake::PeerInfo;
-pub use pool::{Pool, PooledConnection};
+pub use pool::{Pool, PoolStats, PooledConnection};
 pub use server::{Handler, Server, ServerStats};
 
 use std::time::Duration;

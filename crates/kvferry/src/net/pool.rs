@@ -31,6 +31,19 @@ struct Shared {
     permits: Arc<Semaphore>,
     incarnation: AtomicU64,
     restarts: AtomicU64,
+    /// Connections opened (handshaken) so far.
+    opened: AtomicU64,
+}
+
+/// What a [`Pool`] holds now and has opened so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Connections checked out now.
+    pub in_use: usize,
+    /// Idle connections kept for reuse.
+    pub idle: usize,
+    /// Connections opened (handshake completed) since the pool was made.
+    pub opened: u64,
 }
 
 /// Connections to one peer. Cheap to clone.
@@ -58,6 +71,7 @@ impl Pool {
                 permits: Arc::new(Semaphore::new(n)),
                 incarnation: AtomicU64::new(0),
                 restarts: AtomicU64::new(0),
+                opened: AtomicU64::new(0),
             }),
         })
     }
@@ -75,6 +89,15 @@ impl Pool {
     /// How many times a new incarnation of the peer was seen.
     pub fn restarts_seen(&self) -> u64 {
         self.shared.restarts.load(Ordering::Relaxed)
+    }
+
+    /// Connections in use and idle now, and opened so far.
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            in_use: (self.shared.cfg.connections_per_peer).saturating_sub(self.shared.permits.available_permits()),
+            idle: self.shared.idle.lock().len(),
+            opened: self.shared.opened.load(Ordering::Relaxed),
+        }
     }
 
     /// Forgets idle connections (e.g. after the peer was lost).
@@ -122,6 +145,7 @@ impl Pool {
                     })
                 }
             };
+        self.shared.opened.fetch_add(1, Ordering::Relaxed);
         let inc = conn.peer().incarnation;
         let prev = self.shared.incarnation.swap(inc, Ordering::AcqRel);
         if prev != 0 && prev != inc {

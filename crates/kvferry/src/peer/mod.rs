@@ -17,6 +17,7 @@
 //! - **Never hang**: every consumer call has a deadline; the blocking get returns within
 //!   its timeout plus a small bound, leaving cancellation and drain to a background task.
 
+mod accounting;
 mod consumer;
 mod producer;
 pub mod publish;

@@ -37,6 +37,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::accounting;
 use super::publish::{PubSource, Publication, ReleaseQueue, ReleaseReason, Released};
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
@@ -45,6 +46,7 @@ use crate::device::DeviceKvCache;
 use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
 use crate::net::{Connection, Handler, NetError};
+use crate::stats::RequestStats;
 use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, FrameKind, Message};
 
 /// Producer settings.
@@ -200,6 +202,7 @@ struct Inner {
     pages_by_peer: Mutex<HashMap<String, usize>>,
     gets: Semaphore,
     counters: Counters,
+    requests: RequestStats,
     faults: ProducerFaults,
     stop: CancellationToken,
 }
@@ -253,6 +256,7 @@ impl Producer {
             releases: Arc::new(ReleaseQueue::default()),
             pages_by_peer: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            requests: RequestStats::default(),
             faults: ProducerFaults::default(),
             stop: CancellationToken::new(),
         });
@@ -278,6 +282,11 @@ impl Producer {
     /// Fault injection switches.
     pub fn faults(&self) -> &ProducerFaults {
         &self.inner.faults
+    }
+
+    /// Requests handled, by kind and outcome, and their handling latency by kind.
+    pub fn request_stats(&self) -> &RequestStats {
+        &self.inner.requests
     }
 
     /// Counters.
@@ -856,6 +865,7 @@ impl Producer {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {
                 let hits = self.inner.store.lookup(&keys) as u32;
+                accounting::note_found(hits > 0);
                 conn.send(id, &Message::LookupReply { hits }).await
             }
             Message::Stage { keys, ttl_ms } | Message::Get { keys, ttl_ms } if keys.is_empty() => {
@@ -869,6 +879,7 @@ impl Producer {
                 };
                 match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
                     Ok((lease_id, chunks, ttl_ms)) => {
+                        accounting::note_found(!chunks.is_empty());
                         let m = Message::Staged {
                             lease_id,
                             incarnation: self.inner.incarnation,
@@ -890,6 +901,7 @@ impl Producer {
                         Ok(s) => s,
                         Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
                     };
+                accounting::note_found(!chunks.is_empty());
                 let m = Message::Staged {
                     lease_id,
                     incarnation: self.inner.incarnation,
@@ -1039,6 +1051,7 @@ fn kind_of(e: &PeerError) -> ErrorKind {
 
 async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String) -> Result<(), NetError> {
     tracing::debug!(target: "kvferry::peer", ?kind, reason = %message, "request refused");
+    accounting::note_refusal(kind);
     conn.send(id, &Message::Error { kind, message }).await
 }
 
@@ -1051,8 +1064,10 @@ impl Handler for Producer {
     ) -> BoxFuture<'a, Result<(), NetError>> {
         let span = tracing::info_span!(target: "kvferry::peer", "request", request = request_id,
             peer = %conn.peer(), msg = msg.name());
+        let kind = accounting::kind_of(&msg);
         async move {
-            let r = self.handle_request(conn, request_id, msg).await;
+            let handler = self.handle_request(conn, request_id, msg);
+            let r = accounting::measured(&self.inner.requests, kind, handler).await;
             if let Err(e) = &r {
                 tracing::debug!(target: "kvferry::peer", error = %e, "request ended the connection");
             }

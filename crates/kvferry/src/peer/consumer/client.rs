@@ -13,8 +13,8 @@ use super::transfer::{unexpected, TaskError};
 use super::types::{ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
 use crate::copy::{CopyEngine, DrainFence, DrainSignal};
 use crate::mem::Arena;
-use crate::metrics::{Histogram, HistogramSnapshot};
-use crate::net::{NetError, Pool};
+use crate::net::{NetError, Pool, PoolStats};
+use crate::stats::{Histogram, HistogramSnapshot};
 use crate::wire::{ChunkKey, Message};
 
 #[derive(Default)]
@@ -149,6 +149,20 @@ impl Consumer {
         let p = Pool::new(peer, self.inner.cfg.net.clone())?;
         pools.insert(peer.to_string(), p.clone());
         Ok(p)
+    }
+
+    /// Client connections to every peer: in use and idle now, opened so far (the sum
+    /// over this consumer's pools).
+    pub fn connection_stats(&self) -> PoolStats {
+        let pools: Vec<Pool> = self.inner.pools.lock().values().cloned().collect();
+        pools
+            .iter()
+            .map(Pool::stats)
+            .fold(PoolStats::default(), |a, s| PoolStats {
+                in_use: a.in_use + s.in_use,
+                idle: a.idle + s.idle,
+                opened: a.opened + s.opened,
+            })
     }
 
     /// Keys a peer accepts in one request (the transport's limit).

@@ -1,5 +1,7 @@
 //! A fixed-bucket latency histogram, lock-free: one atomic counter per bucket plus an
-//! atomic sum, so observing never blocks and never allocates.
+//! atomic sum, so observing never blocks and never allocates (the transfer and request
+//! paths observe into it; `prometheus-client`'s own histogram takes a mutex per
+//! observation, so the exporter encodes snapshots of this one instead).
 //!
 //! Buckets are upper bounds (`le`, inclusive, as in Prometheus): an observation `d`
 //! lands in the first bucket whose bound is `>= d`, or in the implicit `+Inf` bucket.
@@ -10,7 +12,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::MetricsError;
+use super::StatsError;
 
 /// Default bounds for transfer latencies: 100 µs to 10 s, roughly 1-2.5-5 per decade.
 pub const LATENCY_BUCKETS: &[Duration] = &[
@@ -68,16 +70,16 @@ impl Histogram {
 
     /// A histogram with these upper bounds. They must be non-empty, non-zero and
     /// strictly increasing.
-    pub fn with_bounds(bounds: &[Duration]) -> Result<Histogram, MetricsError> {
+    pub fn with_bounds(bounds: &[Duration]) -> Result<Histogram, StatsError> {
         if bounds.is_empty() {
-            return Err(MetricsError::InvalidBuckets("no bucket bounds".into()));
+            return Err(StatsError::InvalidBuckets("no bucket bounds".into()));
         }
         let ns: Vec<u64> = bounds.iter().map(|d| duration_ns(*d)).collect();
         if ns[0] == 0 {
-            return Err(MetricsError::InvalidBuckets("a bucket bound is zero".into()));
+            return Err(StatsError::InvalidBuckets("a bucket bound is zero".into()));
         }
         if let Some(w) = ns.windows(2).find(|w| w[0] >= w[1]) {
-            return Err(MetricsError::InvalidBuckets(format!(
+            return Err(StatsError::InvalidBuckets(format!(
                 "bounds must increase strictly: {:?} then {:?}",
                 Duration::from_nanos(w[0]),
                 Duration::from_nanos(w[1])
@@ -119,6 +121,19 @@ impl Histogram {
 }
 
 impl HistogramSnapshot {
+    /// The counts per bucket (not cumulative), `(upper bound in seconds, count)`,
+    /// ending with the `+Inf` bucket: the form exposition encoders take.
+    pub fn per_bucket(&self) -> Vec<(f64, u64)> {
+        let mut prev = 0u64;
+        let mut out = Vec::with_capacity(self.buckets.len() + 1);
+        for (le, cum) in &self.buckets {
+            out.push((*le, cum.saturating_sub(prev)));
+            prev = *cum;
+        }
+        out.push((f64::INFINITY, self.count.saturating_sub(prev)));
+        out
+    }
+
     /// Adds `other`'s counts into this one (same bounds required; returns false and
     /// changes nothing otherwise).
     pub fn merge(&mut self, other: &HistogramSnapshot) -> bool {
@@ -209,6 +224,17 @@ mod tests {
         let s = h.snapshot();
         assert_eq!(s.count, 4000);
         assert_eq!(s.buckets.last().unwrap().1, 4000, "all below 10 s");
+    }
+
+    #[test]
+    fn per_bucket_counts_add_up_to_the_count() {
+        let h = Histogram::with_bounds(&[ms(1), ms(10)]).unwrap();
+        for d in [ms(1), ms(2), ms(3), ms(50)] {
+            h.observe(d);
+        }
+        let s = h.snapshot();
+        assert_eq!(s.per_bucket(), vec![(0.001, 1), (0.01, 2), (f64::INFINITY, 1)]);
+        assert_eq!(s.per_bucket().iter().map(|b| b.1).sum::<u64>(), s.count);
     }
 
     #[test]
