@@ -45,6 +45,10 @@ pub struct EngineArgs {
     /// client cannot lock the whole arena.
     #[arg(long)]
     pub peer_quota_pages: Option<usize>,
+    /// How long an eager get's staged pages outlive its connection when it closes without
+    /// `Done` (leases staged for a later pull keep their TTL).
+    #[arg(long, default_value = "2s", value_parser = parse_grace)]
+    pub lease_grace: Duration,
     /// Staging requests served at once; more get an immediate "busy" miss.
     #[arg(long, default_value_t = 64)]
     pub max_gets: usize,
@@ -70,6 +74,15 @@ pub struct EngineArgs {
     /// Accepted connections at once; more are refused.
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
+}
+
+/// A grace period: a duration, zero allowed (release at once).
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    let num = s.trim().trim_end_matches(|c: char| c.is_alphabetic() || c == 'µ');
+    if num.trim().parse::<f64>() == Ok(0.0) {
+        return Ok(Duration::ZERO);
+    }
+    parse_timeout(s)
 }
 
 impl EngineArgs {
@@ -135,6 +148,7 @@ impl EngineArgs {
             max_ttl,
             max_concurrent_gets: self.max_gets,
             max_staged_pages_per_peer: self.peer_quota_pages,
+            lease_grace: self.lease_grace,
         };
         Ok(cfg)
     }
@@ -175,6 +189,7 @@ impl Default for EngineArgs {
             ttl: Duration::from_secs(10),
             max_ttl: None,
             peer_quota_pages: None,
+            lease_grace: Duration::from_secs(2),
             max_gets: 64,
             secret: None,
             secret_file: None,

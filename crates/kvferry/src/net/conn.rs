@@ -24,6 +24,8 @@ use crate::wire::{self, FrameHeader, FrameKind, Limits, Message, WireError};
 /// A handshaken connection.
 #[derive(Debug)]
 pub struct Connection {
+    /// Unique among this process's connections (for state tied to one connection).
+    id: u64,
     stream: TcpStream,
     peer: PeerInfo,
     limits: Limits,
@@ -46,7 +48,9 @@ fn stalled_is_timeout(op: &'static str, d: Duration, e: WireError) -> NetError {
 
 impl Connection {
     pub(crate) fn new(stream: TcpStream, peer: PeerInfo, limits: Limits, io_timeout: Duration) -> Connection {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Connection {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             stream,
             peer,
             limits,
@@ -75,6 +79,11 @@ impl Connection {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
             _ => true, // EOF, unexpected bytes, or an error
         }
+    }
+
+    /// This connection's id, unique within the process (never reused).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Who is on the other side.

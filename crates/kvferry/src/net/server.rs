@@ -60,8 +60,11 @@ pub trait Handler: Send + Sync + 'static {
         msg: Message,
     ) -> BoxFuture<'a, Result<(), NetError>>;
 
-    /// Called when a connection ends (for cleanup tied to a peer).
-    fn disconnected(&self, _peer: &super::PeerInfo) {}
+    /// Called when an authenticated connection ends, however it ends (closed by the
+    /// peer, broken, idle, or closed after an error), once no request of it runs any
+    /// more; not when the server is dropped. For cleanup tied to the connection
+    /// ([`Connection::id`]) or its peer.
+    fn disconnected(&self, _conn: &Connection) {}
 }
 
 /// Counters of a server.
@@ -437,7 +440,7 @@ async fn serve_connection(
             break;
         }
     }
-    handler.disconnected(&peer);
+    handler.disconnected(&conn);
 }
 
 fn note_protocol_error(counters: &Counters, peer: &super::PeerInfo, e: &NetError) {
