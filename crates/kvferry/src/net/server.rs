@@ -143,6 +143,11 @@ impl Server {
     /// Binds `addr` (e.g. `127.0.0.1:0`) and starts serving with `handler`.
     pub async fn bind(addr: &str, cfg: NetConfig, handler: Arc<dyn Handler>) -> Result<Server, NetError> {
         cfg.validate()?;
+        if cfg.tls.as_ref().is_some_and(|t| !t.can_serve()) {
+            return Err(NetError::InvalidConfig(
+                "a TLS server needs its own certificate and key".into(),
+            ));
+        }
         let listener = listen(addr).await.map_err(|e| NetError::Connect {
             addr: addr.into(),
             reason: format!("bind: {e}"),

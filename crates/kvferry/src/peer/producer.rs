@@ -872,7 +872,8 @@ impl Producer {
     }
 
     async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
-        let owner = conn.peer().peer_id.clone();
+        // Under TLS, the certificate's identity: a peer cannot claim another's leases.
+        let owner = conn.peer().authenticated_id().to_string();
         match msg {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {
