@@ -7,7 +7,7 @@ use clap::Args;
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
 use kvferry::mem::ByteSize;
-use kvferry::net::NetConfig;
+use kvferry::net::{NetConfig, TlsConfig};
 use kvferry::peer::ProducerConfig;
 use kvferry::wire::Limits;
 
@@ -74,6 +74,33 @@ pub struct EngineArgs {
     /// Accepted connections at once; more are refused.
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// Mutual TLS between peers: all three flags, or none.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// This node's certificate chain (PEM), signed by --tls-ca. Turns on mutual TLS.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// The CA (PEM) that signs every peer's certificate; peers without one are refused.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
+impl TlsArgs {
+    /// The TLS configuration, if the flags ask for TLS (files loaded and checked now).
+    pub fn config(&self) -> anyhow::Result<Option<TlsConfig>> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(a)) => Ok(Some(TlsConfig::from_files(c, k, a)?)),
+            (None, None, None) => Ok(None),
+            _ => anyhow::bail!("--tls-cert, --tls-key and --tls-ca go together"),
+        }
+    }
 }
 
 /// A grace period: a duration, zero allowed (release at once).
@@ -104,6 +131,7 @@ impl EngineArgs {
         net.io_timeout = self.io_timeout;
         net.idle_timeout = self.idle_timeout;
         net.max_connections = self.max_connections;
+        net.tls = self.tls.config()?;
         net.limits = Limits {
             max_control_bytes: self.max_control.bytes(),
             max_bulk_bytes: self.max_bulk.bytes(),
@@ -198,6 +226,7 @@ impl Default for EngineArgs {
             io_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(300),
             max_connections: 4096,
+            tls: TlsArgs::default(),
         }
     }
 }
