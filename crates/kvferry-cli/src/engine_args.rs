@@ -230,3 +230,34 @@ impl Default for EngineArgs {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_grace_takes_durations_and_zero() {
+        assert_eq!(parse_grace("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_grace("0s").unwrap(), Duration::ZERO);
+        assert_eq!(parse_grace("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_grace("-1s").is_err());
+        assert!(parse_grace("soon").is_err());
+        let cfg = EngineArgs {
+            lease_grace: Duration::from_millis(300),
+            ..EngineArgs::default()
+        };
+        let cfg = cfg.config(None, "t").unwrap();
+        assert_eq!(cfg.producer.lease_grace, Duration::from_millis(300));
+        assert!(cfg.net.tls.is_none());
+    }
+
+    #[test]
+    fn tls_flags_go_together() {
+        let args = TlsArgs {
+            tls_cert: Some("c.pem".into()),
+            ..TlsArgs::default()
+        };
+        let e = args.config().unwrap_err().to_string();
+        assert!(e.contains("go together"), "{e}");
+    }
+}

@@ -139,6 +139,12 @@ async fn tls_round_trip_is_byte_exact_and_peers_are_known_by_certificate() {
     decode.release_staged(&h, deadline()).await.unwrap();
     let s = prefill.server_stats();
     assert_eq!(s.auth_failures, 0);
+    // A client knows the server by its certificate too.
+    let raw = Pool::new(addr.clone(), client_net(Some(ca.tls("raw.node")))).unwrap();
+    let conn = raw.checkout(deadline()).await.unwrap();
+    assert_eq!(conn.peer().tls_identity.as_deref(), Some("prefill.node"));
+    assert!(conn.is_tls());
+    conn.finish();
     assert!(s.accepted >= 1);
     // The producer bound the leases to the certificate's identity: a raw client with
     // another certificate (same CA) cannot release them.

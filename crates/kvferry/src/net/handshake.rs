@@ -140,17 +140,19 @@ pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, N
         tls_identity: None,
     };
     let handshake = async {
+        let mut peer = unknown;
         let stream = match &cfg.tls {
             None => Stream::Plain(stream),
             Some(tls) => {
-                let s = tls
+                let (s, id) = tls
                     .connect(addr, stream)
                     .await
                     .map_err(|e| NetError::Auth(format!("TLS handshake with {addr} failed: {e}")))?;
+                peer.tls_identity = id;
                 Stream::Tls(Box::new(s.into()))
             }
         };
-        let conn = Connection::new(stream, unknown, cfg.limits.handshake(), cfg.handshake_timeout);
+        let conn = Connection::new(stream, peer, cfg.limits.handshake(), cfg.handshake_timeout);
         client_side(conn, addr, cfg).await
     };
     match tokio::time::timeout(cfg.handshake_timeout, handshake).await {

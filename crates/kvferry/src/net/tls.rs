@@ -265,21 +265,28 @@ impl TlsConfig {
     }
 
     /// The client side of the TLS handshake with the server at `addr` (`host:port`),
-    /// whose certificate must name `host`.
+    /// whose certificate must name `host`; returns the server's identity too.
     pub(crate) async fn connect(
         &self,
         addr: &str,
         tcp: TcpStream,
-    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, String> {
+    ) -> Result<(tokio_rustls::client::TlsStream<TcpStream>, Option<String>), String> {
         let host = host_of(addr);
         let name = ServerName::try_from(host.to_string())
             .map_err(|e| format!("{host:?} is not a name a certificate can be checked against: {e}"))?;
-        tokio_rustls::TlsConnector::from(self.client.clone())
+        let stream = tokio_rustls::TlsConnector::from(self.client.clone())
             .connect(name, tcp)
             .await
             .map_err(|e| {
                 format!("{e} (does the server run with TLS, and its certificate name {host} and come from our CA?)")
-            })
+            })?;
+        let identity = stream
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(identity_of);
+        Ok((stream, identity))
     }
 
     /// The server side of the TLS handshake; returns the client's identity.
