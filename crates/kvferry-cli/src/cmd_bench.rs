@@ -13,6 +13,8 @@ mod limits;
 mod p2p;
 #[path = "cmd_bench/plot.rs"]
 mod plot;
+#[path = "cmd_bench/tls.rs"]
+mod tls;
 
 /// Benchmark options. Without a subcommand, runs the end-to-end transfer benchmark
 /// (`bench p2p`) with the options given here.

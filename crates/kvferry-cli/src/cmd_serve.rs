@@ -97,7 +97,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(a) => a.ip().is_loopback(),
         None => args.listen.starts_with("localhost:"),
     };
-    if !local && args.node.secret()?.is_none() {
+    if !local && args.node.secret()?.is_none() && args.node.tls.tls_cert.is_none() {
         eprintln!(
             "warning: serving on {} without a shared secret: any host that can reach it may read KV",
             args.listen

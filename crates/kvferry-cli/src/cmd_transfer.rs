@@ -35,6 +35,8 @@ pub struct PeerArgs {
     /// whitespace is ignored).
     #[arg(long, conflicts_with = "secret")]
     secret_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    tls: crate::engine_args::TlsArgs,
 }
 
 impl PeerArgs {
@@ -91,6 +93,7 @@ async fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Engine> {
         .arena(arena_bytes.div_ceil(page).max(1) * page, page);
     cfg.pinned = false;
     cfg.net.connections_per_peer = 1;
+    cfg.net.tls = p.tls.config()?;
     cfg.copy.threads = 1;
     cfg.store = StoreConfig::Bytes {
         bytes: 64 << 10,

@@ -7,7 +7,7 @@ use clap::Args;
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
 use kvferry::mem::ByteSize;
-use kvferry::net::NetConfig;
+use kvferry::net::{NetConfig, TlsConfig};
 use kvferry::peer::ProducerConfig;
 use kvferry::wire::Limits;
 
@@ -45,6 +45,10 @@ pub struct EngineArgs {
     /// client cannot lock the whole arena.
     #[arg(long)]
     pub peer_quota_pages: Option<usize>,
+    /// How long an eager get's staged pages outlive its connection when it closes without
+    /// `Done` (leases staged for a later pull keep their TTL).
+    #[arg(long, default_value = "2s", value_parser = parse_grace)]
+    pub lease_grace: Duration,
     /// Staging requests served at once; more get an immediate "busy" miss.
     #[arg(long, default_value_t = 64)]
     pub max_gets: usize,
@@ -70,6 +74,42 @@ pub struct EngineArgs {
     /// Accepted connections at once; more are refused.
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+}
+
+/// Mutual TLS between peers: all three flags, or none.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// This node's certificate chain (PEM), signed by --tls-ca. Turns on mutual TLS.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// The CA (PEM) that signs every peer's certificate; peers without one are refused.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<std::path::PathBuf>,
+}
+
+impl TlsArgs {
+    /// The TLS configuration, if the flags ask for TLS (files loaded and checked now).
+    pub fn config(&self) -> anyhow::Result<Option<TlsConfig>> {
+        match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (Some(c), Some(k), Some(a)) => Ok(Some(TlsConfig::from_files(c, k, a)?)),
+            (None, None, None) => Ok(None),
+            _ => anyhow::bail!("--tls-cert, --tls-key and --tls-ca go together"),
+        }
+    }
+}
+
+/// A grace period: a duration, zero allowed (release at once).
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    let num = s.trim().trim_end_matches(|c: char| c.is_alphabetic() || c == 'µ');
+    if num.trim().parse::<f64>() == Ok(0.0) {
+        return Ok(Duration::ZERO);
+    }
+    parse_timeout(s)
 }
 
 impl EngineArgs {
@@ -91,6 +131,7 @@ impl EngineArgs {
         net.io_timeout = self.io_timeout;
         net.idle_timeout = self.idle_timeout;
         net.max_connections = self.max_connections;
+        net.tls = self.tls.config()?;
         net.limits = Limits {
             max_control_bytes: self.max_control.bytes(),
             max_bulk_bytes: self.max_bulk.bytes(),
@@ -135,6 +176,7 @@ impl EngineArgs {
             max_ttl,
             max_concurrent_gets: self.max_gets,
             max_staged_pages_per_peer: self.peer_quota_pages,
+            lease_grace: self.lease_grace,
         };
         Ok(cfg)
     }
@@ -175,6 +217,7 @@ impl Default for EngineArgs {
             ttl: Duration::from_secs(10),
             max_ttl: None,
             peer_quota_pages: None,
+            lease_grace: Duration::from_secs(2),
             max_gets: 64,
             secret: None,
             secret_file: None,
@@ -183,6 +226,38 @@ impl Default for EngineArgs {
             io_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(300),
             max_connections: 4096,
+            tls: TlsArgs::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_grace_takes_durations_and_zero() {
+        assert_eq!(parse_grace("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_grace("0s").unwrap(), Duration::ZERO);
+        assert_eq!(parse_grace("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_grace("-1s").is_err());
+        assert!(parse_grace("soon").is_err());
+        let cfg = EngineArgs {
+            lease_grace: Duration::from_millis(300),
+            ..EngineArgs::default()
+        };
+        let cfg = cfg.config(None, "t").unwrap();
+        assert_eq!(cfg.producer.lease_grace, Duration::from_millis(300));
+        assert!(cfg.net.tls.is_none());
+    }
+
+    #[test]
+    fn tls_flags_go_together() {
+        let args = TlsArgs {
+            tls_cert: Some("c.pem".into()),
+            ..TlsArgs::default()
+        };
+        let e = args.config().unwrap_err().to_string();
+        assert!(e.contains("go together"), "{e}");
     }
 }

@@ -167,7 +167,7 @@ async fn put(pool: &Pool, key: ChunkKey, data: &[u8]) -> Result<(), NetError> {
 
 /// A granted stage: lease id, producer incarnation, staged chunks, granted TTL (ms).
 struct Staged {
-    lease_id: u64,
+    lease_id: u128,
     incarnation: u64,
     chunks: Vec<ChunkMeta>,
     ttl_ms: u32,
@@ -190,7 +190,7 @@ async fn stage(pool: &Pool, keys: Vec<ChunkKey>, ttl_ms: u32) -> Result<Staged, 
     }
 }
 
-async fn done(pool: &Pool, lease_id: u64) -> Result<Message, NetError> {
+async fn done(pool: &Pool, lease_id: u128) -> Result<Message, NetError> {
     request(pool, &Message::Done { lease_id }).await
 }
 

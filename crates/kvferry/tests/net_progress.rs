@@ -246,7 +246,7 @@ async fn a_bulk_frame_through_a_slow_link_passes_the_io_timeout() {
     c.send(
         id,
         &Message::Pull {
-            lease_id: TRICKLE_BYTES as u64,
+            lease_id: TRICKLE_BYTES as u128,
             incarnation: 0,
         },
     )
@@ -258,7 +258,7 @@ async fn a_bulk_frame_through_a_slow_link_passes_the_io_timeout() {
     assert_eq!(
         c.recv_reply(id).await.unwrap(),
         Message::PullDone {
-            lease_id: TRICKLE_BYTES as u64
+            lease_id: TRICKLE_BYTES as u128
         }
     );
     let took = started.elapsed();
@@ -315,7 +315,7 @@ async fn a_reader_that_stalls_is_cut_after_the_io_timeout() {
         &mut s,
         9,
         &Message::Pull {
-            lease_id: len,
+            lease_id: len as u128,
             incarnation: 0,
         },
     )

@@ -80,7 +80,7 @@ fn message() -> impl Strategy<Value = Message> {
         keys().prop_map(|keys| Message::Lookup { keys }),
         any::<u32>().prop_map(|hits| Message::LookupReply { hits }),
         (keys(), any::<u32>()).prop_map(|(keys, ttl_ms)| Message::Stage { keys, ttl_ms }),
-        (any::<u64>(), any::<u64>(), vec(meta, 0..10), any::<u32>()).prop_map(
+        (any::<u128>(), any::<u64>(), vec(meta, 0..10), any::<u32>()).prop_map(
             |(lease_id, incarnation, chunks, ttl_ms)| Message::Staged {
                 lease_id,
                 incarnation,
@@ -88,10 +88,10 @@ fn message() -> impl Strategy<Value = Message> {
                 ttl_ms
             }
         ),
-        (any::<u64>(), any::<u64>()).prop_map(|(lease_id, incarnation)| Message::Pull { lease_id, incarnation }),
-        any::<u64>().prop_map(|lease_id| Message::PullDone { lease_id }),
+        (any::<u128>(), any::<u64>()).prop_map(|(lease_id, incarnation)| Message::Pull { lease_id, incarnation }),
+        any::<u128>().prop_map(|lease_id| Message::PullDone { lease_id }),
         (keys(), any::<u32>()).prop_map(|(keys, ttl_ms)| Message::Get { keys, ttl_ms }),
-        any::<u64>().prop_map(|lease_id| Message::Done { lease_id }),
+        any::<u128>().prop_map(|lease_id| Message::Done { lease_id }),
         Just(Message::DoneAck),
         (key(), any::<u64>()).prop_map(|(key, len)| Message::Put { key, len }),
         key().prop_map(|key| Message::PutAck { key }),

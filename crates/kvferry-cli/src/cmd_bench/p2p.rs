@@ -95,6 +95,11 @@ pub struct P2pBenchArgs {
     /// TCP and memcpy limits, into this SVG file (implies --sweep).
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<std::path::PathBuf>,
+    /// Run every connection over mutual TLS (rustls with ring, TLS 1.3 AES-256-GCM),
+    /// with a CA and certificates generated in memory for the run; compare with the
+    /// same command without --tls.
+    #[arg(long)]
+    pub tls: bool,
     /// Print JSON (one object; an array with --sweep) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -120,6 +125,7 @@ impl Default for P2pBenchArgs {
             path: BenchPath::Direct,
             sweep: false,
             plot: None,
+            tls: false,
             json: false,
             quiet: false,
         }
@@ -132,6 +138,8 @@ pub struct Point {
     pub model: String,
     /// `direct` or `staged` (see `--path`).
     pub path: BenchPath,
+    /// Whether connections ran over mutual TLS (`--tls`).
+    pub tls: bool,
     pub chunk_bytes: usize,
     pub in_flight: usize,
     pub connections: usize,
@@ -417,7 +425,12 @@ fn setup_line(p: &Point) -> String {
             p.staging_backing
         ),
     };
-    format!("path {path}; {staging}")
+    let tls = if p.tls {
+        "; over mutual TLS (TLS 1.3, AES-256-GCM; the raw TCP limits are plaintext)"
+    } else {
+        ""
+    };
+    format!("path {path}{tls}; {staging}")
 }
 
 /// What a ratio to same-bytes raw TCP means.
@@ -545,9 +558,22 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         peer_quota_pages: Some(usize::MAX / 2),
         ..EngineArgs::default()
     };
+    let ca = match args.tls {
+        true => Some(super::tls::EphemeralCa::new()?),
+        false => None,
+    };
     let mut producers = Vec::new();
     for i in 0..args.producers {
-        producers.push(pnode.start(Some("127.0.0.1:0"), &format!("bench-producer-{i}")).await?);
+        let name = format!("bench-producer-{i}");
+        let mut cfg = pnode.config(Some("127.0.0.1:0"), &name)?;
+        if let Some(ca) = &ca {
+            cfg.net.tls = Some(ca.node(&name)?);
+        }
+        let e = Engine::start(cfg).await?;
+        if let Some(why) = e.arena().fallback_reason() {
+            crate::engine_args::note_unpinned(&e.arena().backing_kind().to_string(), &why);
+        }
+        producers.push(e);
     }
     // Fill: request r lives on producer r % P, every chunk with its own pattern.
     let playout = KvLayout::preset(args.model.parse()?, producer_blocks, Arrangement::LayerSeparate)?;
@@ -650,6 +676,9 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     };
     let mut ccfg = cnode.config(None, "bench-consumer")?;
     ccfg.net.connections_per_peer = args.connections;
+    if let Some(ca) = &ca {
+        ccfg.net.tls = Some(ca.node("bench-consumer")?);
+    }
     let consumer = Engine::start(ccfg).await?;
     let arena = consumer.arena().clone();
     let path = if staged {
@@ -847,6 +876,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     Ok(Point {
         model: args.model.clone(),
         path: args.path,
+        tls: args.tls,
         chunk_bytes,
         in_flight: args.in_flight,
         connections: args.connections,

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::NetError;
+use super::{NetError, TlsConfig};
 use crate::wire::auth::MIN_SECRET_BYTES;
 use crate::wire::Limits;
 
@@ -56,6 +56,9 @@ pub struct NetConfig {
     pub auth_failure_window: Duration,
     /// Frame and message limits.
     pub limits: Limits,
+    /// Mutual TLS between peers (`None`: plain TCP). Servers then require a client
+    /// certificate from the CA, clients check the server's; both directions encrypted.
+    pub tls: Option<TlsConfig>,
 }
 
 impl NetConfig {
@@ -76,6 +79,7 @@ impl NetConfig {
             auth_failure_limit: 10,
             auth_failure_window: Duration::from_secs(60),
             limits: Limits::default(),
+            tls: None,
         }
     }
 
@@ -161,6 +165,7 @@ impl std::fmt::Debug for NetConfig {
             .field("auth_failure_limit", &self.auth_failure_limit)
             .field("auth_failure_window", &self.auth_failure_window)
             .field("limits", &self.limits)
+            .field("tls", &self.tls)
             .finish()
     }
 }

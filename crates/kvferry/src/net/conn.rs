@@ -15,16 +15,18 @@
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 use super::progress::{self, Progress};
+use super::stream::Stream;
 use super::{NetError, PeerInfo};
 use crate::wire::{self, FrameHeader, FrameKind, Limits, Message, WireError};
 
 /// A handshaken connection.
 #[derive(Debug)]
 pub struct Connection {
-    stream: TcpStream,
+    /// Unique among this process's connections (for state tied to one connection).
+    id: u64,
+    stream: Stream,
     peer: PeerInfo,
     limits: Limits,
     io_timeout: Duration,
@@ -45,8 +47,10 @@ fn stalled_is_timeout(op: &'static str, d: Duration, e: WireError) -> NetError {
 }
 
 impl Connection {
-    pub(crate) fn new(stream: TcpStream, peer: PeerInfo, limits: Limits, io_timeout: Duration) -> Connection {
+    pub(crate) fn new(stream: Stream, peer: PeerInfo, limits: Limits, io_timeout: Duration) -> Connection {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Connection {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             stream,
             peer,
             limits,
@@ -70,11 +74,27 @@ impl Connection {
     /// True if the peer has closed this (idle) connection or sent something unasked:
     /// either way it must not be reused. Never blocks.
     pub fn is_stale(&self) -> bool {
-        let mut b = [0u8; 1];
-        match self.stream.try_read(&mut b) {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
-            _ => true, // EOF, unexpected bytes, or an error
+        self.stream.is_stale()
+    }
+
+    /// True if this connection runs over TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self.stream, Stream::Tls(_))
+    }
+
+    /// Reads a bulk body: vectored straight into `dst` on plain TCP (zero copy), through
+    /// the generic reader (with the same progress timeout) over TLS.
+    async fn read_bulk_body(&mut self, header: &FrameHeader, dst: &mut [&mut [u8]]) -> Result<(), WireError> {
+        let d = self.io_timeout;
+        match &mut self.stream {
+            Stream::Plain(tcp) => wire::read_bulk_body_tcp(tcp, header, dst, d).await,
+            tls => wire::read_bulk_body(&mut Progress::new(tls, d), header, dst).await,
         }
+    }
+
+    /// This connection's id, unique within the process (never reused).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Who is on the other side.
@@ -231,7 +251,7 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = wire::read_bulk_body_tcp(&mut self.stream, &header, dst, d).await;
+        let r = self.read_bulk_body(&header, dst).await;
         r.map_err(|e| self.lost(stalled_is_timeout("read bulk frame", d, e)))?;
         Ok(header.checksum)
     }
@@ -245,7 +265,7 @@ impl Connection {
             )));
         }
         let d = self.io_timeout;
-        let r = wire::read_bulk_body_tcp(&mut self.stream, header, dst, d).await;
+        let r = self.read_bulk_body(header, dst).await;
         r.map_err(|e| self.lost(stalled_is_timeout("read bulk frame", d, e)))?;
         Ok(header.checksum)
     }

@@ -45,12 +45,23 @@
 //! handshaking connections, its connection cap (checked once the client proved
 //! itself, answered with `Busy` in place of the welcome) and its per-address limit on
 //! failed authentications are in [`server`](super::server).
+//!
+//! # TLS
+//!
+//! With [`NetConfig::tls`] set, a mutual TLS handshake ([`tls`](super::tls)) runs
+//! first, under the same timeout, and everything above runs inside it. The client's
+//! certificate identity is recorded in [`PeerInfo::tls_identity`]. A TLS failure on the
+//! server (no client certificate, an untrusted one) is an authentication failure; a
+//! plaintext kvferry client is recognised by its first byte (the frame magic's) and
+//! told in plaintext that the server requires TLS.
 
 use std::fmt;
 use std::net::SocketAddr;
 
 use tokio::net::TcpStream;
 
+use super::stream::Stream;
+use super::tls::AcceptError;
 use super::{Connection, NetConfig, NetError};
 use crate::wire::auth::{self, Keys, Role, Transcript};
 use crate::wire::{ErrorKind, Message, WireError};
@@ -64,13 +75,30 @@ pub struct PeerInfo {
     pub incarnation: u64,
     /// Its socket address.
     pub addr: Option<SocketAddr>,
+    /// The identity its TLS certificate names (subject CN, else a subject alternative
+    /// name), verified against the CA; `None` without TLS. On a server, this is what
+    /// the peer is authenticated as.
+    pub tls_identity: Option<String>,
+}
+
+impl PeerInfo {
+    /// The identity resources (leases, quotas) are bound to: the certificate's
+    /// identity under TLS (a peer cannot claim another's), else the claimed peer id
+    /// (authenticated only as a holder of the shared secret).
+    pub fn authenticated_id(&self) -> &str {
+        self.tls_identity.as_deref().unwrap_or(&self.peer_id)
+    }
 }
 
 impl fmt::Display for PeerInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.peer_id)?;
+        if let Some(id) = &self.tls_identity {
+            write!(f, "[cert {id}]")?;
+        }
         match self.addr {
-            Some(a) => write!(f, "{}@{a}", self.peer_id),
-            None => f.write_str(&self.peer_id),
+            Some(a) => write!(f, "@{a}"),
+            None => Ok(()),
         }
     }
 }
@@ -109,9 +137,25 @@ pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, N
         peer_id: addr.to_string(),
         incarnation: 0,
         addr: peer_addr,
+        tls_identity: None,
     };
-    let conn = Connection::new(stream, unknown, cfg.limits.handshake(), cfg.handshake_timeout);
-    match tokio::time::timeout(cfg.handshake_timeout, client_side(conn, addr, cfg)).await {
+    let handshake = async {
+        let mut peer = unknown;
+        let stream = match &cfg.tls {
+            None => Stream::Plain(stream),
+            Some(tls) => {
+                let (s, id) = tls
+                    .connect(addr, stream)
+                    .await
+                    .map_err(|e| NetError::Auth(format!("TLS handshake with {addr} failed: {e}")))?;
+                peer.tls_identity = id;
+                Stream::Tls(Box::new(s.into()))
+            }
+        };
+        let conn = Connection::new(stream, peer, cfg.limits.handshake(), cfg.handshake_timeout);
+        client_side(conn, addr, cfg).await
+    };
+    match tokio::time::timeout(cfg.handshake_timeout, handshake).await {
         Ok(r) => r,
         Err(_) => Err(NetError::Timeout {
             op: "handshake",
@@ -202,10 +246,11 @@ async fn client_side(mut conn: Connection, addr: &str, cfg: &NetConfig) -> Resul
 pub(crate) enum Rejected {
     /// The handshake failed: timeout, I/O, a malformed or unexpected frame.
     Failed(NetError),
-    /// The client did not prove the shared secret.
+    /// The client did not prove the shared secret, or failed TLS authentication.
     Auth {
-        /// Why, for the server's log ("wrong secret", "no secret offered").
-        why: &'static str,
+        /// Why, for the server's log ("wrong secret", "no secret offered", the TLS
+        /// error).
+        why: String,
         /// The peer id the client claimed.
         claimed: String,
     },
@@ -236,15 +281,80 @@ pub(crate) async fn accept<T>(
         peer_id: "(handshaking)".into(),
         incarnation: 0,
         addr,
+        tls_identity: None,
     };
-    let conn = Connection::new(stream, unknown, cfg.limits.handshake(), cfg.handshake_timeout);
-    match tokio::time::timeout(cfg.handshake_timeout, server_side(conn, cfg, keys, admit)).await {
+    let handshake = async {
+        let (stream, identity) = match &cfg.tls {
+            None => (Stream::Plain(stream), None),
+            Some(tls) => {
+                let (s, id) = tls_accept(tls, stream, cfg).await?;
+                (Stream::Tls(Box::new(s.into())), Some(id))
+            }
+        };
+        let mut conn = Connection::new(stream, unknown, cfg.limits.handshake(), cfg.handshake_timeout);
+        if let Some(id) = identity {
+            tracing::info!(target: "kvferry::net", peer_addr = ?addr, identity = %id, "TLS client authenticated");
+            let mut peer = conn.peer().clone();
+            peer.tls_identity = Some(id);
+            conn.set_peer(peer);
+        }
+        server_side(conn, cfg, keys, admit).await
+    };
+    match tokio::time::timeout(cfg.handshake_timeout, handshake).await {
         Ok(r) => r,
         Err(_) => Err(Rejected::Failed(NetError::Timeout {
             op: "handshake",
             waited: cfg.handshake_timeout,
         })),
     }
+}
+
+/// The server's TLS handshake. A plaintext kvferry client (its first byte is the frame
+/// magic's; a TLS record starts with a content type, 0x14..=0x18) is told, in
+/// plaintext, that this server requires TLS.
+async fn tls_accept(
+    tls: &super::TlsConfig,
+    stream: TcpStream,
+    cfg: &NetConfig,
+) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, String), Rejected> {
+    let mut first = [0u8; 1];
+    let n = stream
+        .peek(&mut first)
+        .await
+        .map_err(|e| Rejected::Failed(NetError::Wire(WireError::Io(e))))?;
+    if n == 1 && first[0] == crate::wire::MAGIC[0] {
+        let msg = Message::Error {
+            kind: ErrorKind::AuthRequired,
+            message: "this server requires TLS; configure a certificate, key and CA (--tls-cert, --tls-key,                       --tls-ca)"
+                .into(),
+        };
+        let mut conn = Connection::new(
+            Stream::Plain(stream),
+            PeerInfo {
+                peer_id: "(plaintext)".into(),
+                incarnation: 0,
+                addr: None,
+                tls_identity: None,
+            },
+            cfg.limits.handshake(),
+            cfg.handshake_timeout,
+        );
+        // Read its Hello first (so closing does not reset the reply away), then refuse.
+        let _ = conn.recv().await;
+        let _ = conn.send(0, &msg).await;
+        conn.shutdown().await;
+        return Err(Rejected::Auth {
+            why: "plaintext client on a TLS port".into(),
+            claimed: "(plaintext)".into(),
+        });
+    }
+    tls.accept(stream).await.map_err(|e| match e {
+        AcceptError::Refused(why) => Rejected::Auth {
+            why: format!("TLS: {why}"),
+            claimed: "(tls)".into(),
+        },
+        AcceptError::Other(why) => Rejected::Failed(NetError::Protocol(format!("TLS handshake: {why}"))),
+    })
 }
 
 /// Receives one handshake frame; a malformed or oversize one is answered with an
@@ -327,7 +437,10 @@ async fn server_side<T>(
             };
             if let Some((kind, message, why)) = refusal {
                 refuse(&mut conn, id, kind, message.into()).await;
-                return Err(Rejected::Auth { why, claimed: peer_id });
+                return Err(Rejected::Auth {
+                    why: why.into(),
+                    claimed: peer_id,
+                });
             }
             Message::WelcomeAuth {
                 proof: k.proof(Role::Server, &t),
@@ -349,10 +462,12 @@ async fn server_side<T>(
 /// timeout and limits to the I/O timeout and the full limits.
 fn established(mut conn: Connection, peer_id: String, incarnation: u64, cfg: &NetConfig) -> Connection {
     let addr = conn.peer().addr;
+    let tls_identity = conn.peer().tls_identity.clone();
     conn.set_peer(PeerInfo {
         peer_id,
         incarnation,
         addr,
+        tls_identity,
     });
     conn.set_io_timeout(cfg.io_timeout);
     conn.set_limits(cfg.limits.clone());

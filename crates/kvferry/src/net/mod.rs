@@ -3,7 +3,8 @@
 //! framed requests over a [`Connection`] (I/O timeouts are progress timeouts),
 //! per-peer connection [`Pool`]s, and the accepting [`Server`] (a small budget of
 //! handshaking connections, a cap on authenticated ones, and a per-address limit on
-//! failed authentications).
+//! failed authentications). Optionally over mutual TLS ([`TlsConfig`]), which
+//! encrypts the wire and authenticates peers by certificate.
 //!
 //! # Ownership of bytes in flight
 //!
@@ -23,12 +24,15 @@ mod handshake;
 mod pool;
 mod progress;
 mod server;
+mod stream;
+mod tls;
 
 pub use config::NetConfig;
 pub use conn::Connection;
 pub use handshake::PeerInfo;
 pub use pool::{Pool, PoolStats, PooledConnection};
 pub use server::{Handler, Server, ServerStats};
+pub use tls::{TlsConfig, TlsError};
 
 use std::time::Duration;
 

@@ -60,8 +60,11 @@ pub trait Handler: Send + Sync + 'static {
         msg: Message,
     ) -> BoxFuture<'a, Result<(), NetError>>;
 
-    /// Called when a connection ends (for cleanup tied to a peer).
-    fn disconnected(&self, _peer: &super::PeerInfo) {}
+    /// Called when an authenticated connection ends, however it ends (closed by the
+    /// peer, broken, idle, or closed after an error), once no request of it runs any
+    /// more; not when the server is dropped. For cleanup tied to the connection
+    /// ([`Connection::id`]) or its peer.
+    fn disconnected(&self, _conn: &Connection) {}
 }
 
 /// Counters of a server.
@@ -140,6 +143,11 @@ impl Server {
     /// Binds `addr` (e.g. `127.0.0.1:0`) and starts serving with `handler`.
     pub async fn bind(addr: &str, cfg: NetConfig, handler: Arc<dyn Handler>) -> Result<Server, NetError> {
         cfg.validate()?;
+        if cfg.tls.as_ref().is_some_and(|t| !t.can_serve()) {
+            return Err(NetError::InvalidConfig(
+                "a TLS server needs its own certificate and key".into(),
+            ));
+        }
         let listener = listen(addr).await.map_err(|e| NetError::Connect {
             addr: addr.into(),
             reason: format!("bind: {e}"),
@@ -437,7 +445,7 @@ async fn serve_connection(
             break;
         }
     }
-    handler.disconnected(&peer);
+    handler.disconnected(&conn);
 }
 
 fn note_protocol_error(counters: &Counters, peer: &super::PeerInfo, e: &NetError) {

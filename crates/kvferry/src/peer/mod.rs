@@ -69,7 +69,7 @@ pub enum PeerError {
     #[error("lease {lease_id} expired or too close to expiry ({remaining:?} left)")]
     LeaseExpired {
         /// The lease.
-        lease_id: u64,
+        lease_id: crate::wire::LeaseId,
         /// Time left when refused (zero if already expired).
         remaining: Duration,
     },

@@ -16,7 +16,13 @@
 //! Leases are bound to the peer they were granted to: ids are random, and a `Done` (or
 //! pull) from another peer is refused and counted. A request listing a key twice is
 //! refused. Each peer may hold at most `max_staged_pages_per_peer` staging pages at
-//! once, and TTLs are capped at `max_ttl`, so one client cannot lock the arena.
+//! once, and TTLs are capped at `max_ttl`, so one client cannot lock the arena. An
+//! eager get's lease is tied to its connection: when the connection closes without
+//! `Done`, the lease is released `lease_grace` later (a consumer whose transfer failed
+//! sends its `Done` on a fresh connection within that time), not at its TTL. Leases
+//! staged for a later pull keep their TTL: they are meant to outlive the connection.
+//! (A lease that another connection of its owner is pulling at that instant keeps its
+//! TTL: the TTL stays the backstop.)
 //!
 //! # Cancellation
 //!
@@ -47,7 +53,7 @@ use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
 use crate::net::{Connection, Handler, NetError};
 use crate::stats::RequestStats;
-use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, FrameKind, Message};
+use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, FrameKind, LeaseId, Message};
 
 /// Producer settings.
 #[derive(Clone, Debug)]
@@ -60,6 +66,10 @@ pub struct ProducerConfig {
     pub max_concurrent_gets: usize,
     /// Staging pages one peer may hold at once (`None`: half the arena).
     pub max_staged_pages_per_peer: Option<usize>,
+    /// How long an eager get's lease outlives its connection when the connection closes
+    /// without `Done` (then it is released, however long its TTL). Leases staged for a
+    /// later pull (`Stage`) are meant to outlive their connection and keep their TTL.
+    pub lease_grace: Duration,
 }
 
 impl Default for ProducerConfig {
@@ -69,6 +79,7 @@ impl Default for ProducerConfig {
             max_ttl: Duration::from_secs(10),
             max_concurrent_gets: 64,
             max_staged_pages_per_peer: None,
+            lease_grace: Duration::from_secs(2),
         }
     }
 }
@@ -132,10 +143,13 @@ pub struct ProducerStats {
     pub foreign_lease_refused: u64,
     /// Requests refused because the peer holds its whole staging quota.
     pub quota_refused: u64,
+    /// Eager-get leases whose connection closed without `Done` (released after the
+    /// grace instead of at their TTL).
+    pub orphaned: u64,
 }
 
 /// A stage's outcome: lease id, staged chunks, granted TTL in milliseconds.
-type StageResult = Result<(u64, Vec<ChunkMeta>, u32), PeerError>;
+type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError>;
 
 /// Why a `Done` changed nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,6 +175,9 @@ struct StagedLease {
     expires: Instant,
     /// The peer it was granted to.
     owner: String,
+    /// The connection of the eager get that holds it (`None`: a lease staged for a
+    /// later pull, which outlives its connection).
+    eager_conn: Option<u64>,
     /// The publications it serves (pinned until the lease ends; empty for store chunks).
     publications: Vec<Arc<Publication>>,
 }
@@ -186,6 +203,7 @@ struct Counters {
     bytes_received: AtomicU64,
     foreign_lease_refused: AtomicU64,
     quota_refused: AtomicU64,
+    orphaned: AtomicU64,
 }
 
 struct Inner {
@@ -194,8 +212,8 @@ struct Inner {
     engine: CopyEngine,
     cfg: ProducerConfig,
     incarnation: u64,
-    staged: Mutex<HashMap<u64, StagedLease>>,
-    recently_expired: Mutex<VecDeque<u64>>,
+    staged: Mutex<HashMap<LeaseId, StagedLease>>,
+    recently_expired: Mutex<VecDeque<LeaseId>>,
     published: Mutex<HashMap<ChunkKey, Arc<Publication>>>,
     releases: Arc<ReleaseQueue>,
     /// Staging pages held per peer (staged and checked-out leases).
@@ -305,6 +323,7 @@ impl Producer {
             published_now: self.inner.published.lock().len(),
             foreign_lease_refused: c.foreign_lease_refused.load(Ordering::Relaxed),
             quota_refused: c.quota_refused.load(Ordering::Relaxed),
+            orphaned: c.orphaned.load(Ordering::Relaxed),
         }
     }
 
@@ -468,9 +487,9 @@ impl Producer {
         }
     }
 
-    fn new_lease_id(&self) -> u64 {
+    fn new_lease_id(&self) -> LeaseId {
         loop {
-            let id = rand::random::<u64>();
+            let id = rand::random::<LeaseId>();
             if id != 0 && !self.inner.staged.lock().contains_key(&id) {
                 return id;
             }
@@ -500,7 +519,7 @@ impl Producer {
         keys: &[ChunkKey],
         ttl: Duration,
         owner: &str,
-    ) -> Result<(u64, Vec<ChunkMeta>, u32), PeerError> {
+    ) -> Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError> {
         let inner = &self.inner;
         let ttl = self.clamp_ttl(ttl);
         let mut seen = std::collections::HashSet::with_capacity(keys.len());
@@ -596,6 +615,7 @@ impl Producer {
                 chunks: chunks.clone(),
                 expires: Instant::now() + ttl,
                 owner: owner.to_string(),
+                eager_conn: None,
                 publications: Vec::new(),
             },
         );
@@ -655,6 +675,7 @@ impl Producer {
                 chunks: chunks.clone(),
                 expires: Instant::now() + ttl,
                 owner: owner.to_string(),
+                eager_conn: None,
                 publications: pubs,
             },
         );
@@ -726,7 +747,7 @@ impl Producer {
     /// Releases a staged lease on `owner`'s `Done`: published chunks it sent that
     /// were published `once` leave the table. Unknown leases, and leases of another
     /// peer (refused and counted), change nothing.
-    pub fn release(&self, lease_id: u64, owner: &str) -> Result<(), LeaseRefusal> {
+    pub fn release(&self, lease_id: LeaseId, owner: &str) -> Result<(), LeaseRefusal> {
         let removed = {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
@@ -818,7 +839,7 @@ impl Producer {
         Ok(())
     }
 
-    fn check_out(&self, lease_id: u64, owner: &str) -> Result<StagedLease, (ErrorKind, String)> {
+    fn check_out(&self, lease_id: LeaseId, owner: &str) -> Result<StagedLease, (ErrorKind, String)> {
         let entry = {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
@@ -846,11 +867,11 @@ impl Producer {
         }
     }
 
-    fn check_in(&self, lease_id: u64, entry: StagedLease) {
+    fn check_in(&self, lease_id: LeaseId, entry: StagedLease) {
         self.inner.staged.lock().insert(lease_id, entry);
     }
 
-    fn note_expired(&self, lease_id: u64) {
+    fn note_expired(&self, lease_id: LeaseId) {
         self.inner.counters.expired.fetch_add(1, Ordering::Relaxed);
         let mut r = self.inner.recently_expired.lock();
         r.push_back(lease_id);
@@ -860,7 +881,8 @@ impl Producer {
     }
 
     async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
-        let owner = conn.peer().peer_id.clone();
+        // Under TLS, the certificate's identity: a peer cannot claim another's leases.
+        let owner = conn.peer().authenticated_id().to_string();
         match msg {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {
@@ -912,10 +934,13 @@ impl Producer {
                 if lease_id == 0 {
                     return Ok(()); // miss: nothing staged, nothing follows
                 }
-                let entry = match self.check_out(lease_id, &owner) {
+                let mut entry = match self.check_out(lease_id, &owner) {
                     Ok(e) => e,
                     Err((kind, message)) => return refuse(conn, id, kind, message).await,
                 };
+                // Tied to this connection: released after the grace if it closes
+                // without `Done`.
+                entry.eager_conn = Some(conn.id());
                 // On a failed send the entry (and its pages) drops here: the eager
                 // consumer is gone.
                 if let Err(e) = self.send_lease(conn, id, &entry).await {
@@ -1055,6 +1080,24 @@ async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String
     conn.send(id, &Message::Error { kind, message }).await
 }
 
+impl Producer {
+    /// An eager get's connection closed: its leases not yet released by `Done` are
+    /// released `lease_grace` from now (sooner if their TTL says so). Returns how many.
+    fn orphan_eager(&self, conn_id: u64) -> usize {
+        let until = Instant::now() + self.inner.cfg.lease_grace;
+        let mut n = 0;
+        for e in self.inner.staged.lock().values_mut() {
+            if e.eager_conn == Some(conn_id) {
+                e.eager_conn = None;
+                e.expires = e.expires.min(until);
+                n += 1;
+            }
+        }
+        self.inner.counters.orphaned.fetch_add(n as u64, Ordering::Relaxed);
+        n
+    }
+}
+
 impl Handler for Producer {
     fn handle<'a>(
         &'a self,
@@ -1076,6 +1119,14 @@ impl Handler for Producer {
         .instrument(span)
         .boxed()
     }
+
+    fn disconnected(&self, conn: &Connection) {
+        let n = self.orphan_eager(conn.id());
+        if n > 0 {
+            tracing::debug!(target: "kvferry::peer", peer = %conn.peer(), leases = n,
+                grace = ?self.inner.cfg.lease_grace, "eager get connection closed without Done");
+        }
+    }
 }
 
 /// Releases expired leases. Holds only a weak reference, so it ends with the producer.
@@ -1091,9 +1142,9 @@ async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
         }
         let Some(inner) = inner.upgrade() else { return };
         let now = Instant::now();
-        let expired: Vec<(u64, StagedLease)> = {
+        let expired: Vec<(LeaseId, StagedLease)> = {
             let mut st = inner.staged.lock();
-            let ids: Vec<u64> = st.iter().filter(|(_, e)| e.expires <= now).map(|(id, _)| *id).collect();
+            let ids: Vec<LeaseId> = st.iter().filter(|(_, e)| e.expires <= now).map(|(id, _)| *id).collect();
             ids.into_iter()
                 .filter_map(|id| st.remove(&id).map(|e| (id, e)))
                 .collect()

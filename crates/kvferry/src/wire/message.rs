@@ -31,6 +31,11 @@ pub const MAX_PEER_ID_BYTES: usize = 256;
 /// Longest accepted error message, in bytes.
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
 
+/// A staging lease's id: 128 random bits from a CSPRNG (`rand`'s thread-local
+/// ChaCha12, seeded by the operating system; 0 means "nothing staged"). Encoded as a postcard varint, like the 64-bit ids of earlier
+/// builds, so small ids decode either way.
+pub type LeaseId = u128;
+
 /// Size and checksum of one staged chunk, announced before its bytes are sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkMeta {
@@ -125,7 +130,7 @@ pub enum Message {
     /// `chunks` may cover only a prefix of the keys (partial stage); empty means a miss.
     Staged {
         /// The lease holding the staged pages.
-        lease_id: u64,
+        lease_id: LeaseId,
         /// The producer incarnation the lease belongs to.
         incarnation: u64,
         /// The staged chunks, in key order.
@@ -137,14 +142,14 @@ pub enum Message {
     /// same request id, then [`Message::PullDone`].
     Pull {
         /// The lease to pull.
-        lease_id: u64,
+        lease_id: LeaseId,
         /// The producer incarnation the lease was granted by.
         incarnation: u64,
     },
     /// All bulk frames of a lease were sent.
     PullDone {
         /// The lease that was pulled.
-        lease_id: u64,
+        lease_id: LeaseId,
     },
     /// Eager get: stage and send in one round trip. Replies are `Staged`, bulk frames,
     /// then `PullDone`.
@@ -157,7 +162,7 @@ pub enum Message {
     /// The consumer is finished with a lease: the producer releases its pages.
     Done {
         /// The lease to release.
-        lease_id: u64,
+        lease_id: LeaseId,
     },
     /// Reply to [`Message::Done`].
     DoneAck,

@@ -33,4 +33,4 @@ pub use error::WireError;
 pub use frame::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, VERSION};
 pub use key::ChunkKey;
 pub use limits::Limits;
-pub use message::{read_message, ChunkMeta, ErrorKind, Message};
+pub use message::{read_message, ChunkMeta, ErrorKind, LeaseId, Message};

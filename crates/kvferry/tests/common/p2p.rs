@@ -119,6 +119,7 @@ pub async fn producer_node(opts: NodeOpts) -> ProducerNode {
         max_ttl: opts.ttl,
         max_concurrent_gets: opts.max_gets,
         max_staged_pages_per_peer: Some(usize::MAX / 2),
+        ..ProducerConfig::default()
     };
     let producer = Producer::new(store, arena, engine, cfg, net.incarnation).unwrap();
     let server = Server::bind(&opts.listen, net, Arc::new(producer.clone()))

@@ -42,7 +42,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// The lease id as the wire carries it.
-pub type LeaseId = u64;
+pub use kvferry::wire::LeaseId;
 
 /// A lease id from arbitrary bits (truncated to the wire's width).
 pub fn lease_id_from_bits(bits: u128) -> LeaseId {

@@ -66,7 +66,7 @@ struct TransferCtx<'a> {
     deadline: Instant,
     cancel: CancellationToken,
     /// The producer lease to release with `Done` if the transfer did not already.
-    lease_to_release: Option<u64>,
+    lease_to_release: Option<crate::wire::LeaseId>,
     /// Set once bytes may have been written into the destination blocks.
     dirty: bool,
     /// A device copy into the destination that had not settled when the transfer

@@ -270,7 +270,7 @@ pub struct StagedHandle {
     /// The producer's address.
     pub peer: String,
     /// The lease.
-    pub lease_id: u64,
+    pub lease_id: crate::wire::LeaseId,
     /// The producer incarnation that granted it.
     pub incarnation: u64,
     /// The staged chunks (a prefix of the keys asked for).
