@@ -36,9 +36,11 @@
 
 mod config;
 pub mod directory;
+mod fleet;
 
 pub use config::{EngineConfig, StoreConfig};
 pub use directory::{Directory, StaticDirectory};
+pub use fleet::{Located, FAN_OUT, MISS_TTL};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -98,6 +100,10 @@ pub enum EngineError {
     /// Producer or consumer problem.
     #[error(transparent)]
     Peer(#[from] PeerError),
+    /// The peer directory refused or failed (e.g. the peer id is held by another
+    /// live process).
+    #[error(transparent)]
+    Directory(#[from] crate::directory::DirectoryError),
 }
 
 /// Everything an engine counts, in one snapshot.
@@ -150,6 +156,8 @@ struct Inner {
     registered: Mutex<HashMap<u64, Arc<KvCache>>>,
     next_region: AtomicU64,
     closed: AtomicBool,
+    /// The directory side: event task stop token and the lookup miss cache.
+    fleet: fleet::FleetState,
 }
 
 /// A kvferry engine. Cheap to clone (all clones are one engine).
@@ -274,7 +282,7 @@ impl Engine {
             }
             None => (None, None),
         };
-        Ok(Engine {
+        let engine = Engine {
             inner: Arc::new(Inner {
                 cfg,
                 arena,
@@ -287,8 +295,14 @@ impl Engine {
                 registered: Mutex::new(HashMap::new()),
                 next_region: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
+                fleet: fleet::FleetState::default(),
             }),
-        })
+        };
+        if let Err(e) = engine.attach_directory().await {
+            engine.close(Instant::now() + Duration::from_secs(1)).await;
+            return Err(e);
+        }
+        Ok(engine)
     }
 
     /// The address peers reach this engine on (`None` for a client-only engine).
@@ -586,6 +600,8 @@ impl Engine {
     /// `deadline` passes, and reports what was still out. Idempotent.
     pub async fn close(&self, deadline: Instant) -> EngineCloseReport {
         self.inner.closed.store(true, Ordering::Release);
+        // Leave the directory first: peers stop sending new work here.
+        self.detach_directory(deadline).await;
         let server = self.inner.server.lock().take();
         if let Some(s) = server {
             *self.inner.last_server_stats.lock() = s.stats();

@@ -304,6 +304,21 @@ impl Producer {
         &self.inner.engine
     }
 
+    /// Releases every lease staged for peer `owner` that is still waiting for its
+    /// pull (e.g. when the directory says the peer is gone); returns how many. Leases
+    /// being sent are released when their send ends.
+    pub fn release_peer(&self, owner: &str) -> usize {
+        let drained: Vec<StagedLease> = {
+            let mut st = self.inner.staged.lock();
+            let ids: Vec<u64> = st.iter().filter(|(_, e)| e.owner == owner).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| st.remove(&id)).collect()
+        };
+        for e in &drained {
+            self.uncharge(&e.owner, e.pages());
+        }
+        drained.len()
+    }
+
     /// Releases every staged lease and publication now (e.g. at shutdown).
     pub fn release_all(&self) {
         let drained: Vec<_> = self.inner.staged.lock().drain().collect();
