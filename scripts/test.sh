@@ -18,6 +18,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "numpy>=1.24"
 
+echo "== etcd and protoc (the etcd peer directory's build and tests)"
+"$root/scripts/install-directory-deps.sh"
+
 echo "== rust tests"
 cargo test --workspace "$@"
 
