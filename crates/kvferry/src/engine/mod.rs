@@ -22,7 +22,10 @@
 //!   and reports what was still out at its deadline.
 //!
 //! Peers are named by address (`host:port`) or by a name the configured
-//! [`Directory`] resolves.
+//! [`Directory`] resolves. With a directory, a listening engine registers itself, fails
+//! a peer's in-flight transfers at once when the directory reports it restarted or
+//! lost, and [`locate`](Engine::locate) finds which live peers hold keys
+//! (`engine/fleet.rs`).
 //!
 //! # Cancellation
 //!
