@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvferry::copy::CopyConfig;
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
-use kvferry::directory::{Directory, DirectoryError, PeerEvent, PeerRecord, Role};
+use kvferry::directory::{Directory, DirectoryError, PeerEvent, PeerRecord, RegistrationState, Role};
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::KvCache;
 use kvferry::mem::Region;
@@ -314,4 +314,61 @@ async fn locate_finds_the_peer_holding_a_key_and_caches_misses() {
     for p in producers {
         p.close(Instant::now() + Duration::from_secs(5)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_is_renewed_with_a_new_incarnation() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let pd = dir(&e).await;
+    let p = Engine::start(engine_cfg("p", Some(pd.clone()))).await.unwrap();
+    let mut state = pd.registration_state().unwrap();
+    let first = pd.registration().unwrap();
+    assert_eq!(first.incarnation, p.incarnation());
+    let w = dir(&e).await;
+    let mut rx = w.subscribe();
+    // Revoke p's lease behind its back (what an expiry during an etcd outage does).
+    let mut client = etcd_client::Client::connect([e.endpoint()], None).await.unwrap();
+    let got = client.get("test/peers/p", None).await.unwrap();
+    let lease = got.kvs()[0].lease();
+    client.lease_revoke(lease).await.unwrap();
+    assert!(matches!(
+        next_event(&mut rx, "p", Duration::from_secs(3)).await,
+        PeerEvent::Lost(_)
+    ));
+    // The keep-alive task notices (within TTL/3), says so, and registers again.
+    tokio::time::timeout(
+        Duration::from_secs(3),
+        state.wait_for(|s| *s == RegistrationState::Lost),
+    )
+    .await
+    .ok();
+    let back = tokio::time::timeout(
+        Duration::from_secs(5),
+        state.wait_for(|s| matches!(s, RegistrationState::Registered(_))),
+    )
+    .await
+    .expect("registered again")
+    .unwrap()
+    .clone();
+    let RegistrationState::Registered(renewed) = back else {
+        unreachable!()
+    };
+    assert_ne!(
+        renewed.incarnation, first.incarnation,
+        "a renewed registration is a new incarnation"
+    );
+    match next_event(&mut rx, "p", Duration::from_secs(3)).await {
+        PeerEvent::Joined(r) => assert_eq!(r.incarnation, renewed.incarnation),
+        other => panic!("{other:?}"),
+    }
+    // Serving again: a get through the directory works.
+    let k = ChunkKey::from_name("after");
+    p.put(k, &vec![5u8; BLOCK]).unwrap();
+    let c = Engine::start(engine_cfg("c", Some(w)).listen(None)).await.unwrap();
+    let (_r, d) = dst();
+    c.get("p", &[k], d, Instant::now() + Duration::from_secs(5))
+        .await
+        .unwrap();
+    c.close(Instant::now() + Duration::from_secs(5)).await;
+    p.close(Instant::now() + Duration::from_secs(5)).await;
 }

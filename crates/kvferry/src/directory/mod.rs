@@ -115,4 +115,22 @@ pub trait Directory: Send + Sync + 'static {
     fn registration(&self) -> Option<PeerRecord> {
         None
     }
+
+    /// Changes of this process's registration state (`None`: the backend has no
+    /// registrations that can be lost, as for static peers).
+    fn registration_state(&self) -> Option<tokio::sync::watch::Receiver<RegistrationState>> {
+        None
+    }
+}
+
+/// This process's standing in a directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegistrationState {
+    /// Not registered (never, or deregistered).
+    Unregistered,
+    /// Registered with this record.
+    Registered(PeerRecord),
+    /// The backend lost the registration (e.g. its lease expired while the backend
+    /// was unreachable); registering again. Peers do not see this process meanwhile.
+    Lost,
 }

@@ -5,7 +5,8 @@
 //!
 //! - A listening engine with a directory registers a [`PeerRecord`] (its peer id, the
 //!   advertised address, its incarnation and role) when it starts, and deregisters
-//!   first thing in [`Engine::close`].
+//!   first thing in [`Engine::close`]. While the directory has lost its registration
+//!   (a lease expired), its producer refuses new stages and gets with `Busy`.
 //! - A task follows the directory's events: [`PeerEvent::Restarted`] fails the old
 //!   incarnation's in-flight transfers with `PeerRestarted` and drops its idle pooled
 //!   connections; [`PeerEvent::Lost`] fails them with `PeerLost` and releases the
@@ -29,7 +30,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Engine, EngineError, Inner};
-use crate::directory::{MissCache, PeerEvent, PeerRecord};
+use crate::directory::{MissCache, PeerEvent, PeerRecord, RegistrationState};
 use crate::peer::{PeerError, PeerGone};
 use crate::wire::ChunkKey;
 
@@ -74,6 +75,13 @@ impl Engine {
         // Subscribe before registering: no event between the two is missed.
         let rx = dir.subscribe();
         tokio::spawn(follow(Arc::downgrade(&self.inner), rx, self.inner.fleet.stop.clone()));
+        if let Some(state) = dir.registration_state() {
+            tokio::spawn(follow_registration(
+                self.inner.producer.clone(),
+                state,
+                self.inner.fleet.stop.clone(),
+            ));
+        }
         let Some(bound) = self.inner.address else {
             return Ok(()); // a client-only engine registers nothing
         };
@@ -166,6 +174,24 @@ impl Engine {
             self.inner.fleet.misses.lock().insert(first, Instant::now());
         }
         Ok(found)
+    }
+}
+
+/// While the directory has lost this engine's registration, its producer refuses new
+/// stages and gets (peers cannot see it, and a consumer that still can would be using
+/// a stale view); it accepts them again once registered anew.
+async fn follow_registration(
+    producer: crate::peer::Producer,
+    mut state: tokio::sync::watch::Receiver<RegistrationState>,
+    stop: CancellationToken,
+) {
+    loop {
+        let lost = matches!(*state.borrow_and_update(), RegistrationState::Lost);
+        producer.set_refusing(lost);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            changed = state.changed() => if changed.is_err() { return },
+        }
     }
 }
 

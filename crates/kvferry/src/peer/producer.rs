@@ -199,6 +199,9 @@ struct Inner {
     /// Staging pages held per peer (staged and checked-out leases).
     pages_by_peer: Mutex<HashMap<String, usize>>,
     gets: Semaphore,
+    /// Refusing new stages and gets (with `Busy`): set while this process is not
+    /// registered in its peer directory (its lease was lost).
+    refusing: std::sync::atomic::AtomicBool,
     counters: Counters,
     faults: ProducerFaults,
     stop: CancellationToken,
@@ -245,6 +248,7 @@ impl Producer {
             arena,
             engine,
             gets: Semaphore::new(cfg.max_concurrent_gets),
+            refusing: std::sync::atomic::AtomicBool::new(false),
             cfg,
             incarnation,
             staged: Mutex::new(HashMap::new()),
@@ -302,6 +306,13 @@ impl Producer {
     /// The copy engine staging and landing run on.
     pub fn engine(&self) -> &CopyEngine {
         &self.inner.engine
+    }
+
+    /// Refuses (with `Busy`) or accepts again new stages and gets; lookups, pulls of
+    /// leases already staged, `Done` and pushes are unaffected. The engine refuses
+    /// while its directory registration is lost.
+    pub fn set_refusing(&self, refusing: bool) {
+        self.inner.refusing.store(refusing, Ordering::Release);
     }
 
     /// Releases every lease staged for peer `owner` that is still waiting for its
@@ -867,6 +878,11 @@ impl Producer {
 
     async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
         let owner = conn.peer().peer_id.clone();
+        if self.inner.refusing.load(Ordering::Acquire) && matches!(msg, Message::Stage { .. } | Message::Get { .. }) {
+            self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+            let why = "not registered in the peer directory (its lease was lost; registering again)";
+            return refuse(conn, id, ErrorKind::Busy, why.into()).await;
+        }
         match msg {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {

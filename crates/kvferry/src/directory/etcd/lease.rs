@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Registration, Shared};
 use crate::directory::record::{unix_ms, PeerRecord};
-use crate::directory::DirectoryError;
+use crate::directory::{DirectoryError, RegistrationState};
 
 /// Grants a lease and creates the record on it, unless another live process holds
 /// the id. A record with the same address and another incarnation is a dead
@@ -35,6 +35,7 @@ pub(super) async fn register(shared: Arc<Shared>, record: PeerRecord) -> Result<
         lease_id,
         stop: stop.clone(),
     });
+    shared.state.send_replace(RegistrationState::Registered(record));
     tokio::spawn(keep_alive(shared, stop));
     Ok(())
 }
@@ -122,6 +123,7 @@ pub(super) async fn deregister(shared: Arc<Shared>) -> Result<(), DirectoryError
         return Ok(());
     };
     reg.stop.cancel();
+    shared.state.send_replace(RegistrationState::Unregistered);
     // Revoking the lease deletes every key attached to it.
     shared
         .call("revoke lease", shared.client.lease_client().revoke(reg.lease_id))
@@ -149,6 +151,7 @@ async fn keep_alive(shared: Arc<Shared>, stop: CancellationToken) {
             Ok(_) => backoff = shared.cfg.backoff_min,
             Err(DirectoryError::Backend { reason, .. }) if reason.contains("lease not found") => {
                 tracing::warn!(target: "kvferry::directory", lease_id, "registration lease lost; registering again with a new incarnation");
+                shared.state.send_replace(RegistrationState::Lost);
                 let mut fresh = record;
                 fresh.incarnation = rand::random::<u64>() | 1;
                 fresh.registered_unix_ms = unix_ms(std::time::SystemTime::now());
@@ -160,8 +163,9 @@ async fn keep_alive(shared: Arc<Shared>, stop: CancellationToken) {
                         }
                         if let Some(r) = shared.reg.lock().as_mut() {
                             r.lease_id = id;
-                            r.record = fresh;
+                            r.record = fresh.clone();
                         }
+                        shared.state.send_replace(RegistrationState::Registered(fresh));
                     }
                     Err(e) => {
                         tracing::warn!(target: "kvferry::directory", error = %e, "re-registration failed; retrying");

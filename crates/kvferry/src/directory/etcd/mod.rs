@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::record::{LivePeers, PeerEvent, PeerRecord};
 use super::view::PeerView;
-use super::{Directory, DirectoryError, EVENT_CAPACITY};
+use super::{Directory, DirectoryError, RegistrationState, EVENT_CAPACITY};
 
 /// This process's registration.
 pub(crate) struct Registration {
@@ -68,6 +68,8 @@ pub(crate) struct Shared {
     listed: tokio::sync::watch::Sender<bool>,
     closed: CancellationToken,
     reg: Mutex<Option<Registration>>,
+    /// Published registration state.
+    state: tokio::sync::watch::Sender<RegistrationState>,
 }
 
 impl Shared {
@@ -158,6 +160,7 @@ impl EtcdDirectory {
             listed: tokio::sync::watch::channel(false).0,
             closed: CancellationToken::new(),
             reg: Mutex::new(None),
+            state: tokio::sync::watch::channel(RegistrationState::Unregistered).0,
         });
         tokio::spawn(watch::run(shared.clone()));
         Ok(EtcdDirectory { shared })
@@ -222,5 +225,9 @@ impl Directory for EtcdDirectory {
 
     fn registration(&self) -> Option<PeerRecord> {
         self.shared.reg.lock().as_ref().map(|r| r.record.clone())
+    }
+
+    fn registration_state(&self) -> Option<tokio::sync::watch::Receiver<RegistrationState>> {
+        Some(self.shared.state.subscribe())
     }
 }
