@@ -212,8 +212,12 @@ impl PeerView {
 mod tests {
     use super::*;
 
+    /// A record with a fixed registration time (so that two built apart compare equal).
     fn rec(id: &str, inc: u64) -> PeerRecord {
-        PeerRecord::new(id, format!("127.0.0.1:{}", 7000 + inc), inc)
+        PeerRecord {
+            registered_unix_ms: 1,
+            ..PeerRecord::new(id, format!("127.0.0.1:{}", 7000 + inc), inc)
+        }
     }
 
     const STALE: Duration = Duration::from_secs(5);
