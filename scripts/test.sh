@@ -26,6 +26,9 @@ fi
 profile_flag=--release
 [ "${KVFERRY_TEST_PROFILE:-release}" = "dev" ] && profile_flag=
 
+echo "== etcd and protoc (the etcd peer directory's build and tests)"
+"$root/scripts/install-directory-deps.sh"
+
 echo "== rust tests"
 cargo test --workspace $profile_flag "$@"
 

@@ -8,6 +8,7 @@ use kvferry::engine::Engine;
 use kvferry::metrics::sources::{client_connection_metrics, server_metrics};
 use kvferry::metrics::{HttpConfig, MetricsServer, Registry, Samples};
 
+use crate::cmd_peers::DirectoryArgs;
 use crate::engine_args::EngineArgs;
 use crate::util::check_listen_address;
 
@@ -58,6 +59,15 @@ pub struct ServeArgs {
     #[command(flatten)]
     node: EngineArgs,
     #[command(flatten)]
+    directory: DirectoryArgs,
+    /// This node's role, registered in the directory.
+    #[arg(long, default_value = "both", value_parser = ["prefill", "decode", "both"])]
+    role: String,
+    /// The address registered in the directory for peers to reach this node
+    /// (default: the bound listen address; required when listening on 0.0.0.0).
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise: Option<String>,
+    #[command(flatten)]
     faults: FaultArgs,
 }
 
@@ -89,6 +99,9 @@ impl FaultArgs {
     }
 }
 
+/// Deadline of each etcd call `serve` makes.
+const DIRECTORY_CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // The address first: an unparsable one is a usage error (status 2), and the warning
     // below is only worth printing about an address that can be listened on.
@@ -103,23 +116,57 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.listen
         );
     }
+    let etcd = args.directory.etcd_config(DIRECTORY_CALL_TIMEOUT)?;
+    if etcd.is_some() && args.advertise.is_none() && ip.is_some_and(|a| a.ip().is_unspecified()) {
+        return Err(crate::util::usage(format!(
+            "listening on {} with --directory {}: give --advertise HOST:PORT, the address peers reach this node on",
+            args.listen, args.directory.directory
+        )));
+    }
+    if let Some(a) = &args.advertise {
+        check_listen_address(a).map_err(|_| crate::util::usage(format!("--advertise {a}: expected HOST:PORT")))?;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let peer_id = args
-            .peer_id
-            .clone()
-            .unwrap_or_else(|| format!("kvferry-{}", std::process::id()));
+        // Before anything is announced (the directory, the first line): a SIGTERM
+        // from then on is a clean shutdown that deregisters.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+        let peer_id = args.peer_id.clone().unwrap_or_else(|| match &etcd {
+            // Unique across hosts, not just processes.
+            Some(_) => format!("kvferry-{}-{:06x}", std::process::id(), rand::random::<u32>() & 0xff_ffff),
+            None => format!("kvferry-{}", std::process::id()),
+        });
+        let directory = match etcd {
+            Some(cfg) => Some(std::sync::Arc::new(kvferry::directory::etcd::EtcdDirectory::connect(cfg).await?)),
+            None => None,
+        };
+        let (role, advertise) = (args.role.parse().map_err(anyhow::Error::msg)?, args.advertise.clone());
+        let dir = directory.clone();
         let engine = args
             .node
-            .start(Some(&args.listen), &peer_id)
+            .start_with(Some(&args.listen), &peer_id, move |cfg| {
+                cfg.directory = dir.map(|d| d as std::sync::Arc<dyn kvferry::engine::Directory>);
+                cfg.role = role;
+                cfg.advertise = advertise;
+            })
             .await
             .map_err(|e| explain_bind(e, &args.listen))?;
         args.faults.apply(engine.producer().faults());
         let a = engine.arena();
+        // With a directory, the same line says where it registered (one line: scripts
+        // that read only the first line keep working).
+        let registered = match directory.as_ref().and_then(|d| kvferry::engine::Directory::registration(&**d)) {
+            Some(r) => format!(
+                "; registered as {} at {} in {} namespace {} (role {}, lease TTL {:?})",
+                r.peer_id, r.address, args.directory.directory, args.directory.namespace, r.role, args.directory.directory_ttl
+            ),
+            None => String::new(),
+        };
         // Printed (and flushed) as soon as the socket is bound, before anything else:
         // scripts wait for this line.
         println!(
-            "kvferry serve: listening on {} (peer {peer_id}, incarnation {:#x}, model {}, {} blocks, arena {} x {} {})",
+            "kvferry serve: listening on {} (peer {peer_id}, incarnation {:#x}, model {}, {} blocks, arena {} x {} {}){registered}",
             engine.address().expect("serve listens"),
             engine.incarnation(),
             args.node.model,
@@ -135,9 +182,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             None => None,
         };
         std::io::stdout().flush()?;
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
+            _ = int.recv() => {}
             _ = term.recv() => {}
         }
         eprintln!("kvferry serve: shutting down");

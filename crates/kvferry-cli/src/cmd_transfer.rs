@@ -1,5 +1,7 @@
 //! `kvferry put` / `kvferry get`: push a chunk to, or fetch one from, a running
-//! `kvferry serve` — for scripts and smoke tests.
+//! `kvferry serve` — for scripts and smoke tests. With `--directory etcd://...`, `--peer`
+//! may name a peer id, and `get` without `--peer` asks every live peer which holds the
+//! key (a bounded fan-out under `--timeout`) and fetches it from the best one.
 
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -14,14 +16,17 @@ use kvferry::peer::{Destination, PeerError};
 use kvferry::wire::{ChunkKey, ErrorKind};
 use tokio::time::Instant;
 
-use crate::util::{parse_model, parse_timeout, read_secret_file};
+use crate::cmd_peers::DirectoryArgs;
+use crate::util::{parse_model, parse_timeout, read_secret_file, usage};
 
 /// Connection options shared by put and get.
 #[derive(Args, Debug, Clone)]
 pub struct PeerArgs {
-    /// Address of the `kvferry serve` to talk to.
-    #[arg(long, default_value = "127.0.0.1:7070")]
-    peer: String,
+    /// The `kvferry serve` to talk to: an address, or a peer id with --directory etcd://...
+    /// (default: 127.0.0.1:7070; with an etcd directory, `get` without it finds a live
+    /// peer that holds the key).
+    #[arg(long, value_name = "ID_OR_ADDR")]
+    peer: Option<String>,
     /// Chunk key: a name (hashed) or 64 hex digits.
     #[arg(long)]
     key: String,
@@ -37,9 +42,21 @@ pub struct PeerArgs {
     secret_file: Option<std::path::PathBuf>,
     #[command(flatten)]
     tls: crate::engine_args::TlsArgs,
+    #[command(flatten)]
+    dir: DirectoryArgs,
 }
 
+/// Without `--peer`: the default address, with a static directory.
+const DEFAULT_PEER: &str = "127.0.0.1:7070";
+
 impl PeerArgs {
+    /// The peer named on the command line, or the default one for a static directory.
+    fn named_peer(&self) -> Option<String> {
+        self.peer
+            .clone()
+            .or_else(|| self.dir.is_static().then(|| DEFAULT_PEER.to_string()))
+    }
+
     fn secret(&self) -> anyhow::Result<Option<Vec<u8>>> {
         if let Some(f) = &self.secret_file {
             return Ok(Some(read_secret_file(f)?));
@@ -83,7 +100,9 @@ fn key(s: &str) -> ChunkKey {
     s.parse::<ChunkKey>().unwrap_or_else(|_| ChunkKey::from_name(s))
 }
 
-/// A client-only engine (serves nothing) with a small staging arena and store.
+/// A client-only engine (serves nothing) with a small staging arena and store,
+/// following the directory of `p` (waiting, bounded by `p.timeout` and at most 3 s,
+/// for its first list).
 async fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Engine> {
     let page = 64 << 10;
     let mut cfg = EngineConfig::default()
@@ -99,6 +118,9 @@ async fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Engine> {
         bytes: 64 << 10,
         block_bytes: 64 << 10,
     };
+    if let Some(d) = p.dir.connect(p.timeout.min(Duration::from_secs(3))).await? {
+        cfg.directory = Some(d);
+    }
     Ok(Engine::start(cfg).await?)
 }
 
@@ -121,15 +143,19 @@ pub fn put(args: PutArgs) -> anyhow::Result<()> {
             args.max_bulk
         );
     }
+    let peer = args
+        .peer
+        .named_peer()
+        .ok_or_else(|| usage("put needs --peer ID_OR_ADDR: which peer should store the chunk"))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let c = consumer(&args.peer, 64 << 10).await?;
         let k = key(&args.peer.key);
         let deadline = Instant::now() + args.peer.timeout;
-        c.push(&args.peer.peer, k, &data, deadline)
+        c.push(&peer, k, &data, deadline)
             .await
             .map_err(|e| explain_put(e, data.len()))
-            .with_context(|| format!("put to {}", args.peer.peer))?;
+            .with_context(|| format!("put to {peer}"))?;
         println!("put {} bytes as {k}", data.len());
         Ok(())
     })
@@ -170,23 +196,27 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let (landed, bytes) = rt.block_on(async {
+    let (peer, landed, bytes) = rt.block_on(async {
         let c = consumer(&args.peer, layout.region_bytes()).await?;
         let region = Arc::new(Region::host("get", layout.region_bytes())?);
         let dst = Destination::from_layout(region.clone(), &layout, vec![(0..args.max_blocks).collect()])
             .expect("valid destination");
         let deadline = Instant::now() + args.peer.timeout;
         let k = key(&args.peer.key);
-        let landed = c.get(&args.peer.peer, &[k], dst, deadline).await.map_err(|f| {
+        let peer = match args.peer.named_peer() {
+            Some(p) => p,
+            None => locate(&c, &args.peer, k, deadline).await?,
+        };
+        let landed = c.get(&peer, &[k], dst, deadline).await.map_err(|f| {
             let why = explain_get(&f.error, &args, layout.block_bytes());
-            anyhow::anyhow!("get from {} failed: {why}", args.peer.peer)
+            anyhow::anyhow!("get from {peer} failed: {why}")
         })?;
         // Fully contiguous layout with blocks 0..n: the chunk is the region's prefix.
         let bytes = region.to_vec(0, landed.bytes)?;
-        anyhow::Ok((landed, bytes))
+        anyhow::Ok((peer, landed, bytes))
     })?;
     if landed.chunks == 0 {
-        anyhow::bail!("miss: {} does not hold {}", args.peer.peer, args.peer.key);
+        anyhow::bail!("miss: {peer} does not hold {}", args.peer.key);
     }
     match args.out.as_deref() {
         Some("-") => std::io::stdout().write_all(&bytes)?,
@@ -198,6 +228,27 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         ),
     }
     Ok(())
+}
+
+/// The live peer (id) that holds `k`, found by asking every live peer of the
+/// directory; a clear error when none does.
+async fn locate(c: &Engine, p: &PeerArgs, k: ChunkKey, deadline: Instant) -> anyhow::Result<String> {
+    let view = c.config().directory.as_ref().expect("etcd directory").live_peers();
+    let found = c.locate(&[k], deadline).await?;
+    match found.first() {
+        Some(l) => Ok(l.peer_id.clone()),
+        None => anyhow::bail!(
+            "no live peer in namespace {} holds {} (asked {} peer(s){})",
+            p.dir.namespace,
+            p.key,
+            view.peers.len(),
+            if view.stale {
+                "; the directory view is stale: etcd is not answering"
+            } else {
+                ""
+            }
+        ),
+    }
 }
 
 /// A chunk bigger than the destination in terms of `--max-blocks`.

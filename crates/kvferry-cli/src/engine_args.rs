@@ -181,9 +181,15 @@ impl EngineArgs {
         Ok(cfg)
     }
 
-    /// Starts an engine with these settings. Must run inside a tokio runtime.
-    pub async fn start(&self, listen: Option<&str>, peer_id: &str) -> anyhow::Result<Engine> {
-        let cfg = self.config(listen, peer_id)?;
+    /// Starts an engine with these settings, adjusted by `adjust` (e.g. a directory).
+    pub async fn start_with(
+        &self,
+        listen: Option<&str>,
+        peer_id: &str,
+        adjust: impl FnOnce(&mut EngineConfig),
+    ) -> anyhow::Result<Engine> {
+        let mut cfg = self.config(listen, peer_id)?;
+        adjust(&mut cfg);
         let engine = Engine::start(cfg).await?;
         let a = engine.arena();
         if let Some(why) = a.fallback_reason() {

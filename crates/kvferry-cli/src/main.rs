@@ -6,6 +6,7 @@
 mod cmd_bench;
 mod cmd_chaos;
 mod cmd_cluster_demo;
+mod cmd_peers;
 mod cmd_serve;
 mod cmd_transfer;
 mod cmd_worker;
@@ -46,8 +47,12 @@ enum Command {
     Serve(cmd_serve::ServeArgs),
     /// Push a chunk's bytes to a running `kvferry serve`.
     Put(cmd_transfer::PutArgs),
-    /// Fetch a chunk from a running `kvferry serve`.
+    /// Fetch a chunk from a running `kvferry serve` (or, with --directory etcd://...
+    /// and no --peer, from whichever live peer holds it).
     Get(cmd_transfer::GetArgs),
+    /// List the live peers of a directory namespace: id, address, incarnation, role,
+    /// age, and whether the view is stale.
+    Peers(cmd_peers::PeersArgs),
     /// Run a leader with N worker processes (ranks) on the sim device through offload
     /// and land steps, optionally injecting a hang, a SIGKILL or a stuck device event,
     /// and print each step's outcome.
@@ -105,6 +110,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Serve(args) => cmd_serve::run(args),
         Command::Put(args) => cmd_transfer::put(args),
         Command::Get(args) => cmd_transfer::get(args),
+        Command::Peers(args) => cmd_peers::run(args),
         Command::ClusterDemo(args) => cmd_cluster_demo::run(args),
         Command::Worker(args) => cmd_worker::run(args),
         Command::Chaos(args) => cmd_chaos::run(args),

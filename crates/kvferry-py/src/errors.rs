@@ -111,7 +111,9 @@ impl From<&PeerError> for ErrInfo {
             }
             PeerError::Cancelled => ErrInfo::new("CancelledError", msg),
             PeerError::PeerLost { peer, .. } => ErrInfo::new("PeerLostError", msg).peer(peer),
-            PeerError::StaleIncarnation { .. } => ErrInfo::new("PeerRestartedError", msg),
+            PeerError::StaleIncarnation { .. } | PeerError::PeerRestarted { .. } => {
+                ErrInfo::new("PeerRestartedError", msg)
+            }
             PeerError::LeaseExpired { .. } => ErrInfo::new("LeaseExpiredError", msg),
             PeerError::Remote { kind, .. } => ErrInfo::new(remote_class(*kind), msg),
             PeerError::StagingExhausted { .. } | PeerError::QuotaExceeded { .. } | PeerError::StoreFull { .. } => {
@@ -152,7 +154,7 @@ impl From<&EngineError> for ErrInfo {
             }
             EngineError::Closed => ErrInfo::new("ClosedError", e.to_string()),
             EngineError::Bind { .. } => ErrInfo::new("Error", e.to_string()),
-            EngineError::Mem(_) => ErrInfo::new("Error", e.to_string()),
+            EngineError::Mem(_) | EngineError::Directory(_) => ErrInfo::new("Error", e.to_string()),
         }
     }
 }

@@ -23,6 +23,7 @@ pub mod checksum;
 pub mod cluster;
 pub mod copy;
 pub mod device;
+pub mod directory;
 pub mod engine;
 pub mod layout;
 pub mod mem;

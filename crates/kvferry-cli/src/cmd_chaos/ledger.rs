@@ -244,6 +244,7 @@ pub fn classify(e: &PeerError) -> (String, Outcome) {
         PeerError::Timeout { .. } => ("timeout", Outcome::TimedOut),
         PeerError::Cancelled => ("cancelled", Outcome::Cancelled),
         PeerError::PeerLost { .. } => ("peer_lost", Outcome::Failed),
+        PeerError::PeerRestarted { .. } => ("peer_restarted", Outcome::Failed),
         PeerError::ChecksumMismatch { .. } => ("checksum_mismatch", Outcome::Failed),
         PeerError::Copy(kvferry::copy::CopyError::SliceFailed { .. }) => ("copy_slice_failed", Outcome::Failed),
         PeerError::Copy(_) => ("copy_other", Outcome::Failed),

@@ -59,8 +59,15 @@ pub struct EngineConfig {
     pub lease_guard: Duration,
     /// Bound on sending `Done` after a transfer.
     pub done_timeout: Duration,
-    /// Where peer names are resolved to addresses (`None`: peers are addresses).
+    /// Where peer names are resolved to addresses (`None`: peers are addresses). With
+    /// a directory, a listening engine registers itself in it (see `advertise`,
+    /// `role`) and fails transfers to peers the directory reports restarted or lost.
     pub directory: Option<Arc<dyn Directory>>,
+    /// The address registered in the directory (`None`: the bound listen address,
+    /// refused when that is unspecified such as 0.0.0.0).
+    pub advertise: Option<String>,
+    /// The role registered in the directory.
+    pub role: crate::directory::Role,
 }
 
 impl std::fmt::Debug for EngineConfig {
@@ -98,6 +105,8 @@ impl Default for EngineConfig {
             lease_guard: Duration::from_millis(100),
             done_timeout: Duration::from_secs(1),
             directory: None,
+            advertise: None,
+            role: crate::directory::Role::Both,
         }
     }
 }

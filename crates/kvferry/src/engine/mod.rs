@@ -22,7 +22,10 @@
 //!   and reports what was still out at its deadline.
 //!
 //! Peers are named by address (`host:port`) or by a name the configured
-//! [`Directory`] resolves.
+//! [`Directory`] resolves. With a directory, a listening engine registers itself, fails
+//! a peer's in-flight transfers at once when the directory reports it restarted or
+//! lost, and [`locate`](Engine::locate) finds which live peers hold keys
+//! (`engine/fleet.rs`).
 //!
 //! # Cancellation
 //!
@@ -36,9 +39,11 @@
 
 mod config;
 pub mod directory;
+mod fleet;
 
 pub use config::{EngineConfig, StoreConfig};
 pub use directory::{Directory, StaticDirectory};
+pub use fleet::{Located, FAN_OUT, MISS_TTL};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -98,6 +103,10 @@ pub enum EngineError {
     /// Producer or consumer problem.
     #[error(transparent)]
     Peer(#[from] PeerError),
+    /// The peer directory refused or failed (e.g. the peer id is held by another
+    /// live process).
+    #[error(transparent)]
+    Directory(#[from] crate::directory::DirectoryError),
 }
 
 /// Everything an engine counts, in one snapshot.
@@ -150,6 +159,8 @@ struct Inner {
     registered: Mutex<HashMap<u64, Arc<KvCache>>>,
     next_region: AtomicU64,
     closed: AtomicBool,
+    /// The directory side: event task stop token and the lookup miss cache.
+    fleet: fleet::FleetState,
 }
 
 /// A kvferry engine. Cheap to clone (all clones are one engine).
@@ -274,7 +285,7 @@ impl Engine {
             }
             None => (None, None),
         };
-        Ok(Engine {
+        let engine = Engine {
             inner: Arc::new(Inner {
                 cfg,
                 arena,
@@ -287,8 +298,14 @@ impl Engine {
                 registered: Mutex::new(HashMap::new()),
                 next_region: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
+                fleet: fleet::FleetState::default(),
             }),
-        })
+        };
+        if let Err(e) = engine.attach_directory().await {
+            engine.close(Instant::now() + Duration::from_secs(1)).await;
+            return Err(e);
+        }
+        Ok(engine)
     }
 
     /// The address peers reach this engine on (`None` for a client-only engine).
@@ -586,6 +603,8 @@ impl Engine {
     /// `deadline` passes, and reports what was still out. Idempotent.
     pub async fn close(&self, deadline: Instant) -> EngineCloseReport {
         self.inner.closed.store(true, Ordering::Release);
+        // Leave the directory first: peers stop sending new work here.
+        self.detach_directory(deadline).await;
         let server = self.inner.server.lock().take();
         if let Some(s) = server {
             *self.inner.last_server_stats.lock() = s.stats();

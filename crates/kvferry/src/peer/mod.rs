@@ -24,7 +24,7 @@ pub mod publish;
 mod store;
 
 pub use consumer::{
-    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Target, Transfer,
+    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerGone, StagedHandle, Target, Transfer,
     TransferPath,
 };
 pub use producer::{LeaseRefusal, Producer, ProducerConfig, ProducerFaults, ProducerStats};
@@ -64,6 +64,17 @@ pub enum PeerError {
         peer: String,
         /// Why.
         reason: String,
+    },
+    /// The peer re-registered in the directory with a new incarnation: everything in
+    /// flight with (or staged on) the old one is gone.
+    #[error("peer {peer} restarted: incarnation {old:#x} replaced by {new:#x}")]
+    PeerRestarted {
+        /// The peer (its address).
+        peer: String,
+        /// The incarnation the transfer was running against.
+        old: u64,
+        /// The new incarnation.
+        new: u64,
     },
     /// A staged lease has (or would have, within the guard margin) expired.
     #[error("lease {lease_id} expired or too close to expiry ({remaining:?} left)")]

@@ -219,6 +219,9 @@ struct Inner {
     /// Staging pages held per peer (staged and checked-out leases).
     pages_by_peer: Mutex<HashMap<String, usize>>,
     gets: Semaphore,
+    /// Refusing new stages and gets (with `Busy`): set while this process is not
+    /// registered in its peer directory (its lease was lost).
+    refusing: std::sync::atomic::AtomicBool,
     counters: Counters,
     requests: RequestStats,
     faults: ProducerFaults,
@@ -266,6 +269,7 @@ impl Producer {
             arena,
             engine,
             gets: Semaphore::new(cfg.max_concurrent_gets),
+            refusing: std::sync::atomic::AtomicBool::new(false),
             cfg,
             incarnation,
             staged: Mutex::new(HashMap::new()),
@@ -330,6 +334,28 @@ impl Producer {
     /// The copy engine staging and landing run on.
     pub fn engine(&self) -> &CopyEngine {
         &self.inner.engine
+    }
+
+    /// Refuses (with `Busy`) or accepts again new stages and gets; lookups, pulls of
+    /// leases already staged, `Done` and pushes are unaffected. The engine refuses
+    /// while its directory registration is lost.
+    pub fn set_refusing(&self, refusing: bool) {
+        self.inner.refusing.store(refusing, Ordering::Release);
+    }
+
+    /// Releases every lease staged for peer `owner` that is still waiting for its
+    /// pull (e.g. when the directory says the peer is gone); returns how many. Leases
+    /// being sent are released when their send ends.
+    pub fn release_peer(&self, owner: &str) -> usize {
+        let drained: Vec<StagedLease> = {
+            let mut st = self.inner.staged.lock();
+            let ids: Vec<LeaseId> = st.iter().filter(|(_, e)| e.owner == owner).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| st.remove(&id)).collect()
+        };
+        for e in &drained {
+            self.uncharge(&e.owner, e.pages());
+        }
+        drained.len()
     }
 
     /// Releases every staged lease and publication now (e.g. at shutdown).
@@ -883,6 +909,11 @@ impl Producer {
     async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
         // Under TLS, the certificate's identity: a peer cannot claim another's leases.
         let owner = conn.peer().authenticated_id().to_string();
+        if self.inner.refusing.load(Ordering::Acquire) && matches!(msg, Message::Stage { .. } | Message::Get { .. }) {
+            self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+            let why = "not registered in the peer directory (its lease was lost; registering again)";
+            return refuse(conn, id, ErrorKind::Busy, why.into()).await;
+        }
         match msg {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {

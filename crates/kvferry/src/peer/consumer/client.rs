@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::super::PeerError;
+use super::peer_watch::PeerWatch;
 use super::transfer::{unexpected, TaskError};
 use super::types::{ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
 use crate::copy::{CopyEngine, DrainFence, DrainSignal};
@@ -46,6 +46,9 @@ pub(super) struct Inner {
     pub(super) latency: [Histogram; 3],
     /// Ids of transfers, for tracing.
     pub(super) next_transfer: AtomicU64,
+    /// Per peer address: the token that fails its transfers when the directory says
+    /// it restarted or left.
+    pub(super) watches: Mutex<HashMap<String, Arc<PeerWatch>>>,
 }
 
 /// A consumer. Cheap to clone.
@@ -86,6 +89,7 @@ impl Consumer {
                 counters: Counters::default(),
                 latency: Default::default(),
                 next_transfer: AtomicU64::new(1),
+                watches: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -204,6 +208,7 @@ impl Consumer {
             }
         };
         let started = Instant::now();
+        let fut = self.peer_watch(peer).race(fut);
         match tokio::time::timeout_at(deadline, fut).await {
             Ok(r) => r,
             Err(_) => Err(PeerError::Timeout {
@@ -236,6 +241,7 @@ impl Consumer {
             }
             unreachable!("the second attempt returns")
         };
+        let fut = self.peer_watch(peer).race(fut);
         match tokio::time::timeout_at(deadline, fut).await {
             Ok(r) => r,
             Err(_) => Err(PeerError::Timeout {
@@ -364,13 +370,15 @@ impl Consumer {
         let deadline = Instant::now() + timeout;
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let (signal, fence) = DrainFence::pair();
-        let cancel = CancellationToken::new();
+        let watch = self.peer_watch(peer);
+        let cancel = watch.child_token();
         let this = self.clone();
         let (peer, req, c2) = (peer.to_string(), Request::Get { keys: keys.to_vec() }, cancel.clone());
         let span = self.transfer_span(&peer, &req);
         self.inner.runtime.spawn(
             async move {
                 let r = this.transfer(&peer, req, dst, deadline, c2, signal).await;
+                let r = r.map_err(|e| watch.explain(e));
                 let _ = tx.send(r);
             }
             .instrument(span),
@@ -450,16 +458,22 @@ impl Consumer {
         fence: DrainFence,
     ) -> Result<Landed, GetFailure> {
         let started = Instant::now();
-        let cancel = CancellationToken::new();
+        // A child of the peer's watch: the directory declaring the peer restarted or
+        // lost cancels it, and `explain` turns that cancellation into the reason.
+        let watch = self.peer_watch(peer);
+        let cancel = watch.child_token();
         // If this future is dropped, the guard cancels the transfer.
         let guard = cancel.clone().drop_guard();
         let this = self.clone();
         let span = self.transfer_span(peer, &req);
         let (peer, c2) = (peer.to_string(), cancel.clone());
-        let task = self
-            .inner
-            .runtime
-            .spawn(async move { this.transfer(&peer, req, dst, deadline, c2, signal).await }.instrument(span));
+        let task = self.inner.runtime.spawn(
+            async move {
+                let r = this.transfer(&peer, req, dst, deadline, c2, signal).await;
+                r.map_err(|e| watch.explain(e))
+            }
+            .instrument(span),
+        );
         let out = tokio::time::timeout_at(deadline, task).await;
         let timed_out = matches!(
             out,

@@ -27,13 +27,16 @@
 //! has stopped, and a failed direct transfer reports its blocks as dirty.
 //!
 //! The module is split: [`types`] (public types), `client` (the [`Consumer`] API) and
-//! `transfer` (the transfer task and its per-transfer context).
+//! `transfer` (the transfer task and its per-transfer context), `peer_watch` (failing a
+//! peer's transfers at once when the directory says it restarted or left).
 
 mod client;
+mod peer_watch;
 mod transfer;
 pub mod types;
 
 pub use client::Consumer;
+pub use peer_watch::PeerGone;
 pub use types::{
     ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Target, Transfer, TransferPath,
 };

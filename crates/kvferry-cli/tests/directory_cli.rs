@@ -1,0 +1,305 @@
+//! The etcd directory through the command: `serve --directory etcd://...` processes,
+//! `peers`, `get --key` without `--peer`, duplicate ids, SIGKILL → `Lost` within the
+//! lease TTL + 1 s, a restart → `Restarted`, and `peers` against an etcd that is down.
+
+#[path = "../../kvferry/tests/common/etcd.rs"]
+mod etcd;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
+use kvferry::directory::{Directory, PeerEvent};
+
+struct Serve {
+    child: Child,
+    addr: String,
+    line: String,
+    /// Kept open: the process may print more.
+    _out: BufReader<ChildStdout>,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_serve(e: &etcd::Etcd, listen: &str, id: &str) -> Result<Serve, String> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["serve", "--listen", listen, "--model", "tiny", "--blocks", "256"])
+        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+        .args(["--directory", &e.url(), "--namespace", "cli", "--directory-ttl", "2s"])
+        .args(["--peer-id", id, "--role", "prefill"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry serve");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    match line.strip_prefix("kvferry serve: listening on ") {
+        Some(rest) => Ok(Serve {
+            addr: rest.split_whitespace().next().unwrap().to_string(),
+            line: line.clone(),
+            child,
+            _out: out,
+        }),
+        None => {
+            let out = child.wait_with_output().unwrap();
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+}
+
+fn serve(e: &etcd::Etcd, id: &str) -> Serve {
+    spawn_serve(e, "127.0.0.1:0", id).unwrap_or_else(|err| panic!("serve {id} did not start: {err}"))
+}
+
+fn kvferry(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn peers(e: &etcd::Etcd) -> Vec<String> {
+    let out = kvferry(&["peers", "--directory", &e.url(), "--namespace", "cli"]);
+    assert!(out.status.success(), "peers failed: {}", text(&out.stderr));
+    text(&out.stdout).lines().map(str::to_string).collect()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn watcher(e: &etcd::Etcd) -> Arc<EtcdDirectory> {
+    let mut c = EtcdConfig::new(vec![e.endpoint()], "cli");
+    c.call_timeout = Duration::from_secs(1);
+    c.stale_after = Duration::from_secs(1);
+    let d = EtcdDirectory::connect(c).await.unwrap();
+    d.wait_listed(Duration::from_secs(5)).await.unwrap();
+    Arc::new(d)
+}
+
+async fn next_event(rx: &mut tokio::sync::broadcast::Receiver<PeerEvent>, peer: &str, limit: Duration) -> PeerEvent {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let ev = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no event about {peer} within {limit:?}"))
+            .unwrap();
+        if ev.peer_id() == peer {
+            return ev;
+        }
+    }
+}
+
+#[test]
+fn peers_lists_three_serves_and_get_finds_the_key_without_a_peer() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let nodes: Vec<Serve> = ["n0", "n1", "n2"].iter().map(|id| serve(&e, id)).collect();
+    assert!(nodes[0].line.contains("; registered as n0 at "), "{}", nodes[0].line);
+
+    let lines = peers(&e);
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    for (n, id) in nodes.iter().zip(["n0", "n1", "n2"]) {
+        let l = lines.iter().find(|l| l.starts_with(&format!("{id} "))).expect(id);
+        assert!(
+            l.contains(&n.addr) && l.contains("role=prefill") && l.contains("incarnation=0x"),
+            "{l}"
+        );
+        assert!(l.ends_with(" fresh"), "{l}");
+    }
+    let json = kvferry(&["peers", "--directory", &e.url(), "--namespace", "cli", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 3);
+    assert_eq!(v[0]["stale"], false);
+
+    // A chunk put on n1 only is found without --peer.
+    let dir = std::env::temp_dir().join(format!("kvferry-dircli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, got) = (dir.join("src"), dir.join("got"));
+    let bytes: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&src, &bytes).unwrap();
+    let put = kvferry(&[
+        "put",
+        "--peer",
+        &nodes[1].addr,
+        "--key",
+        "where",
+        "--file",
+        src.to_str().unwrap(),
+    ]);
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    let get = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli",
+        "--key",
+        "where",
+        "--model",
+        "tiny",
+        "--out",
+        got.to_str().unwrap(),
+    ]);
+    assert!(get.status.success(), "{}", text(&get.stderr));
+    assert_eq!(std::fs::read(&got).unwrap(), bytes);
+    // By peer id, through the directory.
+    let get = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli",
+        "--key",
+        "where",
+        "--model",
+        "tiny",
+        "--peer",
+        "n1",
+    ]);
+    assert!(get.status.success(), "{}", text(&get.stderr));
+    // Nowhere: a clear error.
+    let miss = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli",
+        "--key",
+        "nowhere",
+        "--model",
+        "tiny",
+    ]);
+    assert_eq!(miss.status.code(), Some(1));
+    let err = text(&miss.stderr);
+    assert!(
+        err.contains("no live peer in namespace cli holds nowhere (asked 3 peer(s))"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_duplicate_peer_id_is_refused_naming_the_holder() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let first = serve(&e, "dup");
+    let err = match spawn_serve(&e, "127.0.0.1:0", "dup") {
+        Ok(s) => panic!("a second dup started: {}", s.line),
+        Err(err) => err,
+    };
+    assert!(
+        err.contains("peer id dup is already registered by a live process at"),
+        "{err}"
+    );
+    assert!(err.contains(&first.addr), "{err}");
+}
+
+#[test]
+fn sigkill_is_lost_within_the_ttl_and_a_restart_is_announced() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let rt = rt();
+    let w = rt.block_on(watcher(&e));
+    let mut rx = w.subscribe();
+    let mut s = serve(&e, "victim");
+    let addr = s.addr.clone();
+    let first = rt.block_on(next_event(&mut rx, "victim", Duration::from_secs(5)));
+    let PeerEvent::Joined(r1) = first else {
+        panic!("{first:?}")
+    };
+
+    // SIGKILL: nobody revokes the lease; it expires after its TTL (2 s).
+    let killed = Instant::now();
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    let lost = rt.block_on(next_event(&mut rx, "victim", Duration::from_secs(6)));
+    let after = killed.elapsed();
+    assert!(matches!(lost, PeerEvent::Lost(_)), "{lost:?}");
+    assert!(
+        after <= Duration::from_secs(3),
+        "Lost after {after:?}: more than TTL + 1 s"
+    );
+    drop(s);
+
+    // Restarted on the same address while the old record is still there (kill, then
+    // start at once): the new incarnation replaces it, announced as a restart.
+    let s2 = spawn_serve(&e, &addr, "victim").expect("restart");
+    let joined = rt.block_on(next_event(&mut rx, "victim", Duration::from_secs(5)));
+    let PeerEvent::Joined(r2) = joined else {
+        panic!("{joined:?}")
+    };
+    assert_ne!(r2.incarnation, r1.incarnation);
+    let mut s2 = s2;
+    s2.child.kill().unwrap();
+    s2.child.wait().unwrap();
+    let s3 = {
+        // Retry briefly: the port may be held for a moment after a kill.
+        let t = Instant::now();
+        loop {
+            match spawn_serve(&e, &addr, "victim") {
+                Ok(s) => break s,
+                Err(err) if t.elapsed() < Duration::from_secs(5) && err.contains("address in use") => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(err) => panic!("{err}"),
+            }
+        }
+    };
+    match rt.block_on(next_event(&mut rx, "victim", Duration::from_secs(5))) {
+        PeerEvent::Restarted { old, new } => {
+            assert_eq!(old.incarnation, r2.incarnation);
+            assert_ne!(new.incarnation, old.incarnation);
+        }
+        other => panic!("expected Restarted, got {other:?}"),
+    }
+    // A clean stop (SIGTERM) deregisters at once.
+    let stopped = Instant::now();
+    unsafe { libc::kill(s3.child.id() as i32, libc::SIGTERM) };
+    let lost = rt.block_on(next_event(&mut rx, "victim", Duration::from_secs(5)));
+    assert!(matches!(lost, PeerEvent::Lost(_)), "{lost:?}");
+    assert!(stopped.elapsed() < Duration::from_secs(2), "{:?}", stopped.elapsed());
+    drop(s3);
+}
+
+#[test]
+fn peers_fails_clearly_when_etcd_is_unreachable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let t = Instant::now();
+    let out = kvferry(&[
+        "peers",
+        "--directory",
+        &format!("etcd://127.0.0.1:{port}"),
+        "--namespace",
+        "cli",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(err.contains("cannot reach etcd at etcd://127.0.0.1:"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    // Bad URLs are usage errors.
+    let out = kvferry(&["peers", "--directory", "http://x:1"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let out = kvferry(&["peers"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}

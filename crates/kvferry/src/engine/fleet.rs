@@ -1,0 +1,246 @@
+//! The engine's side of the peer directory: registering itself, reacting to peer
+//! events, and locating keys on live peers.
+//!
+//! # Semantics
+//!
+//! - A listening engine with a directory registers a [`PeerRecord`] (its peer id, the
+//!   advertised address, its incarnation and role) when it starts, and deregisters
+//!   first thing in [`Engine::close`]. While the directory has lost its registration
+//!   (a lease expired), its producer refuses new stages and gets with `Busy`.
+//! - A task follows the directory's events: [`PeerEvent::Restarted`] fails the old
+//!   incarnation's in-flight transfers with `PeerRestarted` and drops its idle pooled
+//!   connections; [`PeerEvent::Lost`] fails them with `PeerLost` and releases the
+//!   leases this engine staged for that peer. Any event clears the miss cache.
+//! - [`Engine::locate`] asks every live peer (at most [`FAN_OUT`] at once, all under
+//!   one deadline) how many of the keys it holds, and remembers a key no peer holds
+//!   for [`MISS_TTL`].
+//!
+//! # Cancellation
+//!
+//! [`Engine::locate`] dropped midway drops its outstanding lookups (they own no
+//! memory). The event task stops when the engine closes or is dropped.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures::StreamExt;
+use parking_lot::Mutex;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Engine, EngineError, Inner};
+use crate::directory::{MissCache, PeerEvent, PeerRecord, RegistrationState};
+use crate::peer::{PeerError, PeerGone};
+use crate::wire::ChunkKey;
+
+/// Lookups in flight at once during [`Engine::locate`].
+pub const FAN_OUT: usize = 16;
+/// How long a key that no live peer held is answered as a miss without asking.
+pub const MISS_TTL: Duration = Duration::from_millis(500);
+
+/// The directory side of an engine.
+pub(super) struct FleetState {
+    stop: CancellationToken,
+    misses: Mutex<MissCache>,
+}
+
+impl Default for FleetState {
+    fn default() -> Self {
+        FleetState {
+            stop: CancellationToken::new(),
+            misses: Mutex::new(MissCache::new(MISS_TTL, 65_536)),
+        }
+    }
+}
+
+/// A live peer holding keys, from [`Engine::locate`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Located {
+    /// Its peer id.
+    pub peer_id: String,
+    /// Its address.
+    pub address: String,
+    /// How many leading keys it holds (at least one).
+    pub hits: usize,
+}
+
+impl Engine {
+    /// Registers this engine and starts following the directory's events (nothing
+    /// without a directory).
+    pub(super) async fn attach_directory(&self) -> Result<(), EngineError> {
+        let Some(dir) = self.inner.cfg.directory.clone() else {
+            return Ok(());
+        };
+        // Subscribe before registering: no event between the two is missed.
+        let rx = dir.subscribe();
+        tokio::spawn(follow(Arc::downgrade(&self.inner), rx, self.inner.fleet.stop.clone()));
+        if let Some(state) = dir.registration_state() {
+            tokio::spawn(follow_registration(
+                self.inner.producer.clone(),
+                state,
+                self.inner.fleet.stop.clone(),
+            ));
+        }
+        let Some(bound) = self.inner.address else {
+            return Ok(()); // a client-only engine registers nothing
+        };
+        let address = match &self.inner.cfg.advertise {
+            Some(a) => a.clone(),
+            None if bound.ip().is_unspecified() => {
+                return Err(EngineError::InvalidConfig(format!(
+                    "listening on {bound}: set the address to advertise in the directory \
+                     (an unspecified address cannot be reached by peers)"
+                )))
+            }
+            None => bound.to_string(),
+        };
+        let mut record = PeerRecord::new(self.peer_id(), address, self.incarnation());
+        record.role = self.inner.cfg.role;
+        record.capabilities = vec!["direct".into(), "staged".into(), "put".into()];
+        dir.register(record).await?;
+        Ok(())
+    }
+
+    /// Stops following events and deregisters, bounded by `deadline`.
+    pub(super) async fn detach_directory(&self, deadline: Instant) {
+        self.inner.fleet.stop.cancel();
+        let Some(dir) = self.inner.cfg.directory.clone() else {
+            return;
+        };
+        if self.inner.address.is_none() {
+            return;
+        }
+        match tokio::time::timeout_at(deadline, dir.deregister()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(target: "kvferry::engine", error = %e, "deregistration failed (the record expires with its lease)")
+            }
+            Err(_) => tracing::warn!(target: "kvferry::engine", "deregistration did not finish by the close deadline"),
+        }
+    }
+
+    /// Finds which live peers hold `keys` (how many leading keys each holds), best
+    /// first, by asking every live peer of the directory under `deadline`, at most
+    /// [`FAN_OUT`] at once. Peers that fail or do not answer in time count as holding
+    /// nothing. Empty when no peer holds the first key (remembered for [`MISS_TTL`]).
+    pub async fn locate(&self, keys: &[ChunkKey], deadline: Instant) -> Result<Vec<Located>, EngineError> {
+        self.check_open()?;
+        let dir = self
+            .inner
+            .cfg
+            .directory
+            .clone()
+            .ok_or_else(|| EngineError::InvalidConfig("locating keys needs a directory".into()))?;
+        let Some(first) = keys.first().copied() else {
+            return Err(EngineError::Peer(PeerError::InvalidArgument("empty key list".into())));
+        };
+        if self.inner.fleet.misses.lock().is_miss(&first, Instant::now()) {
+            return Ok(Vec::new());
+        }
+        let me = self.peer_id().to_string();
+        let peers: Vec<PeerRecord> = dir
+            .live_peers()
+            .peers
+            .into_iter()
+            .map(|p| p.record)
+            .filter(|r| r.peer_id != me)
+            .collect();
+        let consumer = self.inner.consumer.clone();
+        let mut found: Vec<Located> = futures::stream::iter(peers)
+            .map(|r| {
+                let consumer = consumer.clone();
+                async move {
+                    let hits = match consumer.lookup(&r.address, keys, deadline).await {
+                        Ok(h) => h,
+                        Err(e) => {
+                            tracing::debug!(target: "kvferry::engine", peer = %r.peer_id, error = %e, "lookup failed");
+                            0
+                        }
+                    };
+                    Located {
+                        peer_id: r.peer_id,
+                        address: r.address,
+                        hits,
+                    }
+                }
+            })
+            .buffer_unordered(FAN_OUT)
+            .filter(|l| std::future::ready(l.hits > 0))
+            .collect()
+            .await;
+        found.sort_by(|a, b| b.hits.cmp(&a.hits).then_with(|| a.peer_id.cmp(&b.peer_id)));
+        if found.is_empty() {
+            self.inner.fleet.misses.lock().insert(first, Instant::now());
+        }
+        Ok(found)
+    }
+}
+
+/// While the directory has lost this engine's registration, its producer refuses new
+/// stages and gets (peers cannot see it, and a consumer that still can would be using
+/// a stale view); it accepts them again once registered anew.
+async fn follow_registration(
+    producer: crate::peer::Producer,
+    mut state: tokio::sync::watch::Receiver<RegistrationState>,
+    stop: CancellationToken,
+) {
+    loop {
+        let lost = matches!(*state.borrow_and_update(), RegistrationState::Lost);
+        producer.set_refusing(lost);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            changed = state.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+/// Follows the directory's events until `stop` or the engine is gone.
+async fn follow(inner: Weak<Inner>, mut rx: tokio::sync::broadcast::Receiver<PeerEvent>, stop: CancellationToken) {
+    loop {
+        let ev = tokio::select! {
+            _ = stop.cancelled() => return,
+            ev = rx.recv() => ev,
+        };
+        let Some(inner) = inner.upgrade() else { return };
+        match ev {
+            Ok(ev) => apply(&inner, ev),
+            Err(RecvError::Lagged(n)) => {
+                tracing::warn!(target: "kvferry::engine", missed = n, "fell behind the directory's events");
+            }
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+fn apply(inner: &Inner, ev: PeerEvent) {
+    inner.fleet.misses.lock().clear();
+    if ev.peer_id() == inner.cfg.net.peer_id {
+        return;
+    }
+    match ev {
+        PeerEvent::Joined(_) => {}
+        PeerEvent::Restarted { old, new } => {
+            inner.consumer.fail_peer(
+                &old.address,
+                PeerGone::Restarted {
+                    old: old.incarnation,
+                    new: new.incarnation,
+                },
+            );
+            inner.producer.release_peer(&old.peer_id);
+        }
+        PeerEvent::Lost(r) => {
+            inner.consumer.fail_peer(
+                &r.address,
+                PeerGone::Lost {
+                    reason: "it left the directory (lease expired or deregistered)".into(),
+                },
+            );
+            let n = inner.producer.release_peer(&r.peer_id);
+            if n > 0 {
+                tracing::info!(target: "kvferry::engine", peer = %r.peer_id, leases = n, "released leases staged for a lost peer");
+            }
+        }
+    }
+}
