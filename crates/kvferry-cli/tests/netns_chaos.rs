@@ -11,87 +11,17 @@
 
 mod netns;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry::peer::PeerError;
 use netns::client::{pattern, NsClient};
+use netns::load::{client_loop, Tally};
 use netns::net::Network;
 use netns::serve::Serve;
 use rand::{Rng, SeedableRng};
 
-const DEADLINE: Duration = Duration::from_secs(2);
-const SLACK: Duration = Duration::from_millis(1500);
 const SERVE_FLAGS: &[&str] = &["--ttl", "2s"];
-
-#[derive(Default)]
-struct Tally {
-    attempts: AtomicU64,
-    landed: AtomicU64,
-    misses: AtomicU64,
-    errors: AtomicU64,
-    corrupted: AtomicU64,
-    late: AtomicU64,
-}
-
-/// One client's loop: put a chunk to a random server, get it back (from the same
-/// server), verify, until `stop`.
-fn client_loop(c: &NsClient, name: &str, servers: &[String], seed: u64, stop: &AtomicBool, tally: &Tally) {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut n = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        n += 1;
-        let addr = &servers[rng.gen_range(0..servers.len())];
-        let len = rng.gen_range(1_000..400_000usize);
-        let key = format!("{name}-{n}-{len}");
-        let data = pattern(&key, len);
-        tally.attempts.fetch_add(1, Ordering::Relaxed);
-        let t = Instant::now();
-        let put = c.put(addr, &key, &data, DEADLINE);
-        note_time(tally, t, &key, "put");
-        if let Err(e) = put {
-            check_typed(&e, &key);
-            tally.errors.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        let t = Instant::now();
-        let got = c.get(addr, &key, DEADLINE);
-        note_time(tally, t, &key, "get");
-        match got {
-            Ok(Some(bytes)) if bytes == data => {
-                tally.landed.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(Some(bytes)) => {
-                eprintln!("CORRUPTED {key}: {} bytes landed, {} expected", bytes.len(), data.len());
-                tally.corrupted.fetch_add(1, Ordering::Relaxed);
-            }
-            // The server was restarted between the put and the get.
-            Ok(None) => {
-                tally.misses.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => {
-                check_typed(&e, &key);
-                tally.errors.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-fn note_time(tally: &Tally, t: Instant, key: &str, op: &str) {
-    let took = t.elapsed();
-    if took > DEADLINE + SLACK {
-        eprintln!("LATE {op} {key}: returned after {took:?}, deadline {DEADLINE:?}");
-        tally.late.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-fn check_typed(e: &PeerError, key: &str) {
-    assert!(
-        !matches!(e, PeerError::InvalidArgument(_)),
-        "{key}: a fault surfaced as an invalid argument: {e}"
-    );
-}
 
 #[test]
 fn chaos_across_hosts_corrupts_nothing_leaks_nothing_and_is_never_late() {
@@ -163,16 +93,10 @@ fn chaos_across_hosts_corrupts_nothing_leaks_nothing_and_is_never_late() {
         w.join().expect("client loop panicked");
     }
 
-    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let get = Tally::get;
     eprintln!(
-        "netns chaos seed {seed}: {} transfers, {} landed and verified, {} misses after restarts, \
-         {} typed errors, {} corrupted, {} late; {partitions} partitions, {port_downs} ports down, {kills} kills",
-        get(&tally.attempts),
-        get(&tally.landed),
-        get(&tally.misses),
-        get(&tally.errors),
-        get(&tally.corrupted),
-        get(&tally.late)
+        "netns chaos seed {seed}: {}; {partitions} partitions, {port_downs} ports down, {kills} kills",
+        tally.summary()
     );
     assert_eq!(get(&tally.corrupted), 0, "seed {seed}: corrupted transfers");
     assert_eq!(get(&tally.late), 0, "seed {seed}: calls returned past their deadline");
@@ -195,22 +119,8 @@ fn chaos_across_hosts_corrupts_nothing_leaks_nothing_and_is_never_late() {
     }
     let t = Instant::now();
     for s in &servers {
-        loop {
-            let text = s.try_metrics().unwrap_or_default();
-            let m = |name: &str| netns::serve::metric_in(&text, name);
-            let leased = m(r#"kvferry_arena_pages{role="producer",state="leased"}"#);
-            let quarantined = m(r#"kvferry_arena_pages{role="producer",state="quarantined"}"#);
-            let staged = m(r#"kvferry_staged_leases{role="producer"}"#);
-            if leased == Some(0.0) && staged == Some(0.0) && quarantined == Some(0.0) {
-                break;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(8),
-                "seed {seed}: {} leaks: leased pages {leased:?}, staged leases {staged:?}, quarantined {quarantined:?}",
-                s.addr
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let left = Duration::from_secs(8).saturating_sub(t.elapsed());
+        s.wait_no_leaks(left).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
     }
     for c in &clients {
         let st = c.arena().stats();

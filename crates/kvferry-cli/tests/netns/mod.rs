@@ -20,6 +20,9 @@
 #![allow(dead_code)]
 
 pub mod client;
+pub mod etcd;
 pub mod forwarder;
+pub mod load;
 pub mod net;
+pub mod peers;
 pub mod serve;

@@ -170,6 +170,31 @@ impl Serve {
     }
 }
 
+impl Serve {
+    /// Waits (at most `limit`) until the metrics show no leased page, no staged lease
+    /// and no quarantined page; the error names what is still held.
+    pub fn wait_no_leaks(&self, limit: Duration) -> Result<(), String> {
+        let t = Instant::now();
+        loop {
+            let text = self.try_metrics().unwrap_or_default();
+            let m = |name: &str| metric_in(&text, name);
+            let leased = m(r#"kvferry_arena_pages{role="producer",state="leased"}"#);
+            let quarantined = m(r#"kvferry_arena_pages{role="producer",state="quarantined"}"#);
+            let staged = m(r#"kvferry_staged_leases{role="producer"}"#);
+            if leased == Some(0.0) && staged == Some(0.0) && quarantined == Some(0.0) {
+                return Ok(());
+            }
+            if t.elapsed() > limit {
+                return Err(format!(
+                    "{} holds after {limit:?}: leased pages {leased:?}, staged leases {staged:?}, quarantined {quarantined:?}",
+                    self.addr
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// A metric's value in Prometheus text.
 pub fn metric_in(text: &str, name: &str) -> Option<f64> {
     text.lines()
