@@ -43,7 +43,7 @@ fn requires_etcd(test: &str) -> bool {
         if std::env::var("CI").is_ok_and(|v| v == "true") {
             panic!("{test}: no etcd in CI: {why}");
         }
-        eprintln!("SKIPPED {test}: no etcd binary here ({why})");
+        netns::skip(test, &format!("no etcd binary here ({why})"));
         return false;
     }
     true
@@ -70,7 +70,10 @@ fn serve_flags(etcd: &Etcd, namespace: &str, host: &Host) -> Vec<String> {
 impl Fleet {
     fn start(test: &str) -> Option<Fleet> {
         if !kvferry_supports_directory() {
-            eprintln!("SKIPPED {test}: this kvferry has no `serve --directory` (the directory is not built in yet)");
+            netns::skip(
+                test,
+                "this kvferry has no `serve --directory` (the directory is not built in yet)",
+            );
             return None;
         }
         if !requires_etcd(test) {

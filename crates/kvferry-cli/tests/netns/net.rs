@@ -170,7 +170,7 @@ impl Network {
                 if std::env::var("CI").is_ok_and(|v| v == "true") {
                     panic!("{test}: cannot create network namespaces in CI: {why}");
                 }
-                eprintln!("SKIPPED {test}: cannot create network namespaces here: {why}");
+                super::skip(test, &format!("cannot create network namespaces here: {why}"));
                 None
             }
         }
