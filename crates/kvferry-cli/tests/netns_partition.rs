@@ -58,6 +58,35 @@ fn a_partitioned_host_fails_in_time_the_others_serve_and_healed_it_returns_uncha
     // A client that never talked to it: its connection attempt goes unanswered.
     let fresh = NsClient::new(net.host(0), "partition-fresh");
     fails_in_time("get from a new client", || fresh.get(&cut.addr, "part-1", DEADLINE));
+    // The command fails in time too, and says why.
+    let t = Instant::now();
+    let out = netns::serve::kvferry(
+        net.host(0),
+        &[
+            "get",
+            "--peer",
+            &cut.addr,
+            "--key",
+            "part-1",
+            "--model",
+            "tiny",
+            "--timeout",
+            "2s",
+        ],
+        Duration::from_secs(10),
+    );
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "get from a cut-off host succeeded");
+    // Twice the slack: the time includes starting the process.
+    assert!(
+        took <= DEADLINE + 2 * SLACK,
+        "`kvferry get` to a cut-off host took {took:?}"
+    );
+    assert!(
+        err.contains("timed out") || err.contains("lost"),
+        "unclear error from `kvferry get`: {err}"
+    );
     // The rest of the fleet is unaffected.
     for s in &servers[1..] {
         let key = format!("part-{}", s.host.index);
