@@ -97,12 +97,38 @@ impl Fleet {
         Some(f)
     }
 
-    /// Starts (or restarts) the server of host `i`.
+    /// Starts (or restarts) the server of host `i` and waits until the directory lists
+    /// it with its incarnation. A process that exits first (its id may still be held by
+    /// the lease of a killed predecessor, for up to the TTL) is started again.
     fn serve(&self, i: usize) -> Serve {
         let host = self.net.host(i).clone();
         let flags = serve_flags(&self.etcd, &self.namespace, &host);
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        Serve::start(&host, &flags)
+        let id = format!("h{i}");
+        let t = Instant::now();
+        loop {
+            let mut s = Serve::start(&host, &flags);
+            let registered_by = Instant::now() + TTL + Duration::from_secs(5);
+            while s.alive() {
+                let list = netns::peers::peers(&self.client, &self.etcd.url, &self.namespace).unwrap_or_default();
+                if listed(&list, &id).is_some_and(|p| p.incarnation == s.incarnation) {
+                    return s;
+                }
+                assert!(
+                    Instant::now() < registered_by,
+                    "{id} ({:#x}) never listed; last listing {list:?}\n{}",
+                    s.incarnation,
+                    s.log()
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            assert!(
+                t.elapsed() < TTL + Duration::from_secs(15),
+                "{id} keeps exiting at start-up:\n{}",
+                s.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     fn peers_until(&self, limit: Duration, what: &str, ok: impl Fn(&[PeerRecord]) -> bool) -> Vec<PeerRecord> {
