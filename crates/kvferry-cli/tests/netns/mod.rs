@@ -1,7 +1,9 @@
 //! Test support for tests across real network hosts: a private network of Linux network
 //! namespaces (one per host, joined by veth pairs to a bridge that lives in a namespace
-//! of its own), `kvferry serve` processes inside them, a client that runs the `kvferry`
-//! library inside a host, and a fault-injecting TCP forwarder.
+//! of its own, [`net`]), `kvferry serve` processes inside them ([`serve`]), a client
+//! that runs the `kvferry` library inside a host ([`client`]), a fault-injecting TCP
+//! forwarder ([`forwarder`]), a real etcd in a host of its own ([`etcd`]), the
+//! `kvferry peers` listing ([`peers`]) and the chaos runs' transfer load ([`load`]).
 //!
 //! Nothing here touches the machine's own network: the bridge and every host live in
 //! namespaces created for one test (names carry the test process's pid and a counter),
