@@ -122,7 +122,7 @@ fn a_lossy_stalling_link_fails_typed_and_never_lands_a_wrong_byte() {
         cut_ppm: 400_000,
         stall_ppm: 300_000,
         stall: Duration::from_millis(300),
-        within: 2 << 20,
+        within: 512 << 10,
         seed,
     };
     let fwd = Forwarder::start(h_router, 7100, &server.addr, faults);

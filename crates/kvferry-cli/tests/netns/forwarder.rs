@@ -4,11 +4,13 @@
 //! target, adding
 //! - a one-way delay to every segment (a delay line: throughput is not cut by it),
 //! - an optional throttle (bytes per second, per direction),
-//! - loss-like faults chosen per connection and direction from a seed: a cut (the
-//!   connection is closed after a chosen number of bytes, mid-frame) or a stall (no
-//!   byte moves for a while after a chosen number of bytes).
+//! - loss-like faults drawn from a seed for every window of `within` bytes of each
+//!   direction of each connection: a cut (the connection is closed at a chosen byte,
+//!   mid-frame) or a stall (no byte moves for a while from a chosen byte). Drawing per
+//!   window, not once per connection, reaches long-lived pooled connections too.
 //!
-//! The same seed and the same order of connections give the same faults.
+//! The same seed, the same order of connections and the same bytes give the same
+//! faults.
 //!
 //! # Cancellation
 //! Each connection is one task owning both sockets; a cut or the forwarder's drop
@@ -35,13 +37,13 @@ pub struct Faults {
     pub delay: Duration,
     /// Bytes per second per direction (`None`: unthrottled).
     pub rate: Option<u64>,
-    /// Chance per connection direction, in parts per million, of a cut.
+    /// Chance per window, in parts per million, of a cut.
     pub cut_ppm: u32,
-    /// Chance per connection direction, in parts per million, of a stall.
+    /// Chance per window, in parts per million, of a stall.
     pub stall_ppm: u32,
     /// How long a stall lasts.
     pub stall: Duration,
-    /// Cuts and stalls happen within this many bytes of a direction's start.
+    /// The window: bytes of one direction over which one cut and one stall are drawn.
     pub within: u64,
     /// Seed of the fault choices.
     pub seed: u64,
@@ -84,18 +86,43 @@ pub struct Forwarder {
     pub stats: Arc<Stats>,
 }
 
-/// The fault plan of one direction of one connection.
-#[derive(Clone, Copy, Debug)]
+/// The fault plan of one direction of one connection: the faults of the current
+/// window, drawn from the direction's own generator.
 struct Plan {
+    rng: rand::rngs::StdRng,
+    window: u64,
+    start: u64,
     cut_at: Option<u64>,
     stall_at: Option<u64>,
 }
 
-fn plan(rng: &mut rand::rngs::StdRng, f: &Faults) -> Plan {
-    let mut at = |ppm: u32| (rng.gen_range(0..1_000_000u32) < ppm).then(|| rng.gen_range(0..f.within.max(1)));
-    Plan {
-        cut_at: at(f.cut_ppm),
-        stall_at: at(f.stall_ppm),
+impl Plan {
+    fn new(seed: u64, f: &Faults) -> Plan {
+        let mut p = Plan {
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+            window: f.within.max(1),
+            start: 0,
+            cut_at: None,
+            stall_at: None,
+        };
+        p.draw(f);
+        p
+    }
+
+    fn draw(&mut self, f: &Faults) {
+        let (start, window) = (self.start, self.window);
+        let mut at =
+            |ppm: u32| (self.rng.gen_range(0..1_000_000u32) < ppm).then(|| start + self.rng.gen_range(0..window));
+        self.cut_at = at(f.cut_ppm);
+        self.stall_at = at(f.stall_ppm);
+    }
+
+    /// Moves to the window holding byte `sent`.
+    fn advance(&mut self, sent: u64, f: &Faults) {
+        while sent >= self.start + self.window {
+            self.start += self.window;
+            self.draw(f);
+        }
     }
 }
 
@@ -124,7 +151,7 @@ impl Forwarder {
                     continue;
                 };
                 st.connections.fetch_add(1, Ordering::Relaxed);
-                let (up, down) = (plan(&mut rng, &faults), plan(&mut rng, &faults));
+                let (up, down) = (Plan::new(rng.gen(), &faults), Plan::new(rng.gen(), &faults));
                 let (f, st, target) = (faults.clone(), st.clone(), target.clone());
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(&target).await else {
@@ -174,7 +201,7 @@ impl Drop for Forwarder {
 
 /// Moves bytes from `r` to `w` through a delay line, applying `plan`. Returns true
 /// when it cut the connection, false at the end of the stream (or an I/O error).
-async fn pump(mut r: OwnedReadHalf, mut w: OwnedWriteHalf, plan: Plan, f: Faults, st: Arc<Stats>) -> bool {
+async fn pump(mut r: OwnedReadHalf, mut w: OwnedWriteHalf, mut plan: Plan, f: Faults, st: Arc<Stats>) -> bool {
     let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(256);
     let delay = f.delay;
     let _reader = AbortOnDrop(tokio::spawn(async move {
@@ -193,22 +220,24 @@ async fn pump(mut r: OwnedReadHalf, mut w: OwnedWriteHalf, plan: Plan, f: Faults
     }));
     let start = Instant::now();
     let mut sent: u64 = 0;
-    let mut stalled = false;
     let cut = loop {
         let Some((due, mut buf)) = rx.recv().await else {
             break false;
         };
         tokio::time::sleep_until(due).await;
+        plan.advance(sent, &f);
+        // A fault drawn for a window that this segment entered part-way may lie
+        // behind `sent`: it happens at once.
         if let Some(at) = plan.cut_at {
             if sent + buf.len() as u64 > at {
-                buf.truncate((at - sent) as usize);
+                buf.truncate(at.saturating_sub(sent) as usize);
                 let _ = w.write_all(&buf).await;
                 break true;
             }
         }
         if let Some(at) = plan.stall_at {
-            if !stalled && sent + buf.len() as u64 > at {
-                stalled = true;
+            if sent + buf.len() as u64 > at {
+                plan.stall_at = None;
                 st.stalls.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(f.stall).await;
             }
