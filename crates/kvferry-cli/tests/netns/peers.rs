@@ -49,6 +49,19 @@ fn number(v: &Value) -> Option<u64> {
     }
 }
 
+/// `"stale": true`, `"fresh": false`, or `"state"`/`"freshness": "stale"`.
+fn stale(v: &Value) -> bool {
+    if let Some(b) = v.get("stale").and_then(Value::as_bool) {
+        return b;
+    }
+    if let Some(b) = v.get("fresh").and_then(Value::as_bool) {
+        return !b;
+    }
+    field(v, &["state", "freshness", "stale"])
+        .and_then(Value::as_str)
+        .is_some_and(|s| s.eq_ignore_ascii_case("stale"))
+}
+
 fn record(v: &Value) -> Option<PeerRecord> {
     Some(PeerRecord {
         id: field(v, &["id", "peer_id"])?.as_str()?.to_string(),
@@ -58,7 +71,7 @@ fn record(v: &Value) -> Option<PeerRecord> {
             .to_string(),
         incarnation: field(v, &["incarnation"]).and_then(number)?,
         role: field(v, &["role"]).and_then(Value::as_str).map(str::to_string),
-        stale: field(v, &["stale"]).and_then(Value::as_bool).unwrap_or(false),
+        stale: stale(v),
     })
 }
 
