@@ -136,19 +136,38 @@ impl Fleet {
         wait_peers(&self.client, &self.etcd.url, &self.namespace, limit, what, ok)
     }
 
-    /// Waits until every server is listed, fresh, with its current incarnation and address.
+    /// Waits until every server is listed, fresh, at its address, with the incarnation
+    /// its process presents to a new connection now (the directory and the connection
+    /// agree).
     fn wait_all_listed(&self, what: &str) -> Vec<PeerRecord> {
-        let want: Vec<(String, String, u64)> = self
-            .servers
-            .iter()
-            .map(|s| (format!("h{}", s.host.index), s.addr.clone(), s.incarnation))
-            .collect();
-        self.peers_until(Duration::from_secs(15), what, |list| {
-            want.iter().all(|(id, addr, inc)| {
-                list.iter()
-                    .any(|p| &p.id == id && &p.address == addr && p.incarnation == *inc && !p.stale)
-            })
-        })
+        let t = Instant::now();
+        loop {
+            let probe = NsClient::new(&self.client, "incarnation-probe");
+            let want: Vec<(String, String, Option<u64>)> = self
+                .servers
+                .iter()
+                .map(|s| {
+                    let inc = probe.peer_incarnation(&s.addr, Duration::from_secs(3)).ok();
+                    (format!("h{}", s.host.index), s.addr.clone(), inc)
+                })
+                .collect();
+            let list = netns::peers::peers(&self.client, &self.etcd.url, &self.namespace);
+            if let Ok(l) = &list {
+                let agree = want.iter().all(|(id, addr, inc)| {
+                    l.iter()
+                        .any(|p| &p.id == id && &p.address == addr && Some(p.incarnation) == *inc && !p.stale)
+                });
+                if agree {
+                    return l.clone();
+                }
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "{what}: directory and connections disagree after 15 s\n  listed: {list:?}\n  \
+                 presented (id, address, handshake incarnation): {want:?}"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+        }
     }
 
     /// `kvferry get --directory ... --key K` from the client host: the bytes, or stderr.

@@ -131,6 +131,18 @@ impl NsClient {
         })
     }
 
+    /// The incarnation `peer` presents in its handshake, as this client's pool last saw
+    /// it (a lookup first, so that there is a connection). Ask from a new client to
+    /// learn what the process presents now.
+    pub fn peer_incarnation(&self, peer: &str, timeout: Duration) -> Result<u64, PeerError> {
+        let (c, peer) = (self.consumer.clone(), peer.to_string());
+        self.block_on(async move {
+            let key = ChunkKey::from_name("incarnation-probe");
+            c.lookup(&peer, &[key], Instant::now() + timeout).await?;
+            Ok(c.pool(&peer)?.incarnation())
+        })
+    }
+
     /// How many restarts of `peer` this client's pool has seen.
     pub fn restarts_seen(&self, peer: &str) -> u64 {
         self.consumer.pool(peer).map(|p| p.restarts_seen()).unwrap_or(0)
