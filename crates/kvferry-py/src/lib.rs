@@ -6,6 +6,7 @@
 // `ErrInfo` travels only on the (cold) error path.
 #![allow(clippy::too_many_arguments, clippy::type_complexity, clippy::result_large_err)]
 
+mod device;
 mod engine;
 mod errors;
 mod region;
@@ -25,6 +26,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<region::PyRegion>()?;
     m.add_class::<transfer::PyTransfer>()?;
     m.add_class::<engine::PyStaged>()?;
+    m.add_class::<device::PyDeviceMemory>()?;
     m.add_function(wrap_pyfunction!(key_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

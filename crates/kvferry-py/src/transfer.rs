@@ -79,6 +79,14 @@ impl PyTransfer {
     where
         F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
     {
+        Self::spawn_op(runtime, peer, fence, fut, "get")
+    }
+
+    /// As [`spawn`](Self::spawn), naming the operation `op` in errors.
+    pub fn spawn_op<F>(runtime: Handle, peer: String, fence: DrainFence, fut: F, op: &'static str) -> PyTransfer
+    where
+        F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
+    {
         let shared = Arc::new(Shared::default());
         let cancel = CancellationToken::new();
         let (s, c, p) = (shared.clone(), cancel.clone(), peer.clone());
@@ -93,7 +101,7 @@ impl PyTransfer {
                     dirty: true,
                 }),
             };
-            s.finish(outcome(&p, r, "get"));
+            s.finish(outcome(&p, r, op));
         });
         PyTransfer {
             shared,
