@@ -715,26 +715,43 @@ impl PyEngine {
 
     /// Tells `peer` this engine will not fetch `keys` (a request was aborted): the peer
     /// stages them under a lease and this engine answers `Done` at once, so a
-    /// publication made `once` is released now rather than at its TTL. Runs in the
+    /// publication made `once` is released now rather than at its TTL. A miss (the
+    /// peer has not published yet) is retried with backoff (2 ms doubling to 50 ms)
+    /// for up to `retry_miss` seconds; everything within `timeout`. Runs in the
     /// background; the returned transfer's result is the number of keys released
-    /// (`NotFoundError` when the peer no longer holds any).
-    fn release_remote(&self, keys: &Bound<'_, PyList>, peer: String, timeout: f64) -> PyResult<PyTransfer> {
+    /// (`NotFoundError` when the peer never held any).
+    #[pyo3(signature = (keys, peer, timeout, retry_miss=0.0))]
+    fn release_remote(&self, keys: &Bound<'_, PyList>, peer: String, timeout: f64, retry_miss: f64) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
         let t = required(timeout, "timeout")?;
+        if !(retry_miss.is_finite() && retry_miss >= 0.0) {
+            return Err(ErrInfo::invalid(format!("retry_miss must be >= 0 seconds, got {retry_miss}")).into());
+        }
+        let retry = Duration::from_secs_f64(retry_miss.min(t.as_secs_f64()));
         let (e, p2) = (self.engine.clone(), peer.clone());
         let fut = async move {
-            let deadline = tokio::time::Instant::now() + t;
+            let start = tokio::time::Instant::now();
+            let (deadline, retry_until) = (start + t, start + retry);
             let fail = |error| kvferry::peer::GetFailure {
                 error,
                 fence: kvferry::copy::DrainFence::ready(),
                 dirty: false,
             };
-            let handle = e.stage(&p2, &keys, deadline).await.map_err(fail)?;
-            let chunks = handle.chunks.len();
-            if chunks > 0 {
-                e.release_staged(&handle, deadline).await.map_err(fail)?;
+            let mut backoff = Duration::from_millis(2);
+            loop {
+                let handle = e.stage(&p2, &keys, deadline).await.map_err(fail)?;
+                let chunks = handle.chunks.len();
+                if chunks > 0 {
+                    e.release_staged(&handle, deadline).await.map_err(fail)?;
+                    return Ok(kvferry::peer::Landed { chunks, bytes: 0 });
+                }
+                let now = tokio::time::Instant::now();
+                if now + backoff > retry_until {
+                    return Ok(kvferry::peer::Landed { chunks: 0, bytes: 0 });
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(50));
             }
-            Ok(kvferry::peer::Landed { chunks, bytes: 0 })
         };
         let _guard = self.handle.enter();
         Ok(PyTransfer::spawn_op(

@@ -413,15 +413,18 @@ class Engine:
         t = self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation))
         return t.wait(None)
 
-    def release_remote(self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0) -> Transfer:
+    def release_remote(
+        self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0, *, retry_miss: float = 0.0
+    ) -> Transfer:
         """Tells ``peer`` that this engine will not fetch ``keys`` (say, the request
         was aborted): the peer releases publications made ``once`` now instead of at
-        their TTL. Returns at once; the transfer's result is the number of keys
-        released (``NotFoundError`` if the peer no longer held any)."""
+        their TTL. A miss (not published yet) is retried for up to ``retry_miss``
+        seconds. Returns at once; the transfer's result is the number of keys
+        released (``NotFoundError`` if the peer never held any)."""
         ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
         if not ks:
             raise InvalidArgumentError("empty key list")
-        return Transfer(self._e.release_remote(ks, self._peer(peer), float(timeout)))
+        return Transfer(self._e.release_remote(ks, self._peer(peer), float(timeout), float(retry_miss)))
 
     def pull(
         self,
