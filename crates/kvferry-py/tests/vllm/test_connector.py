@@ -660,3 +660,23 @@ def test_import_kvferry_without_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "clear"
+
+
+def test_connector_bench_runs(need_vllm):
+    """``python -m kvferry.integrations.vllm_bench``: a short run, every block verified."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvferry.integrations.vllm_bench", "--requests", "8", "--rounds", "2", "--json", "--rust-bench", "none"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["corrupted_blocks"] == 0 and r["failed"] == 0
+    assert r["bytes"] == 2 * 8 * 4 * r["block_bytes"] and r["block_bytes"] == 640 << 10
+    assert r["gbps"] > 0 and r["blocks_per_s"] > 0
+    assert r["ratio_to_rust"] is None and "none" in r["rust_note"]
