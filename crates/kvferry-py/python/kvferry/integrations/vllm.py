@@ -353,8 +353,15 @@ class KvferryConnectorScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed prefill: nothing worth sending
-        if not self.peers:
-            logger.warning("KvferryConnector: no worker handshake yet; %s is not published", request.request_id)
+        if len(self.peers) < self.tp_size:
+            # Every rank publishes its own shard: without every rank's address the
+            # decode side could not pull them all.
+            logger.warning(
+                "KvferryConnector: handshakes from %d of %d ranks; %s is not published",
+                len(self.peers),
+                self.tp_size,
+                request.request_id,
+            )
             return False, None
         n = math.ceil(request.num_prompt_tokens / self.block_size)
         ids = _flat_block_ids(block_ids)[:n]
@@ -419,6 +426,7 @@ class _Pull:
     retry_until: float  # monotonic: misses are retried until then
     transfer: Transfer | None = None
     address: str | None = None
+    incarnation: int | None = None  # the prefill rank's, as advertised
     dst: Region | None = None
     dst_ids: list[int] = field(default_factory=list)
     retry_at: float | None = None
@@ -429,12 +437,16 @@ class _Pull:
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank: from vLLM's TP group when it is
+    initialized, else from the parallel config (``rank`` modulo the TP size; 0 for a
+    single process)."""
     try:
         from vllm.distributed.parallel_state import get_tp_group
 
         return int(get_tp_group().rank_in_group)
-    except Exception:  # not initialized (a scheduler-less test, a single process)
-        return 0
+    except Exception:  # not initialized: one process per rank, set up by the caller
+        pc = vllm_config.parallel_config
+        return int(getattr(pc, "rank", 0) or 0) % max(1, int(pc.tensor_parallel_size))
 
 
 class KvferryConnectorWorker:
@@ -586,6 +598,8 @@ class KvferryConnectorWorker:
                 )
             peer = spec.peers[self.tp_rank]
             pull.address = peer.get("address")
+            inc = peer.get("incarnation")
+            pull.incarnation = int(inc) if isinstance(inc, int) and 0 <= inc < 1 << 64 else None
             if not pull.address:
                 raise errors.InvalidArgumentError(f"no kvferry address for rank {self.tp_rank}: {peer}")
             n_remote = len(spec.remote_block_ids)
@@ -607,7 +621,11 @@ class KvferryConnectorWorker:
         pull.attempts += 1
         pull.retry_at = None
         left = max(0.001, pull.deadline - time.monotonic())
-        pull.transfer = self.engine.get(pull.address, pull.spec.key, pull.dst, pull.dst_ids, timeout=left, path=self.config.path)
+        # Naming the incarnation that published: a restarted prefill instance is refused
+        # at once (PeerRestartedError, a load error) instead of missing until timeout.
+        pull.transfer = self.engine.get(
+            pull.address, pull.spec.key, pull.dst, pull.dst_ids, timeout=left, path=self.config.path, incarnation=pull.incarnation
+        )
 
     def _scratch(self, n: int) -> dict[str, torch.Tensor]:
         out = {}
