@@ -26,6 +26,10 @@ __version__: str
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
 
+def crc32c(data: Buffer) -> int:
+    """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
+    released while it runs."""
+
 @final
 class Region:
     """A registered KV cache (from ``Engine.register_spans``/``register_raw``).
