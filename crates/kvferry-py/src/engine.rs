@@ -721,7 +721,13 @@ impl PyEngine {
     /// background; the returned transfer's result is the number of keys released
     /// (`NotFoundError` when the peer never held any).
     #[pyo3(signature = (keys, peer, timeout, retry_miss=0.0))]
-    fn release_remote(&self, keys: &Bound<'_, PyList>, peer: String, timeout: f64, retry_miss: f64) -> PyResult<PyTransfer> {
+    fn release_remote(
+        &self,
+        keys: &Bound<'_, PyList>,
+        peer: String,
+        timeout: f64,
+        retry_miss: f64,
+    ) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
         let t = required(timeout, "timeout")?;
         if !(retry_miss.is_finite() && retry_miss >= 0.0) {
