@@ -214,7 +214,7 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
     kv = np.empty((src_chunks * bpc, bb), dtype=np.uint8)
     for i in range(src_chunks):
         kv[i * bpc : (i + 1) * bpc] = np.frombuffer(rng.bytes(chunk_bytes), dtype=np.uint8).reshape(bpc, bb)
-    want_crc = [crc32c(kv[i * bpc : (i + 1) * bpc]) for i in range(src_chunks)]
+    want_crc = [crc32c(kv[i * bpc : (i + 1) * bpc].data) for i in range(src_chunks)]
     out = np.zeros((a.in_flight * bpc, bb), dtype=np.uint8)
 
     day = 24 * 3600.0
@@ -260,7 +260,7 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
                 # Every landed byte, as the Rust bench verifies: crc32c of the landed
                 # chunk (GIL released) against its source's; on a mismatch, the exact
                 # count of differing bytes.
-                if crc32c(got) != want_crc[i]:
+                if crc32c(got.data) != want_crc[i]:
                     want = kv[i * bpc : (i + 1) * bpc]
                     corrupted_chunks += 1
                     corrupted_bytes += int(np.count_nonzero(got != want))
