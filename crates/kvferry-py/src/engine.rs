@@ -1,6 +1,21 @@
 //! `Engine`: the Python face of [`kvferry::engine::Engine`]. It owns a tokio runtime
 //! on which the engine's server and transfers run; every call that waits or copies
 //! releases the GIL.
+//!
+//! Regions are host memory (registered with the engine) or, on a `device="sim"`
+//! engine, device memory ([`DeviceKvCache`]): published device blocks go out through
+//! a device-to-host gather, received ones land through a host-to-device scatter, both
+//! bounded by the engine's device timeout. Gets may name the producer incarnation
+//! they expect (a restarted peer is refused before anything is staged), and
+//! `release_remote` lets a consumer give up keys it will not fetch (stage, then
+//! `Done` at once) so the producer frees them before their TTL.
+//!
+//! # Cancellation
+//!
+//! Transfers and releases run as tasks on the engine's runtime; Python waits on them
+//! through [`PyTransfer`] (see its module for cancel and Ctrl-C). Dropping a
+//! `Transfer` object does not cancel its task: it finishes or fails on its own
+//! deadline, and the memory it touches stays alive until then.
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
