@@ -1,6 +1,21 @@
 //! `Engine`: the Python face of [`kvferry::engine::Engine`]. It owns a tokio runtime
 //! on which the engine's server and transfers run; every call that waits or copies
 //! releases the GIL.
+//!
+//! Regions are host memory (registered with the engine) or, on a `device="sim"`
+//! engine, device memory ([`DeviceKvCache`]): published device blocks go out through
+//! a device-to-host gather, received ones land through a host-to-device scatter, both
+//! bounded by the engine's device timeout. Gets may name the producer incarnation
+//! they expect (a restarted peer is refused before anything is staged), and
+//! `release_remote` lets a consumer give up keys it will not fetch (stage, then
+//! `Done` at once) so the producer frees them before their TTL.
+//!
+//! # Cancellation
+//!
+//! Transfers and releases run as tasks on the engine's runtime; Python waits on them
+//! through [`PyTransfer`] (see its module for cancel and Ctrl-C). Dropping a
+//! `Transfer` object does not cancel its task: it finishes or fails on its own
+//! deadline, and the memory it touches stays alive until then.
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
@@ -8,6 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvferry::device::DeviceKvCache;
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 use kvferry::layout::{KvCache, Span};
 use kvferry::mem::Region;
@@ -19,8 +35,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use tokio::runtime::Runtime;
 
+use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
-use crate::region::PyRegion;
+use crate::region::{PyRegion, RegionKind};
 use crate::transfer::PyTransfer;
 
 static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
@@ -61,7 +78,7 @@ pub fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<ChunkKey> {
 
 /// A C-contiguous byte view of a buffer-protocol object (the Python layer passes
 /// `memoryview(obj).cast("B")`).
-fn byte_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>> {
+pub fn byte_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>> {
     let buf = PyBuffer::<u8>::get(obj).map_err(|e| ErrInfo::invalid(format!("{what}: not a byte buffer ({e})")))?;
     if !buf.is_c_contiguous() {
         return Err(ErrInfo::invalid(format!("{what}: buffer is not C-contiguous")).into());
@@ -129,6 +146,8 @@ pub struct PyEngine {
     id: usize,
     /// The Python key objects of publications, to report releases by them.
     published: Mutex<HashMap<ChunkKey, Py<PyAny>>>,
+    /// The device (`device="sim"`), if any.
+    device: Option<EngineDevice>,
 }
 
 impl PyEngine {
@@ -136,29 +155,74 @@ impl PyEngine {
         if region.engine_id != self.id {
             return Err(ErrInfo::invalid("region was registered with another engine").into());
         }
+        if region.is_deregistered() {
+            return Err(ErrInfo::invalid(format!("{} was deregistered", region.cache_name())).into());
+        }
         Ok(())
     }
 
-    fn destination(&self, region: &PyRegion, block_ids: Vec<Vec<u32>>, path: &str) -> PyResult<Destination> {
+    fn destination(
+        &self,
+        region: &PyRegion,
+        block_ids: Vec<Vec<u32>>,
+        path: &str,
+        incarnation: Option<u64>,
+    ) -> PyResult<Destination> {
         self.check_region(region)?;
         if region.readonly {
-            return Err(ErrInfo::invalid(format!("{} is read-only: it cannot receive", region.cache().name())).into());
+            return Err(ErrInfo::invalid(format!("{} is read-only: it cannot receive", region.cache_name())).into());
         }
         let path: TransferPath = path.parse().map_err(ErrInfo::invalid)?;
-        Ok(Destination::new(region.cache().clone(), block_ids).with_path(path))
+        let dst = match &region.kind {
+            RegionKind::Host(r) => Destination::new(r.cache.clone(), block_ids).with_path(path),
+            // Device memory is always received through staging pages.
+            RegionKind::Device(c) => Destination::device(c.clone(), block_ids),
+        };
+        Ok(dst.with_incarnation(incarnation))
+    }
+
+    fn sim(&self) -> PyResult<&EngineDevice> {
+        self.device
+            .as_ref()
+            .ok_or_else(|| ErrInfo::invalid("this engine has no device (create it with Engine(device='sim'))").into())
     }
 
     fn keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<ChunkKey>> {
         keys.iter().map(|k| key_of(&k)).collect()
     }
 
+    /// Waits (bounded by `timeout`) until no transfer or publication holds a device
+    /// region, then marks it deregistered; raises `InUseError` otherwise.
+    fn deregister_device(&self, py: Python<'_>, region: &PyRegion, timeout: Duration) -> PyResult<()> {
+        let started = std::time::Instant::now();
+        loop {
+            let holders = region.holders();
+            if holders == 0 {
+                region.deregistered.store(true, Ordering::Release);
+                return Ok(());
+            }
+            let waited = started.elapsed();
+            if waited >= timeout {
+                let mut e = ErrInfo::new(
+                    "InUseError",
+                    format!(
+                        "{} is still in use by {holders} transfer(s) or publication(s) after {waited:?}",
+                        region.cache_name()
+                    ),
+                );
+                e.waited = Some(waited);
+                return Err(e.into());
+            }
+            // Transfers end on their own deadlines: look again shortly (every 2 ms at
+            // most, bounded by `timeout`), with the GIL released.
+            py.detach(|| std::thread::sleep(Duration::from_millis(2).min(timeout - waited)));
+            py.check_signals()?;
+        }
+    }
+
     fn register_cache(&self, cache: KvCache, readonly: bool) -> PyResult<PyRegion> {
         let reg = self.engine.register(cache).map_err(py_err)?;
-        Ok(PyRegion {
-            reg,
-            readonly,
-            engine_id: self.id,
-        })
+        Ok(PyRegion::new(RegionKind::Host(reg), readonly, self.id))
     }
 }
 
@@ -167,7 +231,8 @@ impl PyEngine {
     #[new]
     #[pyo3(signature = (listen, secret, arena_bytes, page_size, peer_id, copy_threads, store_bytes,
         store_block_bytes, lease_ttl, default_ttl, max_ttl, io_timeout, connect_timeout,
-        connections_per_peer, pinned, runtime_threads))]
+        connections_per_peer, pinned, runtime_threads, device="host", device_latency_us=0,
+        device_timeout=5.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -187,6 +252,9 @@ impl PyEngine {
         connections_per_peer: usize,
         pinned: bool,
         runtime_threads: usize,
+        device: &str,
+        device_latency_us: u64,
+        device_timeout: f64,
     ) -> PyResult<PyEngine> {
         let mut cfg = EngineConfig::default()
             .listen(listen.as_deref())
@@ -225,6 +293,12 @@ impl PyEngine {
             .build()
             .map_err(|e| ErrInfo::new("Error", format!("starting the engine's runtime: {e}")))?;
         let handle = runtime.handle().clone();
+        let device = EngineDevice::open(
+            device,
+            device_latency_us,
+            required(device_timeout, "device_timeout")?,
+            handle.clone(),
+        )?;
         let engine = py.detach(|| runtime.block_on(Engine::start(cfg))).map_err(py_err)?;
         Ok(PyEngine {
             runtime: Mutex::new(Some(runtime)),
@@ -232,6 +306,7 @@ impl PyEngine {
             engine,
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             published: Mutex::new(HashMap::new()),
+            device,
         })
     }
 
@@ -329,7 +404,10 @@ impl PyEngine {
     fn deregister(&self, py: Python<'_>, region: &PyRegion, timeout: f64) -> PyResult<()> {
         self.check_region(region)?;
         let t = required(timeout, "timeout")?;
-        let (e, reg) = (&self.engine, &region.reg);
+        let RegionKind::Host(reg) = &region.kind else {
+            return self.deregister_device(py, region, t);
+        };
+        let e = &self.engine;
         py.detach(|| self.handle.block_on(e.deregister(reg, t))).map_err(py_err)
     }
 
@@ -348,8 +426,12 @@ impl PyEngine {
         self.check_region(region)?;
         let k = key_of(&key)?;
         let ttl = duration(ttl, "ttl")?.unwrap_or(Duration::ZERO);
-        let (e, reg) = (&self.engine, &region.reg);
-        py.detach(|| e.publish(k, reg, &block_ids, ttl, once)).map_err(py_err)?;
+        let e = &self.engine;
+        match &region.kind {
+            RegionKind::Host(reg) => py.detach(|| e.publish(k, reg, &block_ids, ttl, once)),
+            RegionKind::Device(c) => py.detach(|| e.publish_device(k, c, &block_ids, ttl, once)),
+        }
+        .map_err(py_err)?;
         self.published.lock().insert(k, key.unbind());
         Ok(())
     }
@@ -389,7 +471,10 @@ impl PyEngine {
         py.detach(|| e.put(k, bytes)).map_err(py_err)
     }
 
-    /// Starts an eager get of `keys` from `peer` into `block_ids` of `region`.
+    /// Starts an eager get of `keys` from `peer` into `block_ids` of `region`. With
+    /// `incarnation`, a peer that is any other incarnation (it restarted) fails the
+    /// transfer with `PeerRestartedError` before anything is staged.
+    #[pyo3(signature = (keys, peer, region, block_ids, timeout, path, incarnation=None))]
     fn get(
         &self,
         keys: &Bound<'_, PyList>,
@@ -398,9 +483,10 @@ impl PyEngine {
         block_ids: Vec<Vec<u32>>,
         timeout: f64,
         path: &str,
+        incarnation: Option<u64>,
     ) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
-        let dst = self.destination(region, block_ids, path)?;
+        let dst = self.destination(region, block_ids, path, incarnation)?;
         let t = required(timeout, "timeout")?;
         let _guard = self.handle.enter();
         let deadline = tokio::time::Instant::now() + t;
@@ -422,7 +508,7 @@ impl PyEngine {
         path: &str,
     ) -> PyResult<usize> {
         let keys = Self::keys(keys)?;
-        let dst = self.destination(region, block_ids, path)?;
+        let dst = self.destination(region, block_ids, path, None)?;
         let t = required(timeout, "timeout")?;
         let e = self.engine.clone();
         let p2 = peer.clone();
@@ -489,7 +575,7 @@ impl PyEngine {
         timeout: f64,
         path: &str,
     ) -> PyResult<usize> {
-        let dst = self.destination(region, block_ids, path)?;
+        let dst = self.destination(region, block_ids, path, None)?;
         let t = required(timeout, "timeout")?;
         let (e, h) = (self.engine.clone(), staged.handle.clone());
         let peer = h.peer.clone();
@@ -584,5 +670,146 @@ impl PyEngine {
     #[getter]
     fn closed(&self) -> bool {
         self.runtime.lock().is_none()
+    }
+
+    /// The engine's device kind: `"host"` (none) or `"sim"`.
+    #[getter]
+    fn device(&self) -> String {
+        self.device
+            .as_ref()
+            .map_or_else(|| "host".to_string(), |d| d.device.kind().to_string())
+    }
+
+    /// Allocates `nbytes` of device memory (zeroed) on the engine's device.
+    #[pyo3(signature = (nbytes, shape=None))]
+    fn alloc_device(&self, nbytes: usize, shape: Option<Vec<usize>>) -> PyResult<PyDeviceMemory> {
+        let dev = self.sim()?;
+        if nbytes == 0 {
+            return Err(ErrInfo::invalid("nbytes must be positive").into());
+        }
+        let buf = dev.device.alloc(nbytes).map_err(|e| PyErr::from(dev_err(&e)))?;
+        Ok(PyDeviceMemory {
+            buf,
+            engine_id: self.id,
+            kind: dev.device.kind().to_string(),
+            shape,
+        })
+    }
+
+    /// Registers device memory `parts` — `[(DeviceMemory, [(offset, stride, length),
+    /// ...]), ...]` — as one KV cache of `blocks` blocks, block *i* being every part's
+    /// spans at `i`, in order. Published blocks are gathered into staging pages
+    /// (device-to-host) when a peer asks; received ones are scattered from staging
+    /// pages (host-to-device); every device copy is bounded by `device_timeout`.
+    fn register_device(
+        &self,
+        name: String,
+        parts: Vec<(Bound<'_, PyDeviceMemory>, Vec<(usize, usize, usize)>)>,
+        blocks: u32,
+    ) -> PyResult<PyRegion> {
+        let dev = self.sim()?;
+        if parts.is_empty() {
+            return Err(ErrInfo::invalid("nothing to register").into());
+        }
+        let mut bufs = Vec::with_capacity(parts.len());
+        for (mem, spans) in &parts {
+            let mem = mem.get();
+            if mem.engine_id != self.id {
+                return Err(ErrInfo::invalid(format!("{name}: device memory of another engine")).into());
+            }
+            let spans = spans
+                .iter()
+                .map(|&(offset, stride, len)| Span { offset, stride, len })
+                .collect();
+            bufs.push((mem.buf.clone(), spans));
+        }
+        let cache = DeviceKvCache::new(name, dev.device.clone(), bufs, blocks, dev.op_timeout)
+            .map_err(|e| PyErr::from(dev_err(&e)))?;
+        Ok(PyRegion::new(RegionKind::Device(Arc::new(cache)), false, self.id))
+    }
+
+    /// Tells `peer` this engine will not fetch `keys` (a request was aborted): the peer
+    /// stages them under a lease and this engine answers `Done` at once, so a
+    /// publication made `once` is released now rather than at its TTL. A miss (the
+    /// peer has not published yet) is retried with backoff (2 ms doubling to 50 ms)
+    /// for up to `retry_miss` seconds; everything within `timeout`. Runs in the
+    /// background; the returned transfer's result is the number of keys released
+    /// (`NotFoundError` when the peer never held any).
+    #[pyo3(signature = (keys, peer, timeout, retry_miss=0.0))]
+    fn release_remote(
+        &self,
+        keys: &Bound<'_, PyList>,
+        peer: String,
+        timeout: f64,
+        retry_miss: f64,
+    ) -> PyResult<PyTransfer> {
+        let keys = Self::keys(keys)?;
+        let t = required(timeout, "timeout")?;
+        if !(retry_miss.is_finite() && retry_miss >= 0.0) {
+            return Err(ErrInfo::invalid(format!("retry_miss must be >= 0 seconds, got {retry_miss}")).into());
+        }
+        let retry = Duration::from_secs_f64(retry_miss.min(t.as_secs_f64()));
+        let (e, p2) = (self.engine.clone(), peer.clone());
+        let fut = async move {
+            let start = tokio::time::Instant::now();
+            let (deadline, retry_until) = (start + t, start + retry);
+            let fail = |error| kvferry::peer::GetFailure {
+                error,
+                fence: kvferry::copy::DrainFence::ready(),
+                dirty: false,
+            };
+            let mut backoff = Duration::from_millis(2);
+            loop {
+                let handle = e.stage(&p2, &keys, deadline).await.map_err(fail)?;
+                let chunks = handle.chunks.len();
+                if chunks > 0 {
+                    e.release_staged(&handle, deadline).await.map_err(fail)?;
+                    return Ok(kvferry::peer::Landed { chunks, bytes: 0 });
+                }
+                let now = tokio::time::Instant::now();
+                if now + backoff > retry_until {
+                    return Ok(kvferry::peer::Landed { chunks: 0, bytes: 0 });
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(50));
+            }
+        };
+        let _guard = self.handle.enter();
+        Ok(PyTransfer::spawn_op(
+            self.handle.clone(),
+            peer,
+            kvferry::copy::DrainFence::ready(),
+            fut,
+            "release_remote",
+        ))
+    }
+
+    /// Test hook (not API): arms a sim device fault (`never_complete`, `fail_copy`,
+    /// `stall`, `slow:N`) for the `next`, `every` or N-th device operation.
+    #[pyo3(signature = (fault, trigger="next"))]
+    fn _inject_device_fault(&self, fault: &str, trigger: &str) -> PyResult<()> {
+        Ok(self.sim()?.inject(fault, trigger)?)
+    }
+
+    /// Test hook (not API): disarms sim faults and lets stuck operations complete.
+    fn _release_device(&self) -> PyResult<()> {
+        let d = self.sim()?;
+        d.sim.clear_faults();
+        d.sim.release_stuck();
+        Ok(())
+    }
+
+    /// The sim device's counters as JSON (`{}` without a device).
+    fn device_stats_json(&self) -> String {
+        match &self.device {
+            None => "{}".to_string(),
+            Some(d) => format!(
+                "{{\"kind\": \"{}\", \"operations\": {}, \"stuck\": {}, \"memory_used\": {}}}",
+                d.device.kind(),
+                d.sim.operations(),
+                d.sim.stuck(),
+                d.sim.memory_used()
+            ),
+        }
     }
 }

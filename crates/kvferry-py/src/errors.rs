@@ -127,6 +127,7 @@ impl From<&PeerError> for ErrInfo {
             PeerError::Net(NetError::Auth(_)) => ErrInfo::new("AuthError", msg),
             PeerError::Net(NetError::Remote { kind, .. }) => ErrInfo::new(remote_class(*kind), msg),
             PeerError::ShuttingDown => ErrInfo::new("ClosedError", msg),
+            PeerError::Device { .. } => ErrInfo::new("DeviceError", msg),
             _ => ErrInfo::new("Error", msg),
         }
     }

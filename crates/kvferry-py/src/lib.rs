@@ -6,6 +6,7 @@
 // `ErrInfo` travels only on the (cold) error path.
 #![allow(clippy::too_many_arguments, clippy::type_complexity, clippy::result_large_err)]
 
+mod device;
 mod engine;
 mod errors;
 mod region;
@@ -19,13 +20,29 @@ fn key_bytes<'py>(py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'p
     Ok(pyo3::types::PyBytes::new(py, &engine::key_of(key)?.0))
 }
 
+/// crc32c (Castagnoli) of a C-contiguous buffer — the checksum kvferry puts on the
+/// wire — computed with the GIL released (hardware-accelerated where available).
+#[pyfunction]
+fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let buf = engine::byte_buffer(data, "crc32c")?;
+    let len = buf.len_bytes();
+    if len == 0 {
+        return Ok(0);
+    }
+    // SAFETY: the buffer is held (and C-contiguous) for this call; it is only read.
+    let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) };
+    Ok(py.detach(|| kvferry::wire::crc::checksum(bytes)))
+}
+
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<region::PyRegion>()?;
     m.add_class::<transfer::PyTransfer>()?;
     m.add_class::<engine::PyStaged>()?;
+    m.add_class::<device::PyDeviceMemory>()?;
     m.add_function(wrap_pyfunction!(key_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32c, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

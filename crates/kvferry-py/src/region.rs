@@ -1,25 +1,72 @@
-//! `Region`: a registered KV cache as Python sees it. It holds the engine's
-//! registration (and through it the Python objects whose memory it uses): Python's
-//! garbage collector cannot free that memory while any transfer still touches it.
+//! `Region`: a registered KV cache as Python sees it — host memory (registered with
+//! the engine) or device memory (a [`DeviceKvCache`] on the engine's device). It holds
+//! the registration (and through it the Python objects or device buffers whose memory
+//! it uses): Python's garbage collector cannot free that memory while any transfer or
+//! publication still touches it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use kvferry::device::DeviceKvCache;
 use kvferry::engine::Registered;
-use kvferry::layout::KvCache;
+use kvferry::layout::BlockMap;
 use pyo3::prelude::*;
+
+/// Where a region's memory lives.
+pub enum RegionKind {
+    /// Host memory, registered with the engine.
+    Host(Registered),
+    /// Device memory: gathered into staging pages when published, scattered from them
+    /// when received (always the staged path).
+    Device(Arc<DeviceKvCache>),
+}
 
 /// A registered KV cache (from `Engine.register_kv_cache` and friends).
 #[pyclass(name = "Region", module = "kvferry._kvferry", frozen)]
 pub struct PyRegion {
-    pub(crate) reg: Registered,
+    pub(crate) kind: RegionKind,
     pub(crate) readonly: bool,
     /// The engine it was registered with (its registration id space).
     pub(crate) engine_id: usize,
+    /// Set by a successful `deregister` of a device region (host regions are
+    /// tracked by the engine itself).
+    pub(crate) deregistered: AtomicBool,
 }
 
 impl PyRegion {
-    pub(crate) fn cache(&self) -> &Arc<KvCache> {
-        &self.reg.cache
+    pub(crate) fn new(kind: RegionKind, readonly: bool, engine_id: usize) -> PyRegion {
+        PyRegion {
+            kind,
+            readonly,
+            engine_id,
+            deregistered: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn is_deregistered(&self) -> bool {
+        self.deregistered.load(Ordering::Acquire)
+    }
+
+    fn map(&self) -> &BlockMap {
+        match &self.kind {
+            RegionKind::Host(r) => r.cache.map(),
+            RegionKind::Device(c) => c.map(),
+        }
+    }
+
+    pub(crate) fn cache_name(&self) -> &str {
+        match &self.kind {
+            RegionKind::Host(r) => r.cache.name(),
+            RegionKind::Device(c) => c.name(),
+        }
+    }
+
+    /// Holders other than the engine's table and this object.
+    pub(crate) fn holders(&self) -> usize {
+        match &self.kind {
+            RegionKind::Host(r) => Arc::strong_count(&r.cache).saturating_sub(2),
+            RegionKind::Device(c) => Arc::strong_count(c).saturating_sub(1),
+        }
     }
 }
 
@@ -28,19 +75,19 @@ impl PyRegion {
     /// The region's name.
     #[getter]
     fn name(&self) -> String {
-        self.reg.cache.name().to_string()
+        self.cache_name().to_string()
     }
 
     /// Blocks in the region.
     #[getter]
     fn num_blocks(&self) -> u32 {
-        self.reg.cache.map().blocks()
+        self.map().blocks()
     }
 
     /// Bytes of one block (across every buffer of the region).
     #[getter]
     fn block_bytes(&self) -> usize {
-        self.reg.cache.map().block_bytes()
+        self.map().block_bytes()
     }
 
     /// True when the memory is read-only (it can be published, not written into).
@@ -49,18 +96,31 @@ impl PyRegion {
         self.readonly
     }
 
+    /// Where the memory lives: `"host"`, or the device kind (`"sim"`).
+    #[getter]
+    fn device(&self) -> String {
+        match &self.kind {
+            RegionKind::Host(_) => "host".to_string(),
+            RegionKind::Device(c) => c.device().kind().to_string(),
+        }
+    }
+
     /// Transfers and publications holding the region right now.
     #[getter]
     fn users(&self) -> usize {
-        Arc::strong_count(&self.reg.cache).saturating_sub(2)
+        self.holders()
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "Region({:?}, {} blocks of {} bytes{})",
-            self.reg.cache.name(),
-            self.reg.cache.map().blocks(),
-            self.reg.cache.map().block_bytes(),
+            "Region({:?}, {} blocks of {} bytes{}{})",
+            self.cache_name(),
+            self.map().blocks(),
+            self.map().block_bytes(),
+            match &self.kind {
+                RegionKind::Host(_) => String::new(),
+                RegionKind::Device(c) => format!(", on {}", c.device().kind()),
+            },
             if self.readonly { ", read-only" } else { "" }
         )
     }

@@ -79,9 +79,20 @@ impl PyTransfer {
     where
         F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
     {
+        Self::spawn_op(runtime, peer, fence, fut, "get")
+    }
+
+    /// As [`spawn`](Self::spawn), naming the operation `op` in errors.
+    pub fn spawn_op<F>(runtime: Handle, peer: String, fence: DrainFence, fut: F, op: &'static str) -> PyTransfer
+    where
+        F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
+    {
         let shared = Arc::new(Shared::default());
         let cancel = CancellationToken::new();
         let (s, c, p) = (shared.clone(), cancel.clone(), peer.clone());
+        // A timeout's `waited` is the caller's: from this call, not from when the
+        // task first ran (which may be later on a busy machine).
+        let called = std::time::Instant::now();
         runtime.spawn(async move {
             let r = tokio::select! {
                 r = fut => r,
@@ -93,7 +104,13 @@ impl PyTransfer {
                     dirty: true,
                 }),
             };
-            s.finish(outcome(&p, r, "get"));
+            let mut o = outcome(&p, r, op);
+            if let Err(e) = &mut o {
+                if e.class == "TimeoutError" {
+                    e.waited = Some(e.waited.unwrap_or_default().max(called.elapsed()));
+                }
+            }
+            s.finish(o);
         });
         PyTransfer {
             shared,
@@ -140,8 +157,22 @@ impl PyTransfer {
 
     fn cancel_and_drain(&self, py: Python<'_>) -> bool {
         self.cancel.cancel();
-        let (fence, rt) = (self.fence.clone(), self.runtime.clone());
-        py.detach(move || rt.block_on(fence.wait_until(tokio::time::Instant::now() + DRAIN_BOUND)))
+        let (fence, rt, shared) = (self.fence.clone(), self.runtime.clone(), self.shared.clone());
+        py.detach(move || {
+            let until = std::time::Instant::now() + DRAIN_BOUND;
+            let drained = rt.block_on(fence.wait_until(tokio::time::Instant::now() + DRAIN_BOUND));
+            // The task records its outcome right after the cancel wins its race (or
+            // the transfer finished first): wait for it too, so `done()` and `error`
+            // are settled when `cancel()` returns. Bounded like the drain.
+            let mut o = shared.outcome.lock();
+            while o.is_none() {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() || shared.done.wait_for(&mut o, left).timed_out() {
+                    break;
+                }
+            }
+            drained
+        })
     }
 }
 

@@ -40,8 +40,19 @@ def test_producer_killed_mid_transfer_then_restarted(remote_producer):
         with pytest.raises(kvferry.PeerRestartedError):
             d.resolve(staged, dst, [50], timeout=5.0)
         data = again.publish("fresh", [2])
-        assert d.get_blocking(again.address, "fresh", dst, [60]) == 1
+        # An eager get naming the old incarnation is refused before anything is
+        # staged or written, though the new process holds the key; naming the new
+        # one (or none) lands it.
+        out[60] = 7
+        with pytest.raises(kvferry.PeerRestartedError):
+            d.get_blocking(again.address, "fresh", dst, [60], incarnation=prod.incarnation)
+        with pytest.raises(kvferry.PeerRestartedError):
+            d.get(again.address, ["fresh"], dst, [[60]], incarnation=prod.incarnation).wait(5.0)
+        assert (out[60] == 7).all(), "a refused get wrote nothing"
+        assert d.get_blocking(again.address, "fresh", dst, [60], incarnation=again.incarnation) == 1
         assert out[60].tobytes() == data
+        assert d.get_blocking(again.address, "fresh", dst, [61]) == 1
+        assert d.stats()["consumer"]["draining"] == 0
         again.stop()
 
 

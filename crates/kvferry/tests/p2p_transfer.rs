@@ -250,6 +250,7 @@ async fn restarted_producer_is_a_new_incarnation() {
     let c = consumer_node(64, 64);
     let keys = fill(&node.producer, 2, 1, 2);
     let h = c.consumer.stage(&node.addr, &keys, soon(2000)).await.unwrap();
+    let old = h.incarnation;
     let addr = node.addr.clone();
     node.server.shutdown().await;
     drop(node.producer);
@@ -266,6 +267,22 @@ async fn restarted_producer_is_a_new_incarnation() {
     let err = c.consumer.resolve(h, c.dst(0, 1, 2), soon(2000)).await.unwrap_err();
     assert!(matches!(err.error, PeerError::StaleIncarnation { .. }), "{}", err.error);
     assert_eq!(c.consumer.pool(&addr).unwrap().restarts_seen(), 1);
+    // An eager get naming the old incarnation is refused before anything is staged;
+    // naming the new one (or none) lands.
+    let staged_before = node2.producer.stats().staged;
+    let dst = c.dst(0, 1, 2).with_incarnation(Some(old));
+    let err = c.consumer.get(&addr, &keys, dst, soon(3000)).await.unwrap_err();
+    assert!(matches!(err.error, PeerError::StaleIncarnation { .. }), "{}", err.error);
+    assert!(!err.dirty);
+    assert_eq!(
+        node2.producer.stats().staged,
+        staged_before,
+        "nothing staged on the new incarnation"
+    );
+    let new = c.consumer.pool(&addr).unwrap().incarnation();
+    assert_ne!(new, old);
+    let dst = c.dst(0, 1, 2).with_incarnation(Some(new));
+    c.consumer.get(&addr, &keys, dst, soon(3000)).await.unwrap();
     c.consumer.get(&addr, &keys, c.dst(0, 1, 2), soon(3000)).await.unwrap();
 }
 

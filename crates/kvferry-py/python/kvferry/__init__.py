@@ -10,7 +10,7 @@ never leaks, never hangs.
 """
 
 from . import errors
-from ._engine import Engine, Region, Transfer
+from ._engine import DeviceMemory, Engine, Region, Transfer
 from ._kvferry import Staged, __version__, key_bytes
 from .errors import (
     AuthError,
@@ -18,6 +18,7 @@ from .errors import (
     CancelledError,
     ChecksumError,
     ClosedError,
+    DeviceError,
     Error,
     InUseError,
     InvalidArgumentError,
@@ -32,6 +33,7 @@ __all__ = [
     "Engine",
     "Region",
     "Transfer",
+    "DeviceMemory",
     "Staged",
     "key_bytes",
     "errors",
@@ -48,5 +50,6 @@ __all__ = [
     "ChecksumError",
     "InUseError",
     "ClosedError",
+    "DeviceError",
     "__version__",
 ]

@@ -13,6 +13,7 @@ from .errors import InvalidArgumentError
 
 Key = Union[str, bytes]
 Region = _kvferry.Region
+DeviceMemory = _kvferry.DeviceMemory
 
 _PATHS = ("direct", "staged")
 
@@ -43,6 +44,14 @@ def _batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[li
     if len(rows) != len(keys):
         raise InvalidArgumentError(f"{len(keys)} keys but {len(rows)} block-id lists")
     return keys, [_ids(r, f"block_ids[{i}]") for i, r in enumerate(rows)]
+
+
+def _incarnation(incarnation: int | None) -> int | None:
+    if incarnation is None:
+        return None
+    if not isinstance(incarnation, int) or incarnation < 0 or incarnation >= 1 << 64:
+        raise InvalidArgumentError(f"incarnation must be an int in 0..2**64, got {incarnation!r}")
+    return incarnation
 
 
 def _path(path: str) -> str:
@@ -122,8 +131,14 @@ class Engine:
         listen: ``"host:port"`` to serve on, or None for a client-only engine.
         secret: shared secret (str or bytes) peers must prove; None for no auth.
         arena_bytes: size of the pinned host staging arena.
-        device: ``"host"``. Device memory (``"sim"``, ``"cuda:N"``) is not supported
-            by this build yet and raises ``InvalidArgumentError``.
+        device: ``"host"`` (host memory only) or ``"sim"``: a simulated accelerator
+            (per-copy latency ``device_latency_us``, fault injection for tests) whose
+            memory :meth:`alloc_device` hands out and :meth:`register_kv_cache`
+            registers; published device blocks are gathered into staging pages
+            (device-to-host) when a peer asks, received ones scattered from staging
+            pages (host-to-device), each copy bounded by ``device_timeout``. A sim
+            engine registers host buffers too. ``"cuda:N"`` is not supported by this
+            build and raises ``InvalidArgumentError``.
         peer_id: this engine's stable name (default: ``kvferry-<pid>-<random>``).
         page_size: staging page size.
         copy_threads: copy threads (default: the available cores).
@@ -137,6 +152,8 @@ class Engine:
         pinned: ask for mlocked staging memory (falls back, and says so in stats).
         runtime_threads: threads of the engine's I/O runtime.
         directory: ``{name: "host:port"}``: peers that may be named instead of addressed.
+        device_latency_us: simulated time per device copy (``device="sim"``).
+        device_timeout: bound on each device copy, from its submission (seconds).
     """
 
     def __init__(
@@ -160,11 +177,13 @@ class Engine:
         pinned: bool = True,
         runtime_threads: int = 2,
         directory: Mapping[str, str] | None = None,
+        device_latency_us: int = 0,
+        device_timeout: float = 5.0,
     ) -> None:
-        if device != "host":
+        if device not in ("host", "sim"):
             raise InvalidArgumentError(
-                f"device {device!r} is not supported by this build: only host memory "
-                "(device='host') moves through the Python engine so far"
+                f"device {device!r} is not supported by this build: 'host' (host memory) "
+                "or 'sim' (a simulated accelerator)"
             )
         if isinstance(secret, str):
             secret = secret.encode()
@@ -186,6 +205,9 @@ class Engine:
             int(connections_per_peer),
             bool(pinned),
             int(runtime_threads),
+            device,
+            int(device_latency_us),
+            float(device_timeout),
         )
         self.device = device
 
@@ -208,8 +230,12 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Every counter: ``arena``, ``producer``, ``consumer``, ``store``, ``copy``,
-        ``server``, ``registered``."""
+        ``server``, ``registered``, and ``device`` (kind, operations, stuck,
+        memory_used) on a sim engine."""
         stats: dict[str, Any] = json.loads(self._e.stats_json())
+        device = json.loads(self._e.device_stats_json())
+        if device:
+            stats["device"] = device
         return stats
 
     def close(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -234,13 +260,30 @@ class Engine:
 
     # -- memory ----------------------------------------------------------------
 
+    def alloc_device(self, nbytes: int, shape: Sequence[int] | None = None) -> DeviceMemory:
+        """Allocates ``nbytes`` of (zeroed) device memory on a ``device="sim"``
+        engine. ``shape`` (optional, e.g. ``[2, num_blocks, ...]``) is how
+        :meth:`register_kv_caches` reads its blocks. The memory is not addressable from
+        Python: ``write(data, offset)`` and ``read(offset, n)`` copy synchronously."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
+        dims = None if shape is None else [int(d) for d in shape]
+        return self._e.alloc_device(nbytes, dims)
+
     def register_kv_cache(self, obj: Any, block_bytes: int, *, name: str = "kv") -> Region:
         """Registers one buffer of consecutive blocks of ``block_bytes`` each (a numpy
         array, bytearray, memoryview, mmap, torch CPU tensor, any ``__dlpack__``
-        object, or a raw ``(ptr, nbytes, "cpu")`` tuple). The engine keeps the object
-        alive until it is deregistered and every transfer touching it has drained."""
+        object, a raw ``(ptr, nbytes, "cpu")`` tuple, or :class:`DeviceMemory` of a
+        sim engine). The engine keeps the object alive until it is deregistered and
+        every transfer touching it has drained."""
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if isinstance(obj, DeviceMemory):
+            if obj.nbytes % block_bytes:
+                raise InvalidArgumentError(
+                    f"{name}: device memory of {obj.nbytes} bytes is not a whole number of {block_bytes}-byte blocks"
+                )
+            return self._e.register_device(name, [(obj, [(0, block_bytes, block_bytes)])], obj.nbytes // block_bytes)
         if is_raw(obj):
             ptr, nbytes = check_raw(obj, name)
             if nbytes % block_bytes:
@@ -259,6 +302,11 @@ class Engine:
         where a tensor is ``[2, num_blocks, ...]`` (else ``[num_blocks, ...]``)."""
         if not caches:
             raise InvalidArgumentError("no caches to register")
+        devs = [isinstance(t, DeviceMemory) for t in caches.values()]
+        if any(devs):
+            if not all(devs):
+                raise InvalidArgumentError(f"{name}: device memory and host buffers cannot form one region")
+            return self._register_device_layers(caches, num_blocks, name)
         parts = []
         blocks = num_blocks
         for layer, t in caches.items():
@@ -266,11 +314,25 @@ class Engine:
             mv = byte_view(t, what)
             raw_shape: Any = getattr(t, "shape", None) or memoryview(t).shape
             shape = tuple(raw_shape)
-            nb, spans = layer_spans(mv, shape, blocks, what)
+            nb, spans = layer_spans(mv.nbytes, shape, blocks, what)
             blocks = nb
             parts.append((mv, spans))
         assert blocks is not None
         return self._e.register_spans(name, parts, blocks)
+
+    def _register_device_layers(self, caches: Mapping[str, Any], num_blocks: int | None, name: str) -> Region:
+        dparts = []
+        blocks = num_blocks
+        for layer, mem in caches.items():
+            what = f"{name}[{layer}]"
+            shape = tuple(mem.shape) if mem.shape is not None else ((num_blocks,) if num_blocks else ())
+            if not shape:
+                raise InvalidArgumentError(f"{what}: device memory without a shape needs num_blocks")
+            nb, spans = layer_spans(mem.nbytes, shape, blocks, what)
+            blocks = nb
+            dparts.append((mem, spans))
+        assert blocks is not None
+        return self._e.register_device(name, dparts, blocks)
 
     def register(self, obj: Any, *, name: str = "buffer") -> Region:
         """Registers a plain buffer as a region of one block."""
@@ -318,13 +380,19 @@ class Engine:
         *,
         timeout: float = 30.0,
         path: str = "direct",
+        incarnation: int | None = None,
     ) -> Transfer:
         """Starts fetching ``key`` (or a batch of keys, with one block-id list each)
         from ``peer`` into ``block_ids`` of ``dst``; returns at once. ``path``:
         ``direct`` (the socket writes your blocks) or ``staged`` (through staging pages,
-        landing only verified chunks)."""
+        landing only verified chunks; always taken into device memory).
+        ``incarnation``: the peer's :attr:`incarnation` the keys were offered by; if
+        the peer is another one now (it restarted), the transfer fails with
+        ``PeerRestartedError`` before anything is staged or written."""
         keys, blocks = _batch(key, block_ids)
-        return Transfer(self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path)))
+        return Transfer(
+            self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation))
+        )
 
     def get_blocking(
         self,
@@ -335,12 +403,28 @@ class Engine:
         timeout: float = 5.0,
         *,
         path: str = "direct",
+        incarnation: int | None = None,
     ) -> int:
         """Fetches and returns the chunks landed, within ``timeout`` seconds or raises
         ``TimeoutError``. A miss raises ``NotFoundError``; a partial hit returns how many
-        leading chunks landed. The GIL is released while waiting."""
+        leading chunks landed; a peer that is no longer ``incarnation`` raises
+        ``PeerRestartedError``. The GIL is released while waiting."""
         keys, blocks = _batch(key, block_ids)
-        return self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path)).wait(None)
+        t = self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation))
+        return t.wait(None)
+
+    def release_remote(
+        self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0, *, retry_miss: float = 0.0
+    ) -> Transfer:
+        """Tells ``peer`` that this engine will not fetch ``keys`` (say, the request
+        was aborted): the peer releases publications made ``once`` now instead of at
+        their TTL. A miss (not published yet) is retried for up to ``retry_miss``
+        seconds. Returns at once; the transfer's result is the number of keys
+        released (``NotFoundError`` if the peer never held any)."""
+        ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
+        if not ks:
+            raise InvalidArgumentError("empty key list")
+        return Transfer(self._e.release_remote(ks, self._peer(peer), float(timeout), float(retry_miss)))
 
     def pull(
         self,

@@ -18,13 +18,17 @@ from typing_extensions import Buffer
 _Key = str | bytes
 _Span = tuple[int, int, int]  # (offset, stride, length) in bytes
 
-__all__ = ["Engine", "Region", "Transfer", "Staged", "key_bytes", "__version__"]
+__all__ = ["Engine", "Region", "Transfer", "Staged", "DeviceMemory", "key_bytes", "__version__"]
 
 __version__: str
 """The crate's version (``CARGO_PKG_VERSION``)."""
 
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
+
+def crc32c(data: Buffer) -> int:
+    """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
+    released while it runs."""
 
 @final
 class Region:
@@ -47,8 +51,31 @@ class Region:
     def readonly(self) -> bool:
         """True when the memory is read-only (publishable, not a destination)."""
     @property
+    def device(self) -> str:
+        """Where the memory lives: ``"host"``, or the device kind (``"sim"``)."""
+    @property
     def users(self) -> int:
         """Transfers and publications holding the region right now."""
+
+@final
+class DeviceMemory:
+    """Device memory from ``Engine.alloc_device`` (a sim engine). Not addressable from
+    Python: ``write`` and ``read`` copy synchronously, outside stream order. Not
+    constructible from Python."""
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+    @property
+    def device(self) -> str:
+        """The device kind (``"sim"``)."""
+    @property
+    def shape(self) -> list[int] | None:
+        """The shape given at allocation, or None."""
+    def write(self, data: Buffer, offset: int = 0) -> None:
+        """Copies ``data`` (a C-contiguous buffer) to ``offset``."""
+    def read(self, offset: int = 0, n: int | None = None) -> bytes:
+        """``n`` bytes at ``offset`` (default: to the end)."""
 
 @final
 class Transfer:
@@ -115,8 +142,32 @@ class Engine:
         connections_per_peer: int,
         pinned: bool,
         runtime_threads: int,
+        device: str = "host",
+        device_latency_us: int = 0,
+        device_timeout: float = 5.0,
     ) -> Engine:
-        """Starts an engine (listening on ``listen``, or client-only for None)."""
+        """Starts an engine (listening on ``listen``, or client-only for None);
+        ``device`` is ``"host"`` or ``"sim"`` (a simulated accelerator)."""
+    @property
+    def device(self) -> str:
+        """The engine's device kind: ``"host"`` or ``"sim"``."""
+    def alloc_device(self, nbytes: int, shape: Sequence[int] | None = None) -> DeviceMemory:
+        """Allocates ``nbytes`` of zeroed device memory (a sim engine only)."""
+    def register_device(self, name: str, parts: Sequence[tuple[DeviceMemory, Sequence[_Span]]], blocks: int) -> Region:
+        """Registers device memory ``parts`` (each with its spans) as one KV cache of
+        ``blocks`` blocks; published blocks are gathered device-to-host into staging
+        pages, received ones scattered host-to-device from them."""
+    def release_remote(self, keys: list[_Key], peer: str, timeout: float, retry_miss: float = 0.0) -> Transfer:
+        """Tells ``peer`` these keys will not be fetched (stage, then ``Done``): its
+        ``once`` publications are released now. Misses are retried for ``retry_miss``
+        seconds. Returns at once; the result is the number of keys released."""
+    def device_stats_json(self) -> str:
+        """The sim device's counters as a JSON object (``{}`` without a device)."""
+    def _inject_device_fault(self, fault: str, trigger: str = "next") -> None:
+        """Test hook (not API): arms a sim fault (``never_complete``, ``fail_copy``,
+        ``stall``, ``slow:N``) for the ``next``, ``every`` or N-th device operation."""
+    def _release_device(self) -> None:
+        """Test hook (not API): disarms sim faults and lets stuck operations complete."""
     @property
     def address(self) -> str | None:
         """``"host:port"`` peers reach this engine on (None for a client-only engine)."""
@@ -167,9 +218,12 @@ class Engine:
         block_ids: Sequence[Sequence[int]],
         timeout: float,
         path: str,
+        incarnation: int | None = None,
     ) -> Transfer:
         """Starts an eager get of ``keys`` from ``peer`` into ``block_ids`` (one list per
-        key) of ``region``; ``path`` is ``"direct"`` or ``"staged"``. Returns at once."""
+        key) of ``region``; ``path`` is ``"direct"`` or ``"staged"``. With
+        ``incarnation``, any other incarnation of the peer fails the transfer with
+        ``PeerRestartedError`` before anything is staged. Returns at once."""
     def pull(
         self,
         keys: list[_Key],

@@ -76,10 +76,9 @@ def check_raw(obj: tuple[Any, ...], what: str) -> tuple[int, int]:
     return ptr, nbytes
 
 
-def layer_spans(mv: memoryview, shape: tuple[int, ...], num_blocks: int | None, what: str) -> tuple[int, list[tuple[int, int, int]]]:
-    """Blocks and spans of one per-layer paged tensor: ``[2, num_blocks, ...]`` (K and
-    V halves, vLLM's layout) or ``[num_blocks, ...]``."""
-    nbytes = mv.nbytes
+def layer_spans(nbytes: int, shape: tuple[int, ...], num_blocks: int | None, what: str) -> tuple[int, list[tuple[int, int, int]]]:
+    """Blocks and spans of one per-layer paged tensor of ``nbytes``: ``[2, num_blocks,
+    ...]`` (K and V halves, vLLM's layout) or ``[num_blocks, ...]``."""
     if len(shape) >= 2 and shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks):
         nb = shape[1]
         piece = nbytes // (2 * nb)

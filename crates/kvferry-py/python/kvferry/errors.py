@@ -76,6 +76,12 @@ class ClosedError(Error):
     """The engine is closed."""
 
 
+class DeviceError(Error):
+    """A device copy (gathering published device blocks, or landing received ones)
+    failed or did not complete within the engine's ``device_timeout``; staging pages
+    it may still target are quarantined, never reused, until the device confirms."""
+
+
 __all__ = [
     "Error",
     "InvalidArgumentError",
@@ -90,4 +96,5 @@ __all__ = [
     "ChecksumError",
     "InUseError",
     "ClosedError",
+    "DeviceError",
 ]

@@ -525,13 +525,35 @@ def test_decode_abort_mid_pull(prefill, decode):
         check_landed(d, kept, kept_prompt)
         d.run_until(lambda: kept in d.final, 5, "the other request")
         prefill.wait_freed({kept}, timeout=2.0)  # the decode's Done released it
-        # A cancelled pull leaves the publication for a retry: the prefill instance
-        # frees the aborted request's blocks at lease expiry, never later.
-        st = prefill.wait_freed({gone}, timeout=LEASE_TTL + 5)
+        # The abort told the prefill instance (release through kvferry): it frees the
+        # aborted request's blocks at once, long before the lease would expire.
+        st = prefill.wait_freed({gone}, timeout=3.0)
         assert gone in st["finished_sending"]
+        assert not prefill.state()["publishing"]
         assert d.free_blocks() == d.free_at_start
+        assert not d.worker._releases, "every release finished"
     finally:
         prefill.faults(send_delay_us=0)
+
+
+def test_decode_abort_before_pull_releases_at_once(prefill, decode):
+    d = decode()
+    reqs = prompts(3, seed=10, lo=30, hi=90)
+    params = prefill.prefill(reqs)
+    t0 = time.monotonic()
+    for rid, prompt in reqs:
+        d.add(rid, prompt, max_tokens=2, params=params[rid])
+    # Aborted while still waiting: the decode scheduler never allocated or pulled.
+    for rid, _ in reqs:
+        d.abort(rid)
+    d.step()  # the next step's metadata carries the releases to the worker
+    st = prefill.wait_freed({r for r, _ in reqs}, timeout=3.0)
+    assert time.monotonic() - t0 < LEASE_TTL / 2, "freed by the release, not the lease"
+    assert {r for r, _ in reqs} <= set(st["finished_sending"])
+    assert not d.finished_recving and not d.failed_recving, "nothing was pulled"
+    d.run_until(lambda: not d.worker._releases, 5, "the releases to finish")
+    assert d.free_blocks() == d.free_at_start
+    assert d.worker.engine.stats()["consumer"]["draining"] == 0
 
 
 def test_never_pulled_frees_at_lease_expiry(prefill):
@@ -638,3 +660,23 @@ def test_import_kvferry_without_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "clear"
+
+
+def test_connector_bench_runs(need_vllm):
+    """``python -m kvferry.integrations.vllm_bench``: a short run, every block verified."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvferry.integrations.vllm_bench", "--requests", "8", "--rounds", "2", "--json", "--rust-bench", "none"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["corrupted_blocks"] == 0 and r["failed"] == 0
+    assert r["bytes"] == 2 * 8 * 4 * r["block_bytes"] and r["block_bytes"] == 640 << 10
+    assert r["gbps"] > 0 and r["blocks_per_s"] > 0
+    assert r["ratio_to_rust"] is None and "none" in r["rust_note"]

@@ -73,9 +73,12 @@ load error for exactly the requests involved (``get_block_ids_with_load_errors``
 ``failed_recving``; vLLM then recomputes or fails them per ``kv_load_failure_policy``).
 A decode request aborted mid-pull gets its blocks back at once (the pull is cancelled
 and drained, bounded). A prefill instance frees a request's blocks only after its
-publication was released — the decode's ``Done``, lease expiry or shutdown (a
-cancelled pull leaves the publication for a retry, so an aborted decode costs the
-prefill instance at most ``lease_ttl``) — and never while a send still reads them.
+publication was released — the decode's ``Done``, lease expiry or shutdown — and never
+while a send still reads them. A decode request that will not pull (aborted before or
+during its pull, or given up after a timeout) tells the prefill instance through
+kvferry (``Engine.release_remote``: stage, then ``Done`` at once), so its blocks are
+freed within a round trip instead of at lease expiry; lease expiry remains the backstop
+when the decode side dies or the release cannot reach the prefill instance.
 Host (CPU) KV caches only: kvferry's Python engine moves host memory.
 """
 
@@ -217,12 +220,25 @@ class RecvSpec:
 
 
 @dataclass
+class ReleaseSpec:
+    """A pull that will never happen (the decode request finished — was aborted —
+    before its pull started): each worker tells ``peers[tp_rank]`` to release ``key``
+    now, rather than the prefill instance holding the blocks until lease expiry."""
+
+    key: str
+    peers: list[dict[str, Any]]
+    expires_at: float | None = None  # wall clock: the lease's advertised end
+
+
+@dataclass
 class KvferryConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → worker, once per step: pulls to start and blocks to publish."""
+    """Scheduler → worker, once per step: pulls to start, publications to release
+    on the prefill side, and blocks to publish."""
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
     expires_at: dict[str, float] = field(default_factory=dict)  # wall clock, per pull
+    reqs_to_release: dict[str, ReleaseSpec] = field(default_factory=dict)
 
 
 def _flat_block_ids(ids: Any) -> list[int]:
@@ -252,6 +268,7 @@ class KvferryConnectorScheduler:
         self._need_recv: dict[str, RecvSpec] = {}
         self._need_send: dict[str, list[int]] = {}
         self._need_expiry: dict[str, float] = {}
+        self._need_release: dict[str, ReleaseSpec] = {}
 
     # handshake
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -311,10 +328,16 @@ class KvferryConnectorScheduler:
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
-        meta = KvferryConnectorMetadata(reqs_to_recv=self._need_recv, reqs_to_send=self._need_send, expires_at=self._need_expiry)
+        meta = KvferryConnectorMetadata(
+            reqs_to_recv=self._need_recv,
+            reqs_to_send=self._need_send,
+            expires_at=self._need_expiry,
+            reqs_to_release=self._need_release,
+        )
         self._need_recv = {}
         self._need_send = {}
         self._need_expiry = {}
+        self._need_release = {}
         return meta
 
     # prefill side
@@ -323,14 +346,22 @@ class KvferryConnectorScheduler:
 
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode"):
-            # A decode-side request (its pull, if any, is the worker's to finish), or
-            # no P/D at all. One aborted before it was scheduled never pulled: the
-            # prefill instance frees at lease expiry.
+            # A decode-side request, or no P/D at all. A pull the worker started is the
+            # worker's to finish (an abort cancels it and releases the publication);
+            # one that never started is released from here.
+            self._release_unpulled(request.request_id, params)
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed prefill: nothing worth sending
-        if not self.peers:
-            logger.warning("KvferryConnector: no worker handshake yet; %s is not published", request.request_id)
+        if len(self.peers) < self.tp_size:
+            # Every rank publishes its own shard: without every rank's address the
+            # decode side could not pull them all.
+            logger.warning(
+                "KvferryConnector: handshakes from %d of %d ranks; %s is not published",
+                len(self.peers),
+                self.tp_size,
+                request.request_id,
+            )
             return False, None
         n = math.ceil(request.num_prompt_tokens / self.block_size)
         ids = _flat_block_ids(block_ids)[:n]
@@ -358,6 +389,23 @@ class KvferryConnectorScheduler:
             "kvferry_expires_at": time.time() + self.config.lease_ttl,
         }
 
+    def _release_unpulled(self, req_id: str, params: dict[str, Any] | None) -> None:
+        """A decode request finished before its pull began (aborted while waiting,
+        or between allocation and the next step): the prefill instance's blocks are
+        released now, through the workers, instead of at lease expiry."""
+        planned = self._need_recv.pop(req_id, None)
+        expires = self._need_expiry.pop(req_id, None)
+        if planned is not None:
+            self._need_release[req_id] = ReleaseSpec(key=planned.key, peers=planned.peers, expires_at=expires)
+        elif params and params.get("do_remote_prefill") and self._valid_remote(params):
+            params["do_remote_prefill"] = False
+            exp = params.get("kvferry_expires_at")
+            self._need_release[req_id] = ReleaseSpec(
+                key=str(params["remote_request_id"]),
+                peers=list(params["kvferry_peers"]),
+                expires_at=None if exp is None else float(exp),
+            )
+
     def _advertised(self, address: str | None) -> str | None:
         if address is None or not self.config.advertise_host:
             return address
@@ -378,6 +426,7 @@ class _Pull:
     retry_until: float  # monotonic: misses are retried until then
     transfer: Transfer | None = None
     address: str | None = None
+    incarnation: int | None = None  # the prefill rank's, as advertised
     dst: Region | None = None
     dst_ids: list[int] = field(default_factory=list)
     retry_at: float | None = None
@@ -388,12 +437,16 @@ class _Pull:
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank: from vLLM's TP group when it is
+    initialized, else from the parallel config (``rank`` modulo the TP size; 0 for a
+    single process)."""
     try:
         from vllm.distributed.parallel_state import get_tp_group
 
         return int(get_tp_group().rank_in_group)
-    except Exception:  # not initialized (a scheduler-less test, a single process)
-        return 0
+    except Exception:  # not initialized: one process per rank, set up by the caller
+        pc = vllm_config.parallel_config
+        return int(getattr(pc, "rank", 0) or 0) % max(1, int(pc.tensor_parallel_size))
 
 
 class KvferryConnectorWorker:
@@ -418,6 +471,7 @@ class KvferryConnectorWorker:
         self._finished_seen: set[str] = set()  # finished, publication still out
         self._load_errors: set[int] = set()
         self._done_meta: KvferryConnectorMetadata | None = None
+        self._releases: dict[str, Transfer] = {}  # release_remote in flight, by request
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -490,6 +544,31 @@ class KvferryConnectorWorker:
             self._publish(req_id, block_ids)
         for req_id, spec in meta.reqs_to_recv.items():
             self._start_pull(req_id, spec, meta.expires_at.get(req_id))
+        for req_id, rel in meta.reqs_to_release.items():
+            peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
+            self._release_remote(req_id, rel.key, peer.get("address"), rel.expires_at)
+
+    def _release_remote(self, req_id: str, key: str, address: str | None, expires_at: float | None) -> None:
+        """Tells the prefill instance (this rank's peer) that ``key`` will not be
+        pulled, so it frees the blocks now. The prefill publishes a step after it
+        returned the params, so a miss is retried (until the advertised lease end,
+        within the timeout). In the background; a failure only means the blocks wait
+        for the lease to expire."""
+        if self.engine is None or not address:
+            return
+        timeout = self.config.timeout
+        retry = timeout if expires_at is None else max(0.0, min(timeout, expires_at - time.time()))
+        try:
+            self._releases[req_id] = self.engine.release_remote(address, key, timeout=timeout, retry_miss=retry)
+        except errors.Error as e:
+            logger.debug("KvferryConnector: releasing %s on %s failed: %s", req_id, address, e)
+
+    def _reap_releases(self) -> None:
+        for req_id, t in list(self._releases.items()):
+            if t.done():
+                del self._releases[req_id]
+                if t.error is not None and not isinstance(t.error, errors.NotFoundError):
+                    logger.debug("KvferryConnector: release of %s: %s", req_id, t.error)
 
     def _publish(self, req_id: str, block_ids: list[int]) -> None:
         assert self.engine is not None and self.region is not None
@@ -519,6 +598,8 @@ class KvferryConnectorWorker:
                 )
             peer = spec.peers[self.tp_rank]
             pull.address = peer.get("address")
+            inc = peer.get("incarnation")
+            pull.incarnation = int(inc) if isinstance(inc, int) and 0 <= inc < 1 << 64 else None
             if not pull.address:
                 raise errors.InvalidArgumentError(f"no kvferry address for rank {self.tp_rank}: {peer}")
             n_remote = len(spec.remote_block_ids)
@@ -540,7 +621,11 @@ class KvferryConnectorWorker:
         pull.attempts += 1
         pull.retry_at = None
         left = max(0.001, pull.deadline - time.monotonic())
-        pull.transfer = self.engine.get(pull.address, pull.spec.key, pull.dst, pull.dst_ids, timeout=left, path=self.config.path)
+        # Naming the incarnation that published: a restarted prefill instance is refused
+        # at once (PeerRestartedError, a load error) instead of missing until timeout.
+        pull.transfer = self.engine.get(
+            pull.address, pull.spec.key, pull.dst, pull.dst_ids, timeout=left, path=self.config.path, incarnation=pull.incarnation
+        )
 
     def _scratch(self, n: int) -> dict[str, torch.Tensor]:
         out = {}
@@ -580,10 +665,16 @@ class KvferryConnectorWorker:
         for req_id in finished_req_ids:
             pull = self._pulls.pop(req_id, None)
             if pull is not None:
+                landed = pull.transfer is not None and pull.transfer.done() and pull.transfer.error is None
                 if pull.transfer is not None and not pull.transfer.done():
                     pull.transfer.cancel()
                 self._drop_scratch(pull)
                 res.finished_recving.add(req_id)
+                if not landed and pull.error is None:
+                    # Aborted before the bytes landed: the prefill instance may free
+                    # the blocks now (a landed pull already sent Done).
+                    left = max(0.0, pull.retry_until - time.monotonic())
+                    self._release_remote(req_id, pull.spec.key, pull.address, time.time() + left)
             if req_id in self._sending or req_id in self._released:
                 self._finished_seen.add(req_id)
         now = time.monotonic()
@@ -623,6 +714,11 @@ class KvferryConnectorWorker:
                 logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", req_id, pull.attempts, pull.error)
                 res.failed_recving.add(req_id)
                 self._load_errors.update(pull.spec.load_block_ids)
+                if isinstance(pull.error, (errors.TimeoutError, errors.ChecksumError, errors.BusyError)):
+                    # The prefill instance is alive and still holds the blocks: this
+                    # side gives up on them, so it may free them now.
+                    self._release_remote(req_id, pull.spec.key, pull.address, time.time())  # no retry on a miss
+        self._reap_releases()
         # Publications released (decode's Done, abort, lease expiry, shutdown): the
         # blocks are free once the request was reported finished to this worker.
         if self.engine is not None:

@@ -339,6 +339,16 @@ impl TransferCtx<'_> {
         let id = conn.next_request_id();
         let chunks = match req {
             Request::Get { keys } => {
+                // A connection's handshake names the incarnation it reached: a restarted
+                // peer is refused before anything is staged on it.
+                let current = conn.peer().incarnation;
+                if let Some(expected) = self.dst.incarnation.filter(|&e| e != current) {
+                    conn.finish();
+                    return Err(PeerError::StaleIncarnation {
+                        handle: expected,
+                        current,
+                    });
+                }
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
                 conn.send(
                     id,

@@ -92,6 +92,10 @@ pub struct Destination {
     pub chunks: Vec<Vec<u32>>,
     /// How the bytes get there (a device target is always staged).
     pub path: TransferPath,
+    /// The producer incarnation an eager get expects: a connection to any other
+    /// incarnation (the peer restarted) fails with `StaleIncarnation` before anything
+    /// is staged or sent. `None` accepts any.
+    pub incarnation: Option<u64>,
 }
 
 impl Destination {
@@ -101,6 +105,7 @@ impl Destination {
             target: Target::Host(cache),
             chunks,
             path: TransferPath::Direct,
+            incarnation: None,
         }
     }
 
@@ -110,6 +115,7 @@ impl Destination {
             target: Target::Device(cache),
             chunks,
             path: TransferPath::Staged,
+            incarnation: None,
         }
     }
 
@@ -141,12 +147,20 @@ impl Destination {
             target: Target::Host(Arc::new(cache)),
             chunks,
             path: TransferPath::Staged,
+            incarnation: None,
         })
     }
 
     /// The same destination on another path.
     pub fn with_path(mut self, path: TransferPath) -> Destination {
         self.path = path;
+        self
+    }
+
+    /// The same destination, accepting only producer incarnation `incarnation`
+    /// (eager gets; a delayed pull checks its handle's incarnation anyway).
+    pub fn with_incarnation(mut self, incarnation: Option<u64>) -> Destination {
+        self.incarnation = incarnation;
         self
     }
 

@@ -1,0 +1,247 @@
+"""``python -m kvferry.integrations.vllm_bench``: KV throughput through the vLLM
+connector, against the Rust ``kvferry bench`` in the same run.
+
+Two ``KvferryConnector`` worker halves in this process — made by vLLM 0.33.0's own
+``KVConnectorFactory`` from a real ``VllmConfig`` (a generated model ``config.json``,
+no weights), over torch CPU paged KV tensors of vLLM's layout (one
+``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer) — driven the way
+vLLM's model runner drives them: ``bind_connector_metadata``, ``start_load_kv``,
+``wait_for_save``, ``get_finished`` every step. Per round, the prefill side publishes
+``--requests`` finished requests (``reqs_to_send``); the decode side is handed all their
+pulls in one step (``reqs_to_recv``, as the scheduler does when they all arrive) and
+steps until every one is reported in ``finished_recving``. Then every landed block is
+compared with its source (torch, every byte), and the prefill side steps until every
+request is reported ``finished_sending`` (the decode's ``Done`` released them).
+
+Printed (``--json``: one object): ``gbps`` (KV bytes landed / time from the pulls'
+metadata to the last ``finished_recving``), ``blocks_per_s``, ``requests_per_s``,
+``p50_ms``/``p99_ms`` of per-round times, ``corrupted_blocks``, ``failed``,
+``rust_gbps`` (``kvferry bench --path direct`` with 2.5 MiB chunks — one request's
+bytes at the defaults — and 4 in flight over 4 connections, run right after) and
+``ratio_to_rust``. The defaults (10 layers x 2 x 16 tokens x 8 heads x 128 x fp16)
+make a block 640 KiB and a request of 4 blocks 2.5 MiB, the Rust bench's default
+block and chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..bench import _positive, _rust_binary, percentile, run_rust
+
+
+def _model_dir(tmp: str, layers: int, kv_heads: int, head_dim: int) -> str:
+    """A model directory holding only a llama ``config.json`` of this shape."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": kv_heads * head_dim,
+        "intermediate_size": 2 * kv_heads * head_dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": kv_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": 1024,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    d = Path(tmp) / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+class _Side:
+    """One instance's worker-side connector over its own paged KV tensors."""
+
+    def __init__(self, a: argparse.Namespace, model: str, role: str, num_blocks: int) -> None:
+        import torch
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
+        cfg = VllmConfig(
+            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0),
+            cache_config=CacheConfig(block_size=a.block_size),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvferryConnector",
+                kv_connector_module_path="kvferry.integrations.vllm",
+                kv_role=role,
+                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0},
+            ),
+        )
+        spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.kv_heads, head_size=a.head_dim, dtype=torch.float16)
+        page = 2 * a.block_size * a.kv_heads * a.head_dim * 2
+        kcc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in self.layers],
+            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
+        )
+        self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+        shape = (2, num_blocks, a.block_size, a.kv_heads, a.head_dim)
+        self.kv = {n: torch.zeros(shape, dtype=torch.float16) for n in self.layers}
+        self.connector.register_kv_caches(self.kv)
+        self.block_bytes = page * a.layers
+
+    def step(self, meta: Any, finished: set[str]) -> tuple[set[str], set[str]]:
+        """One engine step as vLLM's model runner makes it."""
+        c = self.connector
+        c.bind_connector_metadata(meta)
+        c.start_load_kv(None)
+        c.wait_for_save()
+        sending, recving = c.get_finished(finished)
+        c.clear_connector_metadata()
+        return set(sending or ()), set(recving or ())
+
+    def blocks(self, ids: list[int]) -> list[Any]:
+        import torch
+
+        idx = torch.tensor(ids, dtype=torch.long)
+        return [t.view(torch.uint8)[:, idx] for t in self.kv.values()]
+
+
+def run_connector(a: argparse.Namespace) -> dict[str, Any]:
+    """The rounds through the connector; returns the measured fields."""
+    import torch
+
+    from .vllm import KvferryConnectorMetadata, RecvSpec
+
+    bpr, nreq = a.blocks_per_request, a.requests
+    nb = nreq * bpr
+    with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
+        model = _model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
+        prefill = _Side(a, model, "kv_producer", nb)
+        decode = _Side(a, model, "kv_consumer", nb)
+    gen = torch.Generator().manual_seed(0)
+    for t in prefill.kv.values():
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    pw = prefill.connector.connector_worker
+    peer = {"address": pw.engine.address, "peer_id": pw.engine.peer_id, "incarnation": pw.engine.incarnation}
+    rng = torch.Generator().manual_seed(1)
+    round_s: list[float] = []
+    corrupted = failed = 0
+    moved = 0
+    for rnd in range(a.rounds):
+        ids = {f"r{rnd}-{i}": list(range(i * bpr, (i + 1) * bpr)) for i in range(nreq)}
+        perm = torch.randperm(nb, generator=rng).tolist()  # decode blocks: shuffled
+        local = {r: perm[i * bpr : (i + 1) * bpr] for i, r in enumerate(ids)}
+        prefill.step(KvferryConnectorMetadata(reqs_to_send=ids), set())
+        prefill.step(KvferryConnectorMetadata(), set(ids))  # the scheduler reports them finished
+        expires = time.time() + 60.0
+        meta = KvferryConnectorMetadata(
+            reqs_to_recv={r: RecvSpec(key=r, peers=[peer], remote_block_ids=ids[r], local_block_ids=local[r]) for r in ids},
+            expires_at=dict.fromkeys(ids, expires),
+        )
+        t0 = time.perf_counter()
+        done: set[str] = set()
+        _, got = decode.step(meta, set())
+        done |= got
+        while len(done) < nreq:
+            _, got = decode.step(KvferryConnectorMetadata(), set())
+            done |= got
+            if time.perf_counter() - t0 > 120:
+                raise RuntimeError(f"round {rnd}: {nreq - len(done)} pulls did not finish in 120 s")
+        round_s.append(time.perf_counter() - t0)
+        failed += len(decode.connector.get_block_ids_with_load_errors())
+        for r in ids:
+            for s, d in zip(prefill.blocks(ids[r]), decode.blocks(local[r])):
+                if not torch.equal(s, d):
+                    corrupted += 1
+        moved += nb * prefill.block_bytes
+        # The decode's Done released every publication: the prefill frees them all.
+        sent: set[str] = set()
+        deadline = time.monotonic() + 30
+        while len(sent) < nreq and time.monotonic() < deadline:
+            s, _ = prefill.step(KvferryConnectorMetadata(), set())
+            sent |= s
+            time.sleep(0.001)
+        if len(sent) < nreq:
+            raise RuntimeError(f"round {rnd}: prefill did not see {nreq - len(sent)} releases")
+    stats = decode.connector.connector_worker.engine.stats()
+    prefill.connector.shutdown()
+    decode.connector.shutdown()
+    total = sum(round_s)
+    return {
+        "requests": nreq,
+        "rounds": a.rounds,
+        "blocks_per_request": bpr,
+        "block_bytes": prefill.block_bytes,
+        "request_bytes": bpr * prefill.block_bytes,
+        "bytes": moved,
+        "elapsed_s": total,
+        "gbps": moved / total / 1e9,
+        "blocks_per_s": nb * a.rounds / total,
+        "requests_per_s": nreq * a.rounds / total,
+        "p50_ms": percentile(round_s, 0.5) * 1e3,
+        "p99_ms": percentile(round_s, 0.99) * 1e3,
+        "corrupted_blocks": corrupted,
+        "failed": failed,
+        "checksum_failures": stats["consumer"].get("checksum_failures", 0),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kvferry.integrations.vllm_bench",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=_positive, default=64, help="requests per round (default 64)")
+    p.add_argument("--blocks-per-request", type=_positive, default=4, help="blocks per request (default 4)")
+    p.add_argument("--rounds", type=_positive, default=5, help="rounds (default 5)")
+    p.add_argument("--layers", type=_positive, default=10)
+    p.add_argument("--kv-heads", type=_positive, default=8)
+    p.add_argument("--head-dim", type=_positive, default=128)
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
+    p.add_argument("--rust-bench", default=None, metavar="PATH|none", help="the Rust kvferry binary (default: as python -m kvferry bench)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    res = run_connector(a)
+    binary, note = _rust_binary(a.rust_bench)
+    res["rust_gbps"] = None
+    if binary is not None:
+        ra = argparse.Namespace(
+            bytes=res["bytes"], chunk_blocks=4, in_flight=4, connections=4, requests=32, chunks_per_request=4
+        )
+        try:
+            rust = run_rust(binary, ra)
+            res["rust_gbps"] = rust.get("gbps")
+            res["rust_tcp_limit_gbps"] = rust.get("tcp_limit_gbps")
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            note = f"rust bench failed: {e}"
+    res["rust_note"] = note
+    r = res["rust_gbps"]
+    res["ratio_to_rust"] = res["gbps"] / r if isinstance(r, (int, float)) and r > 0 else None
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(
+            f"connector: {res['gbps']:.2f} GB/s, {res['blocks_per_s']:.0f} blocks/s, {res['requests_per_s']:.0f} requests/s "
+            f"({res['rounds']} rounds of {res['requests']} requests x {res['request_bytes'] / 2**20:.1f} MiB; "
+            f"round p50 {res['p50_ms']:.1f} ms, p99 {res['p99_ms']:.1f} ms); corrupted blocks {res['corrupted_blocks']}, "
+            f"failed {res['failed']}"
+        )
+        print(f"rust kvferry bench: {r:.2f} GB/s" if r else f"rust kvferry bench: n/a ({note})")
+        if res["ratio_to_rust"] is not None:
+            print(f"ratio_to_rust {res['ratio_to_rust']:.2f}")
+    return 1 if res["corrupted_blocks"] or res["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
