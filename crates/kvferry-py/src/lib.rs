@@ -31,7 +31,7 @@ fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
     }
     // SAFETY: the buffer is held (and C-contiguous) for this call; it is only read.
     let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) };
-    Ok(py.detach(|| kvferry::wire::crc::checksum(bytes)))
+    Ok(py.detach(|| kvferry::checksum::checksum(bytes)))
 }
 
 #[pymodule]
