@@ -317,7 +317,7 @@ async fn locate_finds_the_peer_holding_a_key_and_caches_misses() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_lease_is_renewed_with_a_new_incarnation() {
+async fn a_lost_lease_is_renewed_with_the_same_incarnation() {
     let Some(e) = etcd::Etcd::start() else { return };
     let pd = dir(&e).await;
     let p = Engine::start(engine_cfg("p", Some(pd.clone()))).await.unwrap();
@@ -353,9 +353,10 @@ async fn a_lost_lease_is_renewed_with_a_new_incarnation() {
     let RegistrationState::Registered(renewed) = back else {
         unreachable!()
     };
-    assert_ne!(
-        renewed.incarnation, first.incarnation,
-        "a renewed registration is a new incarnation"
+    assert_eq!(
+        renewed.incarnation,
+        p.incarnation(),
+        "a renewed registration keeps the process's incarnation (its connections present it)"
     );
     match next_event(&mut rx, "p", Duration::from_secs(3)).await {
         PeerEvent::Joined(r) => assert_eq!(r.incarnation, renewed.incarnation),

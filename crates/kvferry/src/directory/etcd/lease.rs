@@ -132,7 +132,11 @@ pub(super) async fn deregister(shared: Arc<Shared>) -> Result<(), DirectoryError
 }
 
 /// Keeps the registration's lease alive every TTL/3. When etcd says the lease is gone,
-/// registers again with a new incarnation.
+/// registers again on a new lease with the **same** incarnation: the process did not
+/// restart, and its connections keep presenting that incarnation, so the directory and
+/// the wire agree. Consumers already saw the record deleted (`Lost`: their in-flight
+/// transfers failed and what was staged for them was released), so nothing they held
+/// survives the gap; the record coming back is a `Joined`.
 async fn keep_alive(shared: Arc<Shared>, stop: CancellationToken) {
     let period = (shared.cfg.ttl / 3).max(Duration::from_millis(100));
     let mut backoff = shared.cfg.backoff_min;
@@ -150,10 +154,9 @@ async fn keep_alive(shared: Arc<Shared>, stop: CancellationToken) {
         {
             Ok(_) => backoff = shared.cfg.backoff_min,
             Err(DirectoryError::Backend { reason, .. }) if reason.contains("lease not found") => {
-                tracing::warn!(target: "kvferry::directory", lease_id, "registration lease lost; registering again with a new incarnation");
+                tracing::warn!(target: "kvferry::directory", lease_id, "registration lease lost; registering again (same incarnation)");
                 shared.state.send_replace(RegistrationState::Lost);
                 let mut fresh = record;
-                fresh.incarnation = rand::random::<u64>() | 1;
                 fresh.registered_unix_ms = unix_ms(std::time::SystemTime::now());
                 match create(&shared, &fresh).await {
                     Ok(id) => {

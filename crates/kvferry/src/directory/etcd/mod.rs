@@ -11,8 +11,9 @@
 //! process) and is replaced: consumers see [`PeerEvent::Restarted`] at once instead of
 //! waiting for the old lease to expire. [`Directory::deregister`] (a clean shutdown) deletes the record and revokes
 //! the lease. When etcd says the lease is gone (expired while etcd was unreachable),
-//! the task registers again with a new incarnation, so that consumers treat whatever
-//! they held on the old one as lost.
+//! the task registers again on a new lease with the same incarnation (the process did
+//! not restart and its connections still present it); consumers saw the delete as
+//! `Lost` and dropped whatever they held, then see `Joined`.
 //!
 //! # The view
 //!
