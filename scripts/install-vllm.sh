@@ -4,7 +4,7 @@
 # checkout, then prints how long each phase took and the environment's size.
 # Idempotent: an environment that already has vllm 0.33.0 only rebuilds kvferry.
 #
-#   ./scripts/install-vllm.sh                     # $KVFERRY_VLLM_VENV or /work/venv-vllm
+#   ./scripts/install-vllm.sh                     # $KVFERRY_VLLM_VENV or ~/.cache/kvferry/venv-vllm
 #   KVFERRY_VLLM_VENV=~/venvs/vllm ./scripts/install-vllm.sh
 #   ./scripts/install-vllm.sh --force             # reinstall vllm's packages too
 #
@@ -12,7 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-venv=${KVFERRY_VLLM_VENV:-/work/venv-vllm}
+venv=${KVFERRY_VLLM_VENV:-$HOME/.cache/kvferry/venv-vllm}
+mkdir -p "$(dirname "$venv")"
 vllm_version=0.33.0
 force=0
 [ "${1:-}" = "--force" ] && force=1
@@ -43,9 +44,10 @@ else
     echo "up to date ($(since "$t"))"
 fi
 
-echo "== kvferry (maturin develop)"
+echo "== kvferry (maturin develop --release --features etcd, as scripts/test.sh builds it)"
 t=$(now)
-(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q)
+"$root/scripts/install-directory-deps.sh"
+(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q --release --features etcd)
 echo "built in $(since "$t")"
 
 echo "== check"

@@ -232,7 +232,8 @@ impl PyEngine {
     #[pyo3(signature = (listen, secret, arena_bytes, page_size, peer_id, copy_threads, store_bytes,
         store_block_bytes, lease_ttl, default_ttl, max_ttl, io_timeout, connect_timeout,
         connections_per_peer, pinned, runtime_threads, device="host", device_latency_us=0,
-        device_timeout=5.0))]
+        device_timeout=5.0, etcd=None, namespace="kvferry", directory_ttl=10.0, role="both",
+        advertise=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -255,6 +256,11 @@ impl PyEngine {
         device: &str,
         device_latency_us: u64,
         device_timeout: f64,
+        etcd: Option<String>,
+        namespace: &str,
+        directory_ttl: f64,
+        role: &str,
+        advertise: Option<String>,
     ) -> PyResult<PyEngine> {
         let mut cfg = EngineConfig::default()
             .listen(listen.as_deref())
@@ -299,6 +305,15 @@ impl PyEngine {
             required(device_timeout, "device_timeout")?,
             handle.clone(),
         )?;
+        cfg.role = role
+            .parse()
+            .map_err(|e: String| ErrInfo::invalid(format!("role: {e}")))?;
+        cfg.advertise = advertise;
+        if let Some(url) = etcd {
+            let ttl = required(directory_ttl, "directory_ttl")?;
+            let wait = cfg.net.connect_timeout;
+            cfg.directory = Some(py.detach(|| runtime.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
+        }
         let engine = py.detach(|| runtime.block_on(Engine::start(cfg))).map_err(py_err)?;
         Ok(PyEngine {
             runtime: Mutex::new(Some(runtime)),
@@ -630,6 +645,32 @@ impl PyEngine {
             self.handle
                 .block_on(async { e.push(&peer, k, bytes, tokio::time::Instant::now() + t).await })
                 .map_err(|err| ErrInfo::from(&err).peer(&peer).op("push"))
+        })
+        .map_err(PyErr::from)
+    }
+
+    /// The live peers of this engine's directory (`None` without one) as a JSON text:
+    /// `{"stale": bool, "peers": [{peer_id, address, incarnation, role, known_for}]}`.
+    fn peers_json(&self) -> Option<String> {
+        let d = self.engine.config().directory.as_ref()?;
+        Some(crate::directory::live_peers_json(&d.live_peers()))
+    }
+
+    /// Which live peers hold `keys`, best first: `[(peer_id, address, hits)]`.
+    fn locate(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyList>,
+        timeout: f64,
+    ) -> PyResult<Vec<(String, String, usize)>> {
+        let keys = Self::keys(keys)?;
+        let t = required(timeout, "timeout")?;
+        let e = &self.engine;
+        py.detach(|| {
+            self.handle
+                .block_on(async { e.locate(&keys, tokio::time::Instant::now() + t).await })
+                .map(|found| found.into_iter().map(|l| (l.peer_id, l.address, l.hits)).collect())
+                .map_err(|err| ErrInfo::from(&err).op("locate"))
         })
         .map_err(PyErr::from)
     }

@@ -7,6 +7,7 @@
 #![allow(clippy::too_many_arguments, clippy::type_complexity, clippy::result_large_err)]
 
 mod device;
+mod directory;
 mod engine;
 mod errors;
 mod region;
@@ -44,5 +45,6 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(key_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("HAS_ETCD", directory::HAS_ETCD)?;
     Ok(())
 }

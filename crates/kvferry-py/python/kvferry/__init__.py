@@ -11,7 +11,7 @@ never leaks, never hangs.
 
 from . import errors
 from ._engine import DeviceMemory, Engine, Region, Transfer
-from ._kvferry import Staged, __version__, key_bytes
+from ._kvferry import HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
     AuthError,
     BusyError,
@@ -52,4 +52,5 @@ __all__ = [
     "ClosedError",
     "DeviceError",
     "__version__",
+    "HAS_ETCD",
 ]

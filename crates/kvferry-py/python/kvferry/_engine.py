@@ -151,7 +151,20 @@ class Engine:
         connections_per_peer: pooled connections to each peer.
         pinned: ask for mlocked staging memory (falls back, and says so in stats).
         runtime_threads: threads of the engine's I/O runtime.
-        directory: ``{name: "host:port"}``: peers that may be named instead of addressed.
+        directory: where peers are found. ``{name: "host:port"}``: a static map of peers
+            that may be named instead of addressed. ``"etcd://HOST:PORT[,HOST:PORT...]"``:
+            the etcd peer directory (what ``kvferry serve --directory`` uses): a
+            listening engine registers itself (``peer_id``, its address or
+            ``advertise``, ``role``) on a lease of ``directory_ttl`` seconds; peers are
+            then named by id, :meth:`peers` lists them and :meth:`locate` finds which
+            hold a key. Transfers to a peer the directory reports restarted fail with
+            ``PeerRestartedError``, to one it dropped with ``PeerLostError``, at once.
+            Needs a build with the ``etcd`` feature (``kvferry.HAS_ETCD``).
+        namespace: the etcd namespace (records live under ``NAME/peers/``).
+        directory_ttl: TTL of this engine's etcd registration (seconds).
+        role: ``"prefill"``, ``"decode"`` or ``"both"``, registered in the directory.
+        advertise: the address registered in the directory (default: the bound one;
+            required when listening on an unspecified address such as 0.0.0.0).
         device_latency_us: simulated time per device copy (``device="sim"``).
         device_timeout: bound on each device copy, from its submission (seconds).
     """
@@ -176,9 +189,13 @@ class Engine:
         connections_per_peer: int = 4,
         pinned: bool = True,
         runtime_threads: int = 2,
-        directory: Mapping[str, str] | None = None,
+        directory: Mapping[str, str] | str | None = None,
         device_latency_us: int = 0,
         device_timeout: float = 5.0,
+        namespace: str = "kvferry",
+        directory_ttl: float = 10.0,
+        role: str = "both",
+        advertise: str | None = None,
     ) -> None:
         if device not in ("host", "sim"):
             raise InvalidArgumentError(
@@ -187,6 +204,14 @@ class Engine:
             )
         if isinstance(secret, str):
             secret = secret.encode()
+        etcd: str | None = None
+        if isinstance(directory, str):
+            if not directory.startswith("etcd://"):
+                raise InvalidArgumentError(
+                    f"directory {directory!r}: give a {{name: 'host:port'}} mapping or an "
+                    "'etcd://HOST:PORT[,HOST:PORT...]' URL"
+                )
+            etcd, directory = directory, None
         self._directory = dict(directory or {})
         self._e = _kvferry.Engine(
             listen,
@@ -208,6 +233,11 @@ class Engine:
             device,
             int(device_latency_us),
             float(device_timeout),
+            etcd,
+            namespace,
+            float(directory_ttl),
+            role,
+            advertise,
         )
         self.device = device
 
@@ -460,6 +490,28 @@ class Engine:
     def push(self, peer: str, key: Key, data: Any, timeout: float = 5.0) -> None:
         """Pushes ``data`` into ``peer``'s store under ``key``."""
         self._e.push(self._peer(peer), key, byte_view(data, "push"), float(timeout))
+
+    def peers(self) -> dict[str, Any]:
+        """The live peers of the etcd directory: ``{"stale": bool, "peers": [{"peer_id",
+        "address", "incarnation", "role", "known_for"}]}`` (``stale``: etcd could not
+        confirm the list lately; it is the last one known). Answers from memory.
+        Without an etcd directory: the static map, never stale."""
+        text = self._e.peers_json()
+        if text is None:
+            return {
+                "stale": False,
+                "peers": [{"peer_id": k, "address": v} for k, v in sorted(self._directory.items())],
+            }
+        out: dict[str, Any] = json.loads(text)
+        return out
+
+    def locate(self, keys: Key | Sequence[Key], timeout: float = 2.0) -> list[tuple[str, str, int]]:
+        """Which live peers of the etcd directory hold ``keys``: ``[(peer_id, address,
+        hits)]``, most leading keys first (empty: nobody holds the first key). Asks
+        every live peer at once under ``timeout``; a peer that does not answer in time
+        counts as holding nothing. Needs an etcd directory."""
+        ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
+        return self._e.locate(ks, float(timeout))
 
     def lookup(self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0) -> int:
         """How many leading ``keys`` ``peer`` holds."""

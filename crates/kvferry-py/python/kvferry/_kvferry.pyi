@@ -18,10 +18,12 @@ from typing_extensions import Buffer
 _Key = str | bytes
 _Span = tuple[int, int, int]  # (offset, stride, length) in bytes
 
-__all__ = ["Engine", "Region", "Transfer", "Staged", "DeviceMemory", "key_bytes", "__version__"]
+__all__ = ["Engine", "Region", "Transfer", "Staged", "DeviceMemory", "key_bytes", "__version__", "HAS_ETCD"]
 
 __version__: str
 """The crate's version (``CARGO_PKG_VERSION``)."""
+HAS_ETCD: bool
+"""Whether this build can use an etcd peer directory (cargo feature ``etcd``)."""
 
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
@@ -145,6 +147,11 @@ class Engine:
         device: str = "host",
         device_latency_us: int = 0,
         device_timeout: float = 5.0,
+        etcd: str | None = None,
+        namespace: str = "kvferry",
+        directory_ttl: float = 10.0,
+        role: str = "both",
+        advertise: str | None = None,
     ) -> Engine:
         """Starts an engine (listening on ``listen``, or client-only for None);
         ``device`` is ``"host"`` or ``"sim"`` (a simulated accelerator)."""
@@ -249,6 +256,10 @@ class Engine:
         returns the chunks landed."""
     def push(self, peer: str, key: _Key, data: Buffer, timeout: float) -> None:
         """Pushes ``data`` into ``peer``'s store under ``key``."""
+    def peers_json(self) -> str | None:
+        """The etcd directory's live peers as JSON (None without one)."""
+    def locate(self, keys: list[_Key], timeout: float) -> list[tuple[str, str, int]]:
+        """Which live peers hold ``keys``: ``[(peer_id, address, hits)]``, best first."""
     def lookup(self, peer: str, keys: list[_Key], timeout: float) -> int:
         """How many leading ``keys`` ``peer`` holds."""
     def close(self, timeout: float) -> dict[str, Any]:
