@@ -26,14 +26,14 @@ fi
 profile_flag=--release
 [ "${KVFERRY_TEST_PROFILE:-release}" = "dev" ] && profile_flag=
 
-echo "== etcd and protoc (the etcd peer directory's build and tests)"
+echo "== etcd (the etcd peer directory's tests start it)"
 "$root/scripts/install-directory-deps.sh"
 
 echo "== rust tests"
 cargo test --workspace $profile_flag "$@"
 
-echo "== python package (maturin develop $profile_flag --features etcd)"
-(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag --features etcd)
+echo "== python package (maturin develop $profile_flag)"
+(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag)
 
 echo "== python tests"
 # shellcheck disable=SC2086

@@ -168,6 +168,24 @@ impl Serve {
         let text = self.try_metrics().ok()?;
         metric_in(&text, name)
     }
+
+    /// The sum of every sample of the family `name` (all label sets), if any.
+    pub fn metric_total(&self, name: &str) -> Option<f64> {
+        let text = self.try_metrics().ok()?;
+        let samples: Vec<f64> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let value = match rest.strip_prefix('{') {
+                    Some(labelled) => labelled.split_once("} ")?.1,
+                    None => rest.strip_prefix(' ')?,
+                };
+                value.trim().parse::<f64>().ok()
+            })
+            .collect();
+        (!samples.is_empty()).then(|| samples.iter().sum())
+    }
 }
 
 impl Serve {
