@@ -40,33 +40,52 @@ def etcd_url() -> Iterator[str]:
         _need("this build of kvferry has no etcd support (build with --features etcd)")
     if shutil.which("etcd") is None:
         _need("the etcd binary is not installed (apt-get install etcd-server)")
-    client, peer = _free_port(), _free_port()
     with tempfile.TemporaryDirectory(prefix="kvferry-etcd-py-") as d:
-        c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-        with open(os.path.join(d, "etcd.log"), "wb") as log:
-            proc = subprocess.Popen(
-                ["etcd", "--name", "t", "--data-dir", os.path.join(d, "data"),
-                 "--listen-client-urls", c, "--advertise-client-urls", c,
-                 "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-                 "--initial-cluster", f"t={p}"],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            )
+        # A port picked free may be taken before etcd binds it: pick again.
+        for attempt in range(6):
+            proc, client = _start_etcd(d, attempt)
+            if proc is not None:
+                break
+        else:
+            pytest.fail("etcd could not bind free ports in 6 attempts")
         try:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{c}/health", timeout=0.5) as r:
-                        if b'"health":"true"' in r.read():
-                            break
-                except OSError:
-                    pass
-                assert proc.poll() is None, open(os.path.join(d, "etcd.log")).read()
-                assert time.monotonic() < deadline, "etcd not healthy after 20 s"
-                time.sleep(0.05)
             yield f"etcd://127.0.0.1:{client}"
         finally:
             proc.kill()
             proc.wait()
+
+
+def _start_etcd(d: str, attempt: int) -> tuple[subprocess.Popen[bytes] | None, int]:
+    """Starts etcd on fresh ports and waits until healthy; (None, _) when a port was
+    taken meanwhile."""
+    client, peer = _free_port(), _free_port()
+    c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    log_path = os.path.join(d, f"etcd-{attempt}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            ["etcd", "--name", "t", "--data-dir", os.path.join(d, f"data-{attempt}"),
+             "--listen-client-urls", c, "--advertise-client-urls", c,
+             "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+             "--initial-cluster", f"t={p}"],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+        )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"{c}/health", timeout=0.5) as r:
+                if b'"health":"true"' in r.read():
+                    return proc, client
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            text = open(log_path).read()
+            if "address already in use" in text:
+                return None, client
+            pytest.fail(f"etcd exited while starting:\n{text}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("etcd not healthy after 20 s")
+        time.sleep(0.05)
 
 
 def _wait_listed(eng: kvferry.Engine, ids: set[str], timeout: float = 5.0) -> dict:

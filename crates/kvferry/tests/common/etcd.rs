@@ -53,7 +53,19 @@ impl Etcd {
             peer_port: free_port(),
             dir,
         };
-        e.spawn();
+        // A port picked free may be taken by another test before etcd binds it: pick
+        // again (only at first start; a restart keeps its ports).
+        for attempt in 0.. {
+            match e.try_spawn() {
+                Ok(()) => break,
+                Err(log) if attempt < 5 && log.contains("address already in use") => {
+                    let _ = std::fs::remove_dir_all(e.dir.join("data"));
+                    e.client_port = free_port();
+                    e.peer_port = free_port();
+                }
+                Err(log) => panic!("etcd exited while starting:\n{log}"),
+            }
+        }
         Some(e)
     }
 
@@ -68,6 +80,13 @@ impl Etcd {
     }
 
     fn spawn(&mut self) {
+        if let Err(log) = self.try_spawn() {
+            panic!("etcd exited while starting:\n{log}");
+        }
+    }
+
+    /// Starts etcd and waits until it is healthy; `Err(its log)` when it exited first.
+    fn try_spawn(&mut self) -> Result<(), String> {
         let client = format!("http://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::File::create(self.dir.join("etcd.log")).unwrap();
@@ -83,7 +102,7 @@ impl Etcd {
             .spawn()
             .expect("start etcd");
         self.child = Some(child);
-        self.wait_healthy(Duration::from_secs(20));
+        self.wait_healthy(Duration::from_secs(20))
     }
 
     fn healthy(&self) -> bool {
@@ -102,16 +121,18 @@ impl Etcd {
         out.contains("\"health\":\"true\"")
     }
 
-    fn wait_healthy(&mut self, limit: Duration) {
+    fn wait_healthy(&mut self, limit: Duration) -> Result<(), String> {
         let start = Instant::now();
         while !self.healthy() {
             if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
                 let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
-                panic!("etcd exited ({st}) while starting:\n{log}");
+                return Err(format!("({st})\n{log}"));
             }
             assert!(start.elapsed() < limit, "etcd not healthy after {limit:?}");
             std::thread::sleep(Duration::from_millis(50));
         }
+        Ok(())
     }
 
     /// SIGKILLs it (its data stays, for `restart`).
