@@ -1099,3 +1099,24 @@ async fn a_cloned_registration_counts_as_a_holder() {
     e.deregister(&reg, Duration::from_millis(100)).await.unwrap();
     close_clean(&e).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookup_counts_published_chunks_as_a_stage_would_serve_them() {
+    let p = pair().await;
+    let (_src, cache) = contiguous_cache("prefill-kv", Some(9));
+    let src = p.prefill.register(cache).unwrap();
+    let (a, b, c) = (key("lookup/a"), key("lookup/b"), key("lookup/c"));
+    assert_eq!(p.decode.lookup(&p.addr, &[a, b], in_secs(5)).await.unwrap(), 0);
+    p.prefill.publish(a, &src, &[0], Duration::from_secs(30), false).unwrap();
+    p.prefill.publish(b, &src, &[1], Duration::from_secs(30), false).unwrap();
+    // The leading published keys count; a key after a gap does not.
+    assert_eq!(p.decode.lookup(&p.addr, &[a, b, c], in_secs(5)).await.unwrap(), 2);
+    assert_eq!(p.decode.lookup(&p.addr, &[c, a], in_secs(5)).await.unwrap(), 0);
+    // Put chunks (the store) still count when the first key is not published.
+    p.prefill.put(c, &pattern(3, 1000)).unwrap();
+    assert_eq!(p.decode.lookup(&p.addr, &[c], in_secs(5)).await.unwrap(), 1);
+    assert!(p.prefill.unpublish(&a));
+    assert_eq!(p.decode.lookup(&p.addr, &[a, b], in_secs(5)).await.unwrap(), 0);
+    close_clean(&p.decode).await;
+    close_clean(&p.prefill).await;
+}

@@ -648,6 +648,20 @@ impl Producer {
         Ok((lease_id, chunks, ttl.as_millis() as u32))
     }
 
+    /// How many leading `keys` this producer would serve: the leading published ones
+    /// when the first is published (what a stage would send), else those in the store.
+    fn lookup_hits(&self, keys: &[ChunkKey]) -> usize {
+        let published = {
+            let table = self.inner.published.lock();
+            keys.iter().take_while(|k| table.contains_key(*k)).count()
+        };
+        if published > 0 {
+            published
+        } else {
+            self.inner.store.lookup(keys)
+        }
+    }
+
     /// Stages the leading published keys: host publications with no copy (the lease
     /// holds them and sends from the cache), device publications of one cache gathered
     /// into staging pages. `None` when the first key is not published (the store
@@ -917,7 +931,7 @@ impl Producer {
         match msg {
             Message::Ping => conn.send(id, &Message::Pong).await,
             Message::Lookup { keys } => {
-                let hits = self.inner.store.lookup(&keys) as u32;
+                let hits = self.lookup_hits(&keys) as u32;
                 accounting::note_found(hits > 0);
                 conn.send(id, &Message::LookupReply { hits }).await
             }
