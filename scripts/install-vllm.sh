@@ -57,5 +57,5 @@ assert vllm.__version__ == VLLM_VERSION, (vllm.__version__, VLLM_VERSION)
 print(f"kvferry {kvferry.__version__} from {kvferry.__file__}, vllm {vllm.__version__}: KvferryConnector importable")
 ' 2>&1 | grep -v -e '^W[0-9]' -e 'FlashInfer' -e 'vllm._C')
 
-echo "== done in $(since "$t_all"); $(du -sh "$venv" | cut -f1) in $venv"
+echo "== done in $(since "$t_all"); $(du -sh "$(readlink -f "$venv")" | cut -f1) in $venv"
 echo "run: $venv/bin/python -m pytest $root/crates/kvferry-py/tests/vllm -q"

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Args;
 use kvferry::engine::Engine;
-use kvferry::metrics::sources::{client_connection_metrics, server_metrics};
+use kvferry::metrics::sources::{client_connection_metrics, directory_metrics, server_metrics};
 use kvferry::metrics::{HttpConfig, MetricsServer, Registry, Samples};
 
 use crate::cmd_peers::DirectoryArgs;
@@ -227,6 +227,13 @@ async fn serve_metrics(
         server_metrics(out, &e.server_stats());
         client_connection_metrics(out, &e.consumer().connection_stats());
     });
+    if let Some(dir) = engine.config().directory.clone() {
+        let state = dir.registration_state();
+        registry.register(move |out: &mut Samples| {
+            let reg = state.as_ref().map(|s| s.borrow().clone());
+            directory_metrics(out, &dir.live_peers(), reg.as_ref());
+        });
+    }
     let cfg = HttpConfig {
         bearer_token,
         ..HttpConfig::default()

@@ -28,6 +28,20 @@ impl Drop for Serve {
     }
 }
 
+impl Serve {
+    /// Kills `child` when the guard drops (also when the test fails).
+    fn guard(child: &mut Child) -> impl Drop + '_ {
+        struct Guard<'a>(&'a mut Child);
+        impl Drop for Guard<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        Guard(child)
+    }
+}
+
 fn spawn_serve(e: &etcd::Etcd, listen: &str, id: &str) -> Result<Serve, String> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args(["serve", "--listen", listen, "--model", "tiny", "--blocks", "256"])
@@ -302,4 +316,75 @@ fn peers_fails_clearly_when_etcd_is_unreachable() {
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let out = kvferry(&["peers"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+/// Scrapes `http://ADDR/metrics` (None while it does not answer).
+fn scrape(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+fn gauge(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Waits (at most `limit`) until the scrape shows `name` at `want`.
+fn wait_gauge(addr: &str, name: &str, want: f64, limit: Duration) {
+    let t = Instant::now();
+    loop {
+        let text = scrape(addr).unwrap_or_default();
+        if gauge(&text, name) == Some(want) {
+            return;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "{name} never became {want} within {limit:?}; last scrape:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn serve_exports_the_directory_view_and_flags_it_stale_while_etcd_is_down() {
+    let Some(mut e) = etcd::Etcd::start() else { return };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
+        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+        .args([
+            "--directory",
+            &e.url(),
+            "--namespace",
+            "cli-metrics",
+            "--directory-ttl",
+            "2s",
+        ])
+        .args(["--peer-id", "m0", "--metrics", &metrics])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvferry serve");
+    let _guard = Serve::guard(&mut child);
+    wait_gauge(&metrics, "kvferry_directory_peers", 1.0, Duration::from_secs(10));
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+    wait_gauge(&metrics, "kvferry_directory_stale", 0.0, Duration::from_secs(5));
+    // etcd down: the view is kept (1 peer) but flagged stale within the call deadline.
+    e.kill();
+    wait_gauge(&metrics, "kvferry_directory_stale", 1.0, Duration::from_secs(10));
+    wait_gauge(&metrics, "kvferry_directory_peers", 1.0, Duration::from_secs(1));
+    // etcd back: fresh again.
+    e.restart();
+    wait_gauge(&metrics, "kvferry_directory_stale", 0.0, Duration::from_secs(15));
 }

@@ -174,6 +174,8 @@ fn a_restarted_process_is_a_new_incarnation_and_gets_no_request_meant_for_the_ol
     assert!(c.get(&other.addr, "r-other", T).unwrap().unwrap() == pattern("r-other", len));
     assert_eq!(c.restarts_seen(&other.addr), 0);
     // Every request after the restart reached the new process (get, resolve, put, get).
-    let reqs = servers[0].metric_total("kvferry_requests_total").expect("requests metric");
+    let reqs = servers[0]
+        .metric_total("kvferry_requests_total")
+        .expect("requests metric");
     assert!(reqs >= 3.0, "the new process served {reqs} requests");
 }

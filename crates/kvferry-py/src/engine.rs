@@ -312,7 +312,8 @@ impl PyEngine {
         if let Some(url) = etcd {
             let ttl = required(directory_ttl, "directory_ttl")?;
             let wait = cfg.net.connect_timeout;
-            cfg.directory = Some(py.detach(|| runtime.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
+            cfg.directory =
+                Some(py.detach(|| runtime.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
         }
         let engine = py.detach(|| runtime.block_on(Engine::start(cfg))).map_err(py_err)?;
         Ok(PyEngine {
@@ -657,12 +658,7 @@ impl PyEngine {
     }
 
     /// Which live peers hold `keys`, best first: `[(peer_id, address, hits)]`.
-    fn locate(
-        &self,
-        py: Python<'_>,
-        keys: &Bound<'_, PyList>,
-        timeout: f64,
-    ) -> PyResult<Vec<(String, String, usize)>> {
+    fn locate(&self, py: Python<'_>, keys: &Bound<'_, PyList>, timeout: f64) -> PyResult<Vec<(String, String, usize)>> {
         let keys = Self::keys(keys)?;
         let t = required(timeout, "timeout")?;
         let e = &self.engine;

@@ -1107,8 +1107,12 @@ async fn lookup_counts_published_chunks_as_a_stage_would_serve_them() {
     let src = p.prefill.register(cache).unwrap();
     let (a, b, c) = (key("lookup/a"), key("lookup/b"), key("lookup/c"));
     assert_eq!(p.decode.lookup(&p.addr, &[a, b], in_secs(5)).await.unwrap(), 0);
-    p.prefill.publish(a, &src, &[0], Duration::from_secs(30), false).unwrap();
-    p.prefill.publish(b, &src, &[1], Duration::from_secs(30), false).unwrap();
+    p.prefill
+        .publish(a, &src, &[0], Duration::from_secs(30), false)
+        .unwrap();
+    p.prefill
+        .publish(b, &src, &[1], Duration::from_secs(30), false)
+        .unwrap();
     // The leading published keys count; a key after a gap does not.
     assert_eq!(p.decode.lookup(&p.addr, &[a, b, c], in_secs(5)).await.unwrap(), 2);
     assert_eq!(p.decode.lookup(&p.addr, &[c, a], in_secs(5)).await.unwrap(), 0);

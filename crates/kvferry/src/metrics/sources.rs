@@ -10,6 +10,7 @@
 use super::{MetricsSource, Samples};
 use crate::cluster::{Leader, StepOutcomeCounts};
 use crate::copy::CopyStats;
+use crate::directory::{LivePeers, RegistrationState};
 use crate::mem::{ArenaStats, BackingKind};
 use crate::net::{PoolStats, ServerStats};
 use crate::peer::{Consumer, ConsumerStats, Producer, ProducerStats};
@@ -318,6 +319,32 @@ pub fn step_outcome_metrics(out: &mut Samples, ranks: &[StepOutcomeCounts]) {
                 v,
             );
         }
+    }
+}
+
+/// Renders the peer directory as this process sees it: live peers, whether that view
+/// is stale (the backend could not confirm it lately: the last one known is in use),
+/// and whether this process is registered (`None`: it does not register).
+pub fn directory_metrics(out: &mut Samples, live: &LivePeers, registration: Option<&RegistrationState>) {
+    out.gauge(
+        "kvferry_directory_peers",
+        "Live peers in this process's directory view (itself included when registered).",
+        &[],
+        live.peers.len() as u64,
+    );
+    out.gauge(
+        "kvferry_directory_stale",
+        "1 while the directory backend (etcd) cannot confirm the view: lookups use the last one known.",
+        &[],
+        live.stale as u64,
+    );
+    if let Some(state) = registration {
+        out.gauge(
+            "kvferry_directory_registered",
+            "1 while this process is registered in the directory; 0 while its registration is lost or absent.",
+            &[],
+            matches!(state, RegistrationState::Registered(_)) as u64,
+        );
     }
 }
 
