@@ -44,10 +44,10 @@ else
     echo "up to date ($(since "$t"))"
 fi
 
-echo "== kvferry (maturin develop --release --features etcd, as scripts/test.sh builds it)"
+echo "== kvferry (maturin develop --release --features etcd,cuda, as scripts/test.sh builds it)"
 t=$(now)
 "$root/scripts/install-directory-deps.sh"
-(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q --release --features etcd)
+(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q --release --features etcd,cuda)
 echo "built in $(since "$t")"
 
 echo "== check"

@@ -32,8 +32,8 @@ echo "== etcd and protoc (the etcd peer directory's build and tests)"
 echo "== rust tests"
 cargo test --workspace $profile_flag "$@"
 
-echo "== python package (maturin develop $profile_flag --features etcd)"
-(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag --features etcd)
+echo "== python package (maturin develop $profile_flag --features etcd,cuda)"
+(cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag --features etcd,cuda)
 
 echo "== python tests"
 # shellcheck disable=SC2086
