@@ -79,6 +79,7 @@ const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamWaitEvent",
+    "cuStreamSynchronize",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
@@ -731,7 +732,13 @@ impl BufferBackend for CudaBuffer {
         // SAFETY: the range is inside the buffer's memory (ours, or external memory its
         // owner keeps alive); `data` is valid for its length.
         let r = unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, data.as_ptr() as *const c_void, data.len()) };
-        check(r, "cuMemcpyHtoD")
+        check(r, "cuMemcpyHtoD")?;
+        // From pageable memory the call may return before the DMA into the device has
+        // finished, and our copy streams do not synchronise with the legacy stream it
+        // ran on: wait for it, so the bytes are there for whatever is submitted next.
+        // SAFETY: the context is current; the null handle is its legacy default stream.
+        let r = unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) };
+        check(r, "cuStreamSynchronize")
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), DeviceError> {
