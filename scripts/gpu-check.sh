@@ -4,6 +4,9 @@
 # compared), the device benchmark (pinned D2H/H2D GB/s beside the plain host-memory
 # copy), and the end-to-end GB/s. Needs only the Rust toolchain and the NVIDIA driver
 # (the CUDA backend loads libcuda dynamically; no toolkit). Takes well under 8 minutes.
+# The Python CUDA tests (crates/kvferry-py/tests/test_cuda.py) also need CPython with
+# torch (CUDA) — $KVFERRY_GPU_PYTHON or python3, whose packages a venv under
+# target/gpu-check-venv sees — and say why they skip without it.
 #
 #   scripts/gpu-check.sh            # results also go to $OUT (default: target/gpu-check)
 set -euo pipefail
@@ -23,5 +26,15 @@ start=$(date +%s)
     ./target/release/kvferry bench device --json > "$out/bench-device.json"
     echo "== end-to-end host benchmark on this machine (direct path)"
     ./target/release/kvferry bench --bytes 4GiB --json > "$out/bench-direct.json"
+    echo "== python CUDA tests (torch CUDA tensors through Engine(device='cuda:0'))"
+    py=${KVFERRY_GPU_PYTHON:-python3}
+    venv=$PWD/target/gpu-check-venv
+    if "$py" -m venv --system-site-packages "$venv" &&
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" pytest numpy; then
+        (cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q --release --features cuda)
+        "$venv/bin/python" -m pytest crates/kvferry-py/tests/test_cuda.py -q -rs
+    else
+        echo "skipped: no Python environment with maturin, pytest and numpy (offline?)"
+    fi
     echo "== done in $(( $(date +%s) - start )) s"
 } 2>&1 | tee "$out/gpu-check.log"

@@ -2,8 +2,10 @@
 //! on which the engine's server and transfers run; every call that waits or copies
 //! releases the GIL.
 //!
-//! Regions are host memory (registered with the engine) or, on a `device="sim"`
-//! engine, device memory ([`DeviceKvCache`]): published device blocks go out through
+//! Regions are host memory (registered with the engine) or, on a `device="sim"` or
+//! `"cuda:N"` engine, device memory ([`DeviceKvCache`]; on CUDA also memory wrapped
+//! from a torch tensor, a `__dlpack__` object or a raw pointer, kept alive by its
+//! Python object): published device blocks go out through
 //! a device-to-host gather, received ones land through a host-to-device scatter, both
 //! bounded by the engine's device timeout. Gets may name the producer incarnation
 //! they expect (a restarted peer is refused before anything is staged), and
@@ -84,6 +86,11 @@ pub fn byte_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>>
         return Err(ErrInfo::invalid(format!("{what}: buffer is not C-contiguous")).into());
     }
     Ok(buf)
+}
+
+/// The kind of memory an engine's `DeviceMemory` holds (`"sim"`, `"cuda"`).
+fn buf_kind(device: Option<&EngineDevice>) -> String {
+    device.map_or_else(|| "host".to_string(), |d| d.device.kind().to_string())
 }
 
 /// Registered Python memory: the buffer (holding its exporter) keeps it alive.
@@ -181,10 +188,20 @@ impl PyEngine {
         Ok(dst.with_incarnation(incarnation))
     }
 
-    fn sim(&self) -> PyResult<&EngineDevice> {
-        self.device
-            .as_ref()
-            .ok_or_else(|| ErrInfo::invalid("this engine has no device (create it with Engine(device='sim'))").into())
+    fn dev(&self) -> PyResult<&EngineDevice> {
+        self.device.as_ref().ok_or_else(|| {
+            ErrInfo::invalid("this engine has no device (create it with Engine(device='sim') or device='cuda:N')")
+                .into()
+        })
+    }
+
+    fn device_memory(&self, buf: kvferry::device::DeviceBuffer, shape: Option<Vec<usize>>) -> PyDeviceMemory {
+        PyDeviceMemory {
+            kind: buf_kind(self.device.as_ref()),
+            buf,
+            engine_id: self.id,
+            shape,
+        }
     }
 
     fn keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<ChunkKey>> {
@@ -305,6 +322,9 @@ impl PyEngine {
             required(device_timeout, "device_timeout")?,
             handle.clone(),
         )?;
+        if let (Some(d), true) = (&device, pinned) {
+            cfg.staging = d.staging(arena_bytes, page_size)?;
+        }
         cfg.role = role
             .parse()
             .map_err(|e: String| ErrInfo::invalid(format!("role: {e}")))?;
@@ -709,7 +729,7 @@ impl PyEngine {
         self.runtime.lock().is_none()
     }
 
-    /// The engine's device kind: `"host"` (none) or `"sim"`.
+    /// The engine's device kind: `"host"` (none), `"sim"` or `"cuda"`.
     #[getter]
     fn device(&self) -> String {
         self.device
@@ -720,17 +740,81 @@ impl PyEngine {
     /// Allocates `nbytes` of device memory (zeroed) on the engine's device.
     #[pyo3(signature = (nbytes, shape=None))]
     fn alloc_device(&self, nbytes: usize, shape: Option<Vec<usize>>) -> PyResult<PyDeviceMemory> {
-        let dev = self.sim()?;
+        let dev = self.dev()?;
         if nbytes == 0 {
             return Err(ErrInfo::invalid("nbytes must be positive").into());
         }
         let buf = dev.device.alloc(nbytes).map_err(|e| PyErr::from(dev_err(&e)))?;
-        Ok(PyDeviceMemory {
-            buf,
-            engine_id: self.id,
-            kind: dev.device.kind().to_string(),
-            shape,
-        })
+        Ok(self.device_memory(buf, shape))
+    }
+
+    /// Wraps the device memory of a `__dlpack__` object (a torch CUDA tensor) on a
+    /// CUDA engine as `DeviceMemory`, without copying: the tensor must be C-contiguous
+    /// and on this engine's GPU. The memory holds `obj` (and its DLPack capsule) until
+    /// it and every transfer touching it are gone.
+    fn wrap_dlpack(&self, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<PyDeviceMemory> {
+        let dev = self.dev()?;
+        let Some(ordinal) = dev.cuda_ordinal() else {
+            return Err(ErrInfo::invalid(format!(
+                "{name}: wrapping a device tensor needs a CUDA engine (Engine(device='cuda:N')), not {:?}",
+                dev.spec()
+            ))
+            .into());
+        };
+        let t = crate::dlpack::read(obj, name)?;
+        if t.device_type != crate::dlpack::KDL_CUDA {
+            return Err(ErrInfo::invalid(format!(
+                "{name}: the tensor is on DLPack device type {}, not CUDA device memory (type {})",
+                t.device_type,
+                crate::dlpack::KDL_CUDA
+            ))
+            .into());
+        }
+        if usize::try_from(t.device_id).ok() != Some(ordinal) {
+            return Err(ErrInfo::invalid(format!(
+                "{name}: the tensor is on cuda:{}, this engine uses cuda:{ordinal}",
+                t.device_id
+            ))
+            .into());
+        }
+        // SAFETY: the DLPack exporter keeps the tensor's memory alive until the capsule's
+        // deleter runs, which happens only when the capsule (held by `owner`) is
+        // collected; the buffer holds `owner` until no operation targets it.
+        let buf = unsafe { dev.wrap(t.ptr, t.nbytes, t.owner) }?;
+        Ok(self.device_memory(buf, Some(t.shape)))
+    }
+
+    /// Wraps raw device memory (`ptr`, `nbytes` on `device`, `"cuda:N"`) on a CUDA
+    /// engine as `DeviceMemory`; `owner` (any object) is kept alive with it. The caller
+    /// guarantees the memory stays allocated while `owner` lives; the driver confirms it
+    /// is device memory of this engine's GPU.
+    #[pyo3(signature = (name, ptr, nbytes, device, owner=None))]
+    fn wrap_device_ptr(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        ptr: u64,
+        nbytes: usize,
+        device: &str,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<PyDeviceMemory> {
+        let dev = self.dev()?;
+        let ordinal = crate::device::cuda_ordinal(device)?;
+        if dev.cuda_ordinal() != Some(ordinal) {
+            return Err(ErrInfo::invalid(format!(
+                "{name}: memory on {device:?}, but this engine's device is {:?}",
+                dev.spec()
+            ))
+            .into());
+        }
+        if ptr == 0 || nbytes == 0 {
+            return Err(ErrInfo::invalid(format!("{name}: ptr and nbytes must be non-zero")).into());
+        }
+        let owner = owner.unwrap_or_else(|| py.None());
+        // SAFETY: the caller of this documented entry point promises the memory stays
+        // allocated while `owner` lives; the buffer holds `owner`.
+        let buf = unsafe { dev.wrap(ptr, nbytes, owner) }?;
+        Ok(self.device_memory(buf, None))
     }
 
     /// Registers device memory `parts` — `[(DeviceMemory, [(offset, stride, length),
@@ -744,7 +828,7 @@ impl PyEngine {
         parts: Vec<(Bound<'_, PyDeviceMemory>, Vec<(usize, usize, usize)>)>,
         blocks: u32,
     ) -> PyResult<PyRegion> {
-        let dev = self.sim()?;
+        let dev = self.dev()?;
         if parts.is_empty() {
             return Err(ErrInfo::invalid("nothing to register").into());
         }
@@ -825,28 +909,22 @@ impl PyEngine {
     /// `stall`, `slow:N`) for the `next`, `every` or N-th device operation.
     #[pyo3(signature = (fault, trigger="next"))]
     fn _inject_device_fault(&self, fault: &str, trigger: &str) -> PyResult<()> {
-        Ok(self.sim()?.inject(fault, trigger)?)
+        Ok(self.dev()?.inject(fault, trigger)?)
     }
 
     /// Test hook (not API): disarms sim faults and lets stuck operations complete.
     fn _release_device(&self) -> PyResult<()> {
-        let d = self.sim()?;
-        d.sim.clear_faults();
-        d.sim.release_stuck();
+        let sim = self.dev()?.sim()?;
+        sim.clear_faults();
+        sim.release_stuck();
         Ok(())
     }
 
-    /// The sim device's counters as JSON (`{}` without a device).
+    /// The device's counters as JSON (`{}` without a device): kind, operations,
+    /// stuck and memory_used on a sim engine; kind, device and name on a CUDA one.
     fn device_stats_json(&self) -> String {
-        match &self.device {
-            None => "{}".to_string(),
-            Some(d) => format!(
-                "{{\"kind\": \"{}\", \"operations\": {}, \"stuck\": {}, \"memory_used\": {}}}",
-                d.device.kind(),
-                d.sim.operations(),
-                d.sim.stuck(),
-                d.sim.memory_used()
-            ),
-        }
+        self.device
+            .as_ref()
+            .map_or_else(|| "{}".to_string(), EngineDevice::stats_json)
     }
 }

@@ -8,6 +8,7 @@
 
 mod device;
 mod directory;
+mod dlpack;
 mod engine;
 mod errors;
 mod region;
@@ -44,7 +45,9 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<device::PyDeviceMemory>()?;
     m.add_function(wrap_pyfunction!(key_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(dlpack::dlpack_info, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ETCD", directory::HAS_ETCD)?;
+    m.add("HAS_CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

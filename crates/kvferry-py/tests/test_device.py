@@ -1,6 +1,7 @@
 """Device engines (``Engine(device="sim")``): KV in simulated device memory, published
 by a device-to-host gather and received by a host-to-device scatter, with the sim
-backend's faults; release_remote; and a CUDA check that runs where torch sees a GPU."""
+backend's faults; release_remote; and a CUDA check that runs where torch sees a GPU
+(the CUDA engine itself is tested in test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -174,6 +175,11 @@ def test_cuda_engine():
         pytest.skip("no CUDA GPU: torch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU: torch.cuda.is_available() is False")
-    # This build has no CUDA device support: the engine says so clearly.
-    with pytest.raises(kvferry.InvalidArgumentError, match="cuda"):
-        kvferry.Engine(device="cuda:0")
+    # A build without the cuda feature says so clearly; one with it opens the GPU
+    # (test_cuda.py moves bytes through it).
+    if not kvferry.HAS_CUDA:
+        with pytest.raises(kvferry.InvalidArgumentError, match="cuda"):
+            kvferry.Engine(device="cuda:0")
+        return
+    with kvferry.Engine(device="cuda:0") as eng:
+        assert eng.stats()["device"]["kind"] == "cuda"

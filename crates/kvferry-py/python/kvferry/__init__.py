@@ -11,7 +11,7 @@ never leaks, never hangs.
 
 from . import errors
 from ._engine import DeviceMemory, Engine, Region, Transfer
-from ._kvferry import HAS_ETCD, Staged, __version__, key_bytes
+from ._kvferry import HAS_CUDA, HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
     AuthError,
     BusyError,
@@ -53,4 +53,5 @@ __all__ = [
     "DeviceError",
     "__version__",
     "HAS_ETCD",
+    "HAS_CUDA",
 ]

@@ -8,7 +8,7 @@ from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, Union
 
 from . import _kvferry
-from ._memory import byte_view, check_raw, is_raw, layer_spans
+from ._memory import byte_view, check_raw, detached, is_cuda_name, is_cuda_tensor, is_raw, layer_spans
 from .errors import InvalidArgumentError
 
 Key = Union[str, bytes]
@@ -131,14 +131,21 @@ class Engine:
         listen: ``"host:port"`` to serve on, or None for a client-only engine.
         secret: shared secret (str or bytes) peers must prove; None for no auth.
         arena_bytes: size of the pinned host staging arena.
-        device: ``"host"`` (host memory only) or ``"sim"``: a simulated accelerator
-            (per-copy latency ``device_latency_us``, fault injection for tests) whose
-            memory :meth:`alloc_device` hands out and :meth:`register_kv_cache`
-            registers; published device blocks are gathered into staging pages
-            (device-to-host) when a peer asks, received ones scattered from staging
-            pages (host-to-device), each copy bounded by ``device_timeout``. A sim
-            engine registers host buffers too. ``"cuda:N"`` is not supported by this
-            build and raises ``InvalidArgumentError``.
+        device: ``"host"`` (host memory only), ``"sim"``: a simulated accelerator
+            (per-copy latency ``device_latency_us``, fault injection for tests), or
+            ``"cuda:N"``: GPU N (a build with the ``cuda`` feature, ``kvferry.HAS_CUDA``;
+            without a CUDA driver or GPU the constructor raises ``DeviceError``, in a
+            build without the feature ``InvalidArgumentError``). Device memory comes from
+            :meth:`alloc_device` or, on a cuda engine, from your own tensors: torch CUDA
+            tensors, any ``__dlpack__`` object in CUDA memory, or raw
+            ``(ptr, nbytes, "cuda:N")`` tuples, registered without copying by
+            :meth:`register_kv_cache` / :meth:`register_kv_caches`. Published device
+            blocks are gathered into staging pages (device-to-host, on kvferry's own
+            stream) when a peer asks, received ones scattered from staging pages
+            (host-to-device), each copy bounded by ``device_timeout``; finish your own
+            writes to published blocks (e.g. ``torch.cuda.synchronize()``) before
+            :meth:`publish`. A cuda engine's staging arena is CUDA pinned host memory
+            (with ``pinned``). Device engines register host buffers too.
         peer_id: this engine's stable name (default: ``kvferry-<pid>-<random>``).
         page_size: staging page size.
         copy_threads: copy threads (default: the available cores).
@@ -197,10 +204,11 @@ class Engine:
         role: str = "both",
         advertise: str | None = None,
     ) -> None:
-        if device not in ("host", "sim"):
+        device = str(device)  # also a torch.device
+        if device not in ("host", "sim") and not is_cuda_name(device):
             raise InvalidArgumentError(
-                f"device {device!r} is not supported by this build: 'host' (host memory) "
-                "or 'sim' (a simulated accelerator)"
+                f"device {device!r} is not supported: 'host' (host memory), 'sim' (a "
+                "simulated accelerator) or 'cuda:N' (GPU N)"
             )
         if isinstance(secret, str):
             secret = secret.encode()
@@ -240,6 +248,7 @@ class Engine:
             advertise,
         )
         self.device = device
+        self._cuda = is_cuda_name(device)
 
     # -- identity and lifecycle ---------------------------------------------------
 
@@ -260,8 +269,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Every counter: ``arena``, ``producer``, ``consumer``, ``store``, ``copy``,
-        ``server``, ``registered``, and ``device`` (kind, operations, stuck,
-        memory_used) on a sim engine."""
+        ``server``, ``registered``, and ``device``: kind, operations, stuck,
+        memory_used on a sim engine; kind, device, name on a cuda engine."""
         stats: dict[str, Any] = json.loads(self._e.stats_json())
         device = json.loads(self._e.device_stats_json())
         if device:
@@ -291,8 +300,9 @@ class Engine:
     # -- memory ----------------------------------------------------------------
 
     def alloc_device(self, nbytes: int, shape: Sequence[int] | None = None) -> DeviceMemory:
-        """Allocates ``nbytes`` of (zeroed) device memory on a ``device="sim"``
-        engine. ``shape`` (optional, e.g. ``[2, num_blocks, ...]``) is how
+        """Allocates ``nbytes`` of device memory on a ``device="sim"`` engine (zeroed)
+        or a ``"cuda:N"`` one (``cuMemAlloc``, not initialised, like ``torch.empty``).
+        ``shape`` (optional, e.g. ``[2, num_blocks, ...]``) is how
         :meth:`register_kv_caches` reads its blocks. The memory is not addressable from
         Python: ``write(data, offset)`` and ``read(offset, n)`` copy synchronously."""
         if not isinstance(nbytes, int) or nbytes <= 0:
@@ -300,15 +310,43 @@ class Engine:
         dims = None if shape is None else [int(d) for d in shape]
         return self._e.alloc_device(nbytes, dims)
 
+    def _as_device(self, obj: Any, what: str) -> DeviceMemory | None:
+        """``obj`` as device memory of this engine, or None for host memory: a
+        :class:`DeviceMemory`, or on a cuda engine a CUDA ``__dlpack__`` object (torch
+        CUDA tensor) or a raw ``(ptr, nbytes, "cuda:N")`` tuple, wrapped without copying.
+        A CUDA tensor on a host or sim engine is refused."""
+        if isinstance(obj, DeviceMemory):
+            return obj
+        if self._cuda and is_raw(obj) and is_cuda_name(obj[2]):
+            ptr, nbytes, dev = obj
+            if not isinstance(nbytes, int) or nbytes <= 0:
+                raise InvalidArgumentError(f"{what}: nbytes must be a positive int, got {nbytes!r}")
+            if ptr <= 0 or ptr >= 1 << 64:
+                raise InvalidArgumentError(f"{what}: ptr must be a non-null device address, got {ptr!r}")
+            return self._e.wrap_device_ptr(what, ptr, nbytes, str(dev), None)
+        if is_cuda_tensor(obj):
+            if not self._cuda:
+                raise InvalidArgumentError(
+                    f"{what}: {type(obj).__name__} lives in CUDA device memory; register it on an "
+                    f"Engine(device='cuda:N') (this engine's device is {self.device!r})"
+                )
+            return self._e.wrap_dlpack(what, detached(obj))
+        return None
+
     def register_kv_cache(self, obj: Any, block_bytes: int, *, name: str = "kv") -> Region:
         """Registers one buffer of consecutive blocks of ``block_bytes`` each (a numpy
         array, bytearray, memoryview, mmap, torch CPU tensor, any ``__dlpack__``
-        object, a raw ``(ptr, nbytes, "cpu")`` tuple, or :class:`DeviceMemory` of a
-        sim engine). The engine keeps the object alive until it is deregistered and
-        every transfer touching it has drained."""
+        object, a raw ``(ptr, nbytes, "cpu")`` tuple, or device memory: a
+        :class:`DeviceMemory`, and on a ``"cuda:N"`` engine a torch CUDA tensor, a
+        ``__dlpack__`` object in CUDA memory of that GPU (C-contiguous) or a raw
+        ``(ptr, nbytes, "cuda:N")`` tuple). The engine keeps the object alive until it
+        is deregistered and every transfer touching it has drained (a raw tuple has no
+        object: keep its memory alive yourself until then)."""
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
-        if isinstance(obj, DeviceMemory):
+        dev = self._as_device(obj, name)
+        if dev is not None:
+            obj = dev
             if obj.nbytes % block_bytes:
                 raise InvalidArgumentError(
                     f"{name}: device memory of {obj.nbytes} bytes is not a whole number of {block_bytes}-byte blocks"
@@ -332,11 +370,11 @@ class Engine:
         where a tensor is ``[2, num_blocks, ...]`` (else ``[num_blocks, ...]``)."""
         if not caches:
             raise InvalidArgumentError("no caches to register")
-        devs = [isinstance(t, DeviceMemory) for t in caches.values()]
-        if any(devs):
-            if not all(devs):
+        devs = {layer: self._as_device(t, f"{name}[{layer}]") for layer, t in caches.items()}
+        if any(d is not None for d in devs.values()):
+            if not all(d is not None for d in devs.values()):
                 raise InvalidArgumentError(f"{name}: device memory and host buffers cannot form one region")
-            return self._register_device_layers(caches, num_blocks, name)
+            return self._register_device_layers(devs, num_blocks, name)
         parts = []
         blocks = num_blocks
         for layer, t in caches.items():
@@ -365,7 +403,11 @@ class Engine:
         return self._e.register_device(name, dparts, blocks)
 
     def register(self, obj: Any, *, name: str = "buffer") -> Region:
-        """Registers a plain buffer as a region of one block."""
+        """Registers a plain buffer (or device memory, as :meth:`register_kv_cache`
+        takes it) as a region of one block."""
+        dev = self._as_device(obj, name)
+        if dev is not None:
+            return self._e.register_device(name, [(dev, [(0, dev.nbytes, dev.nbytes)])], 1)
         mv = byte_view(obj, name)
         return self._e.register_spans(name, [(mv, [(0, mv.nbytes, mv.nbytes)])], 1)
 

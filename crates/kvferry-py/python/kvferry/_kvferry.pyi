@@ -18,12 +18,15 @@ from typing_extensions import Buffer
 _Key = str | bytes
 _Span = tuple[int, int, int]  # (offset, stride, length) in bytes
 
-__all__ = ["Engine", "Region", "Transfer", "Staged", "DeviceMemory", "key_bytes", "__version__", "HAS_ETCD"]
+__all__ = ["Engine", "Region", "Transfer", "Staged", "DeviceMemory", "key_bytes", "__version__", "HAS_ETCD", "HAS_CUDA"]
 
 __version__: str
 """The crate's version (``CARGO_PKG_VERSION``)."""
 HAS_ETCD: bool
 """Whether this build can use an etcd peer directory (cargo feature ``etcd``)."""
+HAS_CUDA: bool
+"""Whether this build can open ``Engine(device="cuda:N")`` (cargo feature ``cuda``; the
+driver is loaded at run time, so a machine without a GPU still refuses to open one)."""
 
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
@@ -31,6 +34,12 @@ def key_bytes(key: _Key) -> bytes:
 def crc32c(data: Buffer) -> int:
     """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
     released while it runs."""
+
+def dlpack_info(obj: object) -> tuple[int, int, int, int, list[int]]:
+    """Test hook (not API): ``(ptr, nbytes, device_type, device_id, shape)`` of what
+    ``obj.__dlpack__()`` exports (``ptr`` includes ``byte_offset``). Raises
+    ``InvalidArgumentError`` for a tensor that is not C-contiguous, is empty, or has
+    elements that are not whole bytes."""
 
 @final
 class Region:
@@ -54,14 +63,16 @@ class Region:
         """True when the memory is read-only (publishable, not a destination)."""
     @property
     def device(self) -> str:
-        """Where the memory lives: ``"host"``, or the device kind (``"sim"``)."""
+        """Where the memory lives: ``"host"``, or the device kind (``"sim"``, ``"cuda"``)."""
     @property
     def users(self) -> int:
         """Transfers and publications holding the region right now."""
 
 @final
 class DeviceMemory:
-    """Device memory from ``Engine.alloc_device`` (a sim engine). Not addressable from
+    """Device memory from ``Engine.alloc_device`` (a sim or cuda engine), or wrapped
+    by ``Engine.wrap_dlpack`` / ``wrap_device_ptr`` (a cuda engine; it holds the wrapped
+    object until it and every transfer touching it are gone). Not addressable from
     Python: ``write`` and ``read`` copy synchronously, outside stream order. Not
     constructible from Python."""
 
@@ -70,10 +81,10 @@ class DeviceMemory:
         """Size in bytes."""
     @property
     def device(self) -> str:
-        """The device kind (``"sim"``)."""
+        """The device kind (``"sim"`` or ``"cuda"``)."""
     @property
     def shape(self) -> list[int] | None:
-        """The shape given at allocation, or None."""
+        """The shape given at allocation or exported by the wrapped tensor, or None."""
     def write(self, data: Buffer, offset: int = 0) -> None:
         """Copies ``data`` (a C-contiguous buffer) to ``offset``."""
     def read(self, offset: int = 0, n: int | None = None) -> bytes:
@@ -154,12 +165,24 @@ class Engine:
         advertise: str | None = None,
     ) -> Engine:
         """Starts an engine (listening on ``listen``, or client-only for None);
-        ``device`` is ``"host"`` or ``"sim"`` (a simulated accelerator)."""
+        ``device`` is ``"host"``, ``"sim"`` (a simulated accelerator) or ``"cuda"`` /
+        ``"cuda:N"`` (GPU N; ``DeviceError`` without a driver or GPU,
+        ``InvalidArgumentError`` in a build without the ``cuda`` feature)."""
     @property
     def device(self) -> str:
-        """The engine's device kind: ``"host"`` or ``"sim"``."""
+        """The engine's device kind: ``"host"``, ``"sim"`` or ``"cuda"``."""
     def alloc_device(self, nbytes: int, shape: Sequence[int] | None = None) -> DeviceMemory:
-        """Allocates ``nbytes`` of zeroed device memory (a sim engine only)."""
+        """Allocates ``nbytes`` of device memory: zeroed on a sim engine, not
+        initialised on a cuda engine."""
+    def wrap_dlpack(self, name: str, obj: object) -> DeviceMemory:
+        """Wraps the CUDA memory a ``__dlpack__`` object exports (a torch CUDA tensor;
+        C-contiguous, on this engine's GPU), without copying; holds ``obj`` and its
+        capsule. A cuda engine only."""
+    def wrap_device_ptr(self, name: str, ptr: int, nbytes: int, device: str, owner: object | None = None) -> DeviceMemory:
+        """Wraps raw device memory (``ptr``, ``nbytes`` on ``device``, ``"cuda:N"``),
+        which the driver must confirm is memory of this engine's GPU; ``owner`` is kept
+        alive with it, and the caller guarantees the memory lives as long. A cuda
+        engine only."""
     def register_device(self, name: str, parts: Sequence[tuple[DeviceMemory, Sequence[_Span]]], blocks: int) -> Region:
         """Registers device memory ``parts`` (each with its spans) as one KV cache of
         ``blocks`` blocks; published blocks are gathered device-to-host into staging
@@ -169,7 +192,7 @@ class Engine:
         ``once`` publications are released now. Misses are retried for ``retry_miss``
         seconds. Returns at once; the result is the number of keys released."""
     def device_stats_json(self) -> str:
-        """The sim device's counters as a JSON object (``{}`` without a device)."""
+        """The device's counters as a JSON object (``{}`` without a device)."""
     def _inject_device_fault(self, fault: str, trigger: str = "next") -> None:
         """Test hook (not API): arms a sim fault (``never_complete``, ``fail_copy``,
         ``stall``, ``slow:N``) for the ``next``, ``every`` or N-th device operation."""

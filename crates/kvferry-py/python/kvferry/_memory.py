@@ -1,6 +1,6 @@
 """Turning Python objects into registrable memory: buffer-protocol objects (numpy,
-bytearray, memoryview, mmap), ``__dlpack__`` objects (torch CPU tensors, numpy), and
-raw ``(ptr, nbytes, device)`` tuples."""
+bytearray, memoryview, mmap), ``__dlpack__`` objects (torch CPU tensors, numpy; CUDA
+tensors on a cuda engine), and raw ``(ptr, nbytes, device)`` tuples."""
 
 from __future__ import annotations
 
@@ -10,16 +10,49 @@ from .errors import InvalidArgumentError
 
 _HOST_DEVICES = ("cpu", "host")
 
+KDL_CPU = 1
+KDL_CUDA = 2
+
+
+def dlpack_device(obj: Any) -> tuple[int, int] | None:
+    """``(device_type, device_id)`` of a ``__dlpack__`` object, else None."""
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None or not hasattr(obj, "__dlpack__"):
+        return None
+    kind, ordinal = dev()
+    return int(kind), int(ordinal)
+
+
+def is_cuda_tensor(obj: Any) -> bool:
+    """True for a ``__dlpack__`` object in CUDA device memory (a torch CUDA tensor)."""
+    dev = dlpack_device(obj)
+    return dev is not None and dev[0] == KDL_CUDA
+
+
+def detached(obj: Any) -> Any:
+    """``obj.detach()`` for torch tensors (DLPack refuses tensors that require grad)."""
+    detach = getattr(obj, "detach", None)
+    return detach() if callable(detach) else obj
+
+
+def is_cuda_name(device: Any) -> bool:
+    """True for a device named ``"cuda"`` or ``"cuda:N"`` (or a torch.device of CUDA)."""
+    return str(device).startswith("cuda")
+
 
 def _from_dlpack(obj: Any, what: str) -> Any:
     """A buffer-protocol view of a ``__dlpack__`` object living in host memory."""
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None:
-        kind, _ = dev()
-        if int(kind) != 1:  # kDLCPU
+        kind, ordinal = dev()
+        if int(kind) == KDL_CUDA:
             raise InvalidArgumentError(
-                f"{what}: tensor lives on device type {int(kind)}, not host memory; "
-                "this engine was built for host memory (device='host')"
+                f"{what}: tensor lives in CUDA device memory (cuda:{int(ordinal)}), not host memory; "
+                "register it on an Engine(device='cuda:N')"
+            )
+        if int(kind) != KDL_CPU:
+            raise InvalidArgumentError(
+                f"{what}: tensor lives on DLPack device type {int(kind)}, not host memory"
             )
     numpy_view = getattr(obj, "numpy", None)
     if callable(numpy_view):  # torch: shares the tensor's storage
@@ -68,9 +101,8 @@ def check_raw(obj: tuple[Any, ...], what: str) -> tuple[int, int]:
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise InvalidArgumentError(f"{what}: nbytes must be a positive int, got {nbytes!r}")
     if str(device) not in _HOST_DEVICES:
-        raise InvalidArgumentError(
-            f"{what}: memory on device {device!r}; this engine was built for host memory (device='host')"
-        )
+        hint = "register it on an Engine(device='cuda:N')" if is_cuda_name(device) else "expected 'cpu'"
+        raise InvalidArgumentError(f"{what}: memory on device {device!r} is not host memory; {hint}")
     if ptr == 0:
         raise InvalidArgumentError(f"{what}: ptr must not be null")
     return ptr, nbytes

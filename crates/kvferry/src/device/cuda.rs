@@ -25,6 +25,15 @@
 //!   same context to run first.
 //! - An error from `cuEventQuery` (a sticky context error) settles the event as
 //!   [`EventStatus::Faulted`]: its memory stays quarantined.
+//! - Device memory is ours (`Device::alloc`: `cuMemAlloc`, freed on the reaper thread
+//!   when the last holder drops it) or **external** ([`CudaDevice::wrap_external`]:
+//!   memory another library allocated, e.g. a torch tensor). External memory is never
+//!   freed here: the buffer holds an `owner` that keeps it alive, and dropping the
+//!   buffer (after every operation that targets it has settled) drops the owner.
+//!   Wrapping checks with the driver that every byte of the range is device memory of
+//!   this device (`cuPointerGetAttribute`, `cuMemGetAddressRange`) and refuses anything
+//!   else (host memory, another GPU, another context) with
+//!   [`DeviceError::InvalidArgument`].
 //! - Pinned host memory for an arena comes from `cuMemHostAlloc` with
 //!   `CU_MEMHOSTALLOC_PORTABLE` and **without** write-combining (the CPU reads these
 //!   pages back for checksums and socket writes): [`cuda_pinned_backing`],
@@ -70,11 +79,14 @@ const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamWaitEvent",
+    "cuStreamSynchronize",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
     "cuEventDestroy_v2",
     "cuLaunchHostFunc",
+    "cuPointerGetAttribute",
+    "cuMemGetAddressRange_v2",
 ];
 
 const POLL_MIN: Duration = Duration::from_micros(20);
@@ -480,6 +492,139 @@ impl CudaDevice {
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
+
+    /// Wraps `len` bytes of device memory at `ptr` that someone else allocated (a
+    /// torch tensor, another engine's pool) as a buffer of this device. `owner` keeps
+    /// the memory alive: it is dropped when the buffer and every operation that
+    /// targets it are gone; the memory itself is never freed here.
+    ///
+    /// The driver must confirm that every byte of `ptr..ptr+len` is device memory
+    /// (not host, pinned or array memory) of this GPU, allocated in its primary context
+    /// (or context-free, as virtual-memory-management and pool allocations are);
+    /// otherwise [`DeviceError::InvalidArgument`] names what is wrong. Zero length or a
+    /// null pointer is refused the same way.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay allocated (not freed, not unmapped) for as long as `owner`
+    /// lives, and nobody else may free it while operations of this device target it.
+    /// The driver check proves the range is mapped device memory now, not who owns it.
+    pub unsafe fn wrap_external(
+        &self,
+        ptr: u64,
+        len: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<DeviceBuffer, DeviceError> {
+        self.check_device_range(ptr, len)?;
+        Ok(DeviceBuffer::new(Arc::new(CudaBuffer {
+            dev: self.shared.clone(),
+            ptr,
+            len,
+            owner: Some(owner),
+        })))
+    }
+
+    /// The device address of `buf`, if it is CUDA memory of this device.
+    pub fn device_ptr(&self, buf: &DeviceBuffer) -> Option<u64> {
+        let b = buf.backend().as_any().downcast_ref::<CudaBuffer>()?;
+        (b.dev.id == self.shared.id).then_some(b.ptr)
+    }
+
+    /// Checks that every byte of `ptr..ptr+len` is device memory of this device: walks
+    /// the allocations covering the range (one, or several adjacent mappings).
+    fn check_device_range(&self, ptr: u64, len: usize) -> Result<(), DeviceError> {
+        if ptr == 0 || len == 0 {
+            return Err(DeviceError::InvalidArgument(format!(
+                "external CUDA memory needs a non-null pointer and a non-zero length (got {ptr:#x}, {len} bytes)"
+            )));
+        }
+        let end = ptr
+            .checked_add(len as u64)
+            .ok_or_else(|| DeviceError::InvalidArgument(format!("range {ptr:#x}+{len} overflows")))?;
+        self.shared.ctx.bind()?;
+        let mut at = ptr;
+        while at < end {
+            self.check_pointer(at)?;
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: the context is current; both out pointers are valid.
+            let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, at) };
+            if !ok(r) {
+                return Err(DeviceError::InvalidArgument(format!(
+                    "{at:#x} (in {ptr:#x}+{len}) is not inside a CUDA allocation: {r:?}"
+                )));
+            }
+            let next = base.saturating_add(size as u64);
+            if base > at || next <= at {
+                return Err(DeviceError::InvalidArgument(format!(
+                    "the driver reports allocation {base:#x}+{size} for {at:#x}, which does not contain it"
+                )));
+            }
+            at = next;
+        }
+        Ok(())
+    }
+
+    /// Checks that `at` is device memory of this device, in its context or in none.
+    /// The context must be current.
+    fn check_pointer(&self, at: u64) -> Result<(), DeviceError> {
+        use sys::CUpointer_attribute as A;
+        let not_ours = |why: String| {
+            DeviceError::InvalidArgument(format!(
+                "{at:#x} is not device memory of CUDA device {}: {why}",
+                self.ordinal
+            ))
+        };
+        let mut mem_type: u32 = 0;
+        // SAFETY: MEMORY_TYPE writes one `unsigned int` (a CUmemorytype) to `data`.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut mem_type as *mut u32 as *mut c_void,
+                A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                at,
+            )
+        };
+        if !ok(r) {
+            return Err(not_ours(format!("the driver does not know it ({r:?}); host memory?")));
+        }
+        if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            use sys::CUmemorytype as M;
+            let kind = match mem_type {
+                t if t == M::CU_MEMORYTYPE_HOST as u32 => "host (pinned or registered) memory".to_string(),
+                t if t == M::CU_MEMORYTYPE_ARRAY as u32 => "a CUDA array".to_string(),
+                t if t == M::CU_MEMORYTYPE_UNIFIED as u32 => "unified memory".to_string(),
+                n => format!("memory of type {n}"),
+            };
+            return Err(not_ours(format!("it is {kind}")));
+        }
+        let mut ordinal: c_int = -1;
+        // SAFETY: DEVICE_ORDINAL writes one `int` to `data`.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut ordinal as *mut c_int as *mut c_void,
+                A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                at,
+            )
+        };
+        check(r, "cuPointerGetAttribute(DEVICE_ORDINAL)")?;
+        if ordinal < 0 || ordinal as usize != self.ordinal {
+            return Err(not_ours(format!("it belongs to CUDA device {ordinal}")));
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: CONTEXT writes one `CUcontext` to `data`.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut ctx as *mut sys::CUcontext as *mut c_void,
+                A::CU_POINTER_ATTRIBUTE_CONTEXT,
+                at,
+            )
+        };
+        if ok(r) && !ctx.is_null() && ctx != self.shared.ctx.ctx {
+            return Err(not_ours(
+                "it was allocated in another context than the device's primary context".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Device for CudaDevice {
@@ -517,6 +662,7 @@ impl Device for CudaDevice {
             dev: self.shared.clone(),
             ptr,
             len,
+            owner: None,
         })))
     }
 
@@ -534,11 +680,14 @@ impl Device for CudaDevice {
     }
 }
 
-/// Device memory from `cuMemAlloc`.
+/// Device memory: from `cuMemAlloc` (ours, freed on drop) or external (kept alive by
+/// its owner, never freed here).
 struct CudaBuffer {
     dev: Arc<DevShared>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// What keeps external memory alive (dropped with the buffer); `None`: ours.
+    owner: Option<Box<dyn Any + Send + Sync>>,
 }
 
 impl std::fmt::Debug for CudaBuffer {
@@ -546,13 +695,15 @@ impl std::fmt::Debug for CudaBuffer {
         f.debug_struct("CudaBuffer")
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
+            .field("external", &self.owner.is_some())
             .finish()
     }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        if self.len > 0 {
+        // External memory: dropping `owner` (with the buffer) is its owner's business.
+        if self.len > 0 && self.owner.is_none() {
             // Freed on the reaper thread: cuMemFree may synchronise with a busy device.
             self.dev.reaper.free(self.dev.ctx.clone(), self.ptr);
         }
@@ -578,9 +729,16 @@ impl BufferBackend for CudaBuffer {
             return Ok(());
         }
         self.dev.ctx.bind()?;
-        // SAFETY: the range is inside our allocation; `data` is valid for its length.
+        // SAFETY: the range is inside the buffer's memory (ours, or external memory its
+        // owner keeps alive); `data` is valid for its length.
         let r = unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, data.as_ptr() as *const c_void, data.len()) };
-        check(r, "cuMemcpyHtoD")
+        check(r, "cuMemcpyHtoD")?;
+        // From pageable memory the call may return before the DMA into the device has
+        // finished, and our copy streams do not synchronise with the legacy stream it
+        // ran on: wait for it, so the bytes are there for whatever is submitted next.
+        // SAFETY: the context is current; the null handle is its legacy default stream.
+        let r = unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) };
+        check(r, "cuStreamSynchronize")
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), DeviceError> {
@@ -589,7 +747,8 @@ impl BufferBackend for CudaBuffer {
             return Ok(());
         }
         self.dev.ctx.bind()?;
-        // SAFETY: the range is inside our allocation; `out` is valid for writes.
+        // SAFETY: the range is inside the buffer's memory (ours, or external memory its
+        // owner keeps alive); `out` is valid for writes.
         let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut c_void, self.ptr + offset as u64, out.len()) };
         check(r, "cuMemcpyDtoH")
     }
