@@ -164,11 +164,14 @@ impl Consumer {
                     inner.counters.device_unconfirmed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(target: "kvferry::peer", op = event.op(), rank = event.rank(),
                         "device never confirmed a landing copy: its destination blocks stay reported busy");
+                    inner.counters.draining.fetch_sub(1, Ordering::Relaxed);
                     std::mem::forget(signal);
                 } else {
+                    // Counted out before the fence fires: whoever waited on the fence
+                    // then sees nothing draining.
+                    inner.counters.draining.fetch_sub(1, Ordering::Relaxed);
                     drop(signal);
                 }
-                inner.counters.draining.fetch_sub(1, Ordering::Relaxed);
             });
             if let Some(lease_id) = lease_to_release {
                 let done_deadline = Instant::now() + inner_done_timeout(self);
@@ -178,8 +181,10 @@ impl Consumer {
             }
             return result.map_err(|error| TaskError { error, dirty });
         }
-        drop(signal);
+        // Counted out before the fence fires: whoever waited on the fence then sees
+        // nothing draining.
         counters.draining.fetch_sub(1, Ordering::Relaxed);
+        drop(signal);
         // Tell the producer to release its pages (best effort, bounded).
         if let Some(lease_id) = lease_to_release {
             let done_deadline = Instant::now() + inner.cfg.done_timeout;
