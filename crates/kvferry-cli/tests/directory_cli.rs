@@ -28,17 +28,13 @@ impl Drop for Serve {
     }
 }
 
-impl Serve {
-    /// Kills `child` when the guard drops (also when the test fails).
-    fn guard(child: &mut Child) -> impl Drop + '_ {
-        struct Guard<'a>(&'a mut Child);
-        impl Drop for Guard<'_> {
-            fn drop(&mut self) {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-            }
-        }
-        Guard(child)
+/// A child process killed when dropped (also when the test fails).
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -360,23 +356,24 @@ fn serve_exports_the_directory_view_and_flags_it_stale_while_etcd_is_down() {
         .unwrap()
         .port();
     let metrics = format!("127.0.0.1:{port}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
-        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-        .args([
-            "--directory",
-            &e.url(),
-            "--namespace",
-            "cli-metrics",
-            "--directory-ttl",
-            "2s",
-        ])
-        .args(["--peer-id", "m0", "--metrics", &metrics])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvferry serve");
-    let _guard = Serve::guard(&mut child);
+    let _serve = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args([
+                "--directory",
+                &e.url(),
+                "--namespace",
+                "cli-metrics",
+                "--directory-ttl",
+                "2s",
+            ])
+            .args(["--peer-id", "m0", "--metrics", &metrics])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvferry serve"),
+    );
     wait_gauge(&metrics, "kvferry_directory_peers", 1.0, Duration::from_secs(10));
     wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
     wait_gauge(&metrics, "kvferry_directory_stale", 0.0, Duration::from_secs(5));
