@@ -1,6 +1,6 @@
-//! `Engine`: the Python face of [`kvferry::engine::Engine`]. It owns a tokio runtime
-//! on which the engine's server and transfers run; every call that waits or copies
-//! releases the GIL.
+//! `Engine`: the Python face of [`kvferry::engine::Engine`]. Its server and transfers
+//! run on a tokio runtime: the process's shared one by default, or one of its own
+//! (see [`crate::runtime`]); every call that waits or copies releases the GIL.
 //!
 //! Regions are host memory (registered with the engine) or, on a `device="sim"` or
 //! `"cuda:N"` engine, device memory ([`DeviceKvCache`]; on CUDA also memory wrapped
@@ -35,12 +35,12 @@ use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use tokio::runtime::Runtime;
 
 use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
 use crate::region::{PyRegion, RegionKind};
-use crate::transfer::PyTransfer;
+use crate::runtime::RuntimeRef;
+use crate::transfer::{PyTransfer, Waiting};
 
 static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
 
@@ -147,8 +147,11 @@ impl PyStaged {
 /// The kvferry engine.
 #[pyclass(name = "Engine", module = "kvferry._kvferry", frozen)]
 pub struct PyEngine {
-    runtime: Mutex<Option<Runtime>>,
+    /// The runtime this engine runs on, until closed.
+    runtime: Mutex<Option<RuntimeRef>>,
     handle: tokio::runtime::Handle,
+    /// The runtime and spin budget transfers are waited on with.
+    waiting: Waiting,
     engine: Engine,
     id: usize,
     /// The Python key objects of publications, to report releases by them.
@@ -250,7 +253,7 @@ impl PyEngine {
         store_block_bytes, lease_ttl, default_ttl, max_ttl, io_timeout, connect_timeout,
         connections_per_peer, pinned, runtime_threads, device="host", device_latency_us=0,
         device_timeout=5.0, etcd=None, namespace="kvferry", directory_ttl=10.0, role="both",
-        advertise=None))]
+        advertise=None, wait_spin_us=0, shared_runtime=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -278,7 +281,15 @@ impl PyEngine {
         directory_ttl: f64,
         role: &str,
         advertise: Option<String>,
+        wait_spin_us: u64,
+        shared_runtime: bool,
     ) -> PyResult<PyEngine> {
+        if wait_spin_us > 1_000_000 {
+            return Err(ErrInfo::invalid(format!(
+                "wait_spin_us must be at most 1000000 (one second), got {wait_spin_us}"
+            ))
+            .into());
+        }
         let mut cfg = EngineConfig::default()
             .listen(listen.as_deref())
             .secret(secret)
@@ -309,11 +320,7 @@ impl PyEngine {
         if runtime_threads == 0 {
             return Err(ErrInfo::invalid("runtime_threads must be at least 1").into());
         }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(runtime_threads)
-            .thread_name("kvferry-rt")
-            .enable_all()
-            .build()
+        let runtime = RuntimeRef::get(runtime_threads, shared_runtime)
             .map_err(|e| ErrInfo::new("Error", format!("starting the engine's runtime: {e}")))?;
         let handle = runtime.handle().clone();
         let device = EngineDevice::open(
@@ -333,11 +340,15 @@ impl PyEngine {
             let ttl = required(directory_ttl, "directory_ttl")?;
             let wait = cfg.net.connect_timeout;
             cfg.directory =
-                Some(py.detach(|| runtime.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
+                Some(py.detach(|| handle.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
         }
-        let engine = py.detach(|| runtime.block_on(Engine::start(cfg))).map_err(py_err)?;
+        let engine = py.detach(|| handle.block_on(Engine::start(cfg))).map_err(py_err)?;
         Ok(PyEngine {
             runtime: Mutex::new(Some(runtime)),
+            waiting: Waiting {
+                runtime: handle.clone(),
+                spin: Arc::new(crate::spin::AdaptiveSpin::new(Duration::from_micros(wait_spin_us))),
+            },
             handle,
             engine,
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
@@ -362,6 +373,15 @@ impl PyEngine {
     #[getter]
     fn incarnation(&self) -> u64 {
         self.engine.incarnation()
+    }
+
+    /// The runtime this engine runs on: `(shared, threads, engines holding it)`;
+    /// None once closed.
+    fn runtime_info(&self) -> Option<(bool, usize, usize)> {
+        self.runtime
+            .lock()
+            .as_ref()
+            .map(|r| (r.is_shared(), r.threads(), r.holders()))
     }
 
     /// Every counter, as JSON (the Python layer parses it into a dict).
@@ -528,7 +548,7 @@ impl PyEngine {
         let deadline = tokio::time::Instant::now() + t;
         let transfer = self.engine.start_get(&peer, &keys, dst, deadline);
         let fence = transfer.fence();
-        Ok(PyTransfer::spawn(self.handle.clone(), peer, fence, transfer))
+        Ok(PyTransfer::spawn(&self.waiting, peer, fence, transfer))
     }
 
     /// Delayed pull: asks `peer` to stage `keys`, then moves them into `block_ids` of
@@ -566,7 +586,7 @@ impl PyEngine {
             drop(signal);
             r
         };
-        let tr = PyTransfer::spawn(self.handle.clone(), peer.clone(), fence, fut);
+        let tr = PyTransfer::spawn(&self.waiting, peer.clone(), fence, fut);
         match tr.wait_outcome(py, None)? {
             Some(Ok(n)) => Ok(n),
             Some(Err(mut e)) => {
@@ -622,7 +642,7 @@ impl PyEngine {
             drop(signal);
             r
         };
-        let tr = PyTransfer::spawn(self.handle.clone(), peer, fence, fut);
+        let tr = PyTransfer::spawn(&self.waiting, peer, fence, fut);
         match tr.wait_outcome(py, None)? {
             Some(Ok(n)) => Ok(n),
             Some(Err(mut e)) => {
@@ -710,9 +730,11 @@ impl PyEngine {
         let t = required(timeout, "timeout")?;
         let e = &self.engine;
         let report = py.detach(|| self.handle.block_on(e.close(tokio::time::Instant::now() + t)));
+        // The last engine on its runtime shuts it down (bounded); a shared runtime
+        // other engines still hold goes on.
         let rt = self.runtime.lock().take();
         if let Some(rt) = rt {
-            py.detach(|| rt.shutdown_timeout(Duration::from_millis(500)));
+            py.detach(|| drop(rt));
         }
         self.published.lock().clear();
         let d = PyDict::new(py);
@@ -897,7 +919,7 @@ impl PyEngine {
         };
         let _guard = self.handle.enter();
         Ok(PyTransfer::spawn_op(
-            self.handle.clone(),
+            &self.waiting,
             peer,
             kvferry::copy::DrainFence::ready(),
             fut,

@@ -12,6 +12,8 @@ mod dlpack;
 mod engine;
 mod errors;
 mod region;
+mod runtime;
+mod spin;
 mod transfer;
 
 use pyo3::prelude::*;

@@ -2,14 +2,20 @@
 //! waits on it with the GIL released, in short slices so that Ctrl-C is noticed
 //! within tens of milliseconds.
 //!
+//! A waiting thread first polls for the outcome for the engine's adaptive spin budget
+//! (at most `wait_spin_us`; see [`crate::spin`]) and only then sleeps on a condition
+//! variable: a transfer that finishes within it (a miss, a small chunk) is seen at once
+//! instead of after a sleeping thread's wake-up.
+//!
 //! # Cancellation
 //!
 //! `cancel()` (and a `KeyboardInterrupt` during `wait`) cancels the transfer and
 //! returns only after its drain: no socket or copy thread touches the destination
 //! blocks any more and its staging pages are back.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry::copy::DrainFence;
 use kvferry::peer::{GetFailure, Landed, PeerError};
@@ -19,6 +25,7 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
 use crate::errors::ErrInfo;
+use crate::spin::{spin_until, AdaptiveSpin};
 
 /// Bound on waiting for a cancelled transfer's drain (it is itself bounded by the
 /// engine's I/O timeout and one copy slice; this only keeps Python responsive).
@@ -31,6 +38,8 @@ type Outcome = Result<usize, ErrInfo>;
 #[derive(Default)]
 struct Shared {
     outcome: Mutex<Option<Outcome>>,
+    /// Set (after `outcome`) once the transfer finished: what a spinning waiter polls.
+    finished: AtomicBool,
     done: Condvar,
     callbacks: Mutex<Vec<Py<PyAny>>>,
 }
@@ -38,6 +47,7 @@ struct Shared {
 impl Shared {
     fn finish(&self, o: Outcome) {
         *self.outcome.lock() = Some(o);
+        self.finished.store(true, Ordering::Release);
         self.done.notify_all();
         let cbs: Vec<Py<PyAny>> = std::mem::take(&mut *self.callbacks.lock());
         if !cbs.is_empty() {
@@ -52,6 +62,15 @@ impl Shared {
     }
 }
 
+/// Where a transfer runs and how its waiters wait.
+#[derive(Clone)]
+pub struct Waiting {
+    /// The engine's runtime.
+    pub runtime: Handle,
+    /// How long a waiter polls before it sleeps (adapting; zero max: never).
+    pub spin: Arc<AdaptiveSpin>,
+}
+
 /// A transfer in flight (from `Engine.get`).
 #[pyclass(name = "Transfer", module = "kvferry._kvferry", frozen)]
 pub struct PyTransfer {
@@ -59,6 +78,7 @@ pub struct PyTransfer {
     cancel: CancellationToken,
     fence: DrainFence,
     runtime: Handle,
+    spin: Arc<AdaptiveSpin>,
     peer: String,
 }
 
@@ -74,16 +94,16 @@ pub fn outcome(peer: &str, r: Result<Landed, GetFailure>, what: &str) -> Outcome
 }
 
 impl PyTransfer {
-    /// Runs `fut` (a transfer whose fence is `fence`) on `runtime`.
-    pub fn spawn<F>(runtime: Handle, peer: String, fence: DrainFence, fut: F) -> PyTransfer
+    /// Runs `fut` (a transfer whose fence is `fence`) on `how.runtime`.
+    pub fn spawn<F>(how: &Waiting, peer: String, fence: DrainFence, fut: F) -> PyTransfer
     where
         F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
     {
-        Self::spawn_op(runtime, peer, fence, fut, "get")
+        Self::spawn_op(how, peer, fence, fut, "get")
     }
 
     /// As [`spawn`](Self::spawn), naming the operation `op` in errors.
-    pub fn spawn_op<F>(runtime: Handle, peer: String, fence: DrainFence, fut: F, op: &'static str) -> PyTransfer
+    pub fn spawn_op<F>(how: &Waiting, peer: String, fence: DrainFence, fut: F, op: &'static str) -> PyTransfer
     where
         F: std::future::Future<Output = Result<Landed, GetFailure>> + Send + 'static,
     {
@@ -92,8 +112,8 @@ impl PyTransfer {
         let (s, c, p) = (shared.clone(), cancel.clone(), peer.clone());
         // A timeout's `waited` is the caller's: from this call, not from when the
         // task first ran (which may be later on a busy machine).
-        let called = std::time::Instant::now();
-        runtime.spawn(async move {
+        let called = Instant::now();
+        how.runtime.spawn(async move {
             let r = tokio::select! {
                 r = fut => r,
                 // Dropping `fut` cancels the transfer; its drain goes on in the
@@ -116,7 +136,8 @@ impl PyTransfer {
             shared,
             cancel,
             fence,
-            runtime,
+            runtime: how.runtime.clone(),
+            spin: how.spin.clone(),
             peer,
         }
     }
@@ -125,11 +146,24 @@ impl PyTransfer {
     /// checked every few milliseconds: a `KeyboardInterrupt` cancels the transfer,
     /// waits for its drain, and is returned.
     pub fn wait_outcome(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<Option<Outcome>> {
-        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        if self.shared.finished.load(Ordering::Acquire) {
+            return Ok(self.shared.outcome.lock().clone());
+        }
+        let started = Instant::now();
+        let deadline = timeout.map(|t| started + t);
+        let spin = self.spin.budget();
+        if !spin.is_zero() {
+            let budget = timeout.map_or(spin, |t| t.min(spin));
+            let shared = self.shared.clone();
+            if py.detach(move || spin_until(&shared.finished, budget)) {
+                self.spin.record(started.elapsed());
+                return Ok(self.shared.outcome.lock().clone());
+            }
+        }
         loop {
             let slice = match deadline {
                 Some(d) => {
-                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    let left = d.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return Ok(self.shared.outcome.lock().clone());
                     }
@@ -146,6 +180,7 @@ impl PyTransfer {
                 o.clone()
             });
             if got.is_some() {
+                self.spin.record(started.elapsed());
                 return Ok(got);
             }
             if let Err(e) = py.check_signals() {
@@ -159,14 +194,14 @@ impl PyTransfer {
         self.cancel.cancel();
         let (fence, rt, shared) = (self.fence.clone(), self.runtime.clone(), self.shared.clone());
         py.detach(move || {
-            let until = std::time::Instant::now() + DRAIN_BOUND;
+            let until = Instant::now() + DRAIN_BOUND;
             let drained = rt.block_on(fence.wait_until(tokio::time::Instant::now() + DRAIN_BOUND));
             // The task records its outcome right after the cancel wins its race (or
             // the transfer finished first): wait for it too, so `done()` and `error`
             // are settled when `cancel()` returns. Bounded like the drain.
             let mut o = shared.outcome.lock();
             while o.is_none() {
-                let left = until.saturating_duration_since(std::time::Instant::now());
+                let left = until.saturating_duration_since(Instant::now());
                 if left.is_zero() || shared.done.wait_for(&mut o, left).timed_out() {
                     break;
                 }

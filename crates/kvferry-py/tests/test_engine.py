@@ -281,3 +281,65 @@ def test_corruption_is_detected_and_reported_dirty(pair):
         d.get_blocking(p.address, "c", dst, [0, 1])
     assert ei.value.dirty is True
     assert d.get_blocking(p.address, "c", dst, [0, 1]) == 1  # the next one is clean
+
+
+def test_engines_share_the_process_runtime_unless_asked_not_to():
+    # A thread count no other test uses, so engines other tests leave to the garbage
+    # collector do not count here.
+    a = kvferry.Engine(runtime_threads=5)
+    b = kvferry.Engine(runtime_threads=5, listen=None)
+    own = kvferry.Engine(runtime_threads=5, shared_runtime=False)
+    try:
+        assert a.stats()["runtime"] == {"shared": True, "threads": 5, "engines": 2}
+        assert own.stats()["runtime"] == {"shared": False, "threads": 5, "engines": 1}
+        src_arr = kv(8)
+        a.publish("k", a.register_kv_cache(src_arr, block_bytes=BLOCK), [1, 2], once=False)
+        out = np.zeros_like(src_arr)
+        dst = b.register_kv_cache(out, block_bytes=BLOCK)
+        assert b.get_blocking(a.address, "k", dst, [5, 6]) == 1
+        own.close()
+        # Closing an engine leaves the shared runtime to the others: a transfer after
+        # a neighbour closed still lands.
+        c = kvferry.Engine(runtime_threads=5, listen=None)
+        assert c.stats()["runtime"]["engines"] == 3
+        assert c.close()["clean"]
+        out[:] = 0
+        assert b.get_blocking(a.address, "k", dst, [5, 6]) == 1
+        assert (out[5:7] == src_arr[1:3]).all()
+        assert "runtime" not in c.stats()  # closed: it holds no runtime any more
+        assert b.stats()["runtime"]["engines"] == 2
+    finally:
+        for e in (a, b, own):
+            assert e.close()["clean"]
+
+
+def test_wait_spin_and_runtime_options_are_checked():
+    for bad in (-1, 1_000_001, 1.5, True, "10"):
+        with pytest.raises(kvferry.InvalidArgumentError, match="wait_spin_us"):
+            kvferry.Engine(wait_spin_us=bad)
+    for bad in (0, -2, 1.0):
+        with pytest.raises(kvferry.InvalidArgumentError, match="runtime_threads"):
+            kvferry.Engine(runtime_threads=bad)
+
+
+@pytest.mark.parametrize("spin_us", [0, 200])
+def test_waits_return_the_same_outcomes_spinning_or_not(spin_us):
+    # Hits, misses and timeouts come out the same whether a waiter spins first or
+    # sleeps at once; a wait that times out is bounded either way.
+    with kvferry.Engine(wait_spin_us=spin_us) as p, kvferry.Engine(wait_spin_us=spin_us, listen=None) as d:
+        src_arr = kv(8)
+        p.publish("hit", p.register_kv_cache(src_arr, block_bytes=BLOCK), [0], once=False)
+        out = np.zeros_like(src_arr)
+        dst = d.register_kv_cache(out, block_bytes=BLOCK)
+        for i in range(200):
+            assert d.get_blocking(p.address, "hit", dst, [3]) == 1
+            with pytest.raises(kvferry.NotFoundError):
+                d.get_blocking(p.address, f"miss-{i}", dst, [4])
+        assert (out[3] == src_arr[0]).all()
+        p._e._inject_faults(send_delay_us=1_000_000)
+        t = d.get(p.address, "hit", dst, [5], timeout=5.0)
+        t0 = time.monotonic()
+        with pytest.raises(kvferry.TimeoutError):
+            t.wait(0.05)
+        assert time.monotonic() - t0 < 0.05 + 0.02
+        assert t.cancel()

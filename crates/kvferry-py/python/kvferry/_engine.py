@@ -17,6 +17,9 @@ DeviceMemory = _kvferry.DeviceMemory
 
 _PATHS = ("direct", "staged")
 
+DEFAULT_WAIT_SPIN_US = 200
+"""Default ``Engine(wait_spin_us=...)``: how long a waiting thread polls before it sleeps."""
+
 
 def _ids(block_ids: Any, what: str = "block_ids") -> list[int]:
     tolist = getattr(block_ids, "tolist", None)
@@ -158,6 +161,21 @@ class Engine:
         connections_per_peer: pooled connections to each peer.
         pinned: ask for mlocked staging memory (falls back, and says so in stats).
         runtime_threads: threads of the engine's I/O runtime.
+        shared_runtime: run on the process's shared I/O runtime of
+            ``runtime_threads`` threads (every engine asking for a shared runtime of
+            that size uses the same one; it starts with the first and stops when the
+            last closes) instead of a runtime of its own. Several engines in one
+            process (tests, benchmarks, a process with a prefill and a decode engine)
+            then use one set of threads instead of taking turns on the same cores; an
+            engine with its own runtime (False) is isolated from its neighbours'
+            tasks. ``stats()["runtime"]`` says which it got.
+        wait_spin_us: how long (microseconds) a thread waiting on a transfer
+            (:meth:`Transfer.wait`, :meth:`get_blocking`, ...) polls for its outcome,
+            with the GIL released and yielding its CPU to any runnable thread, before
+            it sleeps. A transfer that finishes within it (a miss, a small chunk) is
+            seen at once, not after a sleeping thread's wake-up (tens of microseconds,
+            more on virtual machines whose idle CPUs halt). Costs at most that much
+            CPU per wait; 0 sleeps at once.
         directory: where peers are found. ``{name: "host:port"}``: a static map of peers
             that may be named instead of addressed. ``"etcd://HOST:PORT[,HOST:PORT...]"``:
             the etcd peer directory (what ``kvferry serve --directory`` uses): a
@@ -203,6 +221,8 @@ class Engine:
         directory_ttl: float = 10.0,
         role: str = "both",
         advertise: str | None = None,
+        wait_spin_us: int = DEFAULT_WAIT_SPIN_US,
+        shared_runtime: bool = True,
     ) -> None:
         device = str(device)  # also a torch.device
         if device not in ("host", "sim") and not is_cuda_name(device):
@@ -212,6 +232,10 @@ class Engine:
             )
         if isinstance(secret, str):
             secret = secret.encode()
+        if not isinstance(wait_spin_us, int) or isinstance(wait_spin_us, bool) or not 0 <= wait_spin_us <= 1_000_000:
+            raise InvalidArgumentError(f"wait_spin_us must be an int in 0..1000000 (microseconds), got {wait_spin_us!r}")
+        if not isinstance(runtime_threads, int) or runtime_threads < 1:
+            raise InvalidArgumentError(f"runtime_threads must be an int of at least 1, got {runtime_threads!r}")
         etcd: str | None = None
         if isinstance(directory, str):
             if not directory.startswith("etcd://"):
@@ -246,6 +270,8 @@ class Engine:
             float(directory_ttl),
             role,
             advertise,
+            int(wait_spin_us),
+            bool(shared_runtime),
         )
         self.device = device
         self._cuda = is_cuda_name(device)
@@ -269,12 +295,17 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Every counter: ``arena``, ``producer``, ``consumer``, ``store``, ``copy``,
-        ``server``, ``registered``, and ``device``: kind, operations, stuck,
-        memory_used on a sim engine; kind, device, name on a cuda engine."""
+        ``server``, ``registered``, ``device``: kind, operations, stuck,
+        memory_used on a sim engine; kind, device, name on a cuda engine; and
+        ``runtime``: ``shared`` (the process's shared runtime or its own),
+        ``threads`` and ``engines`` (how many engines run on it; absent once closed)."""
         stats: dict[str, Any] = json.loads(self._e.stats_json())
         device = json.loads(self._e.device_stats_json())
         if device:
             stats["device"] = device
+        rt = self._e.runtime_info()
+        if rt is not None:
+            stats["runtime"] = {"shared": rt[0], "threads": rt[1], "engines": rt[2]}
         return stats
 
     def close(self, timeout: float = 5.0) -> dict[str, Any]:

@@ -163,6 +163,8 @@ class Engine:
         directory_ttl: float = 10.0,
         role: str = "both",
         advertise: str | None = None,
+        wait_spin_us: int = 0,
+        shared_runtime: bool = False,
     ) -> Engine:
         """Starts an engine (listening on ``listen``, or client-only for None);
         ``device`` is ``"host"``, ``"sim"`` (a simulated accelerator) or ``"cuda"`` /
@@ -210,6 +212,8 @@ class Engine:
     @property
     def closed(self) -> bool:
         """True once ``close`` was called."""
+    def runtime_info(self) -> tuple[bool, int, int] | None:
+        """``(shared, threads, engines holding it)`` of this engine's runtime; None once closed."""
     def stats_json(self) -> str:
         """Every counter, as a JSON object."""
     def register_spans(self, name: str, parts: Sequence[tuple[Buffer, Sequence[_Span]]], blocks: int) -> Region:

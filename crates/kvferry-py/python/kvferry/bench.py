@@ -1,11 +1,13 @@
 """``python -m kvferry bench``: the transfer benchmark, through the Python API.
 
-Two engines in this process over loopback: ``prefill`` publishes chunks of one numpy
-array (every chunk its own random bytes), ``decode`` fetches them with ``Engine.get``
-and ``Transfer.wait``, ``--in-flight`` transfers outstanding, into slots of a
-destination array, and checks every landed chunk: its crc32c (computed with the GIL
-released, as the Rust bench checks its chunks) against its source's, and on a mismatch
-counts the differing bytes. Then the Rust
+Two engines in this process over loopback, on the process's shared runtime (as the
+Rust bench's engines share one): ``prefill`` publishes chunks of one numpy array (every
+chunk its own random bytes); ``--in-flight`` worker threads of ``decode`` each fetch
+chunks with ``Engine.get`` and ``Transfer.wait`` into a slot of their own in a
+destination array and check every landed chunk before the next: its crc32c (computed
+with the GIL released, as the Rust bench checks its chunks) against its source's, and
+on a mismatch count the differing bytes. The Rust bench has the same shape: one task
+per transfer in flight, each getting and then verifying its slot. Then the Rust
 ``kvferry bench`` moves the same bytes the same way (``--path direct``), so that
 ``ratio_to_rust`` says what the Python layer costs on this machine, in this run. Last,
 the per-call overhead: ``get_blocking`` calls that miss.
@@ -20,8 +22,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +38,20 @@ DESCRIPTION = """\
 Benchmarks kvferry through its Python API: two engines in this process over loopback.
 The prefill engine publishes chunks (--chunk-blocks blocks of --block-bytes each) of
 one numpy array holding --requests requests x --chunks-per-request chunks, every chunk
-with its own random bytes. The decode engine fetches chunks round-robin over them with
-Engine.get, keeping --in-flight transfers outstanding, each into its own slot of a
-destination array; it waits for the oldest with Transfer.wait, checks the landed
-chunk's crc32c against its source's (every byte; on a mismatch numpy counts the
-differing bytes), and reuses the slot. Then it runs the Rust
+with its own random bytes. The decode engine fetches chunks round-robin over them from
+--in-flight worker threads (as the Rust bench runs one task per transfer in flight),
+each with its own slot of a destination array: Engine.get, Transfer.wait, then the
+landed chunk's crc32c against its source's (every byte; on a mismatch numpy counts the
+differing bytes), then the next chunk into the same slot. Both engines run on the
+process's shared runtime (--separate-runtimes: one each), as the Rust bench's engines
+share one. Then it runs the Rust
 benchmark on the same workload and times --miss-calls get_blocking calls that miss."""
 
 EPILOG = """\
 printed fields (the table shows them; --json prints one object with these keys,
 plus the options used: path, bytes_requested, block_bytes, chunk_blocks, requests,
-chunks_per_request, in_flight, connections):
+chunks_per_request, in_flight, connections, runtimes ("shared" or "separate"),
+wait_spin_us):
   bytes               chunk bytes landed and verified (chunks - errors) x chunk_bytes;
                       bytes_requested is --bytes, chunks = max(1, bytes_requested //
                       chunk_bytes) transfers were issued
@@ -54,7 +59,6 @@ chunks_per_request, in_flight, connections):
   elapsed_s           wall time of the transfer loop (gets, waits and verification)
   gbps                bytes / elapsed_s / 1e9 (GB/s, decimal)
   p50_ms, p99_ms      per-chunk latency: Engine.get called to Transfer.wait returned
-                      (transfers are awaited oldest first, as a server would)
   errors              transfers that raised (none expected: no faults are injected)
   corrupted_chunks    landed chunks whose bytes differ from their source;
   corrupted_bytes     how many bytes differ in them (the table's "corrupt B" column)
@@ -132,6 +136,16 @@ def percentile(values: list[float], q: float) -> float:
     return s[round((len(s) - 1) * q)]
 
 
+def _spin_us(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= n <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be in 0..1000000 (microseconds): {text!r}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes", type=parse_size, default=parse_size("1GiB"), metavar="SIZE",
                    help="total chunk bytes to move (default 1GiB; units B, KiB/K, MiB/M, GiB/G, KB, MB, GB)")
@@ -151,6 +165,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(320 MiB by default), fetched round-robin until --bytes moved")
     p.add_argument("--miss-calls", type=_positive, default=2000, metavar="N",
                    help="get_blocking calls that miss, timed for the per-call overhead (default 2000)")
+    p.add_argument("--separate-runtimes", action="store_true",
+                   help="give each engine a runtime of its own (Engine(shared_runtime=False)) instead of "
+                        "the process's shared one, which the Rust bench's engines share too")
+    p.add_argument("--wait-spin-us", type=_spin_us, default=None, metavar="US",
+                   help="Engine(wait_spin_us=...) of both engines (default: the Engine default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--rust-bench", default=None, metavar="PATH|none",
                    help="the Rust `kvferry` binary to compare with (default: `kvferry` on PATH, else "
@@ -201,7 +220,7 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
     """The transfer loop and the miss loop; returns the measured fields."""
     import numpy as np
 
-    from ._engine import Engine, Transfer
+    from ._engine import DEFAULT_WAIT_SPIN_US, Engine, Transfer
     from ._kvferry import crc32c
 
     bb, bpc = a.block_bytes, a.chunk_blocks
@@ -218,8 +237,11 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
     out = np.zeros((a.in_flight * bpc, bb), dtype=np.uint8)
 
     day = 24 * 3600.0
-    prefill = Engine(ttl=day, max_ttl=day, peer_id="bench-prefill")
-    decode = Engine(listen=None, connections_per_peer=a.connections, peer_id="bench-decode")
+    opts: dict[str, Any] = {"shared_runtime": not a.separate_runtimes}
+    if a.wait_spin_us is not None:
+        opts["wait_spin_us"] = a.wait_spin_us
+    prefill = Engine(ttl=day, max_ttl=day, peer_id="bench-prefill", **opts)
+    decode = Engine(listen=None, connections_per_peer=a.connections, peer_id="bench-decode", **opts)
     engines = (prefill, decode)
     try:
         src = prefill.register_kv_cache(kv, block_bytes=bb, name="bench-kv")
@@ -235,39 +257,61 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
             r = (n // cpr) % requests
             return r * cpr + n % cpr
 
+        # One worker thread per transfer in flight, each fetching into its own slot
+        # and verifying what landed there before its next get: the structure of the
+        # Rust bench, whose in-flight tasks each get and then verify their slot. The
+        # GIL is released in get's wait and in crc32c, so workers overlap as tasks do.
         lat_ms: list[float] = []
-        errors = corrupted_chunks = corrupted_bytes = 0
-        free_slots = list(range(a.in_flight))
-        pending: deque[tuple[Transfer, int, int, float]] = deque()  # transfer, chunk, slot, started
-        issued = 0
-        t0 = time.perf_counter()
-        while issued < total or pending:
-            while issued < total and free_slots:
-                slot = free_slots.pop()
-                i = source_index(issued)
-                blocks = list(range(slot * bpc, (slot + 1) * bpc))
-                pending.append((decode.get(peer, f"bench/chunk{i}", dst, blocks, timeout=30.0), i, slot, time.perf_counter()))
-                issued += 1
-            t, i, slot, started = pending.popleft()
+        counts = {"errors": 0, "corrupted_chunks": 0, "corrupted_bytes": 0, "issued": 0}
+        lock = threading.Lock()
+        failures: list[BaseException] = []
+
+        def worker(slot: int) -> None:
+            blocks = list(range(slot * bpc, (slot + 1) * bpc))
+            got = out[slot * bpc : (slot + 1) * bpc]
             try:
-                landed = t.wait()
-            except Error:
-                landed = 0
-                t.cancel()  # the slot is reused only after the drain
-            if landed == 1:
-                lat_ms.append((time.perf_counter() - started) * 1e3)
-                got = out[slot * bpc : (slot + 1) * bpc]
-                # Every landed byte, as the Rust bench verifies: crc32c of the landed
-                # chunk (GIL released) against its source's; on a mismatch, the exact
-                # count of differing bytes.
-                if crc32c(got.data) != want_crc[i]:
-                    want = kv[i * bpc : (i + 1) * bpc]
-                    corrupted_chunks += 1
-                    corrupted_bytes += int(np.count_nonzero(got != want))
-            else:
-                errors += 1
-            free_slots.append(slot)
+                while True:
+                    with lock:
+                        n = counts["issued"]
+                        if n >= total or failures:
+                            return
+                        counts["issued"] = n + 1
+                    i = source_index(n)
+                    started = time.perf_counter()
+                    t: Transfer = decode.get(peer, f"bench/chunk{i}", dst, blocks, timeout=30.0)
+                    try:
+                        landed = t.wait()
+                    except Error:
+                        landed = 0
+                        t.cancel()  # the slot is reused only after the drain
+                    if landed != 1:
+                        with lock:
+                            counts["errors"] += 1
+                        continue
+                    lat_ms.append((time.perf_counter() - started) * 1e3)
+                    # Every landed byte, as the Rust bench verifies: crc32c of the landed
+                    # chunk (GIL released) against its source's; on a mismatch, the exact
+                    # count of differing bytes.
+                    if crc32c(got.data) != want_crc[i]:
+                        bad = int(np.count_nonzero(got != kv[i * bpc : (i + 1) * bpc]))
+                        with lock:
+                            counts["corrupted_chunks"] += 1
+                            counts["corrupted_bytes"] += bad
+            except BaseException as e:  # reported by the main thread
+                with lock:
+                    failures.append(e)
+
+        workers = [threading.Thread(target=worker, args=(s,), name=f"bench-{s}") for s in range(a.in_flight)]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
         elapsed = time.perf_counter() - t0
+        if failures:
+            raise failures[0]
+        errors = counts["errors"]
+        corrupted_chunks, corrupted_bytes = counts["corrupted_chunks"], counts["corrupted_bytes"]
         moved = (total - errors) * chunk_bytes
 
         # Per-call overhead: gets of keys never published.
@@ -308,6 +352,8 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
         "chunks_per_request": a.chunks_per_request,
         "in_flight": a.in_flight,
         "connections": a.connections,
+        "runtimes": "separate" if a.separate_runtimes else "shared",
+        "wait_spin_us": a.wait_spin_us if a.wait_spin_us is not None else DEFAULT_WAIT_SPIN_US,
         "chunks": total,
         "bytes": moved,
         "elapsed_s": elapsed,

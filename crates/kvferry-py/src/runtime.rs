@@ -1,0 +1,156 @@
+//! The tokio runtimes Python engines run on: one of an engine's own, or the
+//! process's shared runtime of N threads, which every engine asking for a shared
+//! runtime of N threads uses.
+//!
+//! Several engines in one process (tests, benchmarks, a rank serving a prefill and a
+//! decode role) on one shared runtime run on `N` threads instead of `N` per engine:
+//! on a small machine separate runtimes make their threads take turns on the same
+//! cores, which costs a quarter of the loopback throughput on 2 cores (measured:
+//! docs/benchmarks.md). An engine with a runtime of its own is isolated from its
+//! neighbours' tasks.
+//!
+//! A shared runtime is reference-counted: it starts with the first engine that asks
+//! for it and shuts down when the last one holding it closes or is dropped; the
+//! registry keeps only a weak reference, so nothing outlives its engines (a later
+//! engine starts a fresh runtime).
+//!
+//! # Shutdown
+//!
+//! Dropping the last [`RuntimeRef`] shuts the runtime down, waiting up to
+//! [`SHUTDOWN_WAIT`] for its tasks to stop; dropped on one of the runtime's own threads
+//! (an engine released from a completion callback), it shuts down in the background
+//! instead, since a runtime thread cannot wait for itself.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::runtime::{Handle, Runtime};
+
+/// How long closing the last engine of a runtime waits for its threads to stop.
+pub const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
+
+/// Shared runtimes by thread count (weak: they live as long as their engines).
+static SHARED: Mutex<Option<HashMap<usize, Weak<Held>>>> = Mutex::new(None);
+
+/// A runtime, shut down when the last reference goes.
+struct Held {
+    runtime: Option<Runtime>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            if Handle::try_current().is_ok() {
+                rt.shutdown_background();
+            } else {
+                rt.shutdown_timeout(SHUTDOWN_WAIT);
+            }
+        }
+    }
+}
+
+/// An engine's hold on its runtime.
+#[derive(Clone)]
+pub struct RuntimeRef {
+    held: Arc<Held>,
+    handle: Handle,
+    shared: bool,
+    threads: usize,
+}
+
+impl RuntimeRef {
+    /// A runtime of `threads` threads: the process's shared one for that count when
+    /// `shared` (started if none is running), else one of its own.
+    pub fn get(threads: usize, shared: bool) -> std::io::Result<RuntimeRef> {
+        if !shared {
+            return Self::start(threads, false);
+        }
+        let mut registry = SHARED.lock();
+        let map = registry.get_or_insert_with(HashMap::new);
+        map.retain(|_, weak| weak.strong_count() > 0);
+        if let Some(held) = map.get(&threads).and_then(Weak::upgrade) {
+            let handle = held.runtime.as_ref().expect("set until dropped").handle().clone();
+            return Ok(RuntimeRef {
+                held,
+                handle,
+                shared: true,
+                threads,
+            });
+        }
+        let r = Self::start(threads, true)?;
+        map.insert(threads, Arc::downgrade(&r.held));
+        Ok(r)
+    }
+
+    fn start(threads: usize, shared: bool) -> std::io::Result<RuntimeRef> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name(if shared { "kvferry-rt-shared" } else { "kvferry-rt" })
+            .enable_all()
+            .build()?;
+        let handle = runtime.handle().clone();
+        Ok(RuntimeRef {
+            held: Arc::new(Held { runtime: Some(runtime) }),
+            handle,
+            shared,
+            threads,
+        })
+    }
+
+    /// The runtime's handle.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// Whether this is a shared runtime.
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// Its worker threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Engines (references) holding this runtime, this one included.
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engines_asking_the_same_thread_count_share_one_runtime_until_the_last_goes() {
+        // A thread count no other test in this process uses.
+        let a = RuntimeRef::get(7, true).unwrap();
+        let b = RuntimeRef::get(7, true).unwrap();
+        assert!(Arc::ptr_eq(&a.held, &b.held));
+        assert_eq!(a.holders(), 2);
+        let other = RuntimeRef::get(5, true).unwrap();
+        assert!(!Arc::ptr_eq(&a.held, &other.held));
+        let own = RuntimeRef::get(7, false).unwrap();
+        assert!(!Arc::ptr_eq(&a.held, &own.held) && !own.is_shared());
+        let weak = Arc::downgrade(&a.held);
+        drop((a, b));
+        assert!(weak.upgrade().is_none(), "the last holder shut the shared runtime down");
+        let c = RuntimeRef::get(7, true).unwrap();
+        assert_eq!(c.holders(), 1, "a later engine starts a fresh shared runtime");
+        assert_eq!(c.handle().block_on(async { 6 * 7 }), 42);
+    }
+
+    #[test]
+    fn the_last_holder_dropped_inside_a_runtime_shuts_down_in_the_background() {
+        let r = RuntimeRef::get(9, true).unwrap();
+        let weak = Arc::downgrade(&r.held);
+        // Dropped in an async context (as from a completion callback on an engine
+        // thread): a blocking shutdown would panic there.
+        let other = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        other.block_on(async move { drop(r) });
+        assert!(weak.upgrade().is_none());
+    }
+}
