@@ -343,12 +343,14 @@ impl PyEngine {
                 Some(py.detach(|| handle.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
         }
         let engine = py.detach(|| handle.block_on(Engine::start(cfg))).map_err(py_err)?;
+        let waiting = Waiting {
+            runtime: handle.clone(),
+            spin: Arc::new(crate::spin::AdaptiveSpin::new(Duration::from_micros(wait_spin_us))),
+            linger: runtime.linger().clone(),
+        };
         Ok(PyEngine {
             runtime: Mutex::new(Some(runtime)),
-            waiting: Waiting {
-                runtime: handle.clone(),
-                spin: Arc::new(crate::spin::AdaptiveSpin::new(Duration::from_micros(wait_spin_us))),
-            },
+            waiting,
             handle,
             engine,
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
@@ -375,13 +377,13 @@ impl PyEngine {
         self.engine.incarnation()
     }
 
-    /// The runtime this engine runs on: `(shared, threads, engines holding it)`;
-    /// None once closed.
-    fn runtime_info(&self) -> Option<(bool, usize, usize)> {
+    /// The runtime this engine runs on: `(shared, threads, engines holding it, polls
+    /// made lingering)`; None once closed.
+    fn runtime_info(&self) -> Option<(bool, usize, usize, u64)> {
         self.runtime
             .lock()
             .as_ref()
-            .map(|r| (r.is_shared(), r.threads(), r.holders()))
+            .map(|r| (r.is_shared(), r.threads(), r.holders(), r.linger().polls()))
     }
 
     /// Every counter, as JSON (the Python layer parses it into a dict).

@@ -11,6 +11,7 @@ mod directory;
 mod dlpack;
 mod engine;
 mod errors;
+mod linger;
 mod region;
 mod runtime;
 mod spin;

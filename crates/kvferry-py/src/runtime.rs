@@ -28,6 +28,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::runtime::{Handle, Runtime};
 
+use crate::linger::Linger;
+
 /// How long closing the last engine of a runtime waits for its threads to stop.
 pub const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
 
@@ -37,6 +39,8 @@ static SHARED: Mutex<Option<HashMap<usize, Weak<Held>>>> = Mutex::new(None);
 /// A runtime, shut down when the last reference goes.
 struct Held {
     runtime: Option<Runtime>,
+    /// The runtime's lingering window (see [`crate::linger`]).
+    linger: Arc<Linger>,
 }
 
 impl Drop for Held {
@@ -55,6 +59,7 @@ impl Drop for Held {
 #[derive(Clone)]
 pub struct RuntimeRef {
     held: Arc<Held>,
+    linger: Arc<Linger>,
     handle: Handle,
     shared: bool,
     threads: usize,
@@ -73,6 +78,7 @@ impl RuntimeRef {
         if let Some(held) = map.get(&threads).and_then(Weak::upgrade) {
             let handle = held.runtime.as_ref().expect("set until dropped").handle().clone();
             return Ok(RuntimeRef {
+                linger: held.linger.clone(),
                 held,
                 handle,
                 shared: true,
@@ -91,8 +97,13 @@ impl RuntimeRef {
             .enable_all()
             .build()?;
         let handle = runtime.handle().clone();
+        let linger = Linger::start(&handle);
         Ok(RuntimeRef {
-            held: Arc::new(Held { runtime: Some(runtime) }),
+            held: Arc::new(Held {
+                runtime: Some(runtime),
+                linger: linger.clone(),
+            }),
+            linger,
             handle,
             shared,
             threads,
@@ -107,6 +118,11 @@ impl RuntimeRef {
     /// Whether this is a shared runtime.
     pub fn is_shared(&self) -> bool {
         self.shared
+    }
+
+    /// Its lingering window.
+    pub fn linger(&self) -> &Arc<Linger> {
+        &self.linger
     }
 
     /// Its worker threads.

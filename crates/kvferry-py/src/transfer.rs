@@ -25,6 +25,7 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
 use crate::errors::ErrInfo;
+use crate::linger::Linger;
 use crate::spin::{spin_until, AdaptiveSpin};
 
 /// Bound on waiting for a cancelled transfer's drain (it is itself bounded by the
@@ -69,6 +70,8 @@ pub struct Waiting {
     pub runtime: Handle,
     /// How long a waiter polls before it sleeps (adapting; zero max: never).
     pub spin: Arc<AdaptiveSpin>,
+    /// The runtime's lingering window, opened while waits are short.
+    pub linger: Arc<Linger>,
 }
 
 /// A transfer in flight (from `Engine.get`).
@@ -113,6 +116,11 @@ impl PyTransfer {
         // A timeout's `waited` is the caller's: from this call, not from when the
         // task first ran (which may be later on a busy machine).
         let called = Instant::now();
+        // Waits on this engine are short (a waiter spins): keep a worker polling for
+        // the answer instead of sleeping through its arrival.
+        if !how.spin.budget().is_zero() {
+            how.linger.poke(how.spin.max());
+        }
         how.runtime.spawn(async move {
             let r = tokio::select! {
                 r = fut => r,

@@ -290,8 +290,10 @@ def test_engines_share_the_process_runtime_unless_asked_not_to():
     b = kvferry.Engine(runtime_threads=5, listen=None)
     own = kvferry.Engine(runtime_threads=5, shared_runtime=False)
     try:
-        assert a.stats()["runtime"] == {"shared": True, "threads": 5, "engines": 2}
-        assert own.stats()["runtime"] == {"shared": False, "threads": 5, "engines": 1}
+        rt = {k: v for k, v in a.stats()["runtime"].items() if k != "linger_polls"}
+        assert rt == {"shared": True, "threads": 5, "engines": 2}
+        rt = {k: v for k, v in own.stats()["runtime"].items() if k != "linger_polls"}
+        assert rt == {"shared": False, "threads": 5, "engines": 1}
         src_arr = kv(8)
         a.publish("k", a.register_kv_cache(src_arr, block_bytes=BLOCK), [1, 2], once=False)
         out = np.zeros_like(src_arr)
@@ -343,3 +345,18 @@ def test_waits_return_the_same_outcomes_spinning_or_not(spin_us):
             t.wait(0.05)
         assert time.monotonic() - t0 < 0.05 + 0.02
         assert t.cancel()
+
+
+def test_short_waits_make_a_worker_linger_and_a_zero_spin_never_does():
+    for spin_us, lingers in ((0, False), (500, True)):
+        with (
+            kvferry.Engine(wait_spin_us=spin_us, shared_runtime=False) as p,
+            kvferry.Engine(wait_spin_us=spin_us, shared_runtime=False, listen=None) as d,
+        ):
+            dst = d.register_kv_cache(np.zeros((4, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
+            for i in range(50):
+                with pytest.raises(kvferry.NotFoundError):
+                    d.get_blocking(p.address, f"miss-{i}", dst, [0])
+            polls = d.stats()["runtime"]["linger_polls"]
+            assert (polls > 0) == lingers, (spin_us, polls)
+            assert p.stats()["runtime"]["linger_polls"] == 0  # it started no transfer

@@ -172,10 +172,13 @@ class Engine:
         wait_spin_us: how long (microseconds) a thread waiting on a transfer
             (:meth:`Transfer.wait`, :meth:`get_blocking`, ...) polls for its outcome,
             with the GIL released and yielding its CPU to any runnable thread, before
-            it sleeps. A transfer that finishes within it (a miss, a small chunk) is
-            seen at once, not after a sleeping thread's wake-up (tens of microseconds,
-            more on virtual machines whose idle CPUs halt). Costs at most that much
-            CPU per wait; 0 sleeps at once.
+            it sleeps; and how long after a transfer starts one runtime worker keeps
+            polling for I/O instead of sleeping ("lingering"). A transfer that
+            finishes within it (a miss, a small chunk) is then seen at once, not after
+            sleeping threads' wake-ups (tens of microseconds each, more on virtual
+            machines whose idle CPUs halt). The budget adapts: waits longer than this
+            shrink it to nothing (a throughput run spins no CPU), short ones grow it
+            back. 0: never spin or linger.
         directory: where peers are found. ``{name: "host:port"}``: a static map of peers
             that may be named instead of addressed. ``"etcd://HOST:PORT[,HOST:PORT...]"``:
             the etcd peer directory (what ``kvferry serve --directory`` uses): a
@@ -298,14 +301,16 @@ class Engine:
         ``server``, ``registered``, ``device``: kind, operations, stuck,
         memory_used on a sim engine; kind, device, name on a cuda engine; and
         ``runtime``: ``shared`` (the process's shared runtime or its own),
-        ``threads`` and ``engines`` (how many engines run on it; absent once closed)."""
+        ``threads``, ``engines`` (how many engines run on it) and ``linger_polls``
+        (I/O polls a worker made lingering after short waits, see ``wait_spin_us``);
+        absent once closed."""
         stats: dict[str, Any] = json.loads(self._e.stats_json())
         device = json.loads(self._e.device_stats_json())
         if device:
             stats["device"] = device
         rt = self._e.runtime_info()
         if rt is not None:
-            stats["runtime"] = {"shared": rt[0], "threads": rt[1], "engines": rt[2]}
+            stats["runtime"] = {"shared": rt[0], "threads": rt[1], "engines": rt[2], "linger_polls": rt[3]}
         return stats
 
     def close(self, timeout: float = 5.0) -> dict[str, Any]:

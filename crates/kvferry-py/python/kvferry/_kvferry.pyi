@@ -212,8 +212,9 @@ class Engine:
     @property
     def closed(self) -> bool:
         """True once ``close`` was called."""
-    def runtime_info(self) -> tuple[bool, int, int] | None:
-        """``(shared, threads, engines holding it)`` of this engine's runtime; None once closed."""
+    def runtime_info(self) -> tuple[bool, int, int, int] | None:
+        """``(shared, threads, engines holding it, polls made lingering)`` of this
+        engine's runtime; None once closed."""
     def stats_json(self) -> str:
         """Every counter, as a JSON object."""
     def register_spans(self, name: str, parts: Sequence[tuple[Buffer, Sequence[_Span]]], blocks: int) -> Region:

@@ -168,6 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--separate-runtimes", action="store_true",
                    help="give each engine a runtime of its own (Engine(shared_runtime=False)) instead of "
                         "the process's shared one, which the Rust bench's engines share too")
+    p.add_argument("--runtime-threads", type=_positive, default=None, metavar="N",
+                   help="Engine(runtime_threads=...) of both engines (default: the Engine default)")
     p.add_argument("--wait-spin-us", type=_spin_us, default=None, metavar="US",
                    help="Engine(wait_spin_us=...) of both engines (default: the Engine default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -240,6 +242,8 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"shared_runtime": not a.separate_runtimes}
     if a.wait_spin_us is not None:
         opts["wait_spin_us"] = a.wait_spin_us
+    if a.runtime_threads is not None:
+        opts["runtime_threads"] = a.runtime_threads
     prefill = Engine(ttl=day, max_ttl=day, peer_id="bench-prefill", **opts)
     decode = Engine(listen=None, connections_per_peer=a.connections, peer_id="bench-decode", **opts)
     engines = (prefill, decode)
