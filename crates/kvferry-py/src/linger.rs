@@ -10,9 +10,9 @@
 //! resumes a yielded task, so readiness is picked up as it happens, and the worker
 //! running the loop never sleeps. Other tasks run between the yields.
 //!
-//! Python waits open the window only while its waits are short (the adaptive spin
-//! budget of [`crate::spin`] is non-zero), so throughput runs, whose waits are long,
-//! do not pay for a spinning worker. The window is bounded: at most the engine's
+//! A Python engine opens the window only while its transfers are short (the adaptive
+//! spin budget of [`crate::spin`] is non-zero), so throughput runs, whose transfers
+//! are long, do not pay for a spinning worker. The window is bounded: at most the engine's
 //! `wait_spin_us` after the last transfer started.
 //!
 //! # Cancellation

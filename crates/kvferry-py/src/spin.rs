@@ -9,11 +9,11 @@
 //!
 //! Polling burns CPU that transfers need when waits are long (a 2.5 MiB chunk takes a
 //! millisecond), so the budget adapts per engine, as the kernel's haltpoll governor
-//! adapts its poll window: every wait that had to wait reports how long it took; a
-//! wait at most `max` long grows the budget (doubling, from `max / 8`, up to `max`),
-//! since spinning that long would have caught it; a longer one halves it (below
-//! `max / 8` it drops to zero: no spinning until short waits come back). Waits whose
-//! outcome was already there report nothing.
+//! adapts its poll window: every transfer reports how long it took, from its start to
+//! its outcome (whoever waits for it, and however: `wait`, `await`, polling `done()`);
+//! one at most `max` long grows the budget (doubling, from `max / 8`, up to `max`),
+//! since spinning that long would catch it; a longer one halves it (below `max / 8`
+//! it drops to zero: no spinning until short transfers come back).
 //!
 //! The policy is a small state machine over durations handed in (no clock of its
 //! own), so it is tested deterministically.
@@ -48,8 +48,7 @@ impl AdaptiveSpin {
         Duration::from_nanos(self.max_ns)
     }
 
-    /// Records a wait that took `waited` until its outcome came (only waits whose
-    /// outcome was not already there).
+    /// Records a transfer that took `waited` from its start to its outcome.
     pub fn record(&self, waited: Duration) {
         if self.max_ns == 0 {
             return;

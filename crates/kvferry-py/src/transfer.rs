@@ -70,7 +70,7 @@ pub struct Waiting {
     pub runtime: Handle,
     /// How long a waiter polls before it sleeps (adapting; zero max: never).
     pub spin: Arc<AdaptiveSpin>,
-    /// The runtime's lingering window, opened while waits are short.
+    /// The runtime's lingering window, opened while transfers are short.
     pub linger: Arc<Linger>,
 }
 
@@ -116,7 +116,8 @@ impl PyTransfer {
         // A timeout's `waited` is the caller's: from this call, not from when the
         // task first ran (which may be later on a busy machine).
         let called = Instant::now();
-        // Waits on this engine are short (a waiter spins): keep a worker polling for
+        let spin = how.spin.clone();
+        // Transfers on this engine are short (a waiter spins): keep a worker polling for
         // the answer instead of sleeping through its arrival.
         if !how.spin.budget().is_zero() {
             how.linger.poke(how.spin.max());
@@ -138,6 +139,9 @@ impl PyTransfer {
                     e.waited = Some(e.waited.unwrap_or_default().max(called.elapsed()));
                 }
             }
+            // How long the transfer took adapts how long waits on this engine spin
+            // (whoever waits: `wait`, `await`, polling `done()`).
+            spin.record(called.elapsed());
             s.finish(o);
         });
         PyTransfer {
@@ -164,7 +168,6 @@ impl PyTransfer {
             let budget = timeout.map_or(spin, |t| t.min(spin));
             let shared = self.shared.clone();
             if py.detach(move || spin_until(&shared.finished, budget)) {
-                self.spin.record(started.elapsed());
                 return Ok(self.shared.outcome.lock().clone());
             }
         }
@@ -188,7 +191,6 @@ impl PyTransfer {
                 o.clone()
             });
             if got.is_some() {
-                self.spin.record(started.elapsed());
                 return Ok(got);
             }
             if let Err(e) = py.check_signals() {

@@ -176,9 +176,9 @@ class Engine:
             polling for I/O instead of sleeping ("lingering"). A transfer that
             finishes within it (a miss, a small chunk) is then seen at once, not after
             sleeping threads' wake-ups (tens of microseconds each, more on virtual
-            machines whose idle CPUs halt). The budget adapts: waits longer than this
-            shrink it to nothing (a throughput run spins no CPU), short ones grow it
-            back. 0: never spin or linger.
+            machines whose idle CPUs halt). The budget adapts: transfers taking longer
+            than this shrink it to nothing (a throughput run spins no CPU), short
+            ones grow it back. 0: never spin or linger.
         directory: where peers are found. ``{name: "host:port"}``: a static map of peers
             that may be named instead of addressed. ``"etcd://HOST:PORT[,HOST:PORT...]"``:
             the etcd peer directory (what ``kvferry serve --directory`` uses): a
