@@ -12,7 +12,9 @@
 //! A shared runtime is reference-counted: it starts with the first engine that asks
 //! for it and shuts down when the last one holding it closes or is dropped; the
 //! registry keeps only a weak reference, so nothing outlives its engines (a later
-//! engine starts a fresh runtime).
+//! engine starts a fresh runtime). The registry belongs to the process that filled
+//! it: a child made by `fork` (whose copies of the parent's runtimes have no threads)
+//! finds it empty and starts runtimes of its own.
 //!
 //! # Shutdown
 //!
@@ -33,8 +35,12 @@ use crate::linger::Linger;
 /// How long closing the last engine of a runtime waits for its threads to stop.
 pub const SHUTDOWN_WAIT: Duration = Duration::from_millis(500);
 
-/// Shared runtimes by thread count (weak: they live as long as their engines).
-static SHARED: Mutex<Option<HashMap<usize, Weak<Held>>>> = Mutex::new(None);
+/// Shared runtimes by thread count (weak: they live as long as their engines), and the
+/// process they were started in.
+static SHARED: Registry = Mutex::new(None);
+
+/// Shared runtimes by thread count, and the process that started them.
+type Registry = Mutex<Option<(u32, HashMap<usize, Weak<Held>>)>>;
 
 /// A runtime, shut down when the last reference goes.
 struct Held {
@@ -72,8 +78,18 @@ impl RuntimeRef {
         if !shared {
             return Self::start(threads, false);
         }
-        let mut registry = SHARED.lock();
-        let map = registry.get_or_insert_with(HashMap::new);
+        Self::shared_in(&SHARED, std::process::id(), threads)
+    }
+
+    /// The shared runtime of `threads` threads in `registry`, as seen by process `pid`.
+    fn shared_in(registry: &Registry, pid: u32, threads: usize) -> std::io::Result<RuntimeRef> {
+        let mut registry = registry.lock();
+        if registry.as_ref().is_some_and(|(owner, _)| *owner != pid) {
+            // Forked: the parent's runtimes have no threads here. Forget them (only
+            // weak references: nothing is shut down).
+            *registry = None;
+        }
+        let (_, map) = registry.get_or_insert_with(|| (pid, HashMap::new()));
         map.retain(|_, weak| weak.strong_count() > 0);
         if let Some(held) = map.get(&threads).and_then(Weak::upgrade) {
             let handle = held.runtime.as_ref().expect("set until dropped").handle().clone();
@@ -157,6 +173,22 @@ mod tests {
         let c = RuntimeRef::get(7, true).unwrap();
         assert_eq!(c.holders(), 1, "a later engine starts a fresh shared runtime");
         assert_eq!(c.handle().block_on(async { 6 * 7 }), 42);
+    }
+
+    #[test]
+    fn a_forked_child_does_not_reuse_its_parents_runtimes() {
+        let registry: Registry = Mutex::new(None);
+        let parent = RuntimeRef::shared_in(&registry, 1, 3).unwrap();
+        let again = RuntimeRef::shared_in(&registry, 1, 3).unwrap();
+        assert!(Arc::ptr_eq(&parent.held, &again.held));
+        // The same registry seen from another process (a forked child, where the
+        // parent's runtime has no threads): a runtime of the child's own.
+        let child = RuntimeRef::shared_in(&registry, 2, 3).unwrap();
+        assert!(!Arc::ptr_eq(&parent.held, &child.held));
+        assert_eq!(child.holders(), 1);
+        let child2 = RuntimeRef::shared_in(&registry, 2, 3).unwrap();
+        assert!(Arc::ptr_eq(&child.held, &child2.held), "shared within the child");
+        assert_eq!(child.handle().block_on(async { 1 + 1 }), 2);
     }
 
     #[test]
