@@ -149,8 +149,8 @@ impl PyStaged {
 pub struct PyEngine {
     /// The runtime this engine runs on, until closed.
     runtime: Mutex<Option<RuntimeRef>>,
-    handle: tokio::runtime::Handle,
-    /// The runtime and spin budget transfers are waited on with.
+    /// The runtime's handle, spin budget and linger window transfers run and are
+    /// waited on with.
     waiting: Waiting,
     engine: Engine,
     id: usize,
@@ -161,6 +161,11 @@ pub struct PyEngine {
 }
 
 impl PyEngine {
+    /// The handle of the engine's runtime (it stays valid after close).
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.waiting.runtime
+    }
+
     fn check_region(&self, region: &PyRegion) -> PyResult<()> {
         if region.engine_id != self.id {
             return Err(ErrInfo::invalid("region was registered with another engine").into());
@@ -351,7 +356,6 @@ impl PyEngine {
         Ok(PyEngine {
             runtime: Mutex::new(Some(runtime)),
             waiting,
-            handle,
             engine,
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
             published: Mutex::new(HashMap::new()),
@@ -466,7 +470,8 @@ impl PyEngine {
             return self.deregister_device(py, region, t);
         };
         let e = &self.engine;
-        py.detach(|| self.handle.block_on(e.deregister(reg, t))).map_err(py_err)
+        py.detach(|| self.handle().block_on(e.deregister(reg, t)))
+            .map_err(py_err)
     }
 
     /// Publishes blocks of `region` under `key`, zero copy. The blocks must not be
@@ -546,7 +551,7 @@ impl PyEngine {
         let keys = Self::keys(keys)?;
         let dst = self.destination(region, block_ids, path, incarnation)?;
         let t = required(timeout, "timeout")?;
-        let _guard = self.handle.enter();
+        let _guard = self.handle().enter();
         let deadline = tokio::time::Instant::now() + t;
         let transfer = self.engine.start_get(&peer, &keys, dst, deadline);
         let fence = transfer.fence();
@@ -607,7 +612,7 @@ impl PyEngine {
         let e = &self.engine;
         let h = py
             .detach(|| {
-                self.handle
+                self.handle()
                     .block_on(async { e.stage(&peer, &keys, tokio::time::Instant::now() + t).await })
                     .map_err(|err| ErrInfo::from(&err).peer(&peer).op("stage"))
             })
@@ -637,7 +642,7 @@ impl PyEngine {
         let t = required(timeout, "timeout")?;
         let (e, h) = (self.engine.clone(), staged.handle.clone());
         let peer = h.peer.clone();
-        let _guard = self.handle.enter();
+        let _guard = self.handle().enter();
         let (signal, fence) = kvferry::copy::DrainFence::pair();
         let fut = async move {
             let r = e.resolve(h, dst, tokio::time::Instant::now() + t).await;
@@ -685,7 +690,7 @@ impl PyEngine {
         let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) };
         let e = &self.engine;
         py.detach(|| {
-            self.handle
+            self.handle()
                 .block_on(async { e.push(&peer, k, bytes, tokio::time::Instant::now() + t).await })
                 .map_err(|err| ErrInfo::from(&err).peer(&peer).op("push"))
         })
@@ -705,7 +710,7 @@ impl PyEngine {
         let t = required(timeout, "timeout")?;
         let e = &self.engine;
         py.detach(|| {
-            self.handle
+            self.handle()
                 .block_on(async { e.locate(&keys, tokio::time::Instant::now() + t).await })
                 .map(|found| found.into_iter().map(|l| (l.peer_id, l.address, l.hits)).collect())
                 .map_err(|err| ErrInfo::from(&err).op("locate"))
@@ -719,7 +724,7 @@ impl PyEngine {
         let t = required(timeout, "timeout")?;
         let e = &self.engine;
         py.detach(|| {
-            self.handle
+            self.handle()
                 .block_on(async { e.lookup(&peer, &keys, tokio::time::Instant::now() + t).await })
                 .map_err(|err| ErrInfo::from(&err).peer(&peer).op("lookup"))
         })
@@ -731,7 +736,7 @@ impl PyEngine {
     fn close<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         let t = required(timeout, "timeout")?;
         let e = &self.engine;
-        let report = py.detach(|| self.handle.block_on(e.close(tokio::time::Instant::now() + t)));
+        let report = py.detach(|| self.handle().block_on(e.close(tokio::time::Instant::now() + t)));
         // The last engine on its runtime shuts it down (bounded); a shared runtime
         // other engines still hold goes on.
         let rt = self.runtime.lock().take();
@@ -919,7 +924,7 @@ impl PyEngine {
                 backoff = (backoff * 2).min(Duration::from_millis(50));
             }
         };
-        let _guard = self.handle.enter();
+        let _guard = self.handle().enter();
         Ok(PyTransfer::spawn_op(
             &self.waiting,
             peer,

@@ -45,8 +45,11 @@ type Registry = Mutex<Option<(u32, HashMap<usize, Weak<Held>>)>>;
 /// A runtime, shut down when the last reference goes.
 struct Held {
     runtime: Option<Runtime>,
+    handle: Handle,
     /// The runtime's lingering window (see [`crate::linger`]).
     linger: Arc<Linger>,
+    threads: usize,
+    shared: bool,
 }
 
 impl Drop for Held {
@@ -65,10 +68,6 @@ impl Drop for Held {
 #[derive(Clone)]
 pub struct RuntimeRef {
     held: Arc<Held>,
-    linger: Arc<Linger>,
-    handle: Handle,
-    shared: bool,
-    threads: usize,
 }
 
 impl RuntimeRef {
@@ -92,14 +91,7 @@ impl RuntimeRef {
         let (_, map) = registry.get_or_insert_with(|| (pid, HashMap::new()));
         map.retain(|_, weak| weak.strong_count() > 0);
         if let Some(held) = map.get(&threads).and_then(Weak::upgrade) {
-            let handle = held.runtime.as_ref().expect("set until dropped").handle().clone();
-            return Ok(RuntimeRef {
-                linger: held.linger.clone(),
-                held,
-                handle,
-                shared: true,
-                threads,
-            });
+            return Ok(RuntimeRef { held });
         }
         let r = Self::start(threads, true)?;
         map.insert(threads, Arc::downgrade(&r.held));
@@ -117,33 +109,32 @@ impl RuntimeRef {
         Ok(RuntimeRef {
             held: Arc::new(Held {
                 runtime: Some(runtime),
-                linger: linger.clone(),
+                handle,
+                linger,
+                threads,
+                shared,
             }),
-            linger,
-            handle,
-            shared,
-            threads,
         })
     }
 
     /// The runtime's handle.
     pub fn handle(&self) -> &Handle {
-        &self.handle
+        &self.held.handle
     }
 
     /// Whether this is a shared runtime.
     pub fn is_shared(&self) -> bool {
-        self.shared
+        self.held.shared
     }
 
     /// Its lingering window.
     pub fn linger(&self) -> &Arc<Linger> {
-        &self.linger
+        &self.held.linger
     }
 
     /// Its worker threads.
     pub fn threads(&self) -> usize {
-        self.threads
+        self.held.threads
     }
 
     /// Engines (references) holding this runtime, this one included.
