@@ -2,7 +2,9 @@
 # All of kvferry's tests, Rust and Python, on a fresh machine with only the Rust
 # toolchain and CPython >= 3.11: creates a virtual environment (.venv, or
 # $KVFERRY_VENV), installs maturin, pytest and numpy into it, builds the Python
-# package from source, then runs `cargo test --workspace` and pytest.
+# package from source, installs the system tools some tests use (etcd, nftables,
+# iproute2; as root with apt-get, otherwise those tests skip with a message, and under
+# CI=true a missing tool is a failure), then runs `cargo test --workspace` and pytest.
 #
 # Tests build with the release profile, like the README's first command
 # (`cargo run --release -- bench`), so the two commands compile the workspace once, not
@@ -26,8 +28,8 @@ fi
 profile_flag=--release
 [ "${KVFERRY_TEST_PROFILE:-release}" = "dev" ] && profile_flag=
 
-echo "== etcd (the etcd peer directory's tests start it)"
-"$root/scripts/install-directory-deps.sh"
+echo "== system tools the tests use (etcd, nftables, iproute2)"
+"$root/scripts/install-test-deps.sh"
 
 echo "== rust tests"
 cargo test --workspace $profile_flag "$@"

@@ -11,7 +11,7 @@
 //! removed when the [`net::Network`] is dropped, also while a test panics; namespaces
 //! left behind by a test process that was killed are swept by the next run.
 //!
-//! Where namespaces cannot be created (not root, no `ip`), [`net::Network::or_skip`]
+//! Where namespaces cannot be created (not root, no `ip` or `nft`), [`net::Network::or_skip`]
 //! prints why and the test returns early; with `CI=true` that is a failure instead.
 //!
 //! # Cancellation

@@ -147,7 +147,10 @@ impl Network {
         if unsafe { libc::geteuid() } != 0 {
             return Err("not root: network namespaces need CAP_SYS_ADMIN/CAP_NET_ADMIN".into());
         }
-        run("ip", &["-V"]).map_err(|e| format!("no usable `ip` command ({e})"))?;
+        run("ip", &["-V"]).map_err(|e| format!("no usable `ip` command, install iproute2 ({e})"))?;
+        // `partition` and `heal` cut links with nftables: a host without `nft` cannot
+        // run these tests (scripts/install-test-deps.sh installs it).
+        run("nft", &["--version"]).map_err(|e| format!("no usable `nft` command, install nftables ({e})"))?;
         sweep_stale();
         let pid = std::process::id();
         let prefix = format!("kf{pid}-{}", NEXT.fetch_add(1, Ordering::Relaxed));
