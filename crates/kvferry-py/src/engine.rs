@@ -573,26 +573,14 @@ impl PyEngine {
         let keys = Self::keys(keys)?;
         let dst = self.destination(region, block_ids, path, None)?;
         let t = required(timeout, "timeout")?;
-        let e = self.engine.clone();
-        let p2 = peer.clone();
-        let fut = async move {
-            let deadline = tokio::time::Instant::now() + t;
-            let handle = e
-                .stage(&p2, &keys, deadline)
-                .await
-                .map_err(|error| kvferry::peer::GetFailure {
-                    error,
-                    fence: kvferry::copy::DrainFence::ready(),
-                    dirty: false,
-                })?;
-            e.resolve(handle, dst, deadline).await
-        };
-        let (signal, fence) = kvferry::copy::DrainFence::pair();
-        let fut = async move {
-            let r = fut.await;
-            drop(signal);
-            r
-        };
+        let _guard = self.handle().enter();
+        // One fence for both steps, fired by the library once nothing writes `dst`:
+        // a Ctrl-C returns only after the drain.
+        let transfer = self
+            .engine
+            .start_pull(&peer, &keys, dst, tokio::time::Instant::now() + t);
+        let fence = transfer.fence();
+        let fut = transfer;
         let tr = PyTransfer::spawn(&self.waiting, peer.clone(), fence, fut);
         match tr.wait_outcome(py, None)? {
             Some(Ok(n)) => Ok(n),
@@ -640,15 +628,13 @@ impl PyEngine {
     ) -> PyResult<usize> {
         let dst = self.destination(region, block_ids, path, None)?;
         let t = required(timeout, "timeout")?;
-        let (e, h) = (self.engine.clone(), staged.handle.clone());
+        let h = staged.handle.clone();
         let peer = h.peer.clone();
         let _guard = self.handle().enter();
-        let (signal, fence) = kvferry::copy::DrainFence::pair();
-        let fut = async move {
-            let r = e.resolve(h, dst, tokio::time::Instant::now() + t).await;
-            drop(signal);
-            r
-        };
+        // The library's fence: it fires once nothing writes `dst` (see `pull`).
+        let transfer = self.engine.start_resolve(h, dst, tokio::time::Instant::now() + t);
+        let fence = transfer.fence();
+        let fut = transfer;
         let tr = PyTransfer::spawn(&self.waiting, peer, fence, fut);
         match tr.wait_outcome(py, None)? {
             Some(Ok(n)) => Ok(n),

@@ -575,6 +575,28 @@ impl Engine {
         self.inner.consumer.resolve(handle, dst, deadline).await
     }
 
+    /// [`resolve`](Self::resolve) as a [`Transfer`] whose drain fence is known
+    /// before it completes: a caller that may cancel (drop) it waits on the fence
+    /// before reusing `dst`.
+    pub fn start_resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Transfer {
+        if self.check_open().is_err() {
+            return Transfer::failed(PeerError::ShuttingDown);
+        }
+        self.inner.consumer.start_resolve(handle, dst, deadline)
+    }
+
+    /// Delayed pull in one call ([`stage`](Self::stage), then
+    /// [`resolve`](Self::resolve) under one deadline) as a [`Transfer`] with one
+    /// drain fence for both steps.
+    pub fn start_pull(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        if self.check_open().is_err() {
+            return Transfer::failed(PeerError::ShuttingDown);
+        }
+        self.inner
+            .consumer
+            .start_pull(&self.resolve_peer(peer), keys, dst, deadline)
+    }
+
     /// Releases a staged lease without pulling it.
     pub async fn release_staged(&self, handle: &StagedHandle, deadline: Instant) -> Result<(), PeerError> {
         self.inner.consumer.release(handle, deadline).await

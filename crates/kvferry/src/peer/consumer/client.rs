@@ -17,6 +17,10 @@ use crate::net::{NetError, Pool, PoolStats};
 use crate::stats::{Histogram, HistogramSnapshot};
 use crate::wire::{ChunkKey, Message};
 
+/// How much later than its deadline [`Consumer::get_blocking`] gives up waiting for a
+/// transfer's own answer (which normally arrives at the deadline).
+const BLOCKING_SLACK: Duration = Duration::from_millis(500);
+
 #[derive(Default)]
 pub(super) struct Counters {
     pub(super) completed: AtomicU64,
@@ -279,12 +283,75 @@ impl Consumer {
     /// Delayed pull, step two: moves the staged bytes into `dst`. Refused with
     /// `LeaseExpired` when less than the guard margin is left on the lease, and with
     /// `StaleIncarnation` when the producer has restarted since.
+    ///
+    /// # Cancellation
+    ///
+    /// Dropping the future cancels the transfer; its work drains in the background.
+    /// A caller that may drop it and must know when the destination is quiet uses
+    /// [`start_resolve`](Self::start_resolve), whose fence is known up front.
     pub async fn resolve(
         &self,
         handle: StagedHandle,
         dst: Destination,
         deadline: Instant,
     ) -> Result<Landed, GetFailure> {
+        self.start_resolve(handle, dst, deadline).await
+    }
+
+    /// [`resolve`](Self::resolve) as a [`Transfer`]: its [`DrainFence`] is available
+    /// before it completes and fires only once nothing writes `dst` any more, also
+    /// when the transfer is dropped (cancelled) half-way.
+    pub fn start_resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Transfer {
+        let (signal, fence) = DrainFence::pair();
+        let (this, f) = (self.clone(), fence.clone());
+        // Dropped before its first poll, the future drops `signal` and the fence fires.
+        let fut = async move {
+            let started = Instant::now();
+            this.resolve_fenced(handle, dst, deadline, started, signal, f).await
+        };
+        Transfer {
+            fence,
+            fut: Box::pin(fut),
+        }
+    }
+
+    /// Delayed pull in one call: asks `peer` to stage `keys`, then moves the staged
+    /// chunks into `dst` under the same `deadline`, as one [`Transfer`] with one fence
+    /// (it fires once nothing writes `dst`, whichever step a cancel interrupts). A
+    /// stage that fails, or a transfer dropped while staging, wrote nothing; the
+    /// producer's lease then ends by its TTL.
+    pub fn start_pull(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        let (signal, fence) = DrainFence::pair();
+        let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
+        let fut = async move {
+            let started = Instant::now();
+            match this.stage(&peer, &keys, deadline).await {
+                Ok(handle) => this.resolve_fenced(handle, dst, deadline, started, signal, f).await,
+                Err(error) => {
+                    drop(signal);
+                    Err(GetFailure::clean(error, f))
+                }
+            }
+        };
+        Transfer {
+            fence,
+            fut: Box::pin(fut),
+        }
+    }
+
+    async fn resolve_fenced(
+        &self,
+        handle: StagedHandle,
+        dst: Destination,
+        deadline: Instant,
+        started: Instant,
+        signal: DrainSignal,
+        fence: DrainFence,
+    ) -> Result<Landed, GetFailure> {
+        let refuse = |error, signal: DrainSignal, fence| {
+            drop(signal); // nothing was started: the destination is untouched
+            Err(GetFailure::clean(error, fence))
+        };
         let now = Instant::now();
         let remaining = handle.expires.saturating_duration_since(now);
         if remaining < self.inner.cfg.lease_guard {
@@ -292,7 +359,7 @@ impl Consumer {
                 lease_id: handle.lease_id,
                 remaining,
             };
-            return Err(GetFailure::clean(error, DrainFence::ready()));
+            return refuse(error, signal, fence);
         }
         let current = self.pool(&handle.peer).map(|p| p.incarnation()).unwrap_or(0);
         if current != 0 && current != handle.incarnation {
@@ -300,18 +367,20 @@ impl Consumer {
                 handle: handle.incarnation,
                 current,
             };
-            return Err(GetFailure::clean(error, DrainFence::ready()));
+            return refuse(error, signal, fence);
         }
         if handle.chunks.is_empty() {
+            drop(signal);
             return Ok(Landed { chunks: 0, bytes: 0 });
         }
         // The destination is checked as for `get`: the staged chunks land in its
         // leading chunks (fewer destination chunks pull a prefix).
         if let Err(error) = dst.check(handle.chunks.len().min(dst.chunks.len()).max(1)) {
-            return Err(GetFailure::clean(error, DrainFence::ready()));
+            return refuse(error, signal, fence);
         }
         let peer = handle.peer.clone();
-        self.run(&peer, Request::Pull { handle }, dst, deadline.min(now + remaining))
+        let deadline = deadline.min(now + remaining);
+        self.run_fenced(&peer, Request::Pull { handle }, dst, deadline, started, signal, fence)
             .await
     }
 
@@ -329,6 +398,11 @@ impl Consumer {
     }
 
     /// Eager get: the peer stages `keys` and sends them at once; they land in `dst`.
+    ///
+    /// # Cancellation
+    ///
+    /// Dropping the future cancels the transfer; its work drains in the background
+    /// (use [`start_get`](Self::start_get) to hold the fence that says when).
     pub async fn get(
         &self,
         peer: &str,
@@ -336,17 +410,15 @@ impl Consumer {
         dst: Destination,
         deadline: Instant,
     ) -> Result<Landed, GetFailure> {
-        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| dst.check(keys.len())) {
-            return Err(GetFailure::clean(error, DrainFence::ready()));
-        }
-        self.run(peer, Request::Get { keys: keys.to_vec() }, dst, deadline)
-            .await
+        self.start_get(peer, keys, dst, deadline).await
     }
 
     /// The synchronous get: returns within `timeout` (plus scheduling slack) with the
-    /// result or `Timeout`. On timeout the transfer is cancelled and drained in the
-    /// background; the returned failure's fence fires when the destination is quiet.
-    /// Must not be called from inside an async task (it blocks the thread).
+    /// result or `Timeout`. It is [`start_get`](Self::start_get) run on the consumer's
+    /// runtime and waited for from this thread: on timeout the transfer is cancelled
+    /// and drained in the background, and the returned failure's fence fires when the
+    /// destination is quiet. Must not be called from inside an async task (it blocks
+    /// the thread).
     pub fn get_blocking(
         &self,
         peer: &str,
@@ -363,64 +435,28 @@ impl Consumer {
                 "get_blocking called from inside an async runtime; use get() there".into(),
             ));
         }
-        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| dst.check(keys.len())) {
-            return fail(error);
-        }
-        let started = std::time::Instant::now();
-        let deadline = Instant::now() + timeout;
+        let transfer = {
+            let _entered = self.inner.runtime.enter();
+            self.start_get(peer, keys, dst, Instant::now() + timeout)
+        };
+        let fence = transfer.fence();
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let (signal, fence) = DrainFence::pair();
-        let watch = self.peer_watch(peer);
-        let cancel = watch.child_token();
-        let this = self.clone();
-        let (peer, req, c2) = (peer.to_string(), Request::Get { keys: keys.to_vec() }, cancel.clone());
-        let span = self.transfer_span(&peer, &req);
-        self.inner.runtime.spawn(
-            async move {
-                let r = this.transfer(&peer, req, dst, deadline, c2, signal).await;
-                let r = r.map_err(|e| watch.explain(e));
-                let _ = tx.send(r);
-            }
-            .instrument(span),
-        );
-        match rx.recv_timeout(timeout) {
-            Ok(r) => {
-                if matches!(
-                    r,
-                    Err(TaskError {
-                        error: PeerError::Timeout { .. },
-                        ..
-                    })
-                ) {
-                    self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
-                }
-                r.map_err(|e| e.with_fence(fence))
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                cancel.cancel();
-                self.inner.counters.timeouts.fetch_add(1, Ordering::Relaxed);
-                Err(GetFailure {
-                    error: PeerError::Timeout {
-                        op: "get",
-                        waited: started.elapsed(),
-                    },
-                    fence,
-                    dirty: true,
-                })
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(GetFailure {
-                error: PeerError::Net(NetError::Protocol("transfer task ended without a result".into())),
+        // The transfer enforces its own deadline (`run_fenced`); this thread only waits
+        // for its answer. Dropping the task (runtime shutdown) cancels the transfer.
+        self.inner.runtime.spawn(async move {
+            let _ = tx.send(transfer.await);
+        });
+        // A little slack over the deadline: the answer normally arrives at it.
+        match rx.recv_timeout(timeout + BLOCKING_SLACK) {
+            Ok(r) => r,
+            Err(_) => Err(GetFailure {
+                error: PeerError::Net(NetError::Protocol(
+                    "transfer task gave no answer by its deadline (runtime shut down?)".into(),
+                )),
                 fence,
                 dirty: true,
             }),
         }
-    }
-
-    /// Runs a transfer task and awaits it under `deadline`; cancels it (drain in the
-    /// background) when the deadline passes or this future is dropped.
-    async fn run(&self, peer: &str, req: Request, dst: Destination, deadline: Instant) -> Result<Landed, GetFailure> {
-        let (signal, fence) = DrainFence::pair();
-        self.run_fenced(peer, req, dst, deadline, signal, fence).await
     }
 
     /// Starts an eager get whose [`DrainFence`] is available *before* it completes:
@@ -439,7 +475,8 @@ impl Consumer {
         let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
         // Dropped before its first poll, the future drops `signal` and the fence fires.
         let fut = async move {
-            this.run_fenced(&peer, Request::Get { keys }, dst, deadline, signal, f)
+            let started = Instant::now();
+            this.run_fenced(&peer, Request::Get { keys }, dst, deadline, started, signal, f)
                 .await
         };
         Transfer {
@@ -448,16 +485,21 @@ impl Consumer {
         }
     }
 
+    /// Runs a transfer task and awaits it under `deadline`; cancels it (drain in the
+    /// background, `signal` moves into the task) when the deadline passes or this
+    /// future is dropped. `started` is when the caller's operation began: every
+    /// `Timeout` it returns reports the time waited since then, one clock for all.
+    #[allow(clippy::too_many_arguments)]
     async fn run_fenced(
         &self,
         peer: &str,
         req: Request,
         dst: Destination,
         deadline: Instant,
+        started: Instant,
         signal: DrainSignal,
         fence: DrainFence,
     ) -> Result<Landed, GetFailure> {
-        let started = Instant::now();
         // A child of the peer's watch: the directory declaring the peer restarted or
         // lost cancels it, and `explain` turns that cancellation into the reason.
         let watch = self.peer_watch(peer);
@@ -489,7 +531,14 @@ impl Consumer {
         match out {
             Ok(Ok(r)) => {
                 guard.disarm();
-                r.map_err(|e| e.with_fence(fence))
+                r.map_err(|mut e| {
+                    // Whichever inner step hit its bound (a checkout, a reply, the
+                    // receive), the caller waited since it started.
+                    if let PeerError::Timeout { waited, .. } = &mut e.error {
+                        *waited = started.elapsed();
+                    }
+                    e.with_fence(fence)
+                })
             }
             Ok(Err(join)) => Err(GetFailure {
                 error: PeerError::Net(NetError::Protocol(format!("transfer task failed: {join}"))),
