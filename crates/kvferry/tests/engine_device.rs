@@ -252,3 +252,77 @@ async fn consumer_device_faults_never_report_live_blocks_quiet() {
         assert!(e.close(Instant::now() + Duration::from_secs(5)).await.is_clean());
     }
 }
+
+/// Delayed pulls cancelled (dropped) while their landing copy is stalled on the
+/// device: the fence taken up front stays unfired until the device confirms, for
+/// `start_pull` (both steps under one fence) and `start_resolve` alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_delayed_pulls_fire_their_fence_only_after_the_device_stopped() {
+    let (p, d) = (engine(true).await, engine(false).await);
+    let src = cache(&sim(0), "prefill-kv", Duration::from_secs(2));
+    fill(&src);
+    let ddev = sim(1);
+    let dst = cache(&ddev, "decode-kv", Duration::from_secs(30));
+    let addr = p.address().unwrap().to_string();
+    let key = ChunkKey::from_name("k");
+    p.publish_device(key, &src, &[2, 3], Duration::ZERO, false).unwrap();
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    for step in ["pull", "resolve"] {
+        ddev.inject(FaultRule {
+            fault: Fault::Stall,
+            trigger: Trigger::Next,
+        })
+        .unwrap();
+        let to = Destination::device(dst.clone(), vec![vec![8, 9]]);
+        let transfer = match step {
+            "pull" => d.start_pull(&addr, &[key], to, deadline()),
+            _ => {
+                let h = d.stage(&addr, &[key], deadline()).await.unwrap();
+                d.start_resolve(h, to, deadline())
+            }
+        };
+        let fence = transfer.fence();
+        let running = tokio::spawn(transfer);
+        let t = Instant::now() + Duration::from_secs(10);
+        while ddev.stuck() == 0 {
+            assert!(Instant::now() < t, "{step}: the landing copy never reached the device");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        running.abort(); // the caller gives up: the transfer future is dropped
+        let _ = running.await;
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(ddev.stuck() > 0);
+            assert!(
+                !fence.is_drained(),
+                "{step}: blocks reported quiet while the device may write them"
+            );
+        }
+        ddev.release_stuck();
+        assert!(
+            fence.wait_until(Instant::now() + Duration::from_secs(5)).await,
+            "{step}: fires once the device confirmed"
+        );
+    }
+    let t = Instant::now() + Duration::from_secs(5);
+    while (d.arena().stats().leased_pages > 0 || d.arena().stats().quarantined_pages > 0) && Instant::now() < t {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(d.arena().stats().leased_pages + d.arena().stats().quarantined_pages, 0);
+    assert_eq!(
+        d.start_pull(
+            &addr,
+            &[key],
+            Destination::device(dst.clone(), vec![vec![10, 11]]),
+            deadline()
+        )
+        .await
+        .unwrap()
+        .chunks,
+        1
+    );
+    assert_eq!(read_block(&dst, 10), pattern(2));
+    for e in [p, d] {
+        assert!(e.close(Instant::now() + Duration::from_secs(5)).await.is_clean());
+    }
+}
