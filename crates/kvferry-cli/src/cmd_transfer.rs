@@ -201,13 +201,19 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         let region = Arc::new(Region::host("get", layout.region_bytes())?);
         let dst = Destination::from_layout(region.clone(), &layout, vec![(0..args.max_blocks).collect()])
             .expect("valid destination");
-        let deadline = Instant::now() + args.peer.timeout;
+        let started = Instant::now();
+        let deadline = started + args.peer.timeout;
         let k = key(&args.peer.key);
         let peer = match args.peer.named_peer() {
             Some(p) => p,
             None => locate(&c, &args.peer, k, deadline).await?,
         };
-        let landed = c.get(&peer, &[k], dst, deadline).await.map_err(|f| {
+        let landed = c.get(&peer, &[k], dst, deadline).await.map_err(|mut f| {
+            // `--timeout` bounds the whole command (locating included): a timeout
+            // reports the time waited since the command began, not since the get did.
+            if let PeerError::Timeout { waited, .. } = &mut f.error {
+                *waited = started.elapsed();
+            }
             let why = explain_get(&f.error, &args, layout.block_bytes());
             anyhow::anyhow!("get from {peer} failed: {why}")
         })?;
