@@ -164,11 +164,13 @@ class Instance:
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, **sampling: Any) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None)
+        sp = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None, **sampling
+        )
         req = Request(req_id, list(prompt), sp, None, block_hasher=self.hasher)
         self.scheduler.add_request(req)
 
@@ -190,6 +192,7 @@ class Instance:
 
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # this process's worker
         so = self.scheduler.schedule()
+        self.last_output = so
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         with (
@@ -261,6 +264,34 @@ class Instance:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
+def scheduler_leaks(scheduler) -> list[str]:
+    """What vLLM's own ``assert_scheduler_empty`` (tests/v1/kv_connector/unit/utils.py)
+    checks, as a list of what is left over (empty: no leak): no request, nothing waiting
+    or running, no finished ids pending, the encoder cache empty, no request holding
+    blocks, every block but the null block free, and every block's ref_cnt 0."""
+    left = []
+    for name in ("requests", "waiting", "kv_holding_waiting", "running", "finished_req_ids", "finished_recving_kv_req_ids"):
+        n = len(getattr(scheduler, name))
+        if n:
+            left.append(f"{name}: {n}")
+    ecm = scheduler.encoder_cache_manager
+    for name in ("freed", "cached"):
+        if len(getattr(ecm, name)):
+            left.append(f"encoder_cache_manager.{name}: {len(getattr(ecm, name))}")
+    mgr = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    if mgr.req_to_blocks:
+        left.append(f"req_to_blocks: {sorted(mgr.req_to_blocks)}")
+    if mgr.num_cached_block:
+        left.append(f"num_cached_block: {sorted(mgr.num_cached_block)}")
+    pool = scheduler.kv_cache_manager.block_pool
+    if pool.free_block_queue.num_free_blocks != pool.num_gpu_blocks - 1:
+        left.append(f"free blocks {pool.free_block_queue.num_free_blocks} != {pool.num_gpu_blocks - 1}")
+    held = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
+    if held:
+        left.append(f"blocks with ref_cnt != 0: {held[:10]}")
+    return left
+
+
 def expected_bytes(prompt: list[int], pos: int, salt: int) -> list[bytes]:
     return [bytes(_pattern(prompt[pos], pos, li, kvi, salt).numpy()) for li in range(NUM_LAYERS) for kvi in (0, 1)]
 
@@ -274,8 +305,11 @@ def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
     inst = Instance("kv_producer", extra, num_blocks=num_blocks, salt=1)
     conn.send(("ready", inst.worker.engine.address, inst.worker.engine.incarnation, inst.free_at_start))
     reported: set[str] = set()
+    hold_after_finish = 0.0  # seconds the loop pauses after a step that finished requests
+    hold_until = 0.0
     while True:
-        busy = inst.scheduler.has_requests()
+        held = time.monotonic() < hold_until
+        busy = inst.scheduler.has_requests() and not held
         while conn.poll(0 if busy else 0.005):
             msg = conn.recv()
             cmd = msg[0]
@@ -286,6 +320,16 @@ def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
             elif cmd == "faults":
                 inst.worker.engine._e._inject_faults(send_delay_us=msg[1])
                 conn.send(("ok",))
+            elif cmd == "hold_after_finish":
+                # A slow prefill: the next step that finishes requests is followed by
+                # this long a pause, so their publication comes late.
+                hold_after_finish = float(msg[1])
+                conn.send(("ok",))
+            elif cmd == "leaks":
+                conn.send(("leaks", scheduler_leaks(inst.scheduler)))
+            elif cmd == "blocks":
+                mgr = inst.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+                conn.send(("blocks", {r: [b.ref_cnt for b in bl] for r, bl in mgr.req_to_blocks.items()}))
             elif cmd == "state":
                 conn.send(
                     (
@@ -308,6 +352,8 @@ def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
             inst.step()
             new = {r: o for r, o in inst.final.items() if r not in reported}
             if new:
+                if hold_after_finish:
+                    hold_until, hold_after_finish = time.monotonic() + hold_after_finish, 0.0
                 reported |= set(new)
                 conn.send(("finished", {r: (str(o.finish_reason), o.kv_transfer_params) for r, o in new.items()}))
 
@@ -364,6 +410,19 @@ class Prefill:
 
     def faults(self, send_delay_us: int) -> None:
         self._call("faults", send_delay_us)
+
+    def hold_after_finish(self, seconds: float) -> None:
+        """The next prefill step that finishes requests is followed by a pause of
+        ``seconds``: their blocks are published that much later."""
+        self._call("hold_after_finish", seconds)
+
+    def leaks(self) -> list[str]:
+        """:func:`scheduler_leaks` of the prefill instance's scheduler."""
+        return self._call("leaks")[1]
+
+    def block_refs(self) -> dict[str, list[int]]:
+        """Per request the prefill scheduler holds blocks for: their ref counts."""
+        return self._call("blocks")[1]
 
     def wait_freed(self, req_ids: set[str], timeout: float) -> dict[str, Any]:
         """Waits until the prefill instance freed these requests' blocks; returns its

@@ -77,8 +77,14 @@ publication was released — the decode's ``Done``, lease expiry or shutdown —
 while a send still reads them. A decode request that will not pull (aborted before or
 during its pull, or given up after a timeout) tells the prefill instance through
 kvferry (``Engine.release_remote``: stage, then ``Done`` at once), so its blocks are
-freed within a round trip instead of at lease expiry; lease expiry remains the backstop
-when the decode side dies or the release cannot reach the prefill instance.
+freed within a round trip instead of at lease expiry — whatever the last error was (a
+miss too: the release retries until the lease's advertised end, so a prefill that
+publishes after the decode gave up is released as soon as it does), and when vLLM gives
+the request 0 external tokens (``prompt_logprobs``, a full local prefix hit). Lease
+expiry remains the backstop when the decode side dies or the release cannot reach the
+prefill instance. Params without kvferry's fields (a proxy written for NIXL) are pulled
+from ``remote_host:remote_port`` when the prefill has one rank, else computed locally
+with a warning that says why.
 Host (CPU) KV caches only: kvferry's Python engine moves host memory.
 """
 
@@ -281,7 +287,9 @@ class KvferryConnectorScheduler:
     # decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or not self._valid_remote(params):
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not self._valid_remote(params) and not self._adopt_foreign(request.request_id, params):
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         remote = int(params.get("remote_num_tokens") or prompt)  # never claim what P did not compute
@@ -299,17 +307,56 @@ class KvferryConnectorScheduler:
             and params.get("remote_request_id") is not None
         )
 
+    def _adopt_foreign(self, req_id: str, params: dict[str, Any]) -> bool:
+        """Remote-prefill params without kvferry's own fields, as a proxy written for
+        NIXL forwards them (``remote_host``, ``remote_port``, ``remote_block_ids``,
+        ``remote_engine_id``, ``remote_request_id``). A kvferry prefill instance puts
+        its rank 0's listen address in ``remote_host``/``remote_port``, so with one
+        tensor-parallel rank on the prefill side that address is the peer to pull from
+        (the handshake then says which incarnation answers). Otherwise the request is
+        computed locally, with a warning that says why — never silently. Returns
+        whether the params are usable now (they gain ``kvferry_peers``)."""
+        why = None
+        host, port, key = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+        tp = params.get("tp_size", 1)
+        if not params.get("remote_block_ids"):
+            why = "no remote_block_ids"
+        elif not host or not isinstance(port, int) or not 0 < port < 65536:
+            why = "no kvferry_peers and no usable remote_host/remote_port"
+        elif key is None:
+            why = "no remote_request_id (the key the prefill instance published under)"
+        elif tp != 1:
+            why = f"no kvferry_peers and the prefill instance has tp_size {tp} (its ranks' addresses are unknown)"
+        if why is not None:
+            params["do_remote_prefill"] = False  # warned once; the prompt is computed here
+            logger.warning(
+                "KvferryConnector: computing %s locally: its kv_transfer_params cannot be pulled (%s); "
+                "forward the prefill's kv_transfer_params whole (kvferry_peers included)",
+                req_id,
+                why,
+            )
+            return False
+        params["kvferry_peers"] = [{"address": f"{host}:{port}", "peer_id": None, "incarnation": None}]
+        logger.info("KvferryConnector: %s: no kvferry_peers in kv_transfer_params; pulling from remote_host:remote_port %s:%s", req_id, host, port)
+        return True
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return  # nothing to pull, or already planned (the second call)
         params["do_remote_prefill"] = False  # one pull per request
-        if num_external_tokens <= 0:
-            # A full local prefix hit: nothing to pull. The prefill instance frees its
-            # blocks at lease expiry.
+        if not self._valid_remote(params) and not self._adopt_foreign(request.request_id, params):
             return
-        if not self._valid_remote(params):
-            logger.warning("KvferryConnector: unusable kv_transfer_params for %s: %s", request.request_id, params)
+        if num_external_tokens <= 0:
+            # Nothing to pull (a full local prefix hit, or vLLM skips reading cached
+            # KV, as it does for prompt_logprobs): the prefill instance is told at once,
+            # through the workers, so it frees the blocks now instead of at lease expiry.
+            exp = params.get("kvferry_expires_at")
+            self._need_release[request.request_id] = ReleaseSpec(
+                key=str(params["remote_request_id"]),
+                peers=list(params["kvferry_peers"]),
+                expires_at=None if exp is None else float(exp),
+            )
             return
         if len(blocks.blocks) != 1:
             raise ValueError("KvferryConnector supports one KV cache group")
@@ -424,6 +471,7 @@ class _Pull:
     spec: RecvSpec
     deadline: float  # monotonic: a load error after this
     retry_until: float  # monotonic: misses are retried until then
+    expires_at: float | None = None  # wall clock: the lease's advertised end
     transfer: Transfer | None = None
     address: str | None = None
     incarnation: int | None = None  # the prefill rank's, as advertised
@@ -550,16 +598,18 @@ class KvferryConnectorWorker:
 
     def _release_remote(self, req_id: str, key: str, address: str | None, expires_at: float | None) -> None:
         """Tells the prefill instance (this rank's peer) that ``key`` will not be
-        pulled, so it frees the blocks now. The prefill publishes a step after it
-        returned the params, so a miss is retried (until the advertised lease end,
-        within the timeout). In the background; a failure only means the blocks wait
-        for the lease to expire."""
+        pulled, so it frees the blocks now. The prefill may not have published yet (it
+        publishes a step after it returned the params, and a slow step is why a decode
+        gives up), so a miss is retried until the lease's advertised end (``timeout``
+        when none was advertised): the release lands within a retry interval (at most
+        50 ms) of the publication. In the background; a failure only means the blocks
+        wait for the lease to expire."""
         if self.engine is None or not address:
             return
         timeout = self.config.timeout
-        retry = timeout if expires_at is None else max(0.0, min(timeout, expires_at - time.time()))
+        retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
         try:
-            self._releases[req_id] = self.engine.release_remote(address, key, timeout=timeout, retry_miss=retry)
+            self._releases[req_id] = self.engine.release_remote(address, key, timeout=retry + timeout, retry_miss=retry)
         except errors.Error as e:
             logger.debug("KvferryConnector: releasing %s on %s failed: %s", req_id, address, e)
 
@@ -589,7 +639,7 @@ class KvferryConnectorWorker:
         # so a miss is retried — until the lease would have ended (the wall-clock
         # expiry it advertised), and never past the timeout.
         retry_until = deadline if expires_at is None else min(deadline, now + max(0.0, expires_at - time.time()))
-        pull = _Pull(req_id, spec, deadline=deadline, retry_until=retry_until)
+        pull = _Pull(req_id, spec, deadline=deadline, retry_until=retry_until, expires_at=expires_at)
         self._pulls[req_id] = pull
         try:
             if len(spec.peers) <= self.tp_rank:
@@ -673,8 +723,7 @@ class KvferryConnectorWorker:
                 if not landed and pull.error is None:
                     # Aborted before the bytes landed: the prefill instance may free
                     # the blocks now (a landed pull already sent Done).
-                    left = max(0.0, pull.retry_until - time.monotonic())
-                    self._release_remote(req_id, pull.spec.key, pull.address, time.time() + left)
+                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at)
             if req_id in self._sending or req_id in self._released:
                 self._finished_seen.add(req_id)
         now = time.monotonic()
@@ -714,10 +763,12 @@ class KvferryConnectorWorker:
                 logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", req_id, pull.attempts, pull.error)
                 res.failed_recving.add(req_id)
                 self._load_errors.update(pull.spec.load_block_ids)
-                if isinstance(pull.error, (errors.TimeoutError, errors.ChecksumError, errors.BusyError)):
-                    # The prefill instance is alive and still holds the blocks: this
-                    # side gives up on them, so it may free them now.
-                    self._release_remote(req_id, pull.spec.key, pull.address, time.time())  # no retry on a miss
+                if not isinstance(pull.error, errors.PeerRestartedError):
+                    # This side gives up on the blocks, whatever the last error was (a
+                    # miss too: the prefill may publish after the decode's timeout), so
+                    # the prefill may free them now. A restarted prefill no longer holds
+                    # them.
+                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at)
         self._reap_releases()
         # Publications released (decode's Done, abort, lease expiry, shutdown): the
         # blocks are free once the request was reported finished to this worker.
