@@ -156,6 +156,7 @@ class Instance:
         self.failed_recving: set[str] = set()
         self.invalid_blocks: set[int] = set()
         self.landed: dict[str, list[list[bytes]]] = {}  # req_id -> prompt slots when it landed
+        self.stats = type(self.connector).build_kv_connector_stats()  # every step's, combined
 
     @property
     def worker(self):
@@ -225,6 +226,8 @@ class Instance:
             self.finished_recving[rid] = now
         self.failed_recving |= kvo.failed_recving
         self.invalid_blocks |= kvo.invalid_block_ids
+        if kvo.kv_connector_stats is not None:
+            self.stats.aggregate(kvo.kv_connector_stats)
         for outs in self.scheduler.update_from_output(so, mro).values():
             for o in outs.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)

@@ -110,6 +110,7 @@ class TPInstance:
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.landed: dict[str, list[list[bytes]]] = {}
+        self.stats: list[dict[str, Any]] = []  # per step: the aggregated connector stats
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -167,6 +168,8 @@ class TPInstance:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
         mro = self.aggregator.aggregate(outs)
         kvo = mro.kv_connector_output
+        if kvo.kv_connector_stats is not None:  # both ranks' stats, combined by vLLM
+            self.stats.append(kvo.kv_connector_stats.to_dict())
         self.finished_sending |= kvo.finished_sending or set()
         self.finished_recving |= kvo.finished_recving or set()
         self.failed_recving |= kvo.failed_recving or set()
@@ -270,3 +273,61 @@ def test_tp2_abort_releases_every_rank(pair):
     assert time.monotonic() - t0 < 5.0  # far below the 30 s lease
     d.run_until(lambda: not any(c.connector_worker._releases for c in d.ranks), 5, "the releases")
     assert not d.finished_recving and p.free_blocks() == p.free_at_start
+
+
+def test_tp2_connector_metrics_through_vllms_stats_classes(pair):
+    """Both ranks' connector stats, combined by vLLM's ``KVOutputAggregator`` every
+    step, logged by ``KVConnectorLogging`` and recorded by ``KVConnectorProm`` (both
+    resolve the connector class from the config, as vLLM's front end does)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    p, d = pair
+    d.stats.clear()
+    p.stats.clear()
+    reqs = prompts(4, seed=23, lo=40, hi=80)
+    params = _prefill(p, reqs)
+    for rid, prompt in reqs:
+        d.add(rid, prompt, max_tokens=2, params=params[rid])
+    d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), 15, "the pulls")
+    d.run_until(lambda: all(r in d.final for r, _ in reqs), 10, "the decodes")
+    p.run_until(lambda: not (p.held() & {r for r, _ in reqs}), 5, "prefill to free the blocks")
+    # What moved: every request's blocks, once per rank, each rank's shard of a block.
+    nblocks = sum(len(params[r]["remote_block_ids"]) for r, _ in reqs)
+    block_bytes = d.ranks[0].connector_worker.region.block_bytes
+    got = d.ranks[0].build_kv_connector_stats()
+    for data in d.stats:
+        got = got.aggregate(type(got)(data=data))
+    assert len(got.data["pull_seconds"]) == TP * len(reqs)
+    assert sum(got.data["pull_blocks"]) == TP * nblocks
+    assert sum(got.data["pull_bytes"]) == TP * nblocks * block_bytes
+    assert not any(got.data["failed"].values())
+    sent = d.ranks[0].build_kv_connector_stats()
+    for data in p.stats:
+        sent = sent.aggregate(type(sent)(data=data))
+    assert sent.data["published_released"]["done"] == TP * len(reqs)
+
+    logging_ = KVConnectorLogging(d.vllm_config.kv_transfer_config)
+    for data in d.stats:
+        logging_.observe(data)
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *a: lines.append(fmt % a))
+    assert len(lines) == 1 and f"pulls={TP * len(reqs)}" in lines[0] and f"blocks={TP * nblocks}" in lines[0], lines
+
+    registry = CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = functools.partial(Gauge, registry=registry)
+        _counter_cls = functools.partial(Counter, registry=registry)
+        _histogram_cls = functools.partial(Histogram, registry=registry)
+
+    prom = Prom(d.vllm_config, labelnames=["model_name", "engine"], per_engine_labelvalues={0: ["tiny", "0"]})
+    for data in d.stats:
+        prom.observe(data, engine_idx=0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvferry_bytes_total", labels) == TP * nblocks * block_bytes
+    assert registry.get_sample_value("vllm:kvferry_blocks_total", labels) == TP * nblocks
+    assert registry.get_sample_value("vllm:kvferry_pull_seconds_count", labels) == TP * len(reqs)
+    assert registry.get_sample_value("vllm:kvferry_failed_pulls_total", {**labels, "kind": "miss"}) == 0

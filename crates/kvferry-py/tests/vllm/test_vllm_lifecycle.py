@@ -263,6 +263,9 @@ def test_decode_gives_up_before_a_slow_prefill_publishes(prefill, decode, policy
     d.run_until(lambda: rid in d.finished_recving, 5, "the pull to give up")
     assert d.failed_recving == {rid} and d.invalid_blocks
     assert rid in prefill.state()["held"], "the prefill has not published yet"
+    failed = d.stats.data["failed"]
+    assert failed["miss"] + failed["timeout"] == 1 and sum(failed.values()) == 1, failed
+    assert d.stats.data["releases"] == 1
     t0 = time.monotonic()
     st = prefill.wait_freed({rid}, timeout=3.0 + RELEASE_BOUND)
     assert time.monotonic() - t0 < LEASE_TTL / 4, "freed by the release, not the lease"

@@ -113,9 +113,11 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 
 from .. import errors
 from .._engine import Engine, Region, Transfer
+from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -472,6 +474,7 @@ class _Pull:
     deadline: float  # monotonic: a load error after this
     retry_until: float  # monotonic: misses are retried until then
     expires_at: float | None = None  # wall clock: the lease's advertised end
+    started: float = field(default_factory=time.monotonic)
     transfer: Transfer | None = None
     address: str | None = None
     incarnation: int | None = None  # the prefill rank's, as advertised
@@ -520,6 +523,7 @@ class KvferryConnectorWorker:
         self._load_errors: set[int] = set()
         self._done_meta: KvferryConnectorMetadata | None = None
         self._releases: dict[str, Transfer] = {}  # release_remote in flight, by request
+        self.stats = KvferryConnectorStats()  # this interval's, taken by get_kv_connector_stats
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -610,6 +614,7 @@ class KvferryConnectorWorker:
         retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
         try:
             self._releases[req_id] = self.engine.release_remote(address, key, timeout=retry + timeout, retry_miss=retry)
+            self.stats.record_release()
         except errors.Error as e:
             logger.debug("KvferryConnector: releasing %s on %s failed: %s", req_id, address, e)
 
@@ -759,7 +764,10 @@ class KvferryConnectorWorker:
             self._drop_scratch(pull)
             del self._pulls[req_id]
             res.finished_recving.add(req_id)
+            if pull.error is None and pull.dst is not None:
+                self.stats.record_pull(time.monotonic() - pull.started, len(pull.dst_ids) * pull.dst.block_bytes, len(pull.dst_ids))
             if pull.error is not None:
+                self.stats.record_failure(pull.error)
                 logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", req_id, pull.attempts, pull.error)
                 res.failed_recving.add(req_id)
                 self._load_errors.update(pull.spec.load_block_ids)
@@ -776,6 +784,7 @@ class KvferryConnectorWorker:
             for key, reason in self.engine.released():
                 if reason == "replaced":
                     continue
+                self.stats.record_publication_released(reason)
                 req_id = key if isinstance(key, str) else bytes(key).decode(errors="replace")
                 if req_id in self._sending:
                     self._sending.discard(req_id)
@@ -899,6 +908,27 @@ class KvferryConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().take_load_errors()
 
+    # metrics (vllm_stats.py): taken after every step, combined across workers
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        w = self.connector_worker
+        if w is None or w.stats.is_empty():
+            return None
+        return w.stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvferryConnectorStats(data=data) if data is not None else KvferryConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvferryPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
@@ -906,6 +936,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
 __all__ = [
     "KvferryConnector",
+    "KvferryConnectorStats",
+    "KvferryPromMetrics",
     "KvferryConnectorScheduler",
     "KvferryConnectorWorker",
     "KvferryConnectorMetadata",
