@@ -832,6 +832,32 @@ impl PyEngine {
         Ok(self.device_memory(buf, None))
     }
 
+    /// On a sim engine: host memory (any writable buffer, such as a torch CPU tensor)
+    /// adopted as the sim device's memory without copying, so the device data path
+    /// (staging, device copies, events, faults) runs over it. `obj` is kept alive while
+    /// the memory is in use. `InvalidArgumentError` on other engines.
+    #[pyo3(signature = (name, obj, shape=None))]
+    fn adopt_host_memory(
+        &self,
+        name: &str,
+        obj: &Bound<'_, PyAny>,
+        shape: Option<Vec<usize>>,
+    ) -> PyResult<PyDeviceMemory> {
+        let sim = self.dev()?.sim()?;
+        let buf = byte_buffer(obj, name)?;
+        if buf.readonly() {
+            return Err(ErrInfo::invalid(format!("{name}: read-only memory cannot be device memory")).into());
+        }
+        let len = buf.len_bytes();
+        let ptr =
+            NonNull::new(buf.buf_ptr() as *mut u8).ok_or_else(|| ErrInfo::invalid(format!("{name}: empty buffer")))?;
+        // SAFETY: `ptr` is the buffer's memory, valid for `len` bytes while the
+        // `PyBuffer` is held; the region holds it (and so the exporting object) until the
+        // device buffer and every copy targeting it have dropped the region.
+        let region = unsafe { Region::from_raw(name.to_string(), ptr, len, Box::new(HeldBuffer(buf))) };
+        Ok(self.device_memory(sim.adopt_host(Arc::new(region)), shape))
+    }
+
     /// Registers device memory `parts` — `[(DeviceMemory, [(offset, stride, length),
     /// ...]), ...]` — as one KV cache of `blocks` blocks, block *i* being every part's
     /// spans at `i`, in order. Published blocks are gathered into staging pages

@@ -346,6 +346,23 @@ class Engine:
         dims = None if shape is None else [int(d) for d in shape]
         return self._e.alloc_device(nbytes, dims)
 
+    def adopt_host_memory(self, obj: Any, *, name: str = "adopted", shape: Sequence[int] | None = None) -> DeviceMemory:
+        """On a ``device="sim"`` engine: adopts host memory you already have (a
+        writable buffer: torch CPU tensor, numpy array, ...) as the sim device's memory,
+        without copying. Registered with :meth:`register_kv_caches`, it then moves
+        through the device data path — staging pages, device-to-host and host-to-device
+        copies on the sim device's streams, bounded event waits, injected faults —
+        exactly as device memory would, so code written for an accelerator runs (and is
+        tested) on a machine without one. ``shape`` (default: the object's) is how
+        :meth:`register_kv_caches` reads its blocks. ``obj`` is kept alive while the
+        memory is in use; do not write blocks a transfer owns."""
+        if shape is None:
+            raw = getattr(obj, "shape", None)
+            shape = None if raw is None else tuple(raw)
+        dims = None if shape is None else [int(d) for d in shape]
+        # The byte view holds the object's buffer export, as host registration does.
+        return self._e.adopt_host_memory(name, byte_view(obj, name), dims)
+
     def _as_device(self, obj: Any, what: str) -> DeviceMemory | None:
         """``obj`` as device memory of this engine, or None for host memory: a
         :class:`DeviceMemory`, or on a cuda engine a CUDA ``__dlpack__`` object (torch

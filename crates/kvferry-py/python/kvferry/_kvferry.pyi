@@ -176,6 +176,8 @@ class Engine:
     def alloc_device(self, nbytes: int, shape: Sequence[int] | None = None) -> DeviceMemory:
         """Allocates ``nbytes`` of device memory: zeroed on a sim engine, not
         initialised on a cuda engine."""
+    def adopt_host_memory(self, name: str, obj: object, shape: Sequence[int] | None = None) -> DeviceMemory:
+        """On a sim engine: host memory adopted as the sim device's memory (no copy)."""
     def wrap_dlpack(self, name: str, obj: object) -> DeviceMemory:
         """Wraps the CUDA memory a ``__dlpack__`` object exports (a torch CUDA tensor;
         C-contiguous, on this engine's GPU), without copying; holds ``obj`` and its

@@ -328,6 +328,11 @@ def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
                 # this long a pause, so their publication comes late.
                 hold_after_finish = float(msg[1])
                 conn.send(("ok",))
+            elif cmd == "device_fault":
+                inst.worker.engine._e._inject_device_fault(msg[1], msg[2])
+                conn.send(("ok",))
+            elif cmd == "device_stats":
+                conn.send(("device_stats", inst.worker.engine.stats().get("device", {})))
             elif cmd == "leaks":
                 conn.send(("leaks", scheduler_leaks(inst.scheduler)))
             elif cmd == "blocks":
@@ -419,6 +424,13 @@ class Prefill:
         ``seconds``: their blocks are published that much later."""
         self._call("hold_after_finish", seconds)
 
+    def device_fault(self, fault: str, trigger: str = "next") -> None:
+        """Arms a sim device fault in the prefill's engine (a ``device="sim"`` prefill)."""
+        self._call("device_fault", fault, trigger)
+
+    def device_stats(self) -> dict[str, Any]:
+        return self._call("device_stats")[1]
+
     def leaks(self) -> list[str]:
         """:func:`scheduler_leaks` of the prefill instance's scheduler."""
         return self._call("leaks")[1]
@@ -458,19 +470,32 @@ LEASE_TTL = 8.0
 TIMEOUT = 10.0
 
 
+@pytest.fixture(scope="module", params=["host", "sim"])
+def kv_device(request) -> str:
+    """Every test below runs twice: KV in CPU memory moved zero copy (``host``), and
+    the same CPU tensors adopted as kvferry's sim device memory on both instances
+    (``sim``: connector option ``device="sim"``), so the whole device path — staging,
+    device-to-host and host-to-device copies, events — runs under vLLM's scheduler."""
+    return str(request.param)
+
+
+def with_device(extra: dict[str, Any], kv_device: str) -> dict[str, Any]:
+    return {**extra, "device": "sim"} if kv_device == "sim" else dict(extra)
+
+
 @pytest.fixture(scope="module")
-def prefill(need_vllm):
-    p = Prefill({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT})
+def prefill(need_vllm, kv_device):
+    p = Prefill(with_device({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT}, kv_device))
     yield p
     p.stop()
 
 
 @pytest.fixture
-def decode(need_vllm):
+def decode(need_vllm, kv_device):
     made: list[Instance] = []
 
     def make(**kw) -> Instance:
-        kw.setdefault("extra", {"timeout": TIMEOUT})
+        kw["extra"] = with_device(kw.get("extra", {"timeout": TIMEOUT}), kv_device)
         d = Instance("kv_consumer", num_blocks=kw.pop("num_blocks", 1024), salt=2, **kw)
         made.append(d)
         return d
@@ -497,7 +522,7 @@ def check_landed(d: Instance, rid: str, prompt: list[int]) -> None:
 # -- tests ------------------------------------------------------------------------------
 
 
-def test_lifecycle_prefill_to_decode(prefill, decode):
+def test_lifecycle_prefill_to_decode(prefill, decode, kv_device):
     d = decode()  # made first: building a vLLM config takes seconds on a busy machine
     (rid, prompt), = prompts(1, seed=1, lo=50, hi=51)
     params = prefill.prefill([(rid, prompt)])[rid]
@@ -524,6 +549,53 @@ def test_lifecycle_prefill_to_decode(prefill, decode):
     assert rid in st["finished_sending"]
     assert st["free"] == st["free_at_start"], "prefill leaked blocks"
     assert d.free_blocks() == d.free_at_start
+    if kv_device == "sim":  # the bytes went through device copies on both sides
+        assert d.worker.engine.stats()["device"]["operations"] >= 1
+        assert prefill.device_stats()["operations"] >= 1
+
+
+def test_device_faults_fail_only_their_requests(prefill, decode, kv_device):
+    """Sim device on both sides. Decode side: of 48 pulls in flight, the one whose
+    host-to-device copy never completes fails within ``device_timeout`` (+ slack) as a
+    load error, its staging pages quarantined; the 47 others land. Prefill side: a
+    device-to-host gather that fails becomes a load error for its request only, and the
+    prefill's blocks are freed within a round trip (the decode releases them)."""
+    if kv_device != "sim":
+        pytest.skip("device faults need the sim device (device='sim'); the host run covers the rest")
+    bound = 2.0
+    d = decode(extra={"timeout": TIMEOUT, "device_timeout": bound})
+    reqs = prompts(48, seed=30, lo=20, hi=100)
+    params = prefill.prefill(reqs)
+    d.worker.engine._e._inject_device_fault("never_complete", "5")  # the 5th device op
+    for rid, prompt in reqs:
+        d.add(rid, prompt, max_tokens=2, params=params[rid])
+    t0 = time.monotonic()
+    d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), TIMEOUT, "48 pulls")
+    took = time.monotonic() - t0
+    assert len(d.failed_recving) == 1, d.failed_recving
+    (stuck,) = d.failed_recving
+    assert took < bound + 2.0, took
+    for rid, prompt in reqs:
+        if rid != stuck:
+            check_landed(d, rid, prompt)
+    assert d.stats.data["failed"]["device"] == 1
+    assert d.worker.engine.stats()["arena"]["quarantined_pages"] > 0, "the stuck copy's pages stay out of use"
+    d.run_until(lambda: all(r in d.final for r, _ in reqs), 30, "the decodes (the stuck one recomputed)")
+    prefill.wait_freed({r for r, _ in reqs}, timeout=5)
+    assert d.free_blocks() == d.free_at_start
+    d.worker.engine._e._release_device()
+
+    # The prefill's gather fails for one request.
+    (rid, prompt), = prompts(1, seed=31, lo=40, hi=41)
+    params = prefill.prefill([(rid, prompt)])
+    prefill.device_fault("fail_copy", "next")
+    d2 = decode(extra={"timeout": TIMEOUT})
+    d2.add(rid, prompt, max_tokens=2, params=params[rid])
+    d2.run_until(lambda: rid in d2.finished_recving, TIMEOUT, "the failed pull")
+    assert d2.failed_recving == {rid}
+    prefill.wait_freed({rid}, timeout=3.0)
+    d2.run_until(lambda: rid in d2.final, 10, "the request, recomputed")
+    assert d2.free_blocks() == d2.free_at_start
 
 
 def test_concurrent_requests(prefill, decode):

@@ -24,13 +24,15 @@ import time
 
 import pytest
 
-from test_connector import (  # noqa: F401 - need_vllm is a fixture
+from test_connector import (  # noqa: F401 - need_vllm and kv_device are fixtures
     BLOCK_SIZE,
     Instance,
     Prefill,
     check_landed,
+    kv_device,
     need_vllm,
     scheduler_leaks,
+    with_device,
 )
 
 LEASE_TTL = 20.0  # long: every release below must come far sooner
@@ -39,18 +41,18 @@ RELEASE_BOUND = 2.0  # seconds: "within a round trip", with slack for a loaded 2
 
 
 @pytest.fixture(scope="module")
-def prefill(need_vllm):
-    p = Prefill({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT})
+def prefill(need_vllm, kv_device):
+    p = Prefill(with_device({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT}, kv_device))
     yield p
     p.stop()
 
 
 @pytest.fixture
-def decode(need_vllm):
+def decode(need_vllm, kv_device):
     made: list[Instance] = []
 
     def make(**kw) -> Instance:
-        kw.setdefault("extra", {"timeout": TIMEOUT})
+        kw["extra"] = with_device(kw.get("extra", {"timeout": TIMEOUT}), kv_device)
         d = Instance("kv_consumer", num_blocks=kw.pop("num_blocks", 256), salt=2, **kw)
         made.append(d)
         return d

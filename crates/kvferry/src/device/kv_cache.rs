@@ -2,7 +2,17 @@
 //! e.g. one per layer) with its [`BlockMap`], and the two copies that put it on the
 //! transfer path: a device-to-host **gather** of chunks into staging pages (producer)
 //! and a host-to-device **scatter** of staging pages into blocks (consumer), both on the
-//! cache's own copy stream, each completed by a fresh event.
+//! cache's own copy streams, each completed by a fresh event.
+//!
+//! # Copy streams
+//!
+//! A stream runs its copies in order, so one copy that never completes (a stuck DMA, a
+//! device fault) would hold every later copy on its stream. The cache therefore keeps a
+//! small pool of streams (at most [`MAX_STREAMS`], created as needed): a copy goes to a
+//! stream whose last copy has settled, else to a new stream while the pool has room,
+//! else to the stream least recently used whose last copy is not overdue. A stream
+//! whose last copy is past the op timeout unsettled is never chosen while another is
+//! usable, so a stuck copy costs its own transfer, not the others in flight.
 //!
 //! Waits are the caller's, through the returned [`PendingCopy`]: bounded, and on
 //! timeout or cancel the staging pages are quarantined until the device confirms (see
@@ -10,6 +20,8 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use super::{Device, DeviceBuffer, DeviceError, DeviceSlice, GatherSegment, PendingCopy, ScatterSegment, Stream};
 use crate::layout::{BlockMap, LayoutError, Span};
@@ -19,7 +31,7 @@ use crate::mem::Lease;
 pub struct DeviceKvCache {
     name: String,
     device: Arc<dyn Device>,
-    stream: Stream,
+    streams: Mutex<Vec<StreamSlot>>,
     buffers: Vec<DeviceBuffer>,
     /// Start of each buffer in the cache's address space, plus the total at the end.
     starts: Vec<usize>,
@@ -85,11 +97,15 @@ impl DeviceKvCache {
         }
         starts.push(at);
         let map = BlockMap::new(spans, blocks).map_err(bad)?;
-        let stream = device.create_stream(&format!("{name}-copy"))?;
+        let first = device.create_stream(&format!("{name}-copy0"))?;
         Ok(DeviceKvCache {
             name,
             device,
-            stream,
+            streams: Mutex::new(vec![StreamSlot {
+                stream: first,
+                last: None,
+                used: 0,
+            }]),
             buffers,
             starts,
             map,
@@ -206,7 +222,7 @@ impl DeviceKvCache {
             .into_iter()
             .map(|(dst_offset, src)| GatherSegment { src, dst_offset })
             .collect();
-        self.stream.copy_d2h_gather(&segments, dst, op)
+        self.on_stream(|st| st.copy_d2h_gather(&segments, dst, op))
     }
 
     /// Queues a scatter of `chunks` — each `(offset in the lease, ranges)` — from `src`
@@ -222,6 +238,64 @@ impl DeviceKvCache {
             .into_iter()
             .map(|(src_offset, dst)| ScatterSegment { src_offset, dst })
             .collect();
-        self.stream.copy_h2d_scatter(src, &segments, op)
+        self.on_stream(|st| st.copy_h2d_scatter(src, &segments, op))
     }
+
+    /// Streams this cache copies on (see "Copy streams" in the module docs).
+    pub fn streams(&self) -> usize {
+        self.streams.lock().len()
+    }
+
+    /// Submits one copy on the stream the pool picks, and remembers its event.
+    fn on_stream(
+        &self,
+        submit: impl FnOnce(&Stream) -> Result<PendingCopy, DeviceError>,
+    ) -> Result<PendingCopy, DeviceError> {
+        let mut slots = self.streams.lock();
+        let now = tokio::time::Instant::now();
+        let settled = |s: &StreamSlot| s.last.as_ref().is_none_or(|e| e.query().is_settled());
+        let overdue = |s: &StreamSlot| {
+            s.last
+                .as_ref()
+                .is_some_and(|e| !e.query().is_settled() && now.duration_since(e.meta().submitted()) > self.op_timeout)
+        };
+        let pick = match slots.iter().position(settled) {
+            Some(i) => i,
+            None if slots.len() < MAX_STREAMS => {
+                let stream = self
+                    .device
+                    .create_stream(&format!("{}-copy{}", self.name, slots.len()))?;
+                slots.push(StreamSlot {
+                    stream,
+                    last: None,
+                    used: 0,
+                });
+                slots.len() - 1
+            }
+            None => {
+                // Every stream is busy: the least recently used that is not stuck (all
+                // stuck: the least recently used; its copy waits, bounded, behind it).
+                let by_age = |i: &usize| slots[*i].used;
+                let healthy = (0..slots.len()).filter(|&i| !overdue(&slots[i])).min_by_key(by_age);
+                healthy.or_else(|| (0..slots.len()).min_by_key(by_age)).unwrap_or(0)
+            }
+        };
+        let pending = submit(&slots[pick].stream)?;
+        let seq = slots.iter().map(|s| s.used).max().unwrap_or(0) + 1;
+        let slot = &mut slots[pick];
+        slot.last = Some(pending.event().clone());
+        slot.used = seq;
+        Ok(pending)
+    }
+}
+
+/// Most copy streams one cache opens (see "Copy streams" in the module docs).
+pub const MAX_STREAMS: usize = 4;
+
+/// One of a cache's copy streams and the last copy submitted on it.
+struct StreamSlot {
+    stream: Stream,
+    last: Option<super::Event>,
+    /// When it was last chosen (a sequence number: higher is more recent).
+    used: u64,
 }

@@ -317,6 +317,17 @@ impl SimDevice {
     pub fn memory_used(&self) -> usize {
         self.shared.memory_used.load(Ordering::Acquire)
     }
+
+    /// Adopts host memory the caller already has (say, a framework's CPU KV tensors)
+    /// as this device's memory, without copying: copies to and from it then go through
+    /// the sim device's streams, events and faults, exactly as on allocated sim memory.
+    /// This is how the device data path runs over an application's own buffers on a
+    /// machine without an accelerator. The memory does not count against
+    /// [`SimConfig::with_memory`]; `region` (and whatever keeps its memory alive) is held
+    /// until the buffer and every operation targeting it are gone.
+    pub fn adopt_host(&self, region: Arc<Region>) -> DeviceBuffer {
+        DeviceBuffer::new(Arc::new(HostBuffer::new(self.shared.id, region, None)))
+    }
 }
 
 impl Device for SimDevice {

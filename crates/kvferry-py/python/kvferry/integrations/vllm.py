@@ -54,6 +54,18 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     Staging arena of the worker's engine (used by the ``staged`` path).
 ``peer_id`` (str, default ``kvferry-<engine_id>``)
     Prefix of the worker engines' peer ids (``-tp<rank>`` is appended).
+``device`` (``"sim"`` or unset, default unset)
+    Unset: the worker's engine follows its KV tensors — CPU tensors are host memory
+    (zero copy both ways), CUDA tensors go to a ``cuda:N`` engine on their GPU and move
+    through the device path (a device-to-host gather into pinned staging on a copy
+    stream when a decode pulls, a host-to-device scatter on the decode side, every
+    device wait bounded). ``"sim"``: CPU tensors are adopted as memory of kvferry's sim
+    device, so that same device path (staging, device copies, events, faults) runs on a
+    machine without a GPU — for tests and CPU rehearsals of a GPU deployment.
+``device_timeout`` (float seconds, default: ``timeout``)
+    Bound on each device copy; a copy that has not completed by then fails its transfer
+    (a load error on the decode side) and its staging pages stay quarantined until the
+    device confirms.
 
 ``kv_transfer_params`` returned by a prefill instance: ``do_remote_prefill`` (True),
 ``do_remote_decode`` (False), ``remote_block_ids``, ``remote_engine_id``,
@@ -85,7 +97,12 @@ expiry remains the backstop when the decode side dies or the release cannot reac
 prefill instance. Params without kvferry's fields (a proxy written for NIXL) are pulled
 from ``remote_host:remote_port`` when the prefill has one rank, else computed locally
 with a warning that says why.
-Host (CPU) KV caches only: kvferry's Python engine moves host memory.
+KV caches in CPU memory move zero copy; CUDA caches move through pinned staging and
+device copies (see ``device``). A decode request is reported in ``finished_recving``
+only once its bytes are in its blocks — on a device, once the host-to-device copy
+completed on the device. On the prefill side, with CUDA caches, a finished request's
+blocks are published only once the step that computed them has completed on the GPU
+(an event recorded in ``wait_for_save``, polled, never waited on without a bound).
 """
 
 from __future__ import annotations
@@ -142,6 +159,8 @@ _DEFAULTS: dict[str, Any] = {
     "connect_timeout": 3.0,
     "arena_bytes": 64 << 20,
     "peer_id": None,
+    "device": None,
+    "device_timeout": None,
 }
 
 
@@ -161,6 +180,8 @@ class KvferryConfig:
     connect_timeout: float = 3.0
     arena_bytes: int = 64 << 20
     peer_id: str | None = None
+    device: str | None = None
+    device_timeout: float | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
@@ -181,10 +202,16 @@ class KvferryConfig:
             connect_timeout=float(extra.get("connect_timeout", _DEFAULTS["connect_timeout"])),
             arena_bytes=int(extra.get("arena_bytes", _DEFAULTS["arena_bytes"])),
             peer_id=extra.get("peer_id"),
+            device=extra.get("device"),
+            device_timeout=None if extra.get("device_timeout") is None else float(extra["device_timeout"]),
         )
         for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
             if not getattr(cfg, name) > 0:
                 raise ValueError(f"KvferryConnector: {name} must be > 0, got {getattr(cfg, name)!r}")
+        if cfg.device not in (None, "sim"):
+            raise ValueError(f"KvferryConnector: device must be 'sim' or unset (the KV tensors' own device), got {cfg.device!r}")
+        if cfg.device_timeout is not None and not cfg.device_timeout > 0:
+            raise ValueError(f"KvferryConnector: device_timeout must be > 0, got {cfg.device_timeout!r}")
         if cfg.path not in ("direct", "staged"):
             raise ValueError(f"KvferryConnector: path must be 'direct' or 'staged', got {cfg.path!r}")
         if not 0 <= cfg.port < 65536:
@@ -524,17 +551,15 @@ class KvferryConnectorWorker:
         self._done_meta: KvferryConnectorMetadata | None = None
         self._releases: dict[str, Transfer] = {}  # release_remote in flight, by request
         self.stats = KvferryConnectorStats()  # this interval's, taken by get_kv_connector_stats
+        self.device: str | None = None  # the engine's device: None (host), "sim", "cuda:N"
+        self._step_done: Any = None  # CUDA: event recorded after the step's forward
+        self._to_publish: dict[str, tuple[list[int], float]] = {}  # CUDA: waiting for _step_done
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         caches: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in kv_caches.items():
-            if t.device.type != "cpu":
-                raise ValueError(
-                    f"KvferryConnector: layer {name} lives on {t.device}; kvferry's Python engine "
-                    "moves host (CPU) KV caches only"
-                )
             ptr = t.data_ptr()
             if ptr in seen:  # a layer sharing another's cache moves once
                 continue
@@ -542,6 +567,7 @@ class KvferryConnectorWorker:
             caches[name] = t
         if not caches:
             raise ValueError("KvferryConnector: no KV caches to register")
+        self.device = self._device_for(caches)
         first = next(iter(caches.values()))
         nb = self.num_blocks
         if nb is None:
@@ -561,17 +587,43 @@ class KvferryConnectorWorker:
             max_ttl=cfg.lease_ttl,
             io_timeout=cfg.io_timeout,
             connect_timeout=cfg.connect_timeout,
+            device=self.device or "host",
+            device_timeout=cfg.device_timeout or cfg.timeout,
         )
         self.caches = caches
-        self.region = self.engine.register_kv_caches(caches, num_blocks=nb, name="vllm-kv")
+        self.region = self._register(caches, nb, "vllm-kv")
         logger.info(
-            "KvferryConnector worker tp%d: %s, %d blocks of %d bytes, incarnation %#x",
+            "KvferryConnector worker tp%d: %s, %d blocks of %d bytes in %s memory, incarnation %#x",
             self.tp_rank,
             self.engine.address or "client only",
             self.region.num_blocks,
             self.region.block_bytes,
+            self.device or "host",
             self.engine.incarnation,
         )
+
+    def _device_for(self, caches: dict[str, torch.Tensor]) -> str | None:
+        """The engine's device for these tensors (see ``device`` in the module docs)."""
+        places = {(t.device.type, t.device.index) for t in caches.values()}
+        if len(places) != 1:
+            raise ValueError(f"KvferryConnector: KV caches on several devices {sorted(map(str, places))}; one engine moves one device's memory")
+        kind, index = places.pop()
+        if kind == "cpu":
+            return "sim" if self.config.device == "sim" else None
+        if kind == "cuda":
+            if self.config.device == "sim":
+                raise ValueError("KvferryConnector: device='sim' adopts CPU KV caches; these are CUDA tensors (leave device unset)")
+            return f"cuda:{index or 0}"
+        raise ValueError(f"KvferryConnector: KV caches on {kind}; kvferry moves CPU and CUDA memory (and CPU memory as its sim device)")
+
+    def _register(self, caches: dict[str, torch.Tensor], num_blocks: int, name: str) -> Region:
+        """Registers per-layer tensors as one region of this worker's engine: on the sim
+        device, CPU tensors are adopted as its memory first."""
+        assert self.engine is not None
+        if self.device == "sim":
+            mems = {n: self.engine.adopt_host_memory(t, name=f"{name}[{n}]") for n, t in caches.items()}
+            return self.engine.register_kv_caches(mems, num_blocks=num_blocks, name=name)
+        return self.engine.register_kv_caches(caches, num_blocks=num_blocks, name=name)
 
     def get_handshake_metadata(self) -> KvferryHandshakeMetadata | None:
         if self.engine is None or self.region is None:
@@ -625,7 +677,41 @@ class KvferryConnectorWorker:
                 if t.error is not None and not isinstance(t.error, errors.NotFoundError):
                     logger.debug("KvferryConnector: release of %s: %s", req_id, t.error)
 
+    def mark_step_computed(self) -> None:
+        """Called after the step's forward was enqueued (``wait_for_save``): on a CUDA
+        cache, records an event on the current stream, so blocks are published only
+        once the kernels that wrote them have completed."""
+        if self.device is not None and self.device.startswith("cuda"):
+            ev = torch.cuda.Event()
+            ev.record()
+            self._step_done = ev
+
     def _publish(self, req_id: str, block_ids: list[int]) -> None:
+        """Publishes a finished prefill's blocks; on a CUDA cache, not before the step
+        that computed them has completed on the GPU (polled each step, bounded by
+        ``timeout``: a GPU that never completes frees the blocks unpublished, and the
+        decode gets a miss)."""
+        if self.device is not None and self.device.startswith("cuda"):
+            self._to_publish.setdefault(req_id, (block_ids, time.monotonic() + self.config.timeout))
+            self._publish_computed()
+            return
+        self._publish_now(req_id, block_ids)
+
+    def _publish_computed(self) -> None:
+        if not self._to_publish:
+            return
+        done = self._step_done is None or bool(self._step_done.query())
+        now = time.monotonic()
+        for req_id, (ids, give_up_at) in list(self._to_publish.items()):
+            if done:
+                del self._to_publish[req_id]
+                self._publish_now(req_id, ids)
+            elif now > give_up_at:
+                del self._to_publish[req_id]
+                logger.error("KvferryConnector: the GPU did not finish computing %s within %ss; not published", req_id, self.config.timeout)
+                self._released.add(req_id)
+
+    def _publish_now(self, req_id: str, block_ids: list[int]) -> None:
         assert self.engine is not None and self.region is not None
         try:
             self.engine.publish(req_id, self.region, block_ids, ttl=self.config.lease_ttl, once=True)
@@ -665,7 +751,7 @@ class KvferryConnectorWorker:
                 # differ): the publication is one chunk, so it lands in scratch blocks
                 # and only the missing blocks are copied into the cache.
                 pull.scratch = self._scratch(n_remote)
-                pull.scratch_region = self.engine.register_kv_caches(pull.scratch, num_blocks=n_remote, name=f"scratch-{req_id}")
+                pull.scratch_region = self._register(pull.scratch, n_remote, f"scratch-{req_id}")
                 pull.dst, pull.dst_ids = pull.scratch_region, list(range(n_remote))
             self._launch(pull)
         except Exception as e:  # noqa: BLE001 - bad params, no memory...: a load error, never a crash
@@ -686,7 +772,7 @@ class KvferryConnectorWorker:
         out = {}
         for name, t in self.caches.items():
             shape = (2, n, *t.shape[2:]) if self._kv_first[name] else (n, *t.shape[1:])
-            out[name] = torch.empty(shape, dtype=t.dtype)
+            out[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
         return out
 
     def _land_scratch(self, pull: _Pull) -> None:
@@ -715,6 +801,7 @@ class KvferryConnectorWorker:
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
+        self._publish_computed()
         # Decode requests finished (aborted) while pulling: cancel, wait for the drain
         # (bounded), and hand the blocks back. Cancelling tells the prefill Done.
         for req_id in finished_req_ids:
@@ -729,7 +816,7 @@ class KvferryConnectorWorker:
                     # Aborted before the bytes landed: the prefill instance may free
                     # the blocks now (a landed pull already sent Done).
                     self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at)
-            if req_id in self._sending or req_id in self._released:
+            if req_id in self._sending or req_id in self._released or req_id in self._to_publish:
                 self._finished_seen.add(req_id)
         now = time.monotonic()
         for req_id, pull in list(self._pulls.items()):
@@ -893,6 +980,8 @@ class KvferryConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.mark_step_computed()
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvferryConnectorMetadata):
