@@ -404,3 +404,49 @@ fn sim_device_outside_a_runtime_is_an_error_and_blocking_waits_work() {
         .unwrap();
     assert_eq!(a.stats().free_pages, 2);
 }
+
+/// A device KV cache keeps copying when one of its copies never completes: later
+/// scatters go to other streams of its pool (at most `MAX_STREAMS`) instead of queueing
+/// behind the stuck one, and only the stuck one's wait times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_copy_does_not_hold_the_caches_other_copies() {
+    use kvferry::device::DeviceKvCache;
+    let dev = SimDevice::new(SimConfig::new(0).with_latency(Duration::from_micros(100))).unwrap();
+    let d: Arc<dyn Device> = dev.clone();
+    let buf = d.alloc(PAGE * 16).unwrap();
+    let cache = DeviceKvCache::contiguous("kv", d, buf.clone(), PAGE, Duration::from_millis(300)).unwrap();
+    let a = arena(16);
+    dev.inject(FaultRule {
+        fault: Fault::NeverComplete,
+        trigger: Trigger::Next,
+    })
+    .unwrap();
+    let scatter = |block: usize, byte: u8| {
+        let mut lease = a.try_alloc(1).unwrap();
+        lease.write_at(0, &[byte; PAGE]).unwrap();
+        cache
+            .scatter(lease, &[(0, vec![(block * PAGE, PAGE)])], "land")
+            .unwrap()
+    };
+    let stuck = scatter(0, 1);
+    let mut later = Vec::new();
+    for i in 1..(2 * kvferry::device::KV_CACHE_MAX_STREAMS + 1) {
+        later.push(scatter(i, i as u8 + 1));
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for (i, p) in later.into_iter().enumerate() {
+        let lease = p
+            .wait(deadline)
+            .await
+            .unwrap_or_else(|e| panic!("copy {} behind the stuck one: {e}", i + 1));
+        drop(lease);
+        assert_eq!(buf.to_vec((i + 1) * PAGE, 4).unwrap(), vec![i as u8 + 2; 4]);
+    }
+    assert!(cache.streams() >= 2 && cache.streams() <= kvferry::device::KV_CACHE_MAX_STREAMS);
+    assert!(matches!(
+        stuck.wait(Instant::now() + Duration::from_millis(400)).await,
+        Err(DeviceError::Timeout { .. })
+    ));
+    check(&a);
+    dev.release_stuck();
+}

@@ -10,9 +10,10 @@
 //! device fault) would hold every later copy on its stream. The cache therefore keeps a
 //! small pool of streams (at most [`MAX_STREAMS`], created as needed): a copy goes to a
 //! stream whose last copy has settled, else to a new stream while the pool has room,
-//! else to the stream least recently used whose last copy is not overdue. A stream
-//! whose last copy is past the op timeout unsettled is never chosen while another is
-//! usable, so a stuck copy costs its own transfer, not the others in flight.
+//! else to the most recently chosen stream whose last copy is not overdue (the stream of
+//! a stuck copy, the oldest unsettled one, is the last a newcomer joins). A stream whose
+//! last copy is past the op timeout unsettled is never chosen while another is usable,
+//! so a stuck copy costs its own transfer, not the others in flight.
 //!
 //! Waits are the caller's, through the returned [`PendingCopy`]: bounded, and on
 //! timeout or cancel the staging pages are quarantined until the device confirms (see
@@ -273,11 +274,13 @@ impl DeviceKvCache {
                 slots.len() - 1
             }
             None => {
-                // Every stream is busy: the least recently used that is not stuck (all
-                // stuck: the least recently used; its copy waits, bounded, behind it).
-                let by_age = |i: &usize| slots[*i].used;
-                let healthy = (0..slots.len()).filter(|&i| !overdue(&slots[i])).min_by_key(by_age);
-                healthy.or_else(|| (0..slots.len()).min_by_key(by_age)).unwrap_or(0)
+                // Every stream is busy: the most recently chosen one that is not overdue.
+                // A stuck copy is the oldest unsettled one, so its stream is the last a
+                // newcomer would join, even before it is known to be stuck; streams that
+                // settle are preferred again above, which spreads the work back out.
+                let by_use = |i: &usize| slots[*i].used;
+                let healthy = (0..slots.len()).filter(|&i| !overdue(&slots[i])).max_by_key(by_use);
+                healthy.or_else(|| (0..slots.len()).max_by_key(by_use)).unwrap_or(0)
             }
         };
         let pending = submit(&slots[pick].stream)?;

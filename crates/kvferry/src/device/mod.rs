@@ -80,7 +80,7 @@ pub use event::{
     BoxFuture, Event, EventId, EventMeta, EventSignal, EventStatus, EventTrigger, PushSignal, SettleCallback,
 };
 pub use host::HostDevice;
-pub use kv_cache::DeviceKvCache;
+pub use kv_cache::{DeviceKvCache, MAX_STREAMS as KV_CACHE_MAX_STREAMS};
 pub use output::{AsyncOutput, OutputBytes};
 pub use sim::{Fault, FaultRule, SimConfig, SimDevice, Trigger};
 pub use stream::{
