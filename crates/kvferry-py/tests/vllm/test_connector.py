@@ -554,14 +554,13 @@ def test_lifecycle_prefill_to_decode(prefill, decode, kv_device):
         assert prefill.device_stats()["operations"] >= 1
 
 
+@pytest.mark.parametrize("kv_device", ["sim"], indirect=True)  # faults need the sim device
 def test_device_faults_fail_only_their_requests(prefill, decode, kv_device):
     """Sim device on both sides. Decode side: of 48 pulls in flight, the one whose
     host-to-device copy never completes fails within ``device_timeout`` (+ slack) as a
     load error, its staging pages quarantined; the 47 others land. Prefill side: a
     device-to-host gather that fails becomes a load error for its request only, and the
     prefill's blocks are freed within a round trip (the decode releases them)."""
-    if kv_device != "sim":
-        pytest.skip("device faults need the sim device (device='sim'); the host run covers the rest")
     bound = 2.0
     d = decode(extra={"timeout": TIMEOUT, "device_timeout": bound})
     reqs = prompts(48, seed=30, lo=20, hi=100)
