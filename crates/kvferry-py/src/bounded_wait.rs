@@ -1,0 +1,417 @@
+//! `kvferry.bounded_wait(event, timeout, *, what=...)`: waits for an accelerator event
+//! (anything with `query()`) until it completes or the deadline passes, never longer,
+//! and without spinning.
+//!
+//! This is the bounded replacement for `event.synchronize()`, which waits without a
+//! limit: if the device never completes the event, the waiting thread blocks for good
+//! (the hang of `../shared/background/async-output-bounded-wait.txt`).
+//!
+//! Semantics:
+//! - Returns the seconds waited once the event has completed. A `timeout` of `0`
+//!   queries once. A negative, NaN or infinite timeout is an `InvalidArgumentError`.
+//! - When the deadline passes first, raises `kvferry.TimeoutError` naming `what`, the
+//!   event's device and the time waited (attributes `op` = what, `waited`, `device`).
+//!   The event itself is untouched: the device may still complete it later.
+//! - CUDA events (`torch.cuda.Event`, whose `cuda_event` is the raw `CUevent`, and a
+//!   `torch.Event` on a CUDA device, whose `event_id` is) are queried from Rust with
+//!   `cuEventQuery` through the cuda backend's dynamic loading of the driver, with the
+//!   GIL released for the whole wait; a driver error (a sticky fault, a bad handle) is
+//!   a `kvferry.DeviceError`. An event never recorded (handle 0) counts as complete, as
+//!   torch's `query()` says. Builds without the `cuda` feature use `query()`.
+//! - Any other event is polled with its `query()` (truthy: complete), holding the GIL
+//!   only for that call; an exception raised by `query()` propagates unchanged.
+//! - No busy spin: between queries the thread sleeps with the GIL released, for an
+//!   interval that adapts. Each `what` keeps the durations of its last waits that
+//!   were still pending when they began; a wait sleeps in one stretch until shortly
+//!   before the shortest of them (the event's typical completion time), then polls at
+//!   10 µs, each interval 1.2 times the last, up to 20 ms. A wait with no history polls
+//!   from 10 µs the same way. So waiting a second on an event that never completes
+//!   costs about 90 queries, and a wait that ends when the history says resumes within
+//!   tens of microseconds. During the wait the thread's timer slack is set to 1 µs
+//!   (Linux), so short sleeps are as short as asked, and restored afterwards.
+//! - Ctrl-C: the wait checks for signals between polls (CUDA waits on the main
+//!   thread at most every 50 ms), so `KeyboardInterrupt` ends it.
+//!
+//! # Cancellation
+//!
+//! There is no future to drop: the call is synchronous. An interrupt (a signal
+//! handler raising) ends the wait like a timeout does — the event is left as it is.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use crate::errors::ErrInfo;
+
+/// First interval between queries.
+const POLL_MIN: Duration = Duration::from_micros(10);
+/// Longest interval between queries.
+const POLL_MAX: Duration = Duration::from_millis(20);
+/// How much each interval grows, as a ratio num/den.
+const GROW_NUM: u32 = 6;
+const GROW_DEN: u32 = 5;
+/// Waits remembered per `what`.
+const HISTORY: usize = 16;
+/// `what` names remembered (a bound on the table; beyond it the oldest is forgotten).
+const MAX_NAMES: usize = 256;
+/// How often a CUDA wait on the main thread takes the GIL to check for signals.
+const SIGNAL_EVERY: Duration = Duration::from_millis(50);
+
+/// The durations of recent waits of one `what` that were pending when they began.
+#[derive(Default)]
+struct History {
+    recent: [u64; HISTORY],
+    len: usize,
+    next: usize,
+    /// Use stamp, for forgetting the least recently used name.
+    used: u64,
+}
+
+impl History {
+    fn record(&mut self, waited: Duration) {
+        self.recent[self.next] = waited.as_nanos().min(u64::MAX as u128) as u64;
+        self.next = (self.next + 1) % HISTORY;
+        self.len = (self.len + 1).min(HISTORY);
+    }
+
+    /// The shortest of the recent waits, if any.
+    fn shortest(&self) -> Option<Duration> {
+        self.recent[..self.len].iter().min().map(|&ns| Duration::from_nanos(ns))
+    }
+}
+
+struct Histories {
+    by_name: HashMap<String, History>,
+    clock: u64,
+}
+
+fn histories() -> &'static Mutex<Histories> {
+    static H: OnceLock<Mutex<Histories>> = OnceLock::new();
+    H.get_or_init(|| {
+        Mutex::new(Histories {
+            by_name: HashMap::new(),
+            clock: 0,
+        })
+    })
+}
+
+/// When to stop sleeping in one stretch and start polling: shortly before the typical
+/// completion time of `what`, or at once without history.
+fn horizon(what: &str) -> Duration {
+    let mut h = histories().lock();
+    h.clock += 1;
+    let clock = h.clock;
+    match h.by_name.get_mut(what) {
+        None => Duration::ZERO,
+        Some(hist) => {
+            hist.used = clock;
+            match hist.shortest() {
+                None => Duration::ZERO,
+                Some(t) => {
+                    // Leave a margin of 1/32 of it, between 50 µs and 500 µs.
+                    let margin = (t / 32).clamp(Duration::from_micros(50), Duration::from_micros(500));
+                    t.saturating_sub(margin)
+                }
+            }
+        }
+    }
+}
+
+fn record(what: &str, waited: Duration) {
+    let mut h = histories().lock();
+    h.clock += 1;
+    let clock = h.clock;
+    if !h.by_name.contains_key(what) && h.by_name.len() >= MAX_NAMES {
+        if let Some(oldest) = h.by_name.iter().min_by_key(|(_, v)| v.used).map(|(k, _)| k.clone()) {
+            h.by_name.remove(&oldest);
+        }
+    }
+    let hist = h.by_name.entry(what.to_string()).or_default();
+    hist.used = clock;
+    hist.record(waited);
+}
+
+/// Sets the calling thread's timer slack to 1 µs, restoring the previous value on drop.
+struct TimerSlack {
+    #[cfg(target_os = "linux")]
+    old: Option<libc::c_ulong>,
+}
+
+impl TimerSlack {
+    fn tighten() -> TimerSlack {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: PR_GET_TIMERSLACK takes no pointer and only reads this thread's
+            // setting.
+            let old = unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
+            if old > 1000 {
+                // SAFETY: PR_SET_TIMERSLACK changes only the calling thread's slack.
+                let r = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong, 0, 0, 0) };
+                if r == 0 {
+                    return TimerSlack {
+                        old: Some(old as libc::c_ulong),
+                    };
+                }
+            }
+            TimerSlack { old: None }
+        }
+        #[cfg(not(target_os = "linux"))]
+        TimerSlack {}
+    }
+}
+
+impl Drop for TimerSlack {
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        if let Some(old) = self.old {
+            // SAFETY: as in `tighten`: the calling thread's own slack, set back.
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, old, 0, 0, 0);
+            }
+        }
+    }
+}
+
+/// How one wait ended.
+struct Outcome {
+    completed: bool,
+    waited: Duration,
+    /// Whether the first query found the event pending (only such waits teach the
+    /// history how long the event takes).
+    pending_at_start: bool,
+}
+
+/// The wait loop: `poll` says whether the event completed, `pause` sleeps (releasing
+/// whatever must be released) and may end the wait with an error (a signal).
+fn wait_loop(
+    start: Instant,
+    timeout: Duration,
+    horizon: Duration,
+    mut poll: impl FnMut() -> PyResult<bool>,
+    mut pause: impl FnMut(Duration) -> PyResult<()>,
+) -> PyResult<Outcome> {
+    let deadline = start + timeout;
+    if poll()? {
+        return Ok(Outcome {
+            completed: true,
+            waited: start.elapsed(),
+            pending_at_start: false,
+        });
+    }
+    let _slack = TimerSlack::tighten();
+    let mut interval = POLL_MIN;
+    let mut stretch = horizon.min(timeout);
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(Outcome {
+                completed: false,
+                waited: now - start,
+                pending_at_start: true,
+            });
+        }
+        let left = deadline - now;
+        let nap = if now - start < stretch {
+            // Sleeping towards the horizon, in pieces of at most POLL_MAX.
+            (start + stretch - now).min(POLL_MAX)
+        } else {
+            stretch = Duration::ZERO;
+            let nap = interval;
+            interval = (interval * GROW_NUM / GROW_DEN).min(POLL_MAX);
+            nap
+        };
+        pause(nap.min(left))?;
+        if poll()? {
+            return Ok(Outcome {
+                completed: true,
+                waited: start.elapsed(),
+                pending_at_start: true,
+            });
+        }
+    }
+}
+
+/// How the event is queried.
+enum Source {
+    /// A raw `CUevent` (0: never recorded).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Cuda(usize),
+    /// Its `query()` method.
+    Query,
+}
+
+/// The event's device as text, if it says (`event.device`).
+fn device_of(event: &Bound<'_, PyAny>) -> Option<String> {
+    let dev = event.getattr("device").ok()?;
+    if dev.is_none() {
+        return None;
+    }
+    dev.str().ok().map(|s| s.to_string())
+}
+
+/// The raw CUDA handle of a torch CUDA event, if `event` is one.
+fn cuda_handle(event: &Bound<'_, PyAny>, device: Option<&str>) -> Option<usize> {
+    if !cfg!(feature = "cuda") {
+        return None;
+    }
+    // `torch.cuda.Event` (and CuPy-style events): `cuda_event` is the CUevent.
+    if let Ok(h) = event.getattr("cuda_event") {
+        return h.extract::<usize>().ok();
+    }
+    // `torch.Event` on a CUDA device: `event_id` is the cudaEvent_t (a CUevent).
+    if device.is_some_and(|d| d.starts_with("cuda")) {
+        if let Ok(h) = event.getattr("event_id") {
+            return h.extract::<usize>().ok();
+        }
+    }
+    None
+}
+
+fn type_name(event: &Bound<'_, PyAny>) -> String {
+    let ty = event.get_type();
+    let name = ty.qualname().map(|s| s.to_string()).unwrap_or_else(|_| "event".into());
+    match ty.module().map(|m| m.to_string()) {
+        Ok(m) if m != "builtins" => format!("{m}.{name}"),
+        _ => name,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn query_cuda(handle: usize, what: &str, device: &str) -> PyResult<bool> {
+    if handle == 0 {
+        return Ok(true);
+    }
+    // SAFETY: `handle` is the CUevent of a torch event object that the caller's
+    // arguments keep alive for this whole call (torch destroys it only when the
+    // object is freed).
+    unsafe { kvferry::device::query_raw_event(handle) }.map_err(|e| {
+        ErrInfo::new("DeviceError", format!("bounded_wait: querying {what} on {device}: {e}"))
+            .op(what)
+            .into()
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn query_cuda(_handle: usize, _what: &str, _device: &str) -> PyResult<bool> {
+    unreachable!("CUDA handles are used only in builds with the cuda feature")
+}
+
+fn is_main_thread(py: Python<'_>) -> bool {
+    (|| -> PyResult<bool> {
+        let threading = py.import("threading")?;
+        let main = threading.call_method0("main_thread")?;
+        let current = threading.call_method0("current_thread")?;
+        Ok(main.is(&current))
+    })()
+    .unwrap_or(false)
+}
+
+/// Waits for `event` to complete, at most `timeout` seconds; returns the seconds
+/// waited. See the module docs.
+#[pyfunction]
+#[pyo3(signature = (event, timeout, *, what = None))]
+pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what: Option<String>) -> PyResult<f64> {
+    if !timeout.is_finite() || timeout < 0.0 {
+        return Err(ErrInfo::invalid(format!(
+            "bounded_wait: timeout must be a finite number of seconds >= 0, got {timeout}"
+        ))
+        .into());
+    }
+    let timeout_d = Duration::from_secs_f64(timeout);
+    let what = what.unwrap_or_else(|| type_name(event));
+    let device = device_of(event);
+    let source = match cuda_handle(event, device.as_deref()) {
+        Some(h) => Source::Cuda(h),
+        None => Source::Query,
+    };
+    let device = device.unwrap_or_else(|| match source {
+        Source::Cuda(_) => "cuda".to_string(),
+        Source::Query => "an unnamed device".to_string(),
+    });
+    let horizon = horizon(&what);
+    let start = Instant::now();
+    let outcome = match source {
+        Source::Query => wait_loop(
+            start,
+            timeout_d,
+            horizon,
+            || event.call_method0("query")?.is_truthy(),
+            |d| {
+                py.detach(|| std::thread::sleep(d));
+                py.check_signals()
+            },
+        )?,
+        Source::Cuda(handle) => {
+            let main = is_main_thread(py);
+            let (what_ref, device_ref) = (what.as_str(), device.as_str());
+            py.detach(|| {
+                let mut checked = Instant::now();
+                wait_loop(
+                    start,
+                    timeout_d,
+                    horizon,
+                    || query_cuda(handle, what_ref, device_ref),
+                    |d| {
+                        std::thread::sleep(d);
+                        if main && checked.elapsed() >= SIGNAL_EVERY {
+                            checked = Instant::now();
+                            Python::attach(|py| py.check_signals())?;
+                        }
+                        Ok(())
+                    },
+                )
+            })?
+        }
+    };
+    if outcome.completed {
+        if outcome.pending_at_start {
+            record(&what, outcome.waited);
+        }
+        return Ok(outcome.waited.as_secs_f64());
+    }
+    let waited = outcome.waited;
+    let mut info = ErrInfo::new(
+        "TimeoutError",
+        format!(
+            "bounded_wait: {what} on {device} did not complete within {timeout:.3} s (waited {:.3} s); \
+             the device may still complete it later",
+            waited.as_secs_f64()
+        ),
+    )
+    .op(&what);
+    info.waited = Some(waited);
+    let err = info.to_py(py);
+    let _ = err.value(py).setattr("device", device);
+    Err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_keeps_the_shortest_recent_wait() {
+        let mut h = History::default();
+        assert_eq!(h.shortest(), None);
+        h.record(Duration::from_millis(5));
+        h.record(Duration::from_millis(3));
+        h.record(Duration::from_millis(4));
+        assert_eq!(h.shortest(), Some(Duration::from_millis(3)));
+        // The 3 ms wait falls out of the window after HISTORY newer ones.
+        for _ in 0..HISTORY {
+            h.record(Duration::from_millis(7));
+        }
+        assert_eq!(h.shortest(), Some(Duration::from_millis(7)));
+    }
+
+    #[test]
+    fn horizon_leaves_a_margin_before_the_typical_completion() {
+        let name = "tests::horizon";
+        assert_eq!(horizon(name), Duration::ZERO);
+        record(name, Duration::from_millis(2));
+        assert_eq!(horizon(name), Duration::from_millis(2) - Duration::from_micros(62_500));
+    }
+}
