@@ -280,6 +280,8 @@ def test_another_vllm_version_is_warned_about_and_not_patched(monkeypatch):
 
 
 _LOAD = """
+import logging
+logging.basicConfig(level=logging.INFO)  # vLLM configures its logging when an engine starts
 import vllm.plugins
 from vllm.v1.worker.gpu.async_utils import AsyncOutput, StepTimingCollector
 from vllm.v1.executor.multiproc_executor import WorkerProc
