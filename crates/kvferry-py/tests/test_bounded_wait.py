@@ -201,3 +201,115 @@ def test_cuda_event_without_a_driver_is_a_device_error():
     with pytest.raises(kvferry.DeviceError, match="no device") as info:
         kvferry.bounded_wait(FakeCudaEvent(0xDEAD), 1.0, what="copy_event")
     assert "copy_event" in str(info.value)
+
+
+# -- on a CUDA GPU (scripts/gpu-check.sh); skipped with the reason elsewhere ------------
+
+
+def _why_no_gpu() -> str | None:
+    if not kvferry.HAS_CUDA:
+        return "this build of kvferry has no cuda feature"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    return None
+
+
+WHY_NO_GPU = _why_no_gpu()
+gpu = pytest.mark.skipif(WHY_NO_GPU is not None, reason=f"GPU part skipped: {WHY_NO_GPU}")
+
+
+def _cycles_per_ms(torch) -> float:
+    """GPU clock cycles per millisecond, for ``torch.cuda._sleep`` (a spinning kernel)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # warm up
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+@gpu
+def test_cuda_event_behind_a_two_second_kernel_completes():
+    import torch
+
+    torch.cuda.init()
+    per_ms = _cycles_per_ms(torch)
+    ev = torch.cuda.Event(blocking=True)
+    torch.cuda._sleep(int(2000 * per_ms))
+    ev.record()
+    assert not ev.query()
+    cpu0 = time.thread_time()
+    waited = kvferry.bounded_wait(ev, 30.0, what="two-second kernel")
+    cpu = time.thread_time() - cpu0
+    assert ev.query()
+    assert 1.5 <= waited <= 3.0, waited
+    # Queried through cuEventQuery without spinning: a small fraction of the wait.
+    assert cpu < 0.05 * waited, (cpu, waited)
+    # A generic torch.Event on the same device goes through its raw handle too.
+    if hasattr(torch, "Event"):
+        gev = torch.Event(device="cuda")
+        torch.cuda._sleep(int(200 * per_ms))
+        gev.record()
+        assert kvferry.bounded_wait(gev, 30.0, what="torch.Event") >= 0.1
+
+
+def _driver(torch):
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    wait.restype = ctypes.c_int
+    devptr = lib.cuMemHostGetDevicePointer_v2
+    devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    devptr.restype = ctypes.c_int
+    return wait, devptr
+
+
+@gpu
+def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean():
+    """The stream waits until the host sets a flag in pinned memory (the GPU front end
+    polls it: ``cuStreamWaitValue32``); with a 1 s deadline the wait raises on time,
+    then the flag is set and the work behind it runs, and the device is usable."""
+    import ctypes
+
+    import torch
+
+    torch.cuda.init()
+    wait_value, host_devptr = _driver(torch)
+    flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+    dptr = ctypes.c_uint64(0)
+    r = host_devptr(ctypes.byref(dptr), ctypes.c_void_p(flag.data_ptr()), 0)
+    assert r == 0, f"cuMemHostGetDevicePointer: {r}"
+    stream = torch.cuda.Stream()
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    ev = torch.cuda.Event(blocking=True)
+    stream.wait_stream(torch.cuda.current_stream())  # x is ready before the gate
+    with torch.cuda.stream(stream):
+        r = wait_value(ctypes.c_void_p(stream.cuda_stream), dptr.value, 1, 0x1)  # CU_STREAM_WAIT_VALUE_EQ
+        if r != 0:
+            pytest.skip(f"cuStreamWaitValue32 is not supported here ({r})")
+        y = x * 2
+        ev.record(stream)
+    t0 = time.monotonic()
+    with pytest.raises(kvferry.TimeoutError) as info:
+        kvferry.bounded_wait(ev, 1.0, what="flag-gated copy")
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed <= 1.0 + 0.02, elapsed
+    assert info.value.device.startswith("cuda")
+    assert not ev.query()
+    flag[0] = 1  # the host sets the flag; the stream proceeds
+    assert kvferry.bounded_wait(ev, 10.0, what="flag-gated copy") < 10.0
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+    # Clean: new work runs and completes.
+    z = torch.ones(1024, device="cuda").sum()
+    done = torch.cuda.Event()
+    done.record()
+    kvferry.bounded_wait(done, 10.0, what="after")
+    assert z.item() == 1024.0
