@@ -20,15 +20,17 @@
 //!   torch's `query()` says. Builds without the `cuda` feature use `query()`.
 //! - Any other event is polled with its `query()` (truthy: complete), holding the GIL
 //!   only for that call; an exception raised by `query()` propagates unchanged.
-//! - No busy spin: between queries the thread sleeps with the GIL released, for an
-//!   interval that adapts. Each `what` keeps the durations of its last waits that
-//!   were still pending when they began; a wait sleeps in one stretch until shortly
-//!   before the shortest of them (the event's typical completion time), then polls at
-//!   10 µs, each interval 1.2 times the last, up to 20 ms. A wait with no history polls
-//!   from 10 µs the same way. So waiting a second on an event that never completes
-//!   costs about 90 queries, and a wait that ends when the history says resumes within
-//!   tens of microseconds. During the wait the thread's timer slack is set to 1 µs
-//!   (Linux), so short sleeps are as short as asked, and restored afterwards.
+//! - No busy spin: between queries the thread sleeps with the GIL released, on a
+//!   schedule that adapts. Each `what` keeps the durations of its last 16 waits that
+//!   were still pending when they began. A wait sleeps in one stretch (pieces of at
+//!   most 100 ms) until shortly before the shortest of them — the event's usual
+//!   completion time — then polls finely (10 µs, each interval 1.2 times the last)
+//!   across their spread (1 to 20 ms), then coarsely (1.5 times, up to 100 ms). A wait
+//!   with no history polls finely for its first millisecond, then coarsely. So a
+//!   wait that ends when its history says resumes within tens of microseconds, and
+//!   a second on an event that never completes costs about 35 queries. During the
+//!   wait the thread's timer slack is 1 µs (Linux), so short sleeps are as short as
+//!   asked; it is restored afterwards.
 //! - Ctrl-C: the wait checks for signals between polls (CUDA waits on the main
 //!   thread at most every 50 ms), so `KeyboardInterrupt` ends it.
 //!
@@ -49,10 +51,17 @@ use crate::errors::ErrInfo;
 /// First interval between queries.
 const POLL_MIN: Duration = Duration::from_micros(10);
 /// Longest interval between queries.
-const POLL_MAX: Duration = Duration::from_millis(20);
-/// How much each interval grows, as a ratio num/den.
-const GROW_NUM: u32 = 6;
-const GROW_DEN: u32 = 5;
+const POLL_MAX: Duration = Duration::from_millis(100);
+/// Growth of the interval in the fine window, as a ratio num/den (1.2).
+const FINE_NUM: u32 = 6;
+const FINE_DEN: u32 = 5;
+/// Growth of the interval after the fine window (1.5).
+const COARSE_NUM: u32 = 3;
+const COARSE_DEN: u32 = 2;
+/// The fine window: at least this long, at most [`FINE_MAX`] (the spread of recent
+/// completion times in between).
+const FINE_MIN: Duration = Duration::from_millis(1);
+const FINE_MAX: Duration = Duration::from_millis(20);
 /// Waits remembered per `what`.
 const HISTORY: usize = 16;
 /// `what` names remembered (a bound on the table; beyond it the oldest is forgotten).
@@ -77,10 +86,29 @@ impl History {
         self.len = (self.len + 1).min(HISTORY);
     }
 
-    /// The shortest of the recent waits, if any.
-    fn shortest(&self) -> Option<Duration> {
-        self.recent[..self.len].iter().min().map(|&ns| Duration::from_nanos(ns))
+    /// The shortest and the longest of the recent waits, if any.
+    fn range(&self) -> Option<(Duration, Duration)> {
+        let recent = &self.recent[..self.len];
+        let lo = recent.iter().min()?;
+        let hi = recent.iter().max()?;
+        Some((Duration::from_nanos(*lo), Duration::from_nanos(*hi)))
     }
+}
+
+/// The schedule of one wait: sleep in one stretch until `horizon`, then poll finely
+/// for `fine` (intervals from [`POLL_MIN`] growing 1.2×), then coarsely (growing 1.5×,
+/// up to [`POLL_MAX`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    horizon: Duration,
+    fine: Duration,
+}
+
+impl Plan {
+    const COLD: Plan = Plan {
+        horizon: Duration::ZERO,
+        fine: FINE_MIN,
+    };
 }
 
 struct Histories {
@@ -98,25 +126,25 @@ fn histories() -> &'static Mutex<Histories> {
     })
 }
 
-/// When to stop sleeping in one stretch and start polling: shortly before the typical
-/// completion time of `what`, or at once without history.
-fn horizon(what: &str) -> Duration {
+/// The plan of a wait for `what`: from its history, sleep until shortly before the
+/// shortest recent completion and poll finely across the spread of recent completions;
+/// without history, poll finely from the start.
+fn plan(what: &str) -> Plan {
     let mut h = histories().lock();
     h.clock += 1;
     let clock = h.clock;
-    match h.by_name.get_mut(what) {
-        None => Duration::ZERO,
-        Some(hist) => {
-            hist.used = clock;
-            match hist.shortest() {
-                None => Duration::ZERO,
-                Some(t) => {
-                    // Leave a margin of 1/32 of it, between 50 µs and 500 µs.
-                    let margin = (t / 32).clamp(Duration::from_micros(50), Duration::from_micros(500));
-                    t.saturating_sub(margin)
-                }
-            }
-        }
+    let Some(hist) = h.by_name.get_mut(what) else {
+        return Plan::COLD;
+    };
+    hist.used = clock;
+    let Some((lo, hi)) = hist.range() else {
+        return Plan::COLD;
+    };
+    // A margin of 1/32 of it, between 50 µs and 500 µs, before the shortest.
+    let margin = (lo / 32).clamp(Duration::from_micros(50), Duration::from_micros(500));
+    Plan {
+        horizon: lo.saturating_sub(margin),
+        fine: (hi - lo + margin).clamp(FINE_MIN, FINE_MAX),
     }
 }
 
@@ -189,7 +217,7 @@ struct Outcome {
 fn wait_loop(
     start: Instant,
     timeout: Duration,
-    horizon: Duration,
+    plan: Plan,
     mut poll: impl FnMut() -> PyResult<bool>,
     mut pause: impl FnMut(Duration) -> PyResult<()>,
 ) -> PyResult<Outcome> {
@@ -202,8 +230,9 @@ fn wait_loop(
         });
     }
     let _slack = TimerSlack::tighten();
+    let horizon = plan.horizon.min(timeout);
+    let fine_until = horizon + plan.fine;
     let mut interval = POLL_MIN;
-    let mut stretch = horizon.min(timeout);
     loop {
         let now = Instant::now();
         if now >= deadline {
@@ -213,17 +242,21 @@ fn wait_loop(
                 pending_at_start: true,
             });
         }
-        let left = deadline - now;
-        let nap = if now - start < stretch {
-            // Sleeping towards the horizon, in pieces of at most POLL_MAX.
-            (start + stretch - now).min(POLL_MAX)
+        let elapsed = now - start;
+        let nap = if elapsed < horizon {
+            // Towards the horizon, in pieces of at most POLL_MAX.
+            (horizon - elapsed).min(POLL_MAX)
         } else {
-            stretch = Duration::ZERO;
             let nap = interval;
-            interval = (interval * GROW_NUM / GROW_DEN).min(POLL_MAX);
+            interval = if elapsed < fine_until {
+                interval * FINE_NUM / FINE_DEN
+            } else {
+                interval * COARSE_NUM / COARSE_DEN
+            }
+            .min(POLL_MAX);
             nap
         };
-        pause(nap.min(left))?;
+        pause(nap.min(deadline - now))?;
         if poll()? {
             return Ok(Outcome {
                 completed: true,
@@ -331,13 +364,13 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
         Source::Cuda(_) => "cuda".to_string(),
         Source::Query => "an unnamed device".to_string(),
     });
-    let horizon = horizon(&what);
+    let plan = plan(&what);
     let start = Instant::now();
     let outcome = match source {
         Source::Query => wait_loop(
             start,
             timeout_d,
-            horizon,
+            plan,
             || event.call_method0("query")?.is_truthy(),
             |d| {
                 py.detach(|| std::thread::sleep(d));
@@ -352,7 +385,7 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
                 wait_loop(
                     start,
                     timeout_d,
-                    horizon,
+                    plan,
                     || query_cuda(handle, what_ref, device_ref),
                     |d| {
                         std::thread::sleep(d);
@@ -393,25 +426,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn history_keeps_the_shortest_recent_wait() {
+    fn history_keeps_the_range_of_recent_waits() {
         let mut h = History::default();
-        assert_eq!(h.shortest(), None);
+        assert_eq!(h.range(), None);
         h.record(Duration::from_millis(5));
         h.record(Duration::from_millis(3));
         h.record(Duration::from_millis(4));
-        assert_eq!(h.shortest(), Some(Duration::from_millis(3)));
-        // The 3 ms wait falls out of the window after HISTORY newer ones.
+        assert_eq!(h.range(), Some((Duration::from_millis(3), Duration::from_millis(5))));
+        // The older waits fall out of the window after HISTORY newer ones.
         for _ in 0..HISTORY {
             h.record(Duration::from_millis(7));
         }
-        assert_eq!(h.shortest(), Some(Duration::from_millis(7)));
+        assert_eq!(h.range(), Some((Duration::from_millis(7), Duration::from_millis(7))));
     }
 
     #[test]
-    fn horizon_leaves_a_margin_before_the_typical_completion() {
-        let name = "tests::horizon";
-        assert_eq!(horizon(name), Duration::ZERO);
+    fn plan_sleeps_until_shortly_before_the_usual_completion() {
+        let name = "tests::plan";
+        assert_eq!(plan(name), Plan::COLD);
         record(name, Duration::from_millis(2));
-        assert_eq!(horizon(name), Duration::from_millis(2) - Duration::from_micros(62_500));
+        let margin = Duration::from_micros(62_500);
+        assert_eq!(
+            plan(name),
+            Plan {
+                horizon: Duration::from_millis(2) - margin,
+                fine: FINE_MIN,
+            }
+        );
+        // A spread of completion times widens the fine window, up to FINE_MAX.
+        record(name, Duration::from_millis(7));
+        assert_eq!(plan(name).fine, Duration::from_millis(5) + margin);
+        record(name, Duration::from_millis(90));
+        assert_eq!(plan(name).fine, FINE_MAX);
     }
 }

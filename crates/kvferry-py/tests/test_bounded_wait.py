@@ -134,18 +134,18 @@ def test_zero_timeout_queries_once():
 
 
 def test_waiting_a_second_is_not_a_busy_spin():
-    """A second on a never-completing event: about 90 queries and little CPU."""
+    """A second on a never-completing event: about 35 queries and little CPU."""
     ev = Flag()
     cpu0 = time.thread_time()
     with pytest.raises(kvferry.TimeoutError):
         kvferry.bounded_wait(ev, 1.0, what=_name())
     cpu = time.thread_time() - cpu0
-    assert 20 <= len(ev.queries) <= 150, len(ev.queries)
+    assert 10 <= len(ev.queries) <= 60, len(ev.queries)
     # Target is < 1 ms (0.1 %); the bound here is loose because the machine is shared.
     assert cpu < 0.02, cpu
-    # Intervals grow to 20 ms and no further.
+    # Intervals grow to 100 ms and no further.
     gaps = [b - a for a, b in zip(ev.queries, ev.queries[1:])]
-    assert max(gaps) < 0.020 + 0.015
+    assert 0.05 < max(gaps) < 0.100 + 0.05
 
 
 def test_backoff_adapts_to_the_usual_completion_time():
