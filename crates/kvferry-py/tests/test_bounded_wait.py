@@ -313,3 +313,14 @@ def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean(
     done.record()
     kvferry.bounded_wait(done, 10.0, what="after")
     assert z.item() == 1024.0
+
+
+def test_benchmark_runs_and_reports_every_figure():
+    from kvferry import bench_bounded_wait
+
+    res = bench_bounded_wait.run(samples=5, cpu_runs=1)
+    [cpu] = res["cpu"]
+    assert 0.99 <= cpu["wall_s"] < 1.5 and cpu["queries"] >= 1 and cpu["thread_cpu_ms"] >= 0
+    assert set(res["latency"]) == {"steady 2 ms", "varied 0.5-5 ms", "cold 2 ms", "threading.Event 2 ms"}
+    for s in res["latency"].values():
+        assert s["samples"] == 5 and 0 <= s["p50_us"] <= s["p99_us"] <= s["max_us"]

@@ -52,8 +52,10 @@ class _Flag:
         self.done = False
         self.t_set = 0
         self.device = "bench"
+        self.queries = 0
 
     def query(self) -> bool:
+        self.queries += 1
         return self.done
 
 
@@ -81,9 +83,14 @@ def measure_cpu(seconds: float = 1.0) -> dict[str, Any]:
     }
 
 
-def _latency(samples: int, delay: Callable[[], float], what: Callable[[], str], warmup: int) -> list[float]:
-    """Microseconds from the completer's stamp to bounded_wait's return."""
+def _latency(
+    samples: int, delay: Callable[[], float], what: Callable[[], str], warmup: int
+) -> tuple[list[float], float, float]:
+    """Microseconds from the completer's stamp to bounded_wait's return; queries and
+    waiter CPU microseconds per wait."""
     out: list[float] = []
+    queries = 0
+    cpu = 0.0
     for i in range(warmup + samples):
         ev = _Flag()
         d = delay()
@@ -95,12 +102,16 @@ def _latency(samples: int, delay: Callable[[], float], what: Callable[[], str], 
 
         t = threading.Thread(target=complete)
         t.start()
+        c0 = time.thread_time()
         bounded_wait(ev, 5.0, what=what())
         end = time.perf_counter_ns()
+        c1 = time.thread_time()
         t.join()
         if i >= warmup:
             out.append((end - ev.t_set) / 1e3)
-    return out
+            queries += ev.queries
+            cpu += (c1 - c0) * 1e6
+    return out, queries / samples, cpu / samples
 
 
 def _latency_threading_event(samples: int, delay: float) -> list[float]:
@@ -123,10 +134,13 @@ def _latency_threading_event(samples: int, delay: float) -> list[float]:
     return out
 
 
-def _summary(xs: list[float]) -> dict[str, float]:
+def _summary(xs: list[float], queries: float | None = None, cpu_us: float | None = None) -> dict[str, Any]:
     xs = sorted(xs)
     q = statistics.quantiles(xs, n=100, method="inclusive")
-    return {"samples": len(xs), "p50_us": q[49], "p99_us": q[98], "max_us": xs[-1]}
+    out: dict[str, Any] = {"samples": len(xs), "p50_us": q[49], "p99_us": q[98], "max_us": xs[-1]}
+    out["queries_per_wait"] = queries
+    out["cpu_us_per_wait"] = cpu_us
+    return out
 
 
 def run(samples: int = 300, cpu_runs: int = 3) -> dict[str, Any]:
@@ -138,11 +152,11 @@ def run(samples: int = 300, cpu_runs: int = 3) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()},
         "cpu": [measure_cpu(1.0) for _ in range(cpu_runs)],
         "latency": {
-            "steady 2 ms": _summary(_latency(samples, lambda: 0.002, lambda: steady_name, 20)),
+            "steady 2 ms": _summary(*_latency(samples, lambda: 0.002, lambda: steady_name, 20)),
             "varied 0.5-5 ms": _summary(
-                _latency(samples, lambda: rng.uniform(0.0005, 0.005), lambda: varied_name, 20)
+                *_latency(samples, lambda: rng.uniform(0.0005, 0.005), lambda: varied_name, 20)
             ),
-            "cold 2 ms": _summary(_latency(samples, lambda: 0.002, lambda: f"bench-cold-{uuid.uuid4().hex}", 0)),
+            "cold 2 ms": _summary(*_latency(samples, lambda: 0.002, lambda: f"bench-cold-{uuid.uuid4().hex}", 0)),
             "threading.Event 2 ms": _summary(_latency_threading_event(samples, 0.002)),
         },
     }
@@ -167,9 +181,17 @@ def main(argv: list[str] | None = None) -> None:
             f"{c['process_cpu_ms']:>11.3f} {c['process_pct_core']:>7.3f} {c['queries']:>8}"
         )
     print("\nLatency added when another thread completes the event (target p50 <= 50 us, p99 <= 200 us)")
-    print(f"{'scenario':<22} {'samples':>7} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
+    print(
+        f"{'scenario':<22} {'samples':>7} {'p50 us':>8} {'p99 us':>8} {'max us':>8} "
+        f"{'queries/wait':>12} {'cpu us/wait':>11}"
+    )
     for name, s in res["latency"].items():
-        print(f"{name:<22} {s['samples']:>7} {s['p50_us']:>8.1f} {s['p99_us']:>8.1f} {s['max_us']:>8.1f}")
+        q = "" if s["queries_per_wait"] is None else f"{s['queries_per_wait']:.1f}"
+        c = "" if s["cpu_us_per_wait"] is None else f"{s['cpu_us_per_wait']:.0f}"
+        print(
+            f"{name:<22} {s['samples']:>7} {s['p50_us']:>8.1f} {s['p99_us']:>8.1f} {s['max_us']:>8.1f} "
+            f"{q:>12} {c:>11}"
+        )
 
 
 if __name__ == "__main__":
