@@ -445,7 +445,7 @@ mod tests {
         let name = "tests::plan";
         assert_eq!(plan(name), Plan::COLD);
         record(name, Duration::from_millis(2));
-        let margin = Duration::from_micros(62_500);
+        let margin = Duration::from_nanos(62_500); // 2 ms / 32
         assert_eq!(
             plan(name),
             Plan {
