@@ -21,16 +21,18 @@
 //! - Any other event is polled with its `query()` (truthy: complete), holding the GIL
 //!   only for that call; an exception raised by `query()` propagates unchanged.
 //! - No busy spin: between queries the thread sleeps with the GIL released, on a
-//!   schedule that adapts. Each `what` keeps the durations of its last 16 waits that
-//!   were still pending when they began. A wait sleeps in one stretch (pieces of at
-//!   most 100 ms) until shortly before the shortest of them — the event's usual
-//!   completion time — then polls finely (10 µs, each interval 1.2 times the last)
-//!   across their spread (1 to 20 ms), then coarsely (1.5 times, up to 100 ms). A wait
-//!   with no history polls finely for its first millisecond, then coarsely. So a
-//!   wait that ends when its history says resumes within tens of microseconds, and
-//!   a second on an event that never completes costs about 35 queries. During the
-//!   wait the thread's timer slack is 1 µs (Linux), so short sleeps are as short as
-//!   asked; it is restored afterwards.
+//!   schedule that adapts. Each `what` remembers, for its last 16 waits that found the
+//!   event pending at first, when the event completed (between the last query that
+//!   saw it pending and the one that saw it complete). A wait sleeps in one stretch
+//!   (pieces of at most 100 ms) until shortly before the earliest of those times —
+//!   the event's usual completion — then polls finely (10 µs, each interval 1.2 times
+//!   the last) across their spread (1 to 20 ms), then coarsely (doubling, up to
+//!   100 ms). A wait with no history polls coarsely from 10 µs; the next one polls
+//!   finely across the rough bracket the first one found, after which the history is
+//!   precise. So a wait that ends when its history says resumes within tens of
+//!   microseconds, and a second on an event that never completes costs about 25
+//!   queries. During the wait the thread's timer slack is 1 µs (Linux), so short
+//!   sleeps are as short as asked; it is restored afterwards.
 //! - Ctrl-C: the wait checks for signals between polls (CUDA waits on the main
 //!   thread at most every 50 ms), so `KeyboardInterrupt` ends it.
 //!
@@ -55,9 +57,9 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 /// Growth of the interval in the fine window, as a ratio num/den (1.2).
 const FINE_NUM: u32 = 6;
 const FINE_DEN: u32 = 5;
-/// Growth of the interval after the fine window (1.5).
-const COARSE_NUM: u32 = 3;
-const COARSE_DEN: u32 = 2;
+/// Growth of the interval after the fine window (doubling).
+const COARSE_NUM: u32 = 2;
+const COARSE_DEN: u32 = 1;
 /// The fine window: at least this long, at most [`FINE_MAX`] (the spread of recent
 /// completion times in between).
 const FINE_MIN: Duration = Duration::from_millis(1);
@@ -69,10 +71,25 @@ const MAX_NAMES: usize = 256;
 /// How often a CUDA wait on the main thread takes the GIL to check for signals.
 const SIGNAL_EVERY: Duration = Duration::from_millis(50);
 
-/// The durations of recent waits of one `what` that were pending when they began.
+/// When the event of one past wait completed: after `lower` (the last query that saw it
+/// pending) and by `upper` (the query that saw it complete), from the wait's start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Sample {
+    lower: Duration,
+    upper: Duration,
+}
+
+impl Sample {
+    /// Whether it brackets the completion closely: within 1/8 of it or 500 µs.
+    fn precise(&self) -> bool {
+        self.upper - self.lower <= (self.lower / 8).max(Duration::from_micros(500))
+    }
+}
+
+/// The recent waits of one `what` that were pending when they began.
 #[derive(Default)]
 struct History {
-    recent: [u64; HISTORY],
+    recent: [Sample; HISTORY],
     len: usize,
     next: usize,
     /// Use stamp, for forgetting the least recently used name.
@@ -80,24 +97,41 @@ struct History {
 }
 
 impl History {
-    fn record(&mut self, waited: Duration) {
-        self.recent[self.next] = waited.as_nanos().min(u64::MAX as u128) as u64;
+    fn record(&mut self, sample: Sample) {
+        self.recent[self.next] = sample;
         self.next = (self.next + 1) % HISTORY;
         self.len = (self.len + 1).min(HISTORY);
     }
 
-    /// The shortest and the longest of the recent waits, if any.
-    fn range(&self) -> Option<(Duration, Duration)> {
+    /// The plan its samples give (see [`plan`]).
+    fn plan(&self) -> Plan {
         let recent = &self.recent[..self.len];
-        let lo = recent.iter().min()?;
-        let hi = recent.iter().max()?;
-        Some((Duration::from_nanos(*lo), Duration::from_nanos(*hi)))
+        let precise: Vec<Sample> = recent.iter().copied().filter(Sample::precise).collect();
+        let (lo, window) = if precise.is_empty() {
+            // Only rough brackets (a wait that polled coarsely): start at the earliest
+            // completion they allow and poll finely across the widest of them, which
+            // makes this wait's bracket precise.
+            let Some(lo) = recent.iter().map(|s| s.lower).min() else {
+                return Plan::COLD;
+            };
+            (lo, recent.iter().map(|s| s.upper - s.lower).max().unwrap_or_default())
+        } else {
+            let lo = precise.iter().map(|s| s.lower).min().unwrap_or_default();
+            let hi = precise.iter().map(|s| s.lower).max().unwrap_or_default();
+            (lo, hi - lo)
+        };
+        // A margin of 1/32 of it, between 50 µs and 500 µs, before the earliest.
+        let margin = (lo / 32).clamp(Duration::from_micros(50), Duration::from_micros(500));
+        Plan {
+            horizon: lo.saturating_sub(margin),
+            fine: (window + margin).clamp(FINE_MIN, FINE_MAX),
+        }
     }
 }
 
 /// The schedule of one wait: sleep in one stretch until `horizon`, then poll finely
-/// for `fine` (intervals from [`POLL_MIN`] growing 1.2×), then coarsely (growing 1.5×,
-/// up to [`POLL_MAX`]).
+/// for `fine` (intervals from [`POLL_MIN`] growing 1.2×), then coarsely (doubling, up
+/// to [`POLL_MAX`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Plan {
     horizon: Duration,
@@ -105,9 +139,10 @@ struct Plan {
 }
 
 impl Plan {
+    /// Without history: coarse polling (doubling from [`POLL_MIN`]) from the start.
     const COLD: Plan = Plan {
         horizon: Duration::ZERO,
-        fine: FINE_MIN,
+        fine: Duration::ZERO,
     };
 }
 
@@ -126,29 +161,23 @@ fn histories() -> &'static Mutex<Histories> {
     })
 }
 
-/// The plan of a wait for `what`: from its history, sleep until shortly before the
-/// shortest recent completion and poll finely across the spread of recent completions;
-/// without history, poll finely from the start.
+/// The plan of a wait for `what`. From the history: sleep until shortly before the
+/// earliest recent completion, poll finely across the spread of recent completions
+/// (precise brackets only, when there are some). Without history: coarse from the start.
 fn plan(what: &str) -> Plan {
     let mut h = histories().lock();
     h.clock += 1;
     let clock = h.clock;
-    let Some(hist) = h.by_name.get_mut(what) else {
-        return Plan::COLD;
-    };
-    hist.used = clock;
-    let Some((lo, hi)) = hist.range() else {
-        return Plan::COLD;
-    };
-    // A margin of 1/32 of it, between 50 µs and 500 µs, before the shortest.
-    let margin = (lo / 32).clamp(Duration::from_micros(50), Duration::from_micros(500));
-    Plan {
-        horizon: lo.saturating_sub(margin),
-        fine: (hi - lo + margin).clamp(FINE_MIN, FINE_MAX),
+    match h.by_name.get_mut(what) {
+        None => Plan::COLD,
+        Some(hist) => {
+            hist.used = clock;
+            hist.plan()
+        }
     }
 }
 
-fn record(what: &str, waited: Duration) {
+fn record(what: &str, sample: Sample) {
     let mut h = histories().lock();
     h.clock += 1;
     let clock = h.clock;
@@ -159,7 +188,7 @@ fn record(what: &str, waited: Duration) {
     }
     let hist = h.by_name.entry(what.to_string()).or_default();
     hist.used = clock;
-    hist.record(waited);
+    hist.record(sample);
 }
 
 /// Sets the calling thread's timer slack to 1 µs, restoring the previous value on drop.
@@ -210,6 +239,8 @@ struct Outcome {
     /// Whether the first query found the event pending (only such waits teach the
     /// history how long the event takes).
     pending_at_start: bool,
+    /// When the last query that found it pending was made.
+    last_pending: Duration,
 }
 
 /// The wait loop: `poll` says whether the event completed, `pause` sleeps (releasing
@@ -227,8 +258,10 @@ fn wait_loop(
             completed: true,
             waited: start.elapsed(),
             pending_at_start: false,
+            last_pending: Duration::ZERO,
         });
     }
+    let mut last_pending = start.elapsed();
     let _slack = TimerSlack::tighten();
     let horizon = plan.horizon.min(timeout);
     let fine_until = horizon + plan.fine;
@@ -240,6 +273,7 @@ fn wait_loop(
                 completed: false,
                 waited: now - start,
                 pending_at_start: true,
+                last_pending,
             });
         }
         let elapsed = now - start;
@@ -257,13 +291,16 @@ fn wait_loop(
             nap
         };
         pause(nap.min(deadline - now))?;
+        let before = start.elapsed();
         if poll()? {
             return Ok(Outcome {
                 completed: true,
                 waited: start.elapsed(),
                 pending_at_start: true,
+                last_pending,
             });
         }
+        last_pending = before;
     }
 }
 
@@ -401,7 +438,13 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
     };
     if outcome.completed {
         if outcome.pending_at_start {
-            record(&what, outcome.waited);
+            record(
+                &what,
+                Sample {
+                    lower: outcome.last_pending,
+                    upper: outcome.waited,
+                },
+            );
         }
         return Ok(outcome.waited.as_secs_f64());
     }
@@ -425,38 +468,62 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
 mod tests {
     use super::*;
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn sample(lower: Duration, upper: Duration) -> Sample {
+        Sample { lower, upper }
+    }
+
     #[test]
-    fn history_keeps_the_range_of_recent_waits() {
+    fn history_forgets_all_but_the_recent_waits() {
         let mut h = History::default();
-        assert_eq!(h.range(), None);
-        h.record(Duration::from_millis(5));
-        h.record(Duration::from_millis(3));
-        h.record(Duration::from_millis(4));
-        assert_eq!(h.range(), Some((Duration::from_millis(3), Duration::from_millis(5))));
-        // The older waits fall out of the window after HISTORY newer ones.
+        assert_eq!(h.plan(), Plan::COLD);
+        h.record(sample(ms(3), ms(3)));
         for _ in 0..HISTORY {
-            h.record(Duration::from_millis(7));
+            h.record(sample(ms(7), ms(7)));
         }
-        assert_eq!(h.range(), Some((Duration::from_millis(7), Duration::from_millis(7))));
+        // The 3 ms wait fell out of the window.
+        assert_eq!(h.plan().horizon, ms(7) - Duration::from_nanos(218_750));
     }
 
     #[test]
     fn plan_sleeps_until_shortly_before_the_usual_completion() {
         let name = "tests::plan";
         assert_eq!(plan(name), Plan::COLD);
-        record(name, Duration::from_millis(2));
+        record(name, sample(ms(2), ms(2) + Duration::from_micros(20)));
         let margin = Duration::from_nanos(62_500); // 2 ms / 32
         assert_eq!(
             plan(name),
             Plan {
-                horizon: Duration::from_millis(2) - margin,
+                horizon: ms(2) - margin,
                 fine: FINE_MIN,
             }
         );
         // A spread of completion times widens the fine window, up to FINE_MAX.
-        record(name, Duration::from_millis(7));
-        assert_eq!(plan(name).fine, Duration::from_millis(5) + margin);
-        record(name, Duration::from_millis(90));
+        record(name, sample(ms(7), ms(7)));
+        assert_eq!(plan(name).fine, ms(5) + margin);
+        record(name, sample(ms(90), ms(90)));
         assert_eq!(plan(name).fine, FINE_MAX);
+    }
+
+    #[test]
+    fn rough_brackets_give_way_to_precise_ones() {
+        let mut h = History::default();
+        // A coarse wait: the event completed between 41 and 82 ms.
+        h.record(sample(ms(41), ms(82)));
+        let p = h.plan();
+        assert_eq!(p.horizon, ms(41) - Duration::from_micros(500));
+        assert_eq!(p.fine, FINE_MAX);
+        // The next wait polled finely and bracketed it at 60 ms: the rough one is ignored.
+        h.record(sample(ms(60), ms(60) + Duration::from_micros(100)));
+        assert_eq!(
+            h.plan(),
+            Plan {
+                horizon: ms(60) - Duration::from_micros(500),
+                fine: FINE_MIN,
+            }
+        );
     }
 }

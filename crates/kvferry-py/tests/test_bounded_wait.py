@@ -134,7 +134,7 @@ def test_zero_timeout_queries_once():
 
 
 def test_waiting_a_second_is_not_a_busy_spin():
-    """A second on a never-completing event: about 35 queries and little CPU."""
+    """A second on a never-completing event: about 25 queries and little CPU."""
     ev = Flag()
     cpu0 = time.thread_time()
     with pytest.raises(kvferry.TimeoutError):
@@ -150,7 +150,7 @@ def test_waiting_a_second_is_not_a_busy_spin():
 
 def test_backoff_adapts_to_the_usual_completion_time():
     """After waits that took ~60 ms, a wait sleeps until just before 60 ms instead of
-    polling from the start; a wait without history polls from 10 µs on."""
+    polling from the start; a wait without history polls from 10 µs on, doubling."""
     what = _name()
     cold = At(time.monotonic() + 0.06)
     kvferry.bounded_wait(cold, 5.0, what=what)
@@ -163,7 +163,7 @@ def test_backoff_adapts_to_the_usual_completion_time():
     # The first query, then the sleep towards the horizon in pieces of <= 20 ms.
     assert len(early) <= 4, len(early)
     early_cold = [q for q in cold.queries if q < cold.at - 0.015]
-    assert len(early_cold) >= 8, len(early_cold)
+    assert len(early_cold) >= 6, len(early_cold)
     # And it resumed soon after the event completed.
     assert warm.queries[-1] - warm.at < 0.010
 
@@ -319,8 +319,9 @@ def test_benchmark_runs_and_reports_every_figure():
     from kvferry import bench_bounded_wait
 
     res = bench_bounded_wait.run(samples=5, cpu_runs=1)
-    [cpu] = res["cpu"]
-    assert 0.99 <= cpu["wall_s"] < 1.5 and cpu["queries"] >= 1 and cpu["thread_cpu_ms"] >= 0
+    assert [c["history"] for c in res["cpu"]] == [False, True]
+    for cpu in res["cpu"]:
+        assert 0.99 <= cpu["wall_s"] < 1.5 and cpu["queries"] >= 1 and cpu["thread_cpu_ms"] >= 0
     assert set(res["latency"]) == {"steady 2 ms", "varied 0.5-5 ms", "cold 2 ms", "threading.Event 2 ms"}
     for s in res["latency"].values():
         assert s["samples"] == 5 and 0 <= s["p50_us"] <= s["p99_us"] <= s["max_us"]

@@ -4,7 +4,8 @@ added when the event completes during the wait.
     python -m kvferry.bench_bounded_wait [--samples 300] [--json]
 
 - **cpu**: ``bounded_wait`` waits 1 s on an event that never completes (``query()``
-  always False) until its timeout; the waiting thread's CPU time
+  always False) until its timeout, without history and after waits of the same
+  ``what`` that completed in 2 ms (a device hanging mid-run); the waiting thread's CPU time
   (``time.thread_time``) and the process's (``resource.getrusage``) over the wait, as
   a percentage of one core, with the number of queries made.
 - **latency**: another thread completes the event after a delay and stamps the
@@ -59,14 +60,18 @@ class _Flag:
         return self.done
 
 
-def measure_cpu(seconds: float = 1.0) -> dict[str, Any]:
-    """One wait of ``seconds`` on a never-completing event."""
+def measure_cpu(seconds: float = 1.0, history: bool = False) -> dict[str, Any]:
+    """One wait of ``seconds`` on a never-completing event; with ``history``, after
+    waits on the same ``what`` that completed in 2 ms (a device that hangs mid-run)."""
+    what = f"bench-never-{uuid.uuid4().hex[:6]}"
+    if history:
+        _latency(8, lambda: 0.002, lambda: what, 0)
     ev = _Never()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.thread_time()
     w0 = time.monotonic()
     try:
-        bounded_wait(ev, seconds, what="bench-never")
+        bounded_wait(ev, seconds, what=what)
     except errors.TimeoutError:
         pass
     wall = time.monotonic() - w0
@@ -74,6 +79,7 @@ def measure_cpu(seconds: float = 1.0) -> dict[str, Any]:
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     proc_cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return {
+        "history": history,
         "wall_s": wall,
         "thread_cpu_ms": thread_cpu * 1e3,
         "thread_pct_core": 100 * thread_cpu / wall,
@@ -150,7 +156,7 @@ def run(samples: int = 300, cpu_runs: int = 3) -> dict[str, Any]:
     varied_name = f"bench-varied-{uuid.uuid4().hex[:6]}"
     return {
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-        "cpu": [measure_cpu(1.0) for _ in range(cpu_runs)],
+        "cpu": [measure_cpu(1.0, history) for history in (False, True) for _ in range(cpu_runs)],
         "latency": {
             "steady 2 ms": _summary(*_latency(samples, lambda: 0.002, lambda: steady_name, 20)),
             "varied 0.5-5 ms": _summary(
@@ -174,10 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     m = res["machine"]
     print(f"bounded_wait benchmark ({m['cpus']} CPUs, load average {m['loadavg'][0]:.2f})")
     print("\nCPU while waiting 1 s on an event that never completes (target < 0.1 % of a core)")
-    print(f"{'run':>3} {'wall s':>7} {'thread ms':>10} {'% core':>7} {'process ms':>11} {'% core':>7} {'queries':>8}")
-    for i, c in enumerate(res["cpu"], 1):
+    print(
+        f"{'history':<8} {'wall s':>7} {'thread ms':>10} {'% core':>7} {'process ms':>11} {'% core':>7} {'queries':>8}"
+    )
+    for c in res["cpu"]:
+        h = "2 ms" if c["history"] else "none"
         print(
-            f"{i:>3} {c['wall_s']:>7.3f} {c['thread_cpu_ms']:>10.3f} {c['thread_pct_core']:>7.3f} "
+            f"{h:<8} {c['wall_s']:>7.3f} {c['thread_cpu_ms']:>10.3f} {c['thread_pct_core']:>7.3f} "
             f"{c['process_cpu_ms']:>11.3f} {c['process_pct_core']:>7.3f} {c['queries']:>8}"
         )
     print("\nLatency added when another thread completes the event (target p50 <= 50 us, p99 <= 200 us)")
