@@ -322,6 +322,7 @@ def test_benchmark_runs_and_reports_every_figure():
     assert [c["history"] for c in res["cpu"]] == [False, True]
     for cpu in res["cpu"]:
         assert 0.99 <= cpu["wall_s"] < 1.5 and cpu["queries"] >= 1 and cpu["thread_cpu_ms"] >= 0
+    assert res["wakeup_cost_us"] > 0
     assert set(res["latency"]) == {"steady 2 ms", "varied 0.5-5 ms", "cold 2 ms", "threading.Event 2 ms"}
     for s in res["latency"].values():
         assert s["samples"] == 5 and 0 <= s["p50_us"] <= s["p99_us"] <= s["max_us"]

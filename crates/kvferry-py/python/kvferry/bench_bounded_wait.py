@@ -8,6 +8,8 @@ added when the event completes during the wait.
   ``what`` that completed in 2 ms (a device hanging mid-run); the waiting thread's CPU time
   (``time.thread_time``) and the process's (``resource.getrusage``) over the wait, as
   a percentage of one core, with the number of queries made.
+  Beside it, the CPU one ``time.sleep`` wake-up costs here (each query of a polling
+  wait pays at least that).
 - **latency**: another thread completes the event after a delay and stamps the
   moment; the waiter stamps the moment ``bounded_wait`` returned; the difference is the
   latency the wait adds. Scenarios: ``steady`` (every completion 2 ms after the wait
@@ -89,6 +91,15 @@ def measure_cpu(seconds: float = 1.0, history: bool = False) -> dict[str, Any]:
     }
 
 
+def wakeup_cost_us(n: int = 25, sleep: float = 0.04) -> float:
+    """CPU microseconds one ``time.sleep`` wake-up costs this thread on this machine:
+    the floor under each query of a polling wait."""
+    t0 = time.thread_time()
+    for _ in range(n):
+        time.sleep(sleep)
+    return (time.thread_time() - t0) / n * 1e6
+
+
 def _latency(
     samples: int, delay: Callable[[], float], what: Callable[[], str], warmup: int
 ) -> tuple[list[float], float, float]:
@@ -157,6 +168,7 @@ def run(samples: int = 300, cpu_runs: int = 3) -> dict[str, Any]:
     return {
         "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()},
         "cpu": [measure_cpu(1.0, history) for history in (False, True) for _ in range(cpu_runs)],
+        "wakeup_cost_us": wakeup_cost_us(),
         "latency": {
             "steady 2 ms": _summary(*_latency(samples, lambda: 0.002, lambda: steady_name, 20)),
             "varied 0.5-5 ms": _summary(
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{h:<8} {c['wall_s']:>7.3f} {c['thread_cpu_ms']:>10.3f} {c['thread_pct_core']:>7.3f} "
             f"{c['process_cpu_ms']:>11.3f} {c['process_pct_core']:>7.3f} {c['queries']:>8}"
         )
+    print(f"(one time.sleep wake-up costs {res['wakeup_cost_us']:.1f} us of CPU on this machine)")
     print("\nLatency added when another thread completes the event (target p50 <= 50 us, p99 <= 200 us)")
     print(
         f"{'scenario':<22} {'samples':>7} {'p50 us':>8} {'p99 us':>8} {'max us':>8} "
