@@ -17,9 +17,10 @@ accelerators, your own objects) is polled through ``query()``, holding the GIL o
 that call. Between queries the thread sleeps with an adaptive backoff (no busy spin):
 a wait first sleeps until shortly before the completion time of recent waits with the
 same ``what``, then polls finely (from 10 µs, intervals growing 1.2×) across their
-spread, then coarsely (growing 1.5×, up to 100 ms). Waiting a second on an event that
-never completes takes about 35 queries (``python -m kvferry.bench_bounded_wait``
-measures CPU and latency; figures in ``docs/benchmarks.md``).
+spread, then coarsely (doubling, up to 100 ms); without history it polls coarsely
+from the start. Waiting a second on an event that never completes takes 24–36
+queries (``python -m kvferry.bench_bounded_wait`` measures CPU and latency; figures
+in ``docs/benchmarks.md``).
 
 On timeout the event is untouched (the device may still complete it): the caller gets
 an error instead of a hang, and decides what to do with the work behind the event.
