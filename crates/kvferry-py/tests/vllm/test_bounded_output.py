@@ -8,7 +8,8 @@
   bypassed) given such an output enqueues a ``FAILURE`` naming rank, step and time.
 - ``StepTimingCollector.collect`` bounded the same way.
 - The plugin loads through vLLM's own ``load_general_plugins()`` with
-  ``VLLM_PLUGINS=kvferry_bounded_output`` in a fresh process; a bad
+  ``VLLM_PLUGINS=kvferry_bounded_output`` in a fresh process, before vLLM's MRV2
+  modules are imported (as in a worker), and patches them when they are; a bad
   ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S`` stops that start-up with a clear error; another
   vLLM version gets a warning and no patch.
 
@@ -68,6 +69,9 @@ def need_vllm() -> None:
 @pytest.fixture
 def plugin(monkeypatch):
     """The plugin registered in this process with a 0.3 s bound; unregistered after."""
+    import vllm.v1.executor.multiproc_executor  # noqa: F401 - patched at once when loaded
+    import vllm.v1.worker.gpu.async_utils  # noqa: F401
+
     from kvferry.integrations import vllm_bounded_output as p
 
     monkeypatch.setenv(p.ENV_TIMEOUT, "0.3")
@@ -280,14 +284,16 @@ def test_another_vllm_version_is_warned_about_and_not_patched(monkeypatch):
 
 
 _LOAD = """
-import logging
+import logging, sys
 logging.basicConfig(level=logging.INFO)  # vLLM configures its logging when an engine starts
 import vllm.plugins
-from vllm.v1.worker.gpu.async_utils import AsyncOutput, StepTimingCollector
-from vllm.v1.executor.multiproc_executor import WorkerProc
 vllm.plugins.load_general_plugins()
 vllm.plugins.plugins_loaded = False
 vllm.plugins.load_general_plugins()   # loaded twice, as vLLM warns it may be
+# As in a worker: the plugin is loaded before the model runner's modules.
+print("LOADED_BEFORE", "vllm.v1.worker.gpu.async_utils" in sys.modules)
+from vllm.v1.worker.gpu.async_utils import AsyncOutput, StepTimingCollector
+from vllm.v1.executor.multiproc_executor import WorkerProc
 from kvferry.integrations import vllm_bounded_output as p
 print("ACTIVE", p.is_active(),
       hasattr(AsyncOutput.get_output, "__kvferry_bounded_output__"),
@@ -314,6 +320,7 @@ def test_plugin_loads_through_vllms_load_general_plugins():
     r = _load_in_fresh_process()
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
+    assert "LOADED_BEFORE False" in r.stdout, out
     assert "ACTIVE True True True True False" in r.stdout, out
     # Logged once, though registered twice.
     assert out.count("kvferry_bounded_output active") == 1, out

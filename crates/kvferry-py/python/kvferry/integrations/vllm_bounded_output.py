@@ -30,8 +30,10 @@ Enable it with vLLM's plugin switch (kvferry installs the entry point
 
 (without ``VLLM_PLUGINS`` vLLM loads every installed general plugin, this one
 included). vLLM loads general plugins in every process, worker processes included,
-before the model runner exists; the plugin patches the classes there once and logs
-``kvferry_bounded_output active`` once per process.
+before the model runner exists. The plugin patches vLLM's modules when they are
+imported (at once if they already are: an import hook, so processes that never load
+the model runner, such as the API server, import nothing more) and logs
+``kvferry_bounded_output active`` once per process that loads them.
 
 Configuration: ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S`` (seconds, default ``120``): the bound
 on each wait, counted from when the output thread starts waiting. The default is well
@@ -53,12 +55,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib.abc
+import importlib.machinery
 import itertools
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 from .. import errors as _errors
@@ -94,6 +100,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.active = False
+        self.patched: set[str] = set()
         self.timeout = DEFAULT_TIMEOUT_S
         self.steps = itertools.count(1)
 
@@ -200,63 +207,60 @@ def _wrap_enqueue_output(original: Callable[[Any, Any], Any]) -> Callable[[Any, 
     return enqueue_output
 
 
-def _targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] | str:
-    """What to wrap in the installed vLLM, or why nothing should be."""
-    try:
-        import vllm
-    except ImportError as e:
-        return f"vLLM is not importable ({e})"
-    version = getattr(vllm, "__version__", None)
-    if version != PINNED:
-        return f"it is pinned to vllm=={PINNED} and found vllm=={version}"
-    try:
-        from vllm.v1.executor import multiproc_executor
-        from vllm.v1.worker.gpu import async_utils
-    except Exception as e:  # noqa: BLE001 - any import failure means "do not patch"
-        return f"vLLM's MRV2 modules did not import ({type(e).__name__}: {e})"
-    wanted: list[tuple[object, str, str]] = [
-        (async_utils, "AsyncOutput", "get_output"),
-        (async_utils, "AsyncPoolingOutput", "get_output"),
-        (async_utils, "StepTimingCollector", "collect"),
-        (multiproc_executor, "WorkerProc", "enqueue_output"),
-    ]
+ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
+MULTIPROC_EXECUTOR = "vllm.v1.executor.multiproc_executor"
+
+# The methods wrapped, per module: (class, method).
+_WANTED: dict[str, list[tuple[str, str]]] = {
+    ASYNC_UTILS: [
+        ("AsyncOutput", "get_output"),
+        ("AsyncPoolingOutput", "get_output"),
+        ("StepTimingCollector", "collect"),
+    ],
+    MULTIPROC_EXECUTOR: [("WorkerProc", "enqueue_output")],
+}
+
+
+def _wrapper(cls_name: str, method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    if method == "get_output":
+        return functools.partial(_wrap_get_output, cls_name=cls_name)
+    if method == "collect":
+        return _wrap_collect
+    return _wrap_enqueue_output
+
+
+def _targets(module: ModuleType) -> list[tuple[type, str, Callable[..., Any]]] | str:
+    """What to wrap in one of vLLM's modules, or why nothing should be."""
     found = []
-    for module, cls_name, method in wanted:
+    for cls_name, method in _WANTED[module.__name__]:
         cls = getattr(module, cls_name, None)
         if not isinstance(cls, type) or not callable(cls.__dict__.get(method)):
             return f"{module.__name__}.{cls_name}.{method} does not exist in this vLLM"
         if cls_name == "StepTimingCollector" and "_timed" not in vars(cls()):
             return "StepTimingCollector no longer keeps its timed steps in _timed"
-        if method == "get_output":
-            wrap = functools.partial(_wrap_get_output, cls_name=cls_name)
-        elif method == "collect":
-            wrap = _wrap_collect
-        else:
-            wrap = _wrap_enqueue_output
-        found.append((cls, method, wrap))
+        found.append((cls, method, _wrapper(cls_name, method)))
     return found
 
 
-def register() -> None:
-    """The plugin's entry point (vLLM calls it in every process that loads general
-    plugins). Idempotent. Raises :class:`kvferry.InvalidArgumentError` for a bad
-    ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S``."""
-    timeout = timeout_from_env()
+def _patch(module: ModuleType) -> None:
+    """Wraps the methods of one of vLLM's modules (once), or warns why not."""
     with _state.lock:
-        _state.timeout = timeout
-        if _state.active:
+        if module.__name__ in _state.patched:
             return
-        targets = _targets()
+        targets = _targets(module)
         if isinstance(targets, str):
-            logger.warning(
-                "kvferry_bounded_output is NOT active: %s; worker output waits stay unbounded", targets
-            )
+            _state.patched.add(module.__name__)
+            logger.warning("kvferry_bounded_output is NOT active: %s; worker output waits stay unbounded", targets)
             return
         for cls, method, wrap in targets:
             current = cls.__dict__[method]
             if not hasattr(current, _WRAPPED):
                 setattr(cls, method, wrap(current))
+        _state.patched.add(module.__name__)
+        if module.__name__ != ASYNC_UTILS:
+            return
         _state.active = True
+        timeout = _state.timeout
     logger.info(
         "kvferry_bounded_output active (pid %d): AsyncOutput.get_output, AsyncPoolingOutput.get_output "
         "and StepTimingCollector.collect wait at most %g s (%s) on their events",
@@ -266,17 +270,89 @@ def register() -> None:
     )
 
 
-def unregister() -> None:
-    """Restores vLLM's original methods (for tests)."""
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs a module's own loader, then patches the module."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches vLLM's modules when they are first imported, so processes that never
+    import them (the API server) do not pay for importing them."""
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname not in _WANTED or fullname in _state.patched:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+_finder = _PatchOnImport()
+
+
+def register() -> None:
+    """The plugin's entry point (vLLM calls it in every process that loads general
+    plugins). Idempotent. Raises :class:`kvferry.InvalidArgumentError` for a bad
+    ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S``. Patches vLLM's modules now if they are loaded,
+    else when they are first imported."""
+    timeout = timeout_from_env()
     with _state.lock:
-        targets = _targets()
-        if not isinstance(targets, str):
-            for cls, method, _wrap in targets:
-                current = cls.__dict__[method]
+        _state.timeout = timeout
+    try:
+        import vllm
+    except ImportError as e:
+        logger.warning("kvferry_bounded_output is NOT active: vLLM is not importable (%s)", e)
+        return
+    version = getattr(vllm, "__version__", None)
+    if version != PINNED:
+        logger.warning(
+            "kvferry_bounded_output is NOT active: it is pinned to vllm==%s and found vllm==%s; "
+            "worker output waits stay unbounded",
+            PINNED,
+            version,
+        )
+        return
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    for name in _WANTED:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch(module)
+
+
+def unregister() -> None:
+    """Restores vLLM's original methods and stops patching on import (for tests)."""
+    with contextlib.suppress(ValueError):
+        sys.meta_path.remove(_finder)
+    with _state.lock:
+        for name, wanted in _WANTED.items():
+            module = sys.modules.get(name)
+            for cls_name, method in wanted if module is not None else []:
+                cls = getattr(module, cls_name, None)
+                current = getattr(cls, "__dict__", {}).get(method)
                 original = getattr(current, _WRAPPED, None)
                 if original is not None:
                     setattr(cls, method, original)
         _state.active = False
+        _state.patched = set()
         _state.steps = itertools.count(1)
 
 
