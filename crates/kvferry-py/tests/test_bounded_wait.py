@@ -203,6 +203,32 @@ def test_cuda_event_without_a_driver_is_a_device_error():
     assert "copy_event" in str(info.value)
 
 
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not installed")
+    return torch
+
+
+def test_torch_event_of_another_device_goes_through_query():
+    torch = _torch()
+    # The CPU backend cannot record events; an unrecorded one is complete (query()).
+    ev = torch.Event(device="cpu")
+    assert ev.query()
+    assert kvferry.bounded_wait(ev, 1.0, what="torch.Event cpu") < 0.05
+
+
+@pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
+def test_real_torch_cuda_event_never_recorded_is_complete():
+    # torch.cuda.Event creates its CUevent at the first record(): cuda_event is 0 and
+    # query() is True until then; no driver call is made (none is needed here).
+    torch = _torch()
+    ev = torch.cuda.Event(blocking=True)
+    assert ev.cuda_event == 0
+    assert kvferry.bounded_wait(ev, 1.0, what="copy_event") < 0.05
+
+
 # -- on a CUDA GPU (scripts/gpu-check.sh); skipped with the reason elsewhere ------------
 
 
