@@ -33,6 +33,8 @@ start=$(date +%s)
         "$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" pytest numpy; then
         (cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q --release --features cuda)
         "$venv/bin/python" -m pytest crates/kvferry-py/tests/test_cuda.py -q -rs
+        echo "== bounded_wait on real CUDA events (a 2 s kernel; a stream gated on a host flag, 1 s deadline)"
+        "$venv/bin/python" -m pytest crates/kvferry-py/tests/test_bounded_wait.py -q -rs
     else
         echo "skipped: no Python environment with maturin, pytest and numpy (offline?)"
     fi

@@ -11,6 +11,7 @@ never leaks, never hangs.
 
 from . import errors
 from ._engine import DeviceMemory, Engine, Region, Transfer
+from .bounded_wait import bounded_wait
 from ._kvferry import HAS_CUDA, HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
     AuthError,
@@ -36,6 +37,7 @@ __all__ = [
     "DeviceMemory",
     "Staged",
     "key_bytes",
+    "bounded_wait",
     "errors",
     "Error",
     "InvalidArgumentError",

@@ -299,3 +299,8 @@ class Engine:
     def _inject_faults(self, send_delay_us: int | None = None, corrupt_next_sends: int | None = None) -> None:
         """Test hook (not API): delays every chunk sent by ``send_delay_us``; corrupts
         the next ``corrupt_next_sends`` chunks on the wire."""
+
+def bounded_wait(event: Any, timeout: float, *, what: str | None = None) -> float:
+    """Waits for ``event`` (``query()``; CUDA events through ``cuEventQuery``) at most
+    ``timeout`` seconds, GIL released; returns the seconds waited or raises
+    ``TimeoutError`` naming ``what``, the device and the time waited."""

@@ -149,6 +149,43 @@ pub fn cuda_device_count() -> Result<usize, DeviceError> {
     Ok(n.max(0) as usize)
 }
 
+/// Whether a `CUevent` created by another library (torch's `torch.cuda.Event.cuda_event`,
+/// CuPy's, ...) has completed: one `cuEventQuery` on the raw handle, through this
+/// backend's dynamic loading of the driver (loaded and checked once per process, with
+/// [`DeviceError::NoDevice`] when there is no driver). `Ok(true)`: every piece of work
+/// captured by the event's last record has completed (or the event was never
+/// recorded); `Ok(false)`: still pending (`CUDA_ERROR_NOT_READY`); any other result is
+/// [`DeviceError::Driver`] naming it (a sticky context error after a device fault, an
+/// invalid handle). Needs no context current on the calling thread and takes no lock of
+/// ours, so it may run on any thread, e.g. one that released the Python GIL.
+///
+/// # Safety
+///
+/// `handle` must be a live `CUevent` (not destroyed) for the duration of the call: the
+/// caller keeps the object that owns it alive.
+pub unsafe fn query_raw_event(handle: usize) -> Result<bool, DeviceError> {
+    static LOADED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    if let Err(why) = LOADED.get_or_init(|| {
+        load_driver().map_err(|e| match e {
+            DeviceError::NoDevice(m) => m,
+            other => other.to_string(),
+        })
+    }) {
+        return Err(DeviceError::NoDevice(why.clone()));
+    }
+    if handle == 0 {
+        return Err(DeviceError::InvalidArgument("a null CUevent handle".into()));
+    }
+    // SAFETY: the driver is loaded and initialised; the caller guarantees `handle` is a
+    // live event.
+    let r = unsafe { sys::cuEventQuery(handle as sys::CUevent) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(driver(other, "cuEventQuery")),
+    }
+}
+
 /// A retained primary context; released when the last holder drops it.
 struct Ctx {
     ctx: sys::CUcontext,

@@ -75,7 +75,7 @@ mod stream;
 
 pub use buffer::{BufferBackend, DeviceBuffer, DeviceSlice};
 #[cfg(feature = "cuda")]
-pub use cuda::{cuda_device_count, cuda_pinned_arena, cuda_pinned_backing, CudaDevice};
+pub use cuda::{cuda_device_count, cuda_pinned_arena, cuda_pinned_backing, query_raw_event, CudaDevice};
 pub use event::{
     BoxFuture, Event, EventId, EventMeta, EventSignal, EventStatus, EventTrigger, PushSignal, SettleCallback,
 };

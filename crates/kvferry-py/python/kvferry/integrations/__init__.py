@@ -5,6 +5,8 @@ Each integration lives in its own module and imports its server lazily, so
 
 - :mod:`kvferry.integrations.vllm`: ``KvferryConnector``, a vLLM V1 KV connector for
   disaggregated prefill/decode (needs ``vllm==0.33.0``; see ``docs/vllm.md``).
+- :mod:`kvferry.integrations.vllm_bounded_output`: the vLLM general plugin
+  ``kvferry_bounded_output``, bounding the worker's output-copy waits.
 """
 
 __all__: list[str] = []

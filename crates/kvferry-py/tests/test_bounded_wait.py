@@ -1,0 +1,354 @@
+"""``kvferry.bounded_wait`` on CPU: events that complete early, late (from another
+thread, which also proves the GIL is released while waiting), never (raises within the
+timeout plus 20 ms, naming what, the device and the time waited), whose ``query()``
+raises (propagates), bad timeouts, the adaptive backoff (no busy spin; a wait with a
+history sleeps until shortly before the usual completion) and the CUDA-handle path
+without a driver. The real-GPU part is ``scripts/gpu-check.sh``."""
+
+from __future__ import annotations
+
+import ctypes.util
+import math
+import threading
+import time
+import uuid
+
+import pytest
+
+import kvferry
+
+
+class Flag:
+    """An event completed by whoever calls ``set()``; counts and stamps its queries."""
+
+    def __init__(self, done: bool = False, device: str | None = "test:0") -> None:
+        self.done = done
+        self.device = device
+        self.queries: list[float] = []
+
+    def query(self) -> bool:
+        self.queries.append(time.monotonic())
+        return self.done
+
+    def set(self) -> None:
+        self.done = True
+
+
+class At:
+    """An event that completes at a given monotonic time (no other thread needed)."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.queries: list[float] = []
+
+    def query(self) -> bool:
+        now = time.monotonic()
+        self.queries.append(now)
+        return now >= self.at
+
+
+def _name() -> str:
+    """A fresh ``what``: each test gets its own backoff history."""
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def test_completed_event_returns_at_once_after_one_query():
+    ev = Flag(done=True)
+    waited = kvferry.bounded_wait(ev, 5.0, what=_name())
+    assert isinstance(waited, float)
+    assert 0.0 <= waited < 0.05
+    assert len(ev.queries) == 1
+
+
+def test_event_completed_late_by_another_thread():
+    ev = Flag()
+    setter = threading.Timer(0.2, ev.set)
+    t0 = time.monotonic()
+    setter.start()
+    waited = kvferry.bounded_wait(ev, 10.0, what=_name())
+    elapsed = time.monotonic() - t0
+    setter.join()
+    # The setter thread needed the GIL to run: the wait released it.
+    assert 0.19 <= waited <= elapsed
+    assert elapsed < 2.0
+
+
+@pytest.mark.parametrize("timeout", [0.05, 0.3])
+def test_never_completing_event_raises_within_timeout_plus_20ms(timeout):
+    what = _name()
+    ev = Flag(device="npu:3")
+    t0 = time.monotonic()
+    with pytest.raises(kvferry.TimeoutError) as info:
+        kvferry.bounded_wait(ev, timeout, what=what)
+    elapsed = time.monotonic() - t0
+    assert timeout <= elapsed <= timeout + 0.020, elapsed
+    e = info.value
+    assert isinstance(e, kvferry.Error) and isinstance(e, TimeoutError)
+    assert e.op == what
+    assert e.device == "npu:3"
+    assert timeout <= e.waited <= elapsed
+    msg = str(e)
+    assert what in msg and "npu:3" in msg and "waited" in msg
+
+
+def test_timeout_names_the_event_type_when_what_is_omitted():
+    with pytest.raises(kvferry.TimeoutError) as info:
+        kvferry.bounded_wait(Flag(device=None), 0.01)
+    assert "Flag" in str(info.value) and "Flag" in info.value.op
+
+
+def test_query_that_raises_propagates_unchanged():
+    class Broken:
+        calls = 0
+
+        def query(self):
+            Broken.calls += 1
+            if Broken.calls >= 3:
+                raise RuntimeError("device lost")
+            return False
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        kvferry.bounded_wait(Broken(), 5.0, what=_name())
+    assert Broken.calls == 3
+
+
+def test_object_without_query_is_an_attribute_error():
+    with pytest.raises(AttributeError):
+        kvferry.bounded_wait(object(), 1.0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, -1e-9, math.nan, math.inf])
+def test_bad_timeouts_are_refused(bad):
+    ev = Flag(done=True)
+    with pytest.raises(kvferry.InvalidArgumentError, match="timeout"):
+        kvferry.bounded_wait(ev, bad)
+    assert ev.queries == []
+
+
+def test_zero_timeout_queries_once():
+    assert kvferry.bounded_wait(Flag(done=True), 0) < 0.05
+    ev = Flag()
+    with pytest.raises(kvferry.TimeoutError):
+        kvferry.bounded_wait(ev, 0, what=_name())
+    assert len(ev.queries) == 1
+
+
+def test_waiting_a_second_is_not_a_busy_spin():
+    """A second on a never-completing event: about 25 queries and little CPU."""
+    ev = Flag()
+    cpu0 = time.thread_time()
+    with pytest.raises(kvferry.TimeoutError):
+        kvferry.bounded_wait(ev, 1.0, what=_name())
+    cpu = time.thread_time() - cpu0
+    assert 10 <= len(ev.queries) <= 60, len(ev.queries)
+    # Target is < 1 ms (0.1 %); the bound here is loose because the machine is shared.
+    assert cpu < 0.02, cpu
+    # Intervals grow to 100 ms and no further.
+    gaps = [b - a for a, b in zip(ev.queries, ev.queries[1:])]
+    assert 0.05 < max(gaps) < 0.100 + 0.05
+
+
+def test_backoff_adapts_to_the_usual_completion_time():
+    """After waits that took ~60 ms, a wait sleeps until just before 60 ms instead of
+    polling from the start; a wait without history polls from 10 µs on, doubling."""
+    what = _name()
+    cold = At(time.monotonic() + 0.06)
+    kvferry.bounded_wait(cold, 5.0, what=what)
+    for _ in range(3):
+        kvferry.bounded_wait(At(time.monotonic() + 0.06), 5.0, what=what)
+    t0 = time.monotonic()
+    warm = At(t0 + 0.06)
+    kvferry.bounded_wait(warm, 5.0, what=what)
+    early = [q for q in warm.queries if q < t0 + 0.045]
+    # The first query, then the sleep towards the horizon in pieces of <= 20 ms.
+    assert len(early) <= 4, len(early)
+    early_cold = [q for q in cold.queries if q < cold.at - 0.015]
+    assert len(early_cold) >= 6, len(early_cold)
+    # And it resumed soon after the event completed.
+    assert warm.queries[-1] - warm.at < 0.010
+
+
+def test_history_ignores_waits_that_found_the_event_complete():
+    what = _name()
+    for _ in range(5):
+        kvferry.bounded_wait(Flag(done=True), 1.0, what=what)
+    ev = At(time.monotonic() + 0.03)
+    kvferry.bounded_wait(ev, 5.0, what=what)
+    # No history of pending waits: polling started at once.
+    assert len([q for q in ev.queries if q < ev.at - 0.01]) >= 5
+
+
+class FakeCudaEvent:
+    """Looks like ``torch.cuda.Event`` to bounded_wait: a raw ``cuda_event`` handle."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_event = handle
+        self.device = "cuda:0"
+
+    def query(self) -> bool:  # must not be called on the CUDA path
+        raise AssertionError("query() called on a CUDA event")
+
+
+@pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
+def test_never_recorded_cuda_event_is_complete():
+    # torch creates the CUevent lazily at the first record(); until then query() is True.
+    assert kvferry.bounded_wait(FakeCudaEvent(0), 1.0) < 0.05
+
+
+@pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is present (scripts/gpu-check.sh)")
+def test_cuda_event_without_a_driver_is_a_device_error():
+    with pytest.raises(kvferry.DeviceError, match="no device") as info:
+        kvferry.bounded_wait(FakeCudaEvent(0xDEAD), 1.0, what="copy_event")
+    assert "copy_event" in str(info.value)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not installed")
+    return torch
+
+
+def test_torch_event_of_another_device_goes_through_query():
+    torch = _torch()
+    # The CPU backend cannot record events; an unrecorded one is complete (query()).
+    ev = torch.Event(device="cpu")
+    assert ev.query()
+    assert kvferry.bounded_wait(ev, 1.0, what="torch.Event cpu") < 0.05
+
+
+@pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
+def test_real_torch_cuda_event_never_recorded_is_complete():
+    # torch.cuda.Event creates its CUevent at the first record(): cuda_event is 0 and
+    # query() is True until then; no driver call is made (none is needed here).
+    torch = _torch()
+    ev = torch.cuda.Event(blocking=True)
+    assert ev.cuda_event == 0
+    assert kvferry.bounded_wait(ev, 1.0, what="copy_event") < 0.05
+
+
+# -- on a CUDA GPU (scripts/gpu-check.sh); skipped with the reason elsewhere ------------
+
+
+def _why_no_gpu() -> str | None:
+    if not kvferry.HAS_CUDA:
+        return "this build of kvferry has no cuda feature"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    return None
+
+
+WHY_NO_GPU = _why_no_gpu()
+gpu = pytest.mark.skipif(WHY_NO_GPU is not None, reason=f"GPU part skipped: {WHY_NO_GPU}")
+
+
+def _cycles_per_ms(torch) -> float:
+    """GPU clock cycles per millisecond, for ``torch.cuda._sleep`` (a spinning kernel)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # warm up
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+@gpu
+def test_cuda_event_behind_a_two_second_kernel_completes():
+    import torch
+
+    torch.cuda.init()
+    per_ms = _cycles_per_ms(torch)
+    ev = torch.cuda.Event(blocking=True)
+    torch.cuda._sleep(int(2000 * per_ms))
+    ev.record()
+    assert not ev.query()
+    cpu0 = time.thread_time()
+    waited = kvferry.bounded_wait(ev, 30.0, what="two-second kernel")
+    cpu = time.thread_time() - cpu0
+    assert ev.query()
+    assert 1.5 <= waited <= 3.0, waited
+    # Queried through cuEventQuery without spinning: a small fraction of the wait.
+    assert cpu < 0.05 * waited, (cpu, waited)
+    # A generic torch.Event on the same device goes through its raw handle too.
+    if hasattr(torch, "Event"):
+        gev = torch.Event(device="cuda")
+        torch.cuda._sleep(int(200 * per_ms))
+        gev.record()
+        assert kvferry.bounded_wait(gev, 30.0, what="torch.Event") >= 0.1
+
+
+def _driver(torch):
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    wait.restype = ctypes.c_int
+    devptr = lib.cuMemHostGetDevicePointer_v2
+    devptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    devptr.restype = ctypes.c_int
+    return wait, devptr
+
+
+@gpu
+def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean():
+    """The stream waits until the host sets a flag in pinned memory (the GPU front end
+    polls it: ``cuStreamWaitValue32``); with a 1 s deadline the wait raises on time,
+    then the flag is set and the work behind it runs, and the device is usable."""
+    import ctypes
+
+    import torch
+
+    torch.cuda.init()
+    wait_value, host_devptr = _driver(torch)
+    flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+    dptr = ctypes.c_uint64(0)
+    r = host_devptr(ctypes.byref(dptr), ctypes.c_void_p(flag.data_ptr()), 0)
+    assert r == 0, f"cuMemHostGetDevicePointer: {r}"
+    stream = torch.cuda.Stream()
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    ev = torch.cuda.Event(blocking=True)
+    stream.wait_stream(torch.cuda.current_stream())  # x is ready before the gate
+    with torch.cuda.stream(stream):
+        r = wait_value(ctypes.c_void_p(stream.cuda_stream), dptr.value, 1, 0x1)  # CU_STREAM_WAIT_VALUE_EQ
+        if r != 0:
+            pytest.skip(f"cuStreamWaitValue32 is not supported here ({r})")
+        y = x * 2
+        ev.record(stream)
+    t0 = time.monotonic()
+    with pytest.raises(kvferry.TimeoutError) as info:
+        kvferry.bounded_wait(ev, 1.0, what="flag-gated copy")
+    elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed <= 1.0 + 0.02, elapsed
+    assert info.value.device.startswith("cuda")
+    assert not ev.query()
+    flag[0] = 1  # the host sets the flag; the stream proceeds
+    assert kvferry.bounded_wait(ev, 10.0, what="flag-gated copy") < 10.0
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+    # Clean: new work runs and completes.
+    z = torch.ones(1024, device="cuda").sum()
+    done = torch.cuda.Event()
+    done.record()
+    kvferry.bounded_wait(done, 10.0, what="after")
+    assert z.item() == 1024.0
+
+
+def test_benchmark_runs_and_reports_every_figure():
+    from kvferry import bench_bounded_wait
+
+    res = bench_bounded_wait.run(samples=5, cpu_runs=1)
+    assert [c["history"] for c in res["cpu"]] == [False, True]
+    for cpu in res["cpu"]:
+        assert 0.99 <= cpu["wall_s"] < 1.5 and cpu["queries"] >= 1 and cpu["thread_cpu_ms"] >= 0
+    assert res["wakeup_cost_us"] > 0
+    assert set(res["latency"]) == {"steady 2 ms", "varied 0.5-5 ms", "cold 2 ms", "threading.Event 2 ms"}
+    for s in res["latency"].values():
+        assert s["samples"] == 5 and 0 <= s["p50_us"] <= s["p99_us"] <= s["max_us"]
