@@ -62,6 +62,12 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     device wait bounded). ``"sim"``: CPU tensors are adopted as memory of kvferry's sim
     device, so that same device path (staging, device copies, events, faults) runs on a
     machine without a GPU — for tests and CPU rehearsals of a GPU deployment.
+``idle_wait`` (float seconds, default ``0.001``, at most ``0.1``)
+    In a step that computes nothing (the scheduler scheduled no tokens: a decode
+    instance waiting only for KV), ``get_finished`` waits up to this long, with the GIL
+    released, for a pull in flight to land, instead of returning at once. vLLM's engine
+    loop otherwise steps back to back while it waits, and that loop's CPU is taken from
+    the transfers. ``0`` turns it off; steps that run a forward pass never wait.
 ``device_timeout`` (float seconds, default: ``timeout``)
     Bound on each device copy; a copy that has not completed by then fails its transfer
     (a load error on the decode side) and its staging pages stay quarantined until the
@@ -161,6 +167,7 @@ _DEFAULTS: dict[str, Any] = {
     "peer_id": None,
     "device": None,
     "device_timeout": None,
+    "idle_wait": 0.001,
 }
 
 
@@ -182,6 +189,7 @@ class KvferryConfig:
     peer_id: str | None = None
     device: str | None = None
     device_timeout: float | None = None
+    idle_wait: float = 0.001
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
@@ -204,6 +212,7 @@ class KvferryConfig:
             peer_id=extra.get("peer_id"),
             device=extra.get("device"),
             device_timeout=None if extra.get("device_timeout") is None else float(extra["device_timeout"]),
+            idle_wait=float(extra.get("idle_wait", _DEFAULTS["idle_wait"])),
         )
         for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
             if not getattr(cfg, name) > 0:
@@ -212,6 +221,8 @@ class KvferryConfig:
             raise ValueError(f"KvferryConnector: device must be 'sim' or unset (the KV tensors' own device), got {cfg.device!r}")
         if cfg.device_timeout is not None and not cfg.device_timeout > 0:
             raise ValueError(f"KvferryConnector: device_timeout must be > 0, got {cfg.device_timeout!r}")
+        if not 0 <= cfg.idle_wait <= 0.1:
+            raise ValueError(f"KvferryConnector: idle_wait must be between 0 and 0.1 seconds, got {cfg.idle_wait!r}")
         if cfg.path not in ("direct", "staged"):
             raise ValueError(f"KvferryConnector: path must be 'direct' or 'staged', got {cfg.path!r}")
         if not 0 <= cfg.port < 65536:
@@ -274,6 +285,7 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
     expires_at: dict[str, float] = field(default_factory=dict)  # wall clock, per pull
     reqs_to_release: dict[str, ReleaseSpec] = field(default_factory=dict)
+    idle: bool = False  # this step schedules no tokens: no forward pass runs
 
 
 def _flat_block_ids(ids: Any) -> list[int]:
@@ -409,6 +421,7 @@ class KvferryConnectorScheduler:
             reqs_to_send=self._need_send,
             expires_at=self._need_expiry,
             reqs_to_release=self._need_release,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._need_recv = {}
         self._need_send = {}
@@ -554,6 +567,7 @@ class KvferryConnectorWorker:
         self.device: str | None = None  # the engine's device: None (host), "sim", "cuda:N"
         self._step_done: Any = None  # CUDA: event recorded after the step's forward
         self._to_publish: dict[str, tuple[list[int], float]] = {}  # CUDA: waiting for _step_done
+        self._idle = False  # the current step runs no forward pass
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -644,6 +658,7 @@ class KvferryConnectorWorker:
         if self._done_meta is meta:  # a reference, not id(): ids of freed objects recur
             return
         self._done_meta = meta
+        self._idle = meta.idle
         for req_id, block_ids in meta.reqs_to_send.items():
             self._publish(req_id, block_ids)
         for req_id, spec in meta.reqs_to_recv.items():
@@ -799,8 +814,23 @@ class KvferryConnectorWorker:
         pull.scratch_region = None
         pull.scratch = None
 
+    def _wait_idle(self) -> None:
+        """In a step without a forward pass, gives the transfers the CPU: waits (GIL
+        released) up to ``idle_wait`` for the oldest pull in flight to finish."""
+        if not self._idle or self.config.idle_wait <= 0:
+            return
+        for pull in self._pulls.values():
+            t = pull.transfer
+            if t is not None and not t.done():
+                try:
+                    t.wait(self.config.idle_wait)
+                except (errors.Error, TimeoutError):
+                    pass  # not finished yet, or failed: read below, as every step does
+                return
+
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
+        self._wait_idle()
         self._publish_computed()
         # Decode requests finished (aborted) while pulling: cancel, wait for the drain
         # (bounded), and hand the blocks back. Cancelling tells the prefill Done.

@@ -153,7 +153,9 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
         _, got = decode.step(meta, set())
         done |= got
         while len(done) < nreq:
-            _, got = decode.step(KvferryConnectorMetadata(), set())
+            # The decode instance has nothing to compute while its KV arrives: vLLM's
+            # scheduler schedules no tokens, so the step's metadata says idle.
+            _, got = decode.step(KvferryConnectorMetadata(idle=True), set())
             done |= got
             if time.perf_counter() - t0 > 120:
                 raise RuntimeError(f"round {rnd}: {nreq - len(done)} pulls did not finish in 120 s")
