@@ -5,6 +5,8 @@ use clap::{Args, Subcommand};
 
 #[path = "cmd_bench/copy.rs"]
 mod copy;
+#[path = "cmd_bench/cpu.rs"]
+mod cpu;
 #[path = "cmd_bench/device.rs"]
 mod device;
 #[path = "cmd_bench/limits.rs"]

@@ -55,3 +55,49 @@ fn bench_json_has_every_field_and_no_integrity_failure() {
     assert_eq!(num("corrupted_bytes"), 0.0, "{v}");
     assert_eq!(num("leaked_pages"), 0.0, "{v}");
 }
+
+/// CPU per GB over the transfer and raw-TCP phases, and `--contend N`: the same point
+/// measured again beside N busy threads, in the same invocation.
+#[test]
+fn bench_json_reports_cpu_per_gb_and_the_contended_point() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "bench",
+            "--json",
+            "--quiet",
+            "--model",
+            "tiny",
+            "--blocks-per-chunk",
+            "64",
+            "--requests",
+            "4",
+            "--bytes",
+            "16MiB",
+            "--contend",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    let num = |o: &serde_json::Value, k: &str| {
+        o.get(k)
+            .and_then(|x| x.as_f64())
+            .unwrap_or_else(|| panic!("missing numeric field {k}: {o}"))
+    };
+    let c = v.get("contended").unwrap_or_else(|| panic!("no contended point: {v}"));
+    assert_eq!(num(&v, "contend"), 0.0);
+    assert_eq!(num(c, "contend"), 1.0);
+    assert!(c.get("contended").is_none(), "one level: {c}");
+    for p in [&v, c] {
+        for k in ["cpu_s_per_gb", "tcp_cpu_s_per_gb", "cpu_ratio"] {
+            assert!(num(p, k) > 0.0, "{k} must be measured: {p}");
+        }
+        assert!((num(p, "cpu_ratio") - num(p, "cpu_s_per_gb") / num(p, "tcp_cpu_s_per_gb")).abs() < 1e-9);
+        assert_eq!(num(p, "corrupted_bytes"), 0.0);
+        assert_eq!(num(p, "leaked_pages"), 0.0);
+    }
+    // The busy thread's CPU is not the benchmark's: CPU per GB stays of the same order.
+    assert!(num(c, "cpu_s_per_gb") < 10.0 * num(&v, "cpu_s_per_gb") + 1.0, "{v}");
+}

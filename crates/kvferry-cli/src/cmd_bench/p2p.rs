@@ -23,6 +23,7 @@ use kvferry::wire::ChunkKey;
 use serde::Serialize;
 use tokio::sync::Semaphore;
 
+use super::cpu::{per_gb, Contention, CpuClock};
 use super::limits::{memcpy_limit, pipeline_limit, tcp_limit};
 use crate::engine_args::EngineArgs;
 use crate::util::parse_model;
@@ -100,6 +101,13 @@ pub struct P2pBenchArgs {
     /// same command without --tls.
     #[arg(long)]
     pub tls: bool,
+    /// Contention mode: run the point twice in this invocation, first alone, then with
+    /// N busy threads beside it (each computes crc32c over its own 256 KiB buffer in a
+    /// loop, standing for the other work of an inference host; they stop when the
+    /// point ends), and report both (JSON: the second under `contended`). Their CPU is
+    /// left out of the benchmark's CPU per GB. With --sweep, every point runs with them.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub contend: usize,
     /// Print JSON (one object; an array with --sweep) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -126,6 +134,7 @@ impl Default for P2pBenchArgs {
             sweep: false,
             plot: None,
             tls: false,
+            contend: 0,
             json: false,
             quiet: false,
         }
@@ -178,6 +187,18 @@ pub struct Point {
     pub staging_pinned: bool,
     /// Why staging is not pinned, when it is not (e.g. `RLIMIT_MEMLOCK` too low).
     pub staging_fallback: Option<String>,
+    /// CPU seconds (user + system, every thread of the benchmark, contention threads
+    /// left out) per GB over the transfer phase.
+    pub cpu_s_per_gb: f64,
+    /// The same over the raw-TCP (same bytes) phase.
+    pub tcp_cpu_s_per_gb: f64,
+    /// `cpu_s_per_gb / tcp_cpu_s_per_gb`: what kvferry spends per byte beyond sockets.
+    pub cpu_ratio: f64,
+    /// Busy threads beside this point (`--contend`; 0: alone).
+    pub contend: usize,
+    /// With `--contend N`: the same point measured again with N busy threads beside it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub contended: Option<Box<Point>>,
 }
 
 fn word(req: usize, chunk: usize, i: usize) -> u64 {
@@ -276,7 +297,9 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
             a.in_flight = inflight;
             a.bytes = per_point;
             a.quiet = true;
-            let p = rt.block_on(run_point(&a))?;
+            let busy = Contention::start(args.contend);
+            let p = rt.block_on(run_point(&a, &busy.clock(), busy.threads()))?;
+            drop(busy);
             if !args.json {
                 eprintln!(
                     "  chunk {:>9}  in flight {:>2}: {:.2} GB/s ({:.2} of raw TCP moving the same bytes, \
@@ -292,7 +315,14 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
         }
         pts
     } else {
-        vec![rt.block_on(run_point(&args))?]
+        let mut p = rt.block_on(run_point(&args, &CpuClock::default(), 0))?;
+        if args.contend > 0 {
+            let busy = Contention::start(args.contend);
+            let q = rt.block_on(run_point(&args, &busy.clock(), busy.threads()))?;
+            drop(busy);
+            p.contended = Some(Box::new(q));
+        }
+        vec![p]
     };
     if let Some(path) = &args.plot {
         std::fs::write(path, super::plot::svg(&points)).with_context(|| format!("writing {}", path.display()))?;
@@ -314,6 +344,7 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
     }
     let bad: Vec<&Point> = points
         .iter()
+        .flat_map(|p| std::iter::once(p).chain(p.contended.as_deref()))
         .filter(|p| p.corrupted_bytes > 0 || p.leaked_pages > 0)
         .collect();
     anyhow::ensure!(
@@ -438,6 +469,22 @@ const CEILING: &str = "1.00 is the ceiling: kvferry costing nothing over plain s
                        (no framing, checksums or copies)";
 
 fn print_point_summary(p: &Point) {
+    print_one_point(p);
+    if let Some(q) = &p.contended {
+        println!();
+        println!("the same with {} busy thread(s) beside it (--contend):", q.contend);
+        print_one_point(q);
+        println!(
+            "contention costs {:.0} % of throughput (raw TCP: {:.0} %); ratio {:.2} alone, {:.2} contended",
+            (1.0 - q.gbps / p.gbps) * 100.0,
+            (1.0 - q.tcp_limit_gbps / p.tcp_limit_gbps) * 100.0,
+            p.ratio,
+            q.ratio
+        );
+    }
+}
+
+fn print_one_point(p: &Point) {
     println!("{}", setup_line(p));
     println!(
         "moved {} in {} chunks over loopback, every byte verified: {:.2} GB/s",
@@ -454,6 +501,10 @@ fn print_point_summary(p: &Point) {
     println!(
         "  {CEILING}; target >= {TARGET_RATIO:.2}: {}",
         if p.ratio >= TARGET_RATIO { "met" } else { "not met" }
+    );
+    println!(
+        "CPU {:.3} s per GB moved (raw TCP {:.3} s per GB: {:.2}x; user + system, every thread of the benchmark)",
+        p.cpu_s_per_gb, p.tcp_cpu_s_per_gb, p.cpu_ratio
     );
     println!(
         "staged-pipeline limit {:.2} GB/s (the staged design's copies alone in plain code, {:.2} of raw TCP); \
@@ -530,7 +581,7 @@ fn print_sweep_summary(points: &[Point]) {
     );
 }
 
-async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
+async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyhow::Result<Point> {
     let probe = EngineArgs {
         model: args.model.clone(),
         blocks: 1,
@@ -708,6 +759,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let latencies = Arc::new(parking_lot::Mutex::new(Vec::with_capacity(total_chunks as usize)));
     let expected = Arc::new(expected);
     let started = Instant::now();
+    let cpu_started = cpu.now();
     let mut tasks = tokio::task::JoinSet::new();
     let mut rss_warm = 0.0;
     for n in 0..total_chunks {
@@ -794,6 +846,7 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         r?;
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let transfer_cpu = cpu.now() - cpu_started;
     let rss_end = rss_mib();
     bar.finish_and_clear();
     let moved = (total_chunks - errors.load(Ordering::Relaxed)) * chunk_bytes as u64;
@@ -845,10 +898,14 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
     let source: Arc<Vec<u8>> = Arc::new((0..src_layout.region_bytes()).map(|i| (i * 31 + 7) as u8).collect());
     let mut tcp = 0f64;
     let mut tcp_hot = 0f64;
+    let mut tcp_cpu = 0f64;
     for _ in 0..3 {
+        let c0 = cpu.now();
         tcp = tcp.max(tcp_limit(conns, limit_bytes, Some((&source, chunk_bytes))).await?);
+        tcp_cpu += cpu.now() - c0;
         tcp_hot = tcp_hot.max(tcp_limit(conns, limit_bytes, None).await?);
     }
+    let tcp_cpu_s_per_gb = per_gb(tcp_cpu, 3 * limit_bytes);
     let memcpy = memcpy_limit(256 << 20);
     let pipeline = tokio::task::block_in_place(|| -> anyhow::Result<f64> {
         let mut best = 0f64;
@@ -898,6 +955,15 @@ async fn run_point(args: &P2pBenchArgs) -> anyhow::Result<Point> {
         leaked_pages: leaked,
         rss_warm_mib: rss_warm,
         rss_end_mib: rss_end,
+        cpu_s_per_gb: per_gb(transfer_cpu, moved),
+        tcp_cpu_s_per_gb,
+        cpu_ratio: if tcp_cpu_s_per_gb > 0.0 {
+            per_gb(transfer_cpu, moved) / tcp_cpu_s_per_gb
+        } else {
+            0.0
+        },
+        contend,
+        contended: None,
         staging_backing: staging.0,
         staging_pinned: pinned,
         staging_fallback: staging.1,
