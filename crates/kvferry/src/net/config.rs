@@ -31,6 +31,14 @@ pub struct NetConfig {
     /// third of it at a time), so on a slow link keep this above
     /// `send buffer / 3 / throughput`.
     pub io_timeout: Duration,
+    /// On a server: the rate, in bytes per second, below which a frame being read or
+    /// written fails once it has taken longer than `min_rate_grace` (cumulative: the
+    /// bytes moved must keep up with `min_rate` × the time past the grace). A client
+    /// trickling a byte now and then resets the progress timeout every time; this
+    /// ends its frame (and frees what it holds) after the grace. 0 turns it off.
+    pub min_rate: u64,
+    /// The grace of `min_rate`.
+    pub min_rate_grace: Duration,
     /// How long an idle accepted connection may wait for its next request.
     pub idle_timeout: Duration,
     /// TCP keepalive interval.
@@ -41,12 +49,13 @@ pub struct NetConfig {
     /// completes its handshake beyond this is refused with `Busy`. Connections still
     /// handshaking do not count here (see `max_unauthenticated`).
     pub max_connections: usize,
-    /// Connections a server keeps handshaking (not yet authenticated) at once. When a
-    /// new connection arrives with this many handshaking, the oldest of them is closed
-    /// as soon as it has been handshaking for an eighth of `handshake_timeout` (until
-    /// then the newcomer waits in the listen backlog): idle strangers cannot keep peers
-    /// with the secret out, and a burst of honest peers, each done in a round trip or
-    /// two, waits its turn instead of closing each other.
+    /// Connections a server keeps handshaking (not yet authenticated, having sent their
+    /// first byte) at once; connections that have sent nothing yet have a budget of
+    /// `SILENT_PER_PLACE` times this, the oldest closed at once when it is full. See
+    /// [`server`](super::server) for who is closed to make room: idle strangers cannot
+    /// keep peers with the secret out, sources that proved the secret before keep their
+    /// share, and a burst of honest peers, each done in a round trip or two, waits its
+    /// turn instead of closing each other.
     pub max_unauthenticated: usize,
     /// Failed authentications from one source address (IPv6: one /64) within
     /// `auth_failure_window` after which the server refuses that address's handshakes
@@ -72,6 +81,8 @@ impl NetConfig {
             handshake_timeout: Duration::from_secs(3),
             io_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(300),
+            min_rate: 64 << 10,
+            min_rate_grace: Duration::from_secs(5),
             keepalive: Duration::from_secs(10),
             connections_per_peer: 4,
             max_connections: 4096,
@@ -102,6 +113,7 @@ impl NetConfig {
             ("idle timeout", self.idle_timeout),
             ("keepalive", self.keepalive),
             ("auth failure window", self.auth_failure_window),
+            ("min rate grace", self.min_rate_grace),
         ] {
             if d.is_zero() {
                 return bad(format!("{name} must be greater than zero"));
@@ -145,6 +157,16 @@ impl NetConfig {
     }
 }
 
+impl NetConfig {
+    /// The minimum rate a server enforces on its connections' frames.
+    pub(crate) fn min_rate(&self) -> Option<super::progress::MinRate> {
+        (self.min_rate > 0).then_some(super::progress::MinRate {
+            bytes_per_sec: self.min_rate,
+            grace: self.min_rate_grace,
+        })
+    }
+}
+
 /// Largest accepted [`Limits::max_handshake_bytes`].
 const MAX_HANDSHAKE_BYTES: u64 = 64 << 10;
 
@@ -158,6 +180,8 @@ impl std::fmt::Debug for NetConfig {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("io_timeout", &self.io_timeout)
             .field("idle_timeout", &self.idle_timeout)
+            .field("min_rate", &self.min_rate)
+            .field("min_rate_grace", &self.min_rate_grace)
             .field("keepalive", &self.keepalive)
             .field("connections_per_peer", &self.connections_per_peer)
             .field("max_connections", &self.max_connections)

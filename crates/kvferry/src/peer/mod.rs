@@ -20,6 +20,7 @@
 mod accounting;
 mod consumer;
 mod producer;
+mod quota;
 pub mod publish;
 mod store;
 
@@ -119,7 +120,7 @@ pub enum PeerError {
         error: crate::device::DeviceError,
     },
     /// The peer already holds its share of the staging arena.
-    #[error("staging quota of peer {peer} exceeded: holds {held} pages, asked {asked}, quota {quota}")]
+    #[error("staging quota of {peer} exceeded: holds {held} pages, asked {asked}, quota {quota}")]
     QuotaExceeded {
         /// The peer.
         peer: String,
