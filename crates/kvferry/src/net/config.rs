@@ -17,6 +17,9 @@ pub struct NetConfig {
     /// keys derived from it). At least [`MIN_SECRET_BYTES`] bytes, e.g. the output of
     /// `head -c 32 /dev/urandom | base64`.
     pub secret: Option<Vec<u8>>,
+    /// The local address a client connects from (`None`: the system's choice), e.g.
+    /// another loopback address to stand for another host.
+    pub local_addr: Option<std::net::IpAddr>,
     /// Bound on TCP connect.
     pub connect_timeout: Duration,
     /// Bound on the whole handshake (on a server: how long an unauthenticated connection
@@ -77,6 +80,7 @@ impl NetConfig {
             peer_id: peer_id.into(),
             incarnation: rand::random::<u64>() | 1,
             secret: None,
+            local_addr: None,
             connect_timeout: Duration::from_secs(3),
             handshake_timeout: Duration::from_secs(3),
             io_timeout: Duration::from_secs(5),
@@ -176,6 +180,7 @@ impl std::fmt::Debug for NetConfig {
             .field("peer_id", &self.peer_id)
             .field("incarnation", &self.incarnation)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("local_addr", &self.local_addr)
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("io_timeout", &self.io_timeout)

@@ -122,9 +122,35 @@ fn tune(stream: &TcpStream, cfg: &NetConfig) {
     let _ = sock.set_recv_buffer_size(4 << 20);
 }
 
+/// TCP connect to `addr`, from `local` when given.
+async fn dial(addr: &str, local: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
+    let Some(local) = local else {
+        return TcpStream::connect(addr).await;
+    };
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        if a.is_ipv4() != local.is_ipv4() {
+            continue;
+        }
+        let sock = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        sock.bind(SocketAddr::new(local, 0))?;
+        match sock.connect(a).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{addr}: no address of the family of {local}"))
+    }))
+}
+
 /// Connects to `addr` and runs the client side of the handshake.
 pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, NetError> {
-    let stream = match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
+    let stream = match tokio::time::timeout(cfg.connect_timeout, dial(addr, cfg.local_addr)).await {
         Err(_) => {
             return Err(NetError::Connect {
                 addr: addr.into(),

@@ -151,7 +151,10 @@ struct Shared {
 struct Pending {
     /// When it took its place.
     since: Instant,
+    /// Its class when it took its place (a stranger's source may prove itself since).
     class: Class,
+    /// Its source address.
+    ip: IpAddr,
     token: CancellationToken,
 }
 
@@ -393,15 +396,27 @@ impl Shared {
     /// Enters connection `id` (of `class`) among the handshaking ones if there is room,
     /// closing at once the oldest of a lower class, or the oldest of its class or
     /// below once stale; otherwise returns when to try again (at the latest).
-    fn admit_handshaking(&self, id: u64, class: Class, token: &CancellationToken, now: Instant) -> Option<Instant> {
+    fn admit_handshaking(
+        &self,
+        id: u64,
+        ip: IpAddr,
+        class: Class,
+        token: &CancellationToken,
+        now: Instant,
+    ) -> Option<Instant> {
         let mut pending = self.pending.lock();
         while pending.len() >= self.cfg.max_unauthenticated {
-            // The victim: lowest class first, then oldest.
+            // The victim: lowest class first (as of now: its source may have proved
+            // itself since it came), then oldest.
+            let class_now = |p: &Pending| match p.class {
+                Class::Suspect => Class::Suspect,
+                c => c.max(self.class_of(p.ip, false, now)),
+            };
             let victim = pending
                 .iter()
-                .filter(|(_, p)| p.class <= class)
-                .min_by_key(|(k, p)| (p.class, **k))
-                .map(|(k, p)| (*k, p.class, p.since));
+                .map(|(k, p)| (*k, class_now(p), p.since))
+                .filter(|(_, c, _)| *c <= class)
+                .min_by_key(|(k, c, _)| (*c, *k));
             let Some((k, vclass, since)) = victim else {
                 // Every place is held by a higher class: wait for one to leave.
                 let oldest = pending.values().map(|p| p.since).min().unwrap_or(now);
@@ -425,6 +440,7 @@ impl Shared {
             Pending {
                 since: now,
                 class,
+                ip,
                 token: token.clone(),
             },
         );
@@ -439,12 +455,19 @@ impl Shared {
 
     /// Waits (within `deadline`) for a handshaking place for connection `id`; false if
     /// none came in time.
-    async fn wait_for_place(&self, id: u64, class: Class, token: &CancellationToken, deadline: Instant) -> bool {
+    async fn wait_for_place(
+        &self,
+        id: u64,
+        ip: IpAddr,
+        class: Class,
+        token: &CancellationToken,
+        deadline: Instant,
+    ) -> bool {
         loop {
             let notified = self.left_pending.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let Some(until) = self.admit_handshaking(id, class, token, Instant::now()) else {
+            let Some(until) = self.admit_handshaking(id, ip, class, token, Instant::now()) else {
                 return true;
             };
             if Instant::now() >= deadline {
@@ -492,8 +515,9 @@ async fn serve_connection(
     let (cfg, counters) = (&shared.cfg, &shared.counters);
     // Silent until its first byte (within the handshake timeout).
     let deadline = Instant::now() + cfg.handshake_timeout;
-    match tokio::time::timeout_at(deadline.into(), stream.readable()).await {
-        Ok(Ok(())) => {}
+    let mut first = [0u8; 1];
+    match tokio::time::timeout_at(deadline.into(), stream.peek(&mut first)).await {
+        Ok(Ok(n)) if n > 0 => {}
         _ => {
             counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(target: "kvferry::net", "closing a connection silent for the handshake timeout from {addr}");
@@ -503,7 +527,7 @@ async fn serve_connection(
     shared.leave_silent(id);
     let class = shared.class_of(addr.ip(), suspect, Instant::now());
     let token = CancellationToken::new();
-    if !shared.wait_for_place(id, class, &token, deadline).await {
+    if !shared.wait_for_place(id, addr.ip(), class, &token, deadline).await {
         counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
         return;
     }
