@@ -364,7 +364,11 @@ async fn idle_strangers_cannot_keep_a_client_with_the_secret_out() {
     }
     let t = Instant::now();
     while node.server.stats().evicted_silent < 8 {
-        assert!(t.elapsed() < WAIT, "the oldest strangers were not closed: {:?}", node.server.stats());
+        assert!(
+            t.elapsed() < WAIT,
+            "the oldest strangers were not closed: {:?}",
+            node.server.stats()
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     expect_closed(&mut strangers[0]).await;
@@ -546,7 +550,11 @@ async fn failed_authentications_are_counted_logged_and_rate_limited() {
     ping(&Pool::new(node.addr.clone(), config("rl-client", Some(SECRET))).unwrap())
         .await
         .unwrap();
-    assert!(started.elapsed() < Duration::from_secs(2), "served after {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "served after {:?}",
+        started.elapsed()
+    );
     assert_eq!(node.server.stats().rate_limited, 1);
     // Another source address is not affected.
     let s = raw_handshake(connect_from("127.0.0.2", &node.addr).await, Some(SECRET)).await;

@@ -58,7 +58,10 @@ async fn full_get(pool: &Pool, keys: Vec<ChunkKey>) -> Result<usize, NetError> {
         conn.recv_bulk(id, &mut [&mut buf[..]]).await?;
     }
     assert!(matches!(conn.recv_reply(id).await?, Message::PullDone { .. }));
-    assert!(matches!(conn.request(&Message::Done { lease_id }).await?, Message::DoneAck));
+    assert!(matches!(
+        conn.request(&Message::Done { lease_id }).await?,
+        Message::DoneAck
+    ));
     conn.finish();
     Ok(chunks.len())
 }

@@ -143,14 +143,24 @@ impl Connection {
     /// Sends a control message.
     pub async fn send(&mut self, request_id: u64, msg: &Message) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = wire::write_control(&mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate), request_id, msg).await;
+        let r = wire::write_control(
+            &mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate),
+            request_id,
+            msg,
+        )
+        .await;
         r.map_err(|e| self.lost(stalled_is_timeout("send control frame", d, e)))
     }
 
     /// Sends one bulk frame made of `parts`.
     pub async fn send_bulk(&mut self, request_id: u64, parts: &[&[u8]]) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = wire::write_bulk(&mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate), request_id, parts).await;
+        let r = wire::write_bulk(
+            &mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate),
+            request_id,
+            parts,
+        )
+        .await;
         r.map_err(|e| self.lost(stalled_is_timeout("send bulk frame", d, e)))
     }
 
@@ -287,7 +297,11 @@ impl Connection {
     /// Discards the body of a frame (to stay in sync after refusing it).
     pub async fn skip(&mut self, header: &FrameHeader) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = wire::skip_body(&mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate), header).await;
+        let r = wire::skip_body(
+            &mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate),
+            header,
+        )
+        .await;
         r.map_err(|e| self.lost(stalled_is_timeout("skip frame", d, e)))
     }
 

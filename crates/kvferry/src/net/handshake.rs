@@ -144,7 +144,10 @@ async fn dial(addr: &str, local: Option<std::net::IpAddr>) -> std::io::Result<Tc
         }
     }
     Err(last.unwrap_or_else(|| {
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{addr}: no address of the family of {local}"))
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{addr}: no address of the family of {local}"),
+        )
     }))
 }
 

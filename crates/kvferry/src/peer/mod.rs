@@ -20,8 +20,8 @@
 mod accounting;
 mod consumer;
 mod producer;
-mod quota;
 pub mod publish;
+mod quota;
 mod store;
 
 pub use consumer::{

@@ -44,8 +44,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::accounting;
-use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::publish::{PubSource, Publication, ReleaseQueue, ReleaseReason, Released};
+use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
 use crate::copy::{CopyEngine, CopyPlan, Endpoint};
@@ -830,10 +830,13 @@ impl Producer {
     /// were published `once` leave the table. Unknown leases, and leases of another
     /// peer (refused and counted), change nothing.
     pub fn release(&self, lease_id: LeaseId, owner: &str) -> Result<(), LeaseRefusal> {
-        self.release_for(lease_id, &Requester {
-            identity: owner.to_string(),
-            incarnation: None,
-        })
+        self.release_for(
+            lease_id,
+            &Requester {
+                identity: owner.to_string(),
+                incarnation: None,
+            },
+        )
     }
 
     /// Releases a lease for a remote requester: its identity, and without TLS its
@@ -843,7 +846,13 @@ impl Producer {
         let removed = {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
-                Some(e) if !(if local { e.owner == who.identity } else { e.belongs_to(who) }) => {
+                Some(e)
+                    if !(if local {
+                        e.owner == who.identity
+                    } else {
+                        e.belongs_to(who)
+                    }) =>
+                {
                     self.inner
                         .counters
                         .foreign_lease_refused
@@ -1007,7 +1016,10 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                match self.stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation).await {
+                match self
+                    .stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation)
+                    .await
+                {
                     Ok((lease_id, chunks, ttl_ms)) => {
                         accounting::note_found(!chunks.is_empty());
                         let m = Message::Staged {
@@ -1026,11 +1038,13 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                let (lease_id, chunks, ttl_ms) =
-                    match self.stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation).await {
-                        Ok(s) => s,
-                        Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
-                    };
+                let (lease_id, chunks, ttl_ms) = match self
+                    .stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation)
+                    .await
+                {
+                    Ok(s) => s,
+                    Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
+                };
                 accounting::note_found(!chunks.is_empty());
                 let m = Message::Staged {
                     lease_id,

@@ -294,7 +294,11 @@ mod tests {
         assert!(e.to_string().contains("connection 1"), "{e}");
         let b = q.charge(&h("a", 2, "10.0.0.1", false), 4).unwrap();
         // Peer a is full (8).
-        assert!(q.charge(&h("a", 3, "10.0.0.1", false), 1).unwrap_err().to_string().contains("peer a"));
+        assert!(q
+            .charge(&h("a", 3, "10.0.0.1", false), 1)
+            .unwrap_err()
+            .to_string()
+            .contains("peer a"));
         // Another id from the same source: source holds 8 of 10.
         let c = q.charge(&h("a-1", 4, "10.0.0.1", false), 2).unwrap();
         let e = q.charge(&h("a-2", 5, "10.0.0.1", false), 1).unwrap_err();
