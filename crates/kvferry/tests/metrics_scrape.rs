@@ -473,7 +473,10 @@ async fn idle_connections_cannot_hold_the_endpoint_nor_touch_the_data_port() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     let mut buf = [0u8; 16];
     let closed = tokio::time::timeout(Duration::from_secs(5), held[0].read(&mut buf)).await;
-    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "the oldest idle connection is still open");
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "the oldest idle connection is still open"
+    );
     // The data port serves meanwhile.
     let k = fill(&producer, 7, 1, 2);
     let landed = c.consumer.get(&addr, &k, c.dst(0, 1, 2), soon(5000)).await.unwrap();

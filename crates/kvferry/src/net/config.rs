@@ -61,10 +61,11 @@ pub struct NetConfig {
     /// turn instead of closing each other.
     pub max_unauthenticated: usize,
     /// Failed authentications from one source address (IPv6: one /64) within
-    /// `auth_failure_window` after which the server refuses that address's handshakes
-    /// at once, for `auth_failure_window`.
+    /// `auth_failure_window` after which the server treats that address's connections
+    /// as suspect for `auth_failure_window`: the first closed when handshake places run
+    /// out, but still served when they prove the secret (which lifts the block).
     pub auth_failure_limit: u32,
-    /// The window of `auth_failure_limit`, and how long an address stays refused.
+    /// The window of `auth_failure_limit`, and how long an address stays suspect.
     pub auth_failure_window: Duration,
     /// Frame and message limits.
     pub limits: Limits,

@@ -88,7 +88,7 @@ pub struct ServerStats {
     pub accepted: u64,
     /// Connections open now (handshaking or authenticated).
     pub active: usize,
-    /// Connections handshaking now (not yet authenticated).
+    /// Connections handshaking now (not yet authenticated), silent ones included.
     pub handshaking: usize,
     /// Authenticated connections open now (at most `max_connections`).
     pub authenticated: usize,
