@@ -757,6 +757,85 @@ impl AuthLimiter {
 mod tests {
     use super::*;
 
+    fn shared(places: usize) -> Shared {
+        let mut cfg = NetConfig::new("s");
+        cfg.max_unauthenticated = places;
+        Shared {
+            keys: None,
+            limiter: Mutex::new(AuthLimiter::new(cfg.auth_failure_limit, cfg.auth_failure_window)),
+            cfg,
+            counters: Counters::default(),
+            silent: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(BTreeMap::new()),
+            left_pending: Notify::new(),
+            proven: Mutex::new(HashMap::new()),
+        }
+    }
+
+    #[test]
+    fn places_go_by_class_then_age_and_proven_sources_keep_their_share() {
+        let s = shared(2);
+        let t0 = Instant::now();
+        let stranger: IpAddr = "10.0.0.1".parse().unwrap();
+        let friend: IpAddr = "10.0.0.2".parse().unwrap();
+        s.note_proven(friend, t0);
+        assert_eq!(s.class_of(friend, false, t0), Class::Proven);
+        assert_eq!(s.class_of(stranger, false, t0), Class::Stranger);
+        assert_eq!(s.class_of(friend, true, t0), Class::Suspect);
+        let tokens: Vec<CancellationToken> = (0..6).map(|_| CancellationToken::new()).collect();
+        // Two strangers take both places.
+        assert!(s
+            .admit_handshaking(1, stranger, Class::Stranger, &tokens[1], t0)
+            .is_none());
+        assert!(s
+            .admit_handshaking(2, stranger, Class::Stranger, &tokens[2], t0)
+            .is_none());
+        // A third stranger waits until the oldest is stale, then closes it.
+        let until = s
+            .admit_handshaking(3, stranger, Class::Stranger, &tokens[3], t0)
+            .unwrap();
+        assert_eq!(until, t0 + stale_after(&s.cfg));
+        assert!(!tokens[1].is_cancelled());
+        // A proven source closes the oldest stranger at once.
+        assert!(s.admit_handshaking(4, friend, Class::Proven, &tokens[4], t0).is_none());
+        assert!(tokens[1].is_cancelled() && !tokens[2].is_cancelled());
+        assert!(s.admit_handshaking(5, friend, Class::Proven, &tokens[5], t0).is_none());
+        assert!(tokens[2].is_cancelled());
+        // Now every place is proven: a stranger waits, even once they are stale.
+        let late = t0 + s.cfg.handshake_timeout;
+        assert!(s
+            .admit_handshaking(3, stranger, Class::Stranger, &tokens[3], late)
+            .is_some());
+        assert!(!tokens[4].is_cancelled() && !tokens[5].is_cancelled());
+        assert_eq!(s.counters.evicted.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn the_oldest_silent_connection_goes_at_once() {
+        let s = shared(1);
+        let tokens: Vec<CancellationToken> = (0..=SILENT_PER_PLACE).map(|_| CancellationToken::new()).collect();
+        for (i, t) in tokens.iter().enumerate() {
+            s.admit_silent(i as u64, t);
+        }
+        assert!(tokens[0].is_cancelled());
+        assert!(tokens[1..].iter().all(|t| !t.is_cancelled()));
+        assert_eq!(s.silent.lock().len(), SILENT_PER_PLACE);
+        assert_eq!(s.counters.evicted_silent.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn proving_the_secret_lifts_a_block() {
+        let s = shared(1);
+        let ip: IpAddr = "10.0.0.9".parse().unwrap();
+        let now = Instant::now();
+        for _ in 0..s.cfg.auth_failure_limit {
+            s.limiter.lock().record_failure(ip, now);
+        }
+        assert!(s.limiter.lock().blocked(ip, now).is_some());
+        s.note_proven(ip, now);
+        assert!(s.limiter.lock().blocked(ip, now).is_none());
+    }
+
     #[test]
     fn blocks_after_the_limit_within_the_window_then_forgets() {
         let w = Duration::from_secs(60);
