@@ -45,6 +45,19 @@ pub struct EngineArgs {
     /// client cannot lock the whole arena.
     #[arg(long)]
     pub peer_quota_pages: Option<usize>,
+    /// Staging pages the requests of one connection may hold at once (default: the
+    /// peer quota).
+    #[arg(long)]
+    pub connection_quota_pages: Option<usize>,
+    /// Staging pages peers without a TLS certificate may hold from one source address
+    /// (IPv6: a /64), whatever peer ids they claim (default: three quarters of the
+    /// arena, or the peer quota if larger).
+    #[arg(long)]
+    pub source_quota_pages: Option<usize>,
+    /// Staging pages all peers without a TLS certificate may hold together (default:
+    /// seven eighths of the arena, or the peer quota if larger).
+    #[arg(long)]
+    pub unproven_quota_pages: Option<usize>,
     /// How long an eager get's staged pages outlive its connection when it closes without
     /// `Done` (leases staged for a later pull keep their TTL).
     #[arg(long, default_value = "2s", value_parser = parse_grace)]
@@ -68,6 +81,14 @@ pub struct EngineArgs {
     /// but steady transfer never trips it; each request's own deadline bounds the total).
     #[arg(long, default_value = "5s", value_parser = parse_timeout)]
     pub io_timeout: Duration,
+    /// A frame a client sends or receives slower than this, in bytes per second, fails
+    /// once it took longer than --min-rate-grace (0: off). Ends trickles that the
+    /// progress timeout never trips.
+    #[arg(long, default_value = "64KiB")]
+    pub min_rate: ByteSize,
+    /// The grace of --min-rate.
+    #[arg(long, default_value = "5s", value_parser = parse_timeout)]
+    pub min_rate_grace: Duration,
     /// Idle connections are closed after this long.
     #[arg(long, default_value = "300s", value_parser = parse_timeout)]
     pub idle_timeout: Duration,
@@ -129,6 +150,8 @@ impl EngineArgs {
         let mut net = NetConfig::new(peer_id);
         net.secret = self.secret()?;
         net.io_timeout = self.io_timeout;
+        net.min_rate = self.min_rate.bytes();
+        net.min_rate_grace = self.min_rate_grace;
         net.idle_timeout = self.idle_timeout;
         net.max_connections = self.max_connections;
         net.tls = self.tls.config()?;
@@ -176,6 +199,9 @@ impl EngineArgs {
             max_ttl,
             max_concurrent_gets: self.max_gets,
             max_staged_pages_per_peer: self.peer_quota_pages,
+            max_staged_pages_per_connection: self.connection_quota_pages,
+            max_staged_pages_per_source: self.source_quota_pages,
+            max_unproven_staged_pages: self.unproven_quota_pages,
             lease_grace: self.lease_grace,
         };
         Ok(cfg)
@@ -223,6 +249,9 @@ impl Default for EngineArgs {
             ttl: Duration::from_secs(10),
             max_ttl: None,
             peer_quota_pages: None,
+            connection_quota_pages: None,
+            source_quota_pages: None,
+            unproven_quota_pages: None,
             lease_grace: Duration::from_secs(2),
             max_gets: 64,
             secret: None,
@@ -230,6 +259,8 @@ impl Default for EngineArgs {
             max_control: ByteSize(1 << 20),
             max_bulk: ByteSize(256 << 20),
             io_timeout: Duration::from_secs(5),
+            min_rate: ByteSize(64 << 10),
+            min_rate_grace: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(300),
             max_connections: 4096,
             tls: TlsArgs::default(),

@@ -6,7 +6,14 @@
 //! - a stage listing one key 4096 times, and a TTL of `u32::MAX` milliseconds,
 //! - one peer staging until refused by its quota while another peer still gets,
 //! - a `Done` (and a `Pull`) for a lease granted to another peer,
-//! - a put whose bulk frame carries another request id (or is not a bulk frame).
+//! - a put whose bulk frame carries another request id (or is not a bulk frame);
+//! - 2,000 silent connections, reopened when closed, against clients with the secret;
+//! - a stranger reading the server's identity from its `Challenge`;
+//! - one client claiming eight peer ids to stage the whole arena without TLS, and a
+//!   client claiming another's peer id to release or pull its lease;
+//! - ten puts stalled after their bulk header (a byte every 500 ms), and a control
+//!   frame trickled after the handshake;
+//! - 100 idle connections to the metrics endpoint against liveness probes.
 //!
 //! Each test kills its server when dropped.
 
@@ -572,4 +579,372 @@ fn a_put_whose_bulk_frame_is_not_its_own_is_refused() {
         put(&client, key, &data).await.unwrap();
         assert_eq!(lookup(&client, key).await, 1);
     });
+}
+
+// ---------------------------------------------------------------------------------
+// Strangers, claimed identities and trickles (issue 21).
+
+/// A 32-byte shared secret in a fresh file, for `--secret-file`.
+fn secret_file() -> (std::path::PathBuf, Vec<u8>) {
+    let secret: Vec<u8> = (0..44u8).map(|i| b'a' + (i * 7) % 26).collect();
+    let path = std::env::temp_dir().join(format!("kvferry-hostile-secret-{}-{}", std::process::id(), rand_u64()));
+    std::fs::write(&path, &secret).unwrap();
+    (path, secret)
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
+    h.finish()
+}
+
+/// A client identity with the secret.
+fn peer_with_secret(addr: &str, peer_id: &str, secret: &[u8]) -> Pool {
+    Pool::new(addr, NetConfig::new(peer_id).with_secret(secret.to_vec())).unwrap()
+}
+
+/// A client identity connecting from another loopback address (another host, as far
+/// as the server can tell).
+fn peer_from(addr: &str, peer_id: &str, source: &str, secret: Option<&[u8]>) -> Pool {
+    let mut cfg = NetConfig::new(peer_id);
+    cfg.secret = secret.map(<[u8]>::to_vec);
+    cfg.local_addr = Some(source.parse().unwrap());
+    Pool::new(addr, cfg).unwrap()
+}
+
+/// A raw handshaken session without a secret (Hello, Challenge, Auth, Welcome).
+async fn raw_session(addr: &str, peer_id: &str) -> tokio::net::TcpStream {
+    use kvferry::wire::{read_control, write_control, Limits};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    let hello = Message::Hello {
+        peer_id: peer_id.into(),
+        incarnation: 7,
+        nonce: [1; 32],
+        wants_auth: false,
+    };
+    write_control(&mut s, 1, &hello).await.unwrap();
+    let (_, m) = read_control::<_, Message>(&mut s, &Limits::default()).await.unwrap();
+    assert!(matches!(m, Message::Challenge { .. }), "{m:?}");
+    write_control(&mut s, 2, &Message::Auth { proof: None }).await.unwrap();
+    let (_, m) = read_control::<_, Message>(&mut s, &Limits::default()).await.unwrap();
+    assert!(matches!(m, Message::Welcome), "{m:?}");
+    s
+}
+
+/// Writes `bytes` one at a time every `every` until the server closes the connection;
+/// returns how long that took (or `None` if all were written).
+async fn trickle(s: &mut tokio::net::TcpStream, bytes: &[u8], every: Duration) -> Option<Duration> {
+    use tokio::io::AsyncWriteExt;
+    let start = Instant::now();
+    for b in bytes {
+        if s.write_all(&[*b]).await.is_err() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(every).await;
+    }
+    None
+}
+
+#[test]
+fn silent_strangers_cannot_starve_clients_with_the_secret() {
+    let (file, secret) = secret_file();
+    let p = serve(
+        &[
+            "--blocks",
+            "256",
+            "--arena",
+            "4MiB",
+            "--page-size",
+            "64KiB",
+            "--secret-file",
+            file.to_str().unwrap(),
+        ],
+        false,
+    );
+    let rt = runtime();
+    let key = ChunkKey::from_name("wanted");
+    rt.block_on(async {
+        let owner = peer_with_secret(&p.addr, "owner", &secret);
+        put(&owner, key, &chunk(8, 3)).await.unwrap();
+        // 2,000 silent connections, each reopened as soon as it is closed.
+        let stop = Arc::new(AtomicBool::new(false));
+        let reopened = Arc::new(AtomicU64::new(0));
+        let mut flood = Vec::new();
+        for _ in 0..2000 {
+            let (addr, stop, reopened) = (p.addr.clone(), stop.clone(), reopened.clone());
+            flood.push(tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut buf = [0u8; 64];
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(mut s) = tokio::net::TcpStream::connect(&addr).await else {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    };
+                    reopened.fetch_add(1, Ordering::Relaxed);
+                    loop {
+                        tokio::select! {
+                            r = s.read(&mut buf) => match r {
+                                Ok(0) | Err(_) => break,
+                                Ok(_) => {}
+                            },
+                            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                                if stop.load(Ordering::Relaxed) { break; }
+                            }
+                        }
+                    }
+                }
+            }));
+        }
+        let t = Instant::now();
+        while reopened.load(Ordering::Relaxed) < 3000 {
+            assert!(t.elapsed() < Duration::from_secs(30), "the flood never built up");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Clients with the secret (fresh connections, default 3 s connect and
+        // handshake timeouts) are all served.
+        let mut served = 0;
+        for i in 0..3 {
+            let honest = peer_with_secret(&p.addr, &format!("honest-{i}"), &secret);
+            let started = Instant::now();
+            match get(&honest, key).await {
+                Ok(bytes) => {
+                    assert_eq!(bytes, chunk(8, 3));
+                    served += 1;
+                }
+                Err(e) => eprintln!("honest get {i} failed after {:?}: {e}", started.elapsed()),
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for f in flood {
+            let _ = f.await;
+        }
+        assert_eq!(
+            served, 3,
+            "{served} of 3 honest gets served under 2,000 silent strangers"
+        );
+    });
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn the_challenge_names_no_one_to_a_stranger() {
+    use kvferry::wire::{read_control, write_control, Limits};
+    let (file, _) = secret_file();
+    let p = serve(&["--blocks", "64", "--secret-file", file.to_str().unwrap()], false);
+    runtime().block_on(async {
+        let mut s = tokio::net::TcpStream::connect(&p.addr).await.unwrap();
+        let hello = Message::Hello {
+            peer_id: "stranger".into(),
+            incarnation: 1,
+            nonce: [2; 32],
+            wants_auth: true,
+        };
+        write_control(&mut s, 1, &hello).await.unwrap();
+        match read_control::<_, Message>(&mut s, &Limits::default()).await.unwrap() {
+            (
+                _,
+                Message::Challenge {
+                    peer_id,
+                    incarnation,
+                    proof,
+                    ..
+                },
+            ) => {
+                assert_eq!(peer_id, "", "the peer id (with its pid) told to a stranger");
+                assert_eq!(incarnation, 0, "the incarnation told to a stranger");
+                assert_eq!(proof, None);
+            }
+            (_, other) => panic!("expected Challenge, got {other:?}"),
+        }
+    });
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn claimed_peer_ids_cannot_bypass_the_quota_without_tls() {
+    // 32 pages of 64 KiB; chunks of 32 blocks are one page each.
+    let (file, secret) = secret_file();
+    let p = serve(
+        &[
+            "--blocks",
+            "2048",
+            "--arena",
+            "2MiB",
+            "--page-size",
+            "64KiB",
+            "--secret-file",
+            file.to_str().unwrap(),
+        ],
+        false,
+    );
+    let rt = runtime();
+    let keys: Vec<ChunkKey> = (0..32).map(|i| ChunkKey::from_name(&format!("h{i}"))).collect();
+    let mine = ChunkKey::from_name("mine");
+    rt.block_on(async {
+        let loader = peer_with_secret(&p.addr, "loader", &secret);
+        for (i, k) in keys.iter().enumerate() {
+            put(&loader, *k, &chunk(32, i as u8)).await.unwrap();
+        }
+        put(&loader, mine, &chunk(32, 77)).await.unwrap();
+        // One client, eight claimed ids, staging one page at a time until refused.
+        let hogs: Vec<Pool> = (0..8)
+            .map(|i| {
+                peer_with_secret(
+                    &p.addr,
+                    &if i == 0 { "hog".to_string() } else { format!("hog-{i}") },
+                    &secret,
+                )
+            })
+            .collect();
+        let mut held = 0;
+        let mut refusal = None;
+        'outer: for k in &keys {
+            for (h, hog) in hogs.iter().enumerate() {
+                match stage(hog, vec![*k], 0).await {
+                    Ok(s) => {
+                        assert_eq!(s.chunks.len(), 1);
+                        held += 1;
+                        continue 'outer;
+                    }
+                    Err(e) => {
+                        let (kind, message) = refused(Err(e));
+                        assert_eq!(kind, ErrorKind::Busy, "{message}");
+                        if h == hogs.len() - 1 {
+                            refusal = Some(message);
+                            break 'outer;
+                        }
+                    }
+                }
+            }
+        }
+        let message = refusal.expect("eight claimed ids staged the whole arena");
+        assert!(message.contains("quota"), "{message}");
+        assert!(
+            held <= 24,
+            "one client holds {held} of 32 pages under eight claimed ids"
+        );
+        // Clients on other hosts are still served.
+        for i in 0..3 {
+            let honest = peer_from(&p.addr, &format!("honest-{i}"), "127.0.0.2", Some(&secret));
+            assert_eq!(get(&honest, mine).await.unwrap(), chunk(32, 77));
+        }
+    });
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn a_claimed_peer_id_cannot_release_or_pull_that_peers_lease() {
+    let p = serve(&["--blocks", "256", "--arena", "4MiB", "--page-size", "64KiB"], false);
+    let rt = runtime();
+    let a = peer(&p.addr, "peer-a");
+    let key = ChunkKey::from_name("a's chunk");
+    let data = chunk(16, 5);
+    rt.block_on(async {
+        put(&a, key, &data).await.unwrap();
+        let s = stage(&a, vec![key], 0).await.unwrap();
+        // Another process claiming the same peer id (another incarnation).
+        let impostor = peer(&p.addr, "peer-a");
+        let (kind, message) = refused(done(&impostor, s.lease_id).await);
+        assert_eq!(kind, ErrorKind::UnknownLease, "Done under a claimed id: {message}");
+        let pull_msg = Message::Pull {
+            lease_id: s.lease_id,
+            incarnation: s.incarnation,
+        };
+        let (kind, message) = refused(request(&impostor, &pull_msg).await);
+        assert_eq!(kind, ErrorKind::UnknownLease, "Pull under a claimed id: {message}");
+        // The owner still pulls and releases it.
+        assert_eq!(pull(&a, &s).await.unwrap(), vec![data.clone()]);
+        assert!(matches!(done(&a, s.lease_id).await.unwrap(), Message::DoneAck));
+    });
+}
+
+#[test]
+fn stalled_puts_and_trickles_hold_nothing_for_long() {
+    use kvferry::wire::{write_bulk, write_control, HEADER_LEN};
+    // 64 pages of 64 KiB; each stalled put claims 1 MiB (16 pages).
+    let p = serve(&["--blocks", "2048", "--arena", "4MiB", "--page-size", "64KiB"], true);
+    let metrics = p.metrics.unwrap();
+    let total = metric(metrics, FREE_PAGES);
+    assert_eq!(total, 64.0);
+    let rt = runtime();
+    let mine = ChunkKey::from_name("mine");
+    rt.block_on(async {
+        put(&peer(&p.addr, "loader"), mine, &chunk(32, 9)).await.unwrap();
+        // Ten connections: Put{1 MiB}, the bulk header, then a byte every 500 ms.
+        let len = 1 << 20;
+        let mut frame = Vec::new();
+        write_bulk(&mut frame, 1, &[&vec![0u8; len]]).await.unwrap();
+        let frame = Arc::new(frame);
+        let mut stalls = Vec::new();
+        for i in 0..10 {
+            let (addr, frame) = (p.addr.clone(), frame.clone());
+            stalls.push(tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                let mut s = raw_session(&addr, &format!("staller-{i}")).await;
+                let put = Message::Put {
+                    key: ChunkKey::from_name(&format!("stalled-{i}")),
+                    len: len as u64,
+                };
+                write_control(&mut s, 1, &put).await.unwrap();
+                s.write_all(&frame[..HEADER_LEN]).await.unwrap();
+                trickle(&mut s, &frame[HEADER_LEN..HEADER_LEN + 60], Duration::from_millis(500)).await
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Meanwhile clients elsewhere are served.
+        for i in 0..3 {
+            let honest = peer_from(&p.addr, &format!("honest-{i}"), "127.0.0.2", None);
+            assert_eq!(get(&honest, mine).await.unwrap(), chunk(32, 9), "honest get {i}");
+        }
+        // Every stalled put is closed soon after the grace (5 s), and its pages come back.
+        for s in stalls {
+            let closed = s.await.unwrap().expect("a stalled put was never closed");
+            assert!(closed < Duration::from_secs(10), "closed after {closed:?}");
+        }
+        let t = Instant::now();
+        while metric(metrics, FREE_PAGES) < total {
+            assert!(t.elapsed() < Duration::from_secs(5), "pages still held by closed puts");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // A control frame trickled at 2 B/s after the handshake is closed too (after the
+        // grace: the progress timeout alone never trips).
+        let mut s = raw_session(&p.addr, "trickler").await;
+        let mut ping = Vec::new();
+        write_control(&mut ping, 9, &Message::Ping).await.unwrap();
+        let mut slow = ping.clone();
+        slow.resize(4096, 0); // more than the header: never completes at this pace
+        let closed = trickle(&mut s, &slow, Duration::from_millis(500)).await;
+        let closed = closed.expect("a 2 B/s trickle was never closed");
+        assert!(closed < Duration::from_secs(10), "closed after {closed:?}");
+    });
+}
+
+/// The status code of `GET path` on the metrics endpoint.
+fn http_status(addr: SocketAddr, path: &str) -> u16 {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: kvferry\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    raw.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {raw:?}"))
+}
+
+#[test]
+fn idle_connections_do_not_fail_liveness_probes() {
+    let p = serve(&["--blocks", "64"], true);
+    let metrics = p.metrics.unwrap();
+    // Far more idle connections than the endpoint serves at once.
+    let idle: Vec<TcpStream> = (0..100).map(|_| TcpStream::connect(metrics).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..3 {
+        assert_eq!(http_status(metrics, "/healthz"), 200, "liveness");
+        assert_eq!(http_status(metrics, "/readyz"), 200, "readiness");
+        assert_eq!(http_status(metrics, "/metrics"), 200, "a scrape");
+    }
+    drop(idle);
 }

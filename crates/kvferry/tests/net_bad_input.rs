@@ -897,13 +897,14 @@ async fn connections_over_the_cap_are_refused_with_busy() {
 const SECRET: &[u8] = b"s3cret-s3cret-s3cret-s3cret-s3cret";
 
 /// The transcript of a raw handshake (client "raw-client", incarnation 0x5eed, as in
-/// [`hello`]) with the producer node.
+/// [`hello`]) with the producer node, as its first `Challenge` told it: with a secret,
+/// no server id (the server names itself only after the client's proof).
 fn transcript<'a>(ours: &'a [u8; 32], theirs: &'a [u8; 32], server_incarnation: u64) -> Transcript<'a> {
     Transcript {
         client_id: "raw-client",
         client_incarnation: 0x5eed,
         client_nonce: ours,
-        server_id: "producer",
+        server_id: "",
         server_incarnation,
         server_nonce: theirs,
     }
@@ -980,6 +981,28 @@ async fn wrong_and_missing_secrets_are_refused_by_the_handshake() {
         },
     )
     .await;
+    assert_eq!(inc, 0, "no incarnation told before the client's proof");
+    // Now the server names itself, then proves the secret over its real identity.
+    let real_inc = match recv(&mut s).await {
+        (
+            2,
+            Message::Challenge {
+                peer_id,
+                incarnation,
+                nonce,
+                proof: None,
+            },
+        ) => {
+            assert_eq!((peer_id.as_str(), nonce), ("producer", theirs));
+            incarnation
+        }
+        other => panic!("expected the server's identity, got {other:?}"),
+    };
+    let t = Transcript {
+        server_id: "producer",
+        server_incarnation: real_inc,
+        ..t
+    };
     match recv(&mut s).await {
         (2, Message::WelcomeAuth { proof }) => {
             assert!(keys.verify(Role::Server, &t, &proof), "the server's proof verifies");

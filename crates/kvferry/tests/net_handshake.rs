@@ -154,32 +154,62 @@ fn hello(peer_id: &str, wants_auth: bool, nonce: [u8; 32]) -> Message {
 async fn raw_handshake(mut s: TcpStream, secret: Option<&[u8]>) -> TcpStream {
     let ours = auth::nonce();
     send(&mut s, 1, &hello("raw-client", secret.is_some(), ours)).await;
-    let (theirs, inc) = match recv(&mut s).await {
+    let (theirs, told_id, told_inc) = match recv(&mut s).await {
         (
             1,
             Message::Challenge {
                 nonce,
                 incarnation,
                 proof,
-                ..
+                peer_id,
             },
         ) => {
             assert_eq!(proof, None, "the server proves nothing first");
-            (nonce, incarnation)
+            (nonce, peer_id, incarnation)
         }
         other => panic!("expected Challenge, got {other:?}"),
     };
-    let t = Transcript {
+    // With a secret the server names itself only after our proof.
+    if secret.is_some() {
+        assert_eq!((told_id.as_str(), told_inc), ("", 0), "identity told to a stranger");
+    } else {
+        assert_eq!(told_id, "server");
+    }
+    let t0 = Transcript {
         client_id: "raw-client",
         client_incarnation: 0x5eed,
         client_nonce: &ours,
-        server_id: "server",
-        server_incarnation: inc,
+        server_id: &told_id,
+        server_incarnation: told_inc,
         server_nonce: &theirs,
     };
     let keys = secret.map(Keys::derive);
-    let proof = keys.as_ref().map(|k| k.proof(Role::Client, &t));
+    let proof = keys.as_ref().map(|k| k.proof(Role::Client, &t0));
     send(&mut s, 2, &Message::Auth { proof }).await;
+    let mut t = t0;
+    if keys.is_some() {
+        match recv(&mut s).await {
+            (
+                2,
+                Message::Challenge {
+                    peer_id,
+                    incarnation,
+                    nonce,
+                    proof: None,
+                },
+            ) => {
+                assert_eq!(peer_id, "server");
+                assert_eq!(nonce, theirs);
+                let id: &'static str = Box::leak(peer_id.into_boxed_str());
+                t = Transcript {
+                    server_id: id,
+                    server_incarnation: incarnation,
+                    ..t0
+                };
+            }
+            other => panic!("expected the server's identity, got {other:?}"),
+        }
+    }
     match (recv(&mut s).await, &keys) {
         ((2, Message::Welcome), None) => {}
         ((2, Message::WelcomeAuth { proof }), Some(k)) => assert!(k.verify(Role::Server, &t, &proof)),
@@ -327,20 +357,32 @@ async fn idle_strangers_cannot_keep_a_client_with_the_secret_out() {
         "strangers take no authenticated place: {st:?}"
     );
     ping(&early).await.unwrap();
-    // A new client with the secret is served: it takes the place of the oldest stranger
-    // once that one has idled for an eighth of the handshake timeout.
+    // More silent strangers than the silent budget (16 per place): the oldest are
+    // closed at once, never waited for.
+    for _ in 0..(8 * 16) {
+        strangers.push(connect(&node.addr).await);
+    }
+    let t = Instant::now();
+    while node.server.stats().evicted_silent < 8 {
+        assert!(
+            t.elapsed() < WAIT,
+            "the oldest strangers were not closed: {:?}",
+            node.server.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    expect_closed(&mut strangers[0]).await;
+    // A new client with the secret is served at once: it spoke first.
     let started = Instant::now();
     let late = Pool::new(node.addr.clone(), client.clone()).unwrap();
     ping(&late).await.unwrap();
     assert!(
-        started.elapsed() < Duration::from_secs(4),
+        started.elapsed() < Duration::from_secs(2),
         "served after {:?}",
         started.elapsed()
     );
     let st = node.server.stats();
-    assert!(st.evicted >= 1, "{st:?}");
     assert_eq!(st.authenticated, 2, "{st:?}");
-    expect_closed(&mut strangers[0]).await;
     // Authenticated peers are capped by `max_connections`, strangers or not.
     let third = Pool::new(node.addr.clone(), client).unwrap();
     match ping(&third).await {
@@ -499,26 +541,25 @@ async fn failed_authentications_are_counted_logged_and_rate_limited() {
     expect_error(&mut s, ErrorKind::AuthFailed, "wrong shared secret").await;
     eventually("three failures", || node.server.stats().auth_failures == 3).await;
     eventually("the block is logged", || {
-        !logged(|l| l.contains("refusing handshakes from 127.0.0.1")).is_empty()
+        !logged(|l| l.contains("deprioritising handshakes from 127.0.0.1")).is_empty()
     })
     .await;
-    // Now even the right secret from this address is refused at once.
-    let blocked_at = Instant::now();
+    // The address is suspect now, but a peer there that proves the secret (a NAT
+    // neighbour of the guesser) is still served, and its success lifts the block.
     let started = Instant::now();
-    let e = ping(&Pool::new(node.addr.clone(), config("rl-client", Some(SECRET))).unwrap())
+    ping(&Pool::new(node.addr.clone(), config("rl-client", Some(SECRET))).unwrap())
         .await
-        .unwrap_err();
+        .unwrap();
     assert!(
-        matches!(&e, NetError::Auth(m) if m.contains("too many failed authentications from 127.0.0.1")),
-        "{e}"
+        started.elapsed() < Duration::from_secs(2),
+        "served after {:?}",
+        started.elapsed()
     );
-    assert!(started.elapsed() < Duration::from_millis(500), "refused fast");
     assert_eq!(node.server.stats().rate_limited, 1);
     // Another source address is not affected.
     let s = raw_handshake(connect_from("127.0.0.2", &node.addr).await, Some(SECRET)).await;
     drop(s);
-    // The block ends with the window.
-    tokio::time::sleep(Duration::from_secs(2).saturating_sub(blocked_at.elapsed()) + Duration::from_millis(200)).await;
+    // The block was lifted: this address is no longer suspect.
     ping(&Pool::new(node.addr.clone(), config("rl-client", Some(SECRET))).unwrap())
         .await
         .unwrap();

@@ -16,14 +16,19 @@
 //!
 //! # Budget
 //!
-//! At most `max_connections` connections are served at once (16 by default), apart
-//! from the data port's connections and limits. One more is answered `503` from a
-//! static buffer without waiting for its request and closed at once (a client whose
-//! request arrives after that may see a reset instead), so holding the budget costs an
-//! attacker a connection per slot and never delays the data port. Each served
-//! connection carries one request (`Connection: close`) with a head of at most 8 KiB,
-//! which must arrive within `header_timeout`; the whole exchange must end within
-//! `header_timeout + write_timeout`, or the connection is closed.
+//! Liveness never shares a budget with scrapes. At most `max_connections` `/metrics`
+//! requests are answered at once (16 by default; more get `503`), while `/healthz` and
+//! `/readyz` take no such place. Connections are kept open at most
+//! [`CONNECTIONS_PER_PLACE`] × `max_connections` at once: when that many are open, a
+//! new one closes at once the oldest whose request has not arrived (an idle
+//! connection cannot hold a place that a probe needs: a probe's request arrives
+//! within a round trip of its connect), and only when every open one is being
+//! answered is the newcomer answered `503` from a static buffer without waiting for
+//! its request. All of this is apart from the data port's connections and limits, and
+//! never delays it. Each connection carries one request (`Connection: close`) with a
+//! head of at most 8 KiB, which must arrive within `header_timeout`; the whole
+//! exchange must end within `header_timeout + write_timeout`, or the connection is
+//! closed.
 //!
 //! # Cancellation
 //!
@@ -59,7 +64,8 @@ pub struct HttpConfig {
     pub header_timeout: Duration,
     /// Bound on writing the response once the head arrived.
     pub write_timeout: Duration,
-    /// Connections served at once; more are answered `503` and closed at once.
+    /// `/metrics` requests answered at once (more are answered `503`); connections are
+    /// kept open up to [`CONNECTIONS_PER_PLACE`] times this.
     pub max_connections: usize,
     /// When set, `/metrics` requires `Authorization: Bearer <token>`.
     pub bearer_token: Option<String>,
@@ -171,12 +177,20 @@ pub struct MetricsServer {
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
+/// Open connections kept per `/metrics` place.
+pub const CONNECTIONS_PER_PLACE: usize = 4;
+
 /// What a connection task needs.
 struct Shared {
     registry: Arc<Registry>,
     cfg: HttpConfig,
     token_digest: Option<[u8; 32]>,
     ready: Readiness,
+    /// `/metrics` answers at once.
+    scrapes: Semaphore,
+    /// Open connections whose request has not arrived, by accept order (closing one is
+    /// cancelling its token).
+    unread: parking_lot::Mutex<std::collections::BTreeMap<u64, CancellationToken>>,
 }
 
 impl MetricsServer {
@@ -202,6 +216,8 @@ impl MetricsServer {
         let stop = CancellationToken::new();
         let ready = Readiness(Arc::new(AtomicBool::new(true)));
         let shared = Arc::new(Shared {
+            scrapes: Semaphore::new(cfg.max_connections),
+            unread: parking_lot::Mutex::new(std::collections::BTreeMap::new()),
             token_digest: cfg.bearer_token.as_deref().map(digest),
             registry,
             cfg,
@@ -255,23 +271,34 @@ const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/pla
 Content-Length: 35\r\nRetry-After: 1\r\nConnection: close\r\n\r\nmetrics endpoint busy; retry later\n";
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: CancellationToken) {
-    let budget = Arc::new(Semaphore::new(shared.cfg.max_connections));
+    let cap = shared.cfg.max_connections.saturating_mul(CONNECTIONS_PER_PLACE);
     // Dropping the set (on abort) aborts every connection task.
     let mut conns = JoinSet::new();
+    let mut seq = 0u64;
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => match budget.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        let shared = shared.clone();
-                        conns.spawn(async move {
-                            serve_connection(stream, peer, shared).await;
-                            drop(permit);
-                        });
-                    }
-                    Err(_) => {
+                Ok((stream, peer)) => {
+                    // Make room by closing the oldest connection still waiting for its
+                    // request; if every open one is being answered, refuse this one.
+                    let room = {
+                        let mut unread = shared.unread.lock();
+                        let open = conns.len();
+                        if open >= cap {
+                            match unread.pop_first() {
+                                Some((_, oldest)) => {
+                                    oldest.cancel();
+                                    true
+                                }
+                                None => false,
+                            }
+                        } else {
+                            true
+                        }
+                    };
+                    if !room {
                         // Whatever of the request already arrived is discarded (so the
                         // close is less likely to reset the answer away), then a fresh
                         // socket's send buffer takes the whole answer; a peer that
@@ -280,8 +307,20 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Cancellat
                         let _ = stream.try_read(&mut discard);
                         let _ = stream.try_write(BUSY);
                         tracing::debug!(target: "kvferry::metrics", %peer, "metrics connection over budget: 503");
+                        continue;
                     }
-                },
+                    seq += 1;
+                    let (id, token) = (seq, CancellationToken::new());
+                    shared.unread.lock().insert(id, token.clone());
+                    let shared = shared.clone();
+                    conns.spawn(async move {
+                        tokio::select! {
+                            _ = token.cancelled() => {}
+                            _ = serve_connection(stream, peer, id, shared.clone()) => {}
+                        }
+                        shared.unread.lock().remove(&id);
+                    });
+                }
                 Err(e) => {
                     // Out of descriptors and the like: back off instead of spinning.
                     tracing::warn!(target: "kvferry::metrics", "accept failed: {e}");
@@ -296,12 +335,21 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, stop: Cancellat
     conns.shutdown().await;
 }
 
-async fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+async fn serve_connection(stream: TcpStream, peer: SocketAddr, id: u64, shared: Arc<Shared>) {
     let _ = stream.set_nodelay(true);
     let bound = shared.cfg.header_timeout + shared.cfg.write_timeout;
     let service_shared = shared.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        let response = route(&req, &service_shared);
+        // Its request arrived: no longer closed to make room.
+        service_shared.unread.lock().remove(&id);
+        let response = if req.uri().path() == "/metrics" {
+            match service_shared.scrapes.try_acquire() {
+                Ok(_permit) => route(&req, &service_shared),
+                Err(_) => busy(),
+            }
+        } else {
+            route(&req, &service_shared)
+        };
         async move { Ok::<_, Infallible>(response) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
@@ -315,6 +363,14 @@ async fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: Arc<Share
         Ok(Err(e)) => tracing::debug!(target: "kvferry::metrics", %peer, "metrics connection: {e}"),
         Err(_) => tracing::debug!(target: "kvferry::metrics", %peer, "metrics connection timed out"),
     }
+}
+
+/// `503` for a scrape over the budget.
+fn busy() -> Response<Full<Bytes>> {
+    let mut r = plain(StatusCode::SERVICE_UNAVAILABLE, "metrics endpoint busy; retry later\n");
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
 }
 
 fn digest(token: &str) -> [u8; 32] {

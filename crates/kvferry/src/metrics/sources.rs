@@ -121,13 +121,18 @@ pub fn server_metrics(out: &mut Samples, s: &ServerStats) {
         ),
         (
             "kvferry_connections_rate_limited_total",
-            "Connections refused at once: their source address failed authentication too often.",
+            "Connections accepted as suspect (closed first when handshake places run out): their source address failed authentication too often.",
             s.rate_limited,
         ),
         (
             "kvferry_connections_evicted_total",
             "Handshaking connections closed to make room for a new one.",
             s.evicted,
+        ),
+        (
+            "kvferry_connections_evicted_silent_total",
+            "Connections that had sent nothing yet, closed to make room for a new one.",
+            s.evicted_silent,
         ),
         (
             "kvferry_handshake_failures_total",
@@ -227,6 +232,12 @@ pub fn producer_metrics(out: &mut Samples, s: &ProducerStats) {
         "Staged leases waiting for a pull or Done.",
         &[ROLE],
         s.staged_now as u64,
+    );
+    out.gauge(
+        "kvferry_quota_pages_charged",
+        "Staging pages charged to peers' quotas (staged leases, sends, puts being received).",
+        &[ROLE],
+        s.quota_pages_charged as u64,
     );
     for (name, help, v) in [
         ("kvferry_leases_staged_total", "Leases staged.", s.staged),

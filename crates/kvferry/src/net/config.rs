@@ -17,6 +17,9 @@ pub struct NetConfig {
     /// keys derived from it). At least [`MIN_SECRET_BYTES`] bytes, e.g. the output of
     /// `head -c 32 /dev/urandom | base64`.
     pub secret: Option<Vec<u8>>,
+    /// The local address a client connects from (`None`: the system's choice), e.g.
+    /// another loopback address to stand for another host.
+    pub local_addr: Option<std::net::IpAddr>,
     /// Bound on TCP connect.
     pub connect_timeout: Duration,
     /// Bound on the whole handshake (on a server: how long an unauthenticated connection
@@ -31,6 +34,14 @@ pub struct NetConfig {
     /// third of it at a time), so on a slow link keep this above
     /// `send buffer / 3 / throughput`.
     pub io_timeout: Duration,
+    /// On a server: the rate, in bytes per second, below which a frame being read or
+    /// written fails once it has taken longer than `min_rate_grace` (cumulative: the
+    /// bytes moved must keep up with `min_rate` × the time past the grace). A client
+    /// trickling a byte now and then resets the progress timeout every time; this
+    /// ends its frame (and frees what it holds) after the grace. 0 turns it off.
+    pub min_rate: u64,
+    /// The grace of `min_rate`.
+    pub min_rate_grace: Duration,
     /// How long an idle accepted connection may wait for its next request.
     pub idle_timeout: Duration,
     /// TCP keepalive interval.
@@ -41,18 +52,20 @@ pub struct NetConfig {
     /// completes its handshake beyond this is refused with `Busy`. Connections still
     /// handshaking do not count here (see `max_unauthenticated`).
     pub max_connections: usize,
-    /// Connections a server keeps handshaking (not yet authenticated) at once. When a
-    /// new connection arrives with this many handshaking, the oldest of them is closed
-    /// as soon as it has been handshaking for an eighth of `handshake_timeout` (until
-    /// then the newcomer waits in the listen backlog): idle strangers cannot keep peers
-    /// with the secret out, and a burst of honest peers, each done in a round trip or
-    /// two, waits its turn instead of closing each other.
+    /// Connections a server keeps handshaking (not yet authenticated, having sent their
+    /// first byte) at once; connections that have sent nothing yet have a budget of
+    /// `SILENT_PER_PLACE` times this, the oldest closed at once when it is full. See
+    /// [`server`](super::server) for who is closed to make room: idle strangers cannot
+    /// keep peers with the secret out, sources that proved the secret before keep their
+    /// share, and a burst of honest peers, each done in a round trip or two, waits its
+    /// turn instead of closing each other.
     pub max_unauthenticated: usize,
     /// Failed authentications from one source address (IPv6: one /64) within
-    /// `auth_failure_window` after which the server refuses that address's handshakes
-    /// at once, for `auth_failure_window`.
+    /// `auth_failure_window` after which the server treats that address's connections
+    /// as suspect for `auth_failure_window`: the first closed when handshake places run
+    /// out, but still served when they prove the secret (which lifts the block).
     pub auth_failure_limit: u32,
-    /// The window of `auth_failure_limit`, and how long an address stays refused.
+    /// The window of `auth_failure_limit`, and how long an address stays suspect.
     pub auth_failure_window: Duration,
     /// Frame and message limits.
     pub limits: Limits,
@@ -68,10 +81,13 @@ impl NetConfig {
             peer_id: peer_id.into(),
             incarnation: rand::random::<u64>() | 1,
             secret: None,
+            local_addr: None,
             connect_timeout: Duration::from_secs(3),
             handshake_timeout: Duration::from_secs(3),
             io_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(300),
+            min_rate: 64 << 10,
+            min_rate_grace: Duration::from_secs(5),
             keepalive: Duration::from_secs(10),
             connections_per_peer: 4,
             max_connections: 4096,
@@ -102,6 +118,7 @@ impl NetConfig {
             ("idle timeout", self.idle_timeout),
             ("keepalive", self.keepalive),
             ("auth failure window", self.auth_failure_window),
+            ("min rate grace", self.min_rate_grace),
         ] {
             if d.is_zero() {
                 return bad(format!("{name} must be greater than zero"));
@@ -145,6 +162,16 @@ impl NetConfig {
     }
 }
 
+impl NetConfig {
+    /// The minimum rate a server enforces on its connections' frames.
+    pub(crate) fn min_rate(&self) -> Option<super::progress::MinRate> {
+        (self.min_rate > 0).then_some(super::progress::MinRate {
+            bytes_per_sec: self.min_rate,
+            grace: self.min_rate_grace,
+        })
+    }
+}
+
 /// Largest accepted [`Limits::max_handshake_bytes`].
 const MAX_HANDSHAKE_BYTES: u64 = 64 << 10;
 
@@ -154,10 +181,13 @@ impl std::fmt::Debug for NetConfig {
             .field("peer_id", &self.peer_id)
             .field("incarnation", &self.incarnation)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("local_addr", &self.local_addr)
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("io_timeout", &self.io_timeout)
             .field("idle_timeout", &self.idle_timeout)
+            .field("min_rate", &self.min_rate)
+            .field("min_rate_grace", &self.min_rate_grace)
             .field("keepalive", &self.keepalive)
             .field("connections_per_peer", &self.connections_per_peer)
             .field("max_connections", &self.max_connections)

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::progress::{self, Progress};
+use super::progress::{self, MinRate, Progress};
 use super::stream::Stream;
 use super::{NetError, PeerInfo};
 use crate::wire::{self, FrameHeader, FrameKind, Limits, Message, WireError};
@@ -30,6 +30,8 @@ pub struct Connection {
     peer: PeerInfo,
     limits: Limits,
     io_timeout: Duration,
+    /// The minimum rate of each frame (a server's connections; `None`: off).
+    min_rate: Option<MinRate>,
     next_request: u64,
 }
 
@@ -55,6 +57,7 @@ impl Connection {
             peer,
             limits,
             io_timeout,
+            min_rate: None,
             next_request: 1,
         }
     }
@@ -65,6 +68,10 @@ impl Connection {
 
     pub(crate) fn set_io_timeout(&mut self, d: Duration) {
         self.io_timeout = d;
+    }
+
+    pub(crate) fn set_min_rate(&mut self, rate: Option<MinRate>) {
+        self.min_rate = rate;
     }
 
     pub(crate) fn set_limits(&mut self, limits: Limits) {
@@ -85,10 +92,12 @@ impl Connection {
     /// Reads a bulk body: vectored straight into `dst` on plain TCP (zero copy), through
     /// the generic reader (with the same progress timeout) over TLS.
     async fn read_bulk_body(&mut self, header: &FrameHeader, dst: &mut [&mut [u8]]) -> Result<(), WireError> {
-        let d = self.io_timeout;
+        let (d, rate) = (self.io_timeout, self.min_rate);
         match &mut self.stream {
-            Stream::Plain(tcp) => wire::read_bulk_body_tcp(tcp, header, dst, d).await,
-            tls => wire::read_bulk_body(&mut Progress::new(tls, d), header, dst).await,
+            Stream::Plain(tcp) if rate.is_none() => wire::read_bulk_body_tcp(tcp, header, dst, d).await,
+            // With a minimum rate (a server's connections), through the generic reader,
+            // which enforces it (still straight into `dst`).
+            s => wire::read_bulk_body(&mut Progress::new(s, d).with_min_rate(rate), header, dst).await,
         }
     }
 
@@ -134,14 +143,24 @@ impl Connection {
     /// Sends a control message.
     pub async fn send(&mut self, request_id: u64, msg: &Message) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = wire::write_control(&mut Progress::new(&mut self.stream, d), request_id, msg).await;
+        let r = wire::write_control(
+            &mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate),
+            request_id,
+            msg,
+        )
+        .await;
         r.map_err(|e| self.lost(stalled_is_timeout("send control frame", d, e)))
     }
 
     /// Sends one bulk frame made of `parts`.
     pub async fn send_bulk(&mut self, request_id: u64, parts: &[&[u8]]) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = wire::write_bulk(&mut Progress::new(&mut self.stream, d), request_id, parts).await;
+        let r = wire::write_bulk(
+            &mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate),
+            request_id,
+            parts,
+        )
+        .await;
         r.map_err(|e| self.lost(stalled_is_timeout("send bulk frame", d, e)))
     }
 
@@ -153,7 +172,7 @@ impl Connection {
         checksum: u32,
     ) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let mut stream = Progress::new(&mut self.stream, d);
+        let mut stream = Progress::new(&mut self.stream, d).with_min_rate(self.min_rate);
         let r = wire::write_bulk_with_checksum(&mut stream, request_id, parts, checksum).await;
         r.map_err(|e| self.lost(stalled_is_timeout("send bulk frame", d, e)))
     }
@@ -176,7 +195,7 @@ impl Connection {
             return Err(self.lost(NetError::Wire(WireError::Closed)));
         }
         let d = self.io_timeout;
-        let mut chained = (&first[..]).chain(Progress::new(&mut self.stream, d));
+        let mut chained = (&first[..]).chain(Progress::new(&mut self.stream, d).with_min_rate(self.min_rate));
         let r = wire::read_frame_header(&mut chained, &self.limits).await;
         r.map_err(|e| match e {
             WireError::Closed => self.lost(NetError::Wire(WireError::Truncated)),
@@ -187,7 +206,7 @@ impl Connection {
     /// Reads a control message body for `header`, validated against the limits.
     pub async fn read_control_body(&mut self, header: &FrameHeader) -> Result<Message, NetError> {
         let d = self.io_timeout;
-        let mut stream = Progress::new(&mut self.stream, d);
+        let mut stream = Progress::new(&mut self.stream, d).with_min_rate(self.min_rate);
         let r = wire::read_control_body::<_, Message>(&mut stream, header, &self.limits).await;
         let msg = r.map_err(|e| self.lost(stalled_is_timeout("read control frame", d, e)))?;
         msg.validate(&self.limits)?;
@@ -278,7 +297,11 @@ impl Connection {
     /// Discards the body of a frame (to stay in sync after refusing it).
     pub async fn skip(&mut self, header: &FrameHeader) -> Result<(), NetError> {
         let d = self.io_timeout;
-        let r = wire::skip_body(&mut Progress::new(&mut self.stream, d), header).await;
+        let r = wire::skip_body(
+            &mut Progress::new(&mut self.stream, d).with_min_rate(self.min_rate),
+            header,
+        )
+        .await;
         r.map_err(|e| self.lost(stalled_is_timeout("skip frame", d, e)))
     }
 

@@ -6,26 +6,34 @@
 //! ```text
 //! client                                   server
 //!   Hello { id_c, inc_c, nonce N_c, wants_auth }  →
-//!                                         ←  Challenge { id_s, inc_s, nonce N_s }
+//!                                         ←  Challenge { "", 0, nonce N_s }      (secret)
+//!                                            Challenge { id_s, inc_s, nonce N_s } (no secret)
 //!   Auth { proof_c }                      →      (server checks proof_c)
-//!                                         ←  WelcomeAuth { proof_s }   (secret)
-//!                                            Welcome                   (no secret)
+//!                                         ←  Challenge { id_s, inc_s, N_s }      (secret:
+//!                                            WelcomeAuth { proof_s }             identity, then proof)
+//!                                            Welcome                             (no secret)
 //!                                            Error { AuthFailed | AuthRequired | Busy }
 //! ```
 //!
-//! `proof_c = HMAC(K_client, T)` and `proof_s = HMAC(K_server, T)`, where the keys are
-//! derived from the secret with HKDF-SHA256 (one label per role) and the transcript `T`
-//! binds both ids, both incarnations and both nonces (see [`crate::wire::auth`]).
+//! `proof_c = HMAC(K_client, T0)` and `proof_s = HMAC(K_server, T1)`, where the keys are
+//! derived from the secret with HKDF-SHA256 (one label per role) and the transcripts
+//! bind both ids, both incarnations and both nonces (see [`crate::wire::auth`]): `T1`
+//! with the server's real id and incarnation, `T0` with what the first `Challenge`
+//! said (with a secret: an empty id and incarnation 0, since the server tells its
+//! identity only to a client that proved the secret).
 //!
 //! # What a connection reveals
 //!
 //! - **Every proof covers both nonces**, so neither side ever proves anything over
 //!   values the other side chose alone, and no proof is valid in another handshake.
 //!   Distinct keys per role make a reflected proof fail.
-//! - **The client proves first; the server proves only to a client that proved.** A
-//!   stranger who connects to a server gets a `Challenge` (a random nonce and public
-//!   identities) and then an `Error`: nothing computed from the secret, so nothing it
-//!   could test guesses against offline. To obtain the server's proof it must first
+//! - **The client proves first; the server proves (and names itself) only to a client
+//!   that proved.** A stranger who connects to a server with a secret gets a
+//!   `Challenge` (a random nonce, no peer id, no incarnation) and then an `Error`:
+//!   nothing computed from the secret, so nothing it could test guesses against
+//!   offline, and not the server's peer id (which names its pid by default) or
+//!   incarnation. A server without a secret tells its identity in the first
+//!   `Challenge` (anyone may complete that handshake anyway). To obtain the server's proof it must first
 //!   contribute a valid proof of its own, i.e. already hold the secret.
 //! - The client's proof goes to whatever listens at the address it was configured to
 //!   dial; that party could test guesses against it offline. This is why secrets
@@ -114,9 +122,38 @@ fn tune(stream: &TcpStream, cfg: &NetConfig) {
     let _ = sock.set_recv_buffer_size(4 << 20);
 }
 
+/// TCP connect to `addr`, from `local` when given.
+async fn dial(addr: &str, local: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
+    let Some(local) = local else {
+        return TcpStream::connect(addr).await;
+    };
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        if a.is_ipv4() != local.is_ipv4() {
+            continue;
+        }
+        let sock = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        sock.bind(SocketAddr::new(local, 0))?;
+        match sock.connect(a).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{addr}: no address of the family of {local}"),
+        )
+    }))
+}
+
 /// Connects to `addr` and runs the client side of the handshake.
 pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, NetError> {
-    let stream = match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
+    let stream = match tokio::time::timeout(cfg.connect_timeout, dial(addr, cfg.local_addr)).await {
         Err(_) => {
             return Err(NetError::Connect {
                 addr: addr.into(),
@@ -185,8 +222,8 @@ async fn client_side(mut conn: Connection, addr: &str, cfg: &NetConfig) -> Resul
     };
     let reply = conn.request(&hello).await.map_err(|e| refused_by(addr, e))?;
     let Message::Challenge {
-        peer_id,
-        incarnation,
+        peer_id: first_id,
+        incarnation: first_incarnation,
         nonce: theirs,
         proof,
     } = reply
@@ -198,24 +235,48 @@ async fn client_side(mut conn: Connection, addr: &str, cfg: &NetConfig) -> Resul
     };
     if proof.is_some() {
         return Err(NetError::Auth(format!(
-            "server {peer_id} at {addr} speaks the handshake of an older kvferry (it proves first); \
+            "server {first_id} at {addr} speaks the handshake of an older kvferry (it proves first); \
              upgrade it"
         )));
     }
     let keys = cfg.secret.as_deref().map(Keys::derive);
-    let t = Transcript {
+    let t0 = Transcript {
         client_id: &cfg.peer_id,
         client_incarnation: cfg.incarnation,
         client_nonce: &ours,
-        server_id: &peer_id,
-        server_incarnation: incarnation,
+        server_id: &first_id,
+        server_incarnation: first_incarnation,
         server_nonce: &theirs,
     };
-    let my_proof = keys.as_ref().map(|k| k.proof(Role::Client, &t));
-    let reply = conn
+    let my_proof = keys.as_ref().map(|k| k.proof(Role::Client, &t0));
+    let name = if first_id.is_empty() { addr } else { &first_id };
+    let mut reply = conn
         .request(&Message::Auth { proof: my_proof })
         .await
-        .map_err(|e| refused_by(&peer_id, e))?;
+        .map_err(|e| refused_by(name, e))?;
+    // A server with a secret names itself only now that we proved it.
+    let (mut peer_id, mut incarnation) = (first_id.clone(), first_incarnation);
+    if let Message::Challenge {
+        peer_id: id,
+        incarnation: inc,
+        nonce,
+        proof: None,
+    } = &reply
+    {
+        if !peer_id.is_empty() || *nonce != theirs || id.is_empty() {
+            return Err(NetError::Protocol(format!(
+                "server at {addr} sent a second Challenge that does not complete the first"
+            )));
+        }
+        (peer_id, incarnation) = (id.clone(), *inc);
+        let (_, next) = conn.recv().await.map_err(|e| refused_by(&peer_id, e))?;
+        reply = next;
+    }
+    let t = Transcript {
+        server_id: &peer_id,
+        server_incarnation: incarnation,
+        ..t0
+    };
     match (&keys, reply) {
         (None, Message::Welcome) => {}
         (Some(k), Message::WelcomeAuth { proof }) => {
@@ -298,7 +359,10 @@ pub(crate) async fn accept<T>(
             peer.tls_identity = Some(id);
             conn.set_peer(peer);
         }
-        server_side(conn, cfg, keys, admit).await
+        let (mut conn, slot) = server_side(conn, cfg, keys, admit).await?;
+        // Hostile clients: a frame trickled below the minimum rate ends the connection.
+        conn.set_min_rate(cfg.min_rate());
+        Ok((conn, slot))
     };
     match tokio::time::timeout(cfg.handshake_timeout, handshake).await {
         Ok(r) => r,
@@ -400,9 +464,14 @@ async fn server_side<T>(
         return Err(NetError::Auth(format!("client {peer_id}: {why}")).into());
     }
     let ours = auth::nonce();
+    // With a secret, who we are is told only to a client that proved it.
+    let (told_id, told_incarnation) = match keys {
+        Some(_) => (String::new(), 0),
+        None => (cfg.peer_id.clone(), cfg.incarnation),
+    };
     let challenge = Message::Challenge {
-        peer_id: cfg.peer_id.clone(),
-        incarnation: cfg.incarnation,
+        peer_id: told_id.clone(),
+        incarnation: told_incarnation,
         nonce: ours,
         proof: None,
     };
@@ -416,12 +485,12 @@ async fn server_side<T>(
     let welcome = match keys {
         None => Message::Welcome,
         Some(k) => {
-            let t = Transcript {
+            let t0 = Transcript {
                 client_id: &peer_id,
                 client_incarnation: incarnation,
                 client_nonce: &theirs,
-                server_id: &cfg.peer_id,
-                server_incarnation: cfg.incarnation,
+                server_id: &told_id,
+                server_incarnation: told_incarnation,
                 server_nonce: &ours,
             };
             let refusal = match proof {
@@ -430,7 +499,7 @@ async fn server_side<T>(
                     "this server requires a shared secret and none was offered",
                     "no secret offered",
                 )),
-                Some(p) if !k.verify(Role::Client, &t, &p) => {
+                Some(p) if !k.verify(Role::Client, &t0, &p) => {
                     Some((ErrorKind::AuthFailed, "wrong shared secret", "wrong secret"))
                 }
                 Some(_) => None,
@@ -442,6 +511,11 @@ async fn server_side<T>(
                     claimed: peer_id,
                 });
             }
+            let t = Transcript {
+                server_id: &cfg.peer_id,
+                server_incarnation: cfg.incarnation,
+                ..t0
+            };
             Message::WelcomeAuth {
                 proof: k.proof(Role::Server, &t),
             }
@@ -454,6 +528,15 @@ async fn server_side<T>(
             return Err(Rejected::Full(message));
         }
     };
+    if keys.is_some() {
+        let identity = Message::Challenge {
+            peer_id: cfg.peer_id.clone(),
+            incarnation: cfg.incarnation,
+            nonce: ours,
+            proof: None,
+        };
+        conn.send(id, &identity).await?;
+    }
     conn.send(id, &welcome).await?;
     Ok((established(conn, peer_id, incarnation, cfg), slot))
 }

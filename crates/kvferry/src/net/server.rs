@@ -7,17 +7,31 @@
 //!
 //! Before authentication (see [`handshake`](super::handshake)):
 //!
-//! - a connection takes one of `max_unauthenticated` handshaking places, not one of the
-//!   `max_connections`; when all are taken, a new connection closes the *oldest*
-//!   handshaking one once that one is stale (an eighth of the handshake timeout; until
-//!   then the newcomer waits in the listen backlog), so idle strangers cannot keep out
-//!   peers that complete their handshake in a round trip;
+//! - the accept loop never waits: a new connection is *silent* until its first byte
+//!   arrives, and silent connections have a budget of their own
+//!   ([`SILENT_PER_PLACE`] × `max_unauthenticated`); when it is full, the oldest silent
+//!   connection is closed **at once**. A client that speaks first (every kvferry and
+//!   TLS client sends its hello right after connecting) leaves the silent set within a
+//!   round trip, so any number of silent strangers, reopened as fast as they are
+//!   closed, only close each other;
+//! - a connection that has spoken takes one of `max_unauthenticated` handshaking
+//!   places, not one of the `max_connections`. When all are taken, a newcomer closes at
+//!   once the oldest handshaking connection of a lower class (classes, lowest first:
+//!   sources refused for failed authentications, other sources, sources that proved
+//!   the secret within the last [`PROVEN_MEMORY`]), else the oldest of its own class
+//!   or below once that one is stale (an eighth of the handshake timeout; until then it
+//!   waits for a place, within its handshake timeout), so a burst of honest peers waits
+//!   its turn instead of closing each other, and peers that proved themselves before
+//!   get their fair share whatever strangers do;
 //! - its frames are limited to `Limits::max_handshake_bytes`, and the whole handshake
 //!   to the handshake timeout;
 //! - a failed authentication is counted (`auth_failures`), logged with the peer's
 //!   address, and charged to its source address: after `auth_failure_limit` failures
-//!   within `auth_failure_window`, connections from that address are refused at once
-//!   (`rate_limited`) for that window.
+//!   within `auth_failure_window`, connections from that address are *suspect* for that
+//!   window (`rate_limited`): they still handshake (a peer behind the same NAT that
+//!   proves the secret is served, and its success lifts the block), but they are the
+//!   first closed when places run out, and their failures are no longer logged one by
+//!   one.
 //!
 //! A client that proves itself while `max_connections` authenticated connections are
 //! open gets `Busy` in place of the welcome. An idle connection is closed quietly after
@@ -74,7 +88,7 @@ pub struct ServerStats {
     pub accepted: u64,
     /// Connections open now (handshaking or authenticated).
     pub active: usize,
-    /// Connections handshaking now (not yet authenticated).
+    /// Connections handshaking now (not yet authenticated), silent ones included.
     pub handshaking: usize,
     /// Authenticated connections open now (at most `max_connections`).
     pub authenticated: usize,
@@ -88,9 +102,12 @@ pub struct ServerStats {
     /// Handshaking connections closed to make room for a new one
     /// (`max_unauthenticated` were handshaking).
     pub evicted: u64,
-    /// Connections refused at once because their source address failed authentication
-    /// too often (`auth_failure_limit`).
+    /// Connections accepted as suspect (lowest priority for handshaking places)
+    /// because their source address failed authentication too often
+    /// (`auth_failure_limit`).
     pub rate_limited: u64,
+    /// Connections closed while silent (no byte yet) to make room for a new one.
+    pub evicted_silent: u64,
     /// Connections closed for a protocol or frame error.
     pub protocol_errors: u64,
     /// Requests handled.
@@ -107,6 +124,7 @@ struct Counters {
     auth_failures: AtomicU64,
     evicted: AtomicU64,
     rate_limited: AtomicU64,
+    evicted_silent: AtomicU64,
     protocol_errors: AtomicU64,
     requests: AtomicU64,
 }
@@ -117,13 +135,48 @@ struct Shared {
     /// Proof keys derived from the secret, once.
     keys: Option<Keys>,
     counters: Counters,
-    /// Connections handshaking, by accept order, with when they were accepted: closing
-    /// one is cancelling its token.
-    pending: Mutex<BTreeMap<u64, (Instant, CancellationToken)>>,
+    /// Connections that have sent nothing yet, by accept order: closing one is
+    /// cancelling its token.
+    silent: Mutex<BTreeMap<u64, CancellationToken>>,
+    /// Connections handshaking (they have spoken), by accept order.
+    pending: Mutex<BTreeMap<u64, Pending>>,
     /// Signalled when a connection leaves `pending`.
     left_pending: Notify,
     limiter: Mutex<AuthLimiter>,
+    /// Source addresses that completed a handshake recently, with when.
+    proven: Mutex<HashMap<IpAddr, Instant>>,
 }
+
+/// A handshaking connection.
+struct Pending {
+    /// When it took its place.
+    since: Instant,
+    /// Its class when it took its place (a stranger's source may prove itself since).
+    class: Class,
+    /// Its source address.
+    ip: IpAddr,
+    token: CancellationToken,
+}
+
+/// Priority of a handshaking connection for places, lowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Class {
+    /// Its source failed authentication too often.
+    Suspect,
+    /// A source not seen to prove itself recently.
+    Stranger,
+    /// A source that completed a handshake within [`PROVEN_MEMORY`].
+    Proven,
+}
+
+/// Silent connections kept per handshaking place (`max_unauthenticated`).
+pub const SILENT_PER_PLACE: usize = 16;
+
+/// How long a source address that completed a handshake keeps its priority.
+pub const PROVEN_MEMORY: Duration = Duration::from_secs(600);
+
+/// Source addresses remembered as proven at most.
+const MAX_PROVEN_SOURCES: usize = 4096;
 
 /// A running server. Dropping it stops it.
 pub struct Server {
@@ -162,8 +215,10 @@ impl Server {
             limiter: Mutex::new(AuthLimiter::new(cfg.auth_failure_limit, cfg.auth_failure_window)),
             cfg,
             counters: Counters::default(),
+            silent: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(BTreeMap::new()),
             left_pending: Notify::new(),
+            proven: Mutex::new(HashMap::new()),
         });
         let task = tokio::spawn(accept_loop(listener, shared.clone(), handler, stop.clone()));
         Ok(Server {
@@ -185,13 +240,14 @@ impl Server {
         ServerStats {
             accepted: c.accepted.load(Ordering::Relaxed),
             active: c.active.load(Ordering::Relaxed),
-            handshaking: self.shared.pending.lock().len(),
+            handshaking: self.shared.pending.lock().len() + self.shared.silent.lock().len(),
             authenticated: c.authenticated.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             auth_failures: c.auth_failures.load(Ordering::Relaxed),
             evicted: c.evicted.load(Ordering::Relaxed),
             rate_limited: c.rate_limited.load(Ordering::Relaxed),
+            evicted_silent: c.evicted_silent.load(Ordering::Relaxed),
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
         }
@@ -254,42 +310,24 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, handler: Arc<dy
             }
         };
         counters.accepted.fetch_add(1, Ordering::Relaxed);
-        let blocked = shared.limiter.lock().blocked(peer.ip(), Instant::now());
-        if let Some(left) = blocked {
+        let now = Instant::now();
+        let suspect = shared.limiter.lock().blocked(peer.ip(), now).is_some();
+        if suspect {
             counters.rate_limited.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(target: "kvferry::net", %peer, "refusing connection: too many failed authentications");
-            let message = format!(
-                "too many failed authentications from {}; retry in {}s",
-                peer.ip(),
-                left.as_secs().max(1)
-            );
-            refuse_now(&stream, ErrorKind::AuthFailed, message).await;
-            continue;
+            tracing::debug!(target: "kvferry::net", %peer, "suspect connection: too many failed authentications");
         }
-        // A place among the handshaking connections: free, or made by closing the
-        // oldest once it is stale; meanwhile new connections wait in the backlog.
+        // Silent until its first byte: the oldest silent one goes at once when full.
         let token = stop.child_token();
         seq += 1;
-        loop {
-            let wait = shared.admit_handshaking(seq, &token, Instant::now());
-            let Some(until) = wait else { break };
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = shared.left_pending.notified() => {}
-                _ = tokio::time::sleep_until(until.into()) => {}
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-            }
-        }
-        if stop.is_cancelled() {
-            break;
-        }
+        shared.admit_silent(seq, &token);
         counters.active.fetch_add(1, Ordering::Relaxed);
         let (shared, handler, id) = (shared.clone(), handler.clone(), seq);
         tasks.spawn(async move {
             tokio::select! {
                 _ = token.cancelled() => {}
-                _ = serve_connection(stream, peer, id, &shared, &*handler) => {}
+                _ = serve_connection(stream, peer, id, suspect, &shared, &*handler) => {}
             }
+            shared.leave_silent(id);
             shared.leave_pending(id);
             shared.counters.active.fetch_sub(1, Ordering::Relaxed);
         });
@@ -305,29 +343,140 @@ fn stale_after(cfg: &NetConfig) -> Duration {
 }
 
 impl Shared {
-    /// Enters connection `id` among the handshaking ones if there is room, closing the
-    /// oldest if it is stale; otherwise returns when to try again (at the latest).
-    fn admit_handshaking(&self, id: u64, token: &CancellationToken, now: Instant) -> Option<Instant> {
+    /// Enters connection `id` among the silent ones, closing the oldest if full.
+    fn admit_silent(&self, id: u64, token: &CancellationToken) {
+        let cap = self.cfg.max_unauthenticated.saturating_mul(SILENT_PER_PLACE);
+        let mut silent = self.silent.lock();
+        while silent.len() >= cap {
+            let Some((_, oldest)) = silent.pop_first() else { break };
+            oldest.cancel();
+            self.counters.evicted_silent.fetch_add(1, Ordering::Relaxed);
+            self.counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        silent.insert(id, token.clone());
+    }
+
+    fn leave_silent(&self, id: u64) {
+        self.silent.lock().remove(&id);
+    }
+
+    /// The class of a connection from `ip`.
+    fn class_of(&self, ip: IpAddr, suspect: bool, now: Instant) -> Class {
+        if suspect {
+            return Class::Suspect;
+        }
+        let proven = self
+            .proven
+            .lock()
+            .get(&AuthLimiter::source(ip))
+            .is_some_and(|t| now.duration_since(*t) < PROVEN_MEMORY);
+        if proven {
+            Class::Proven
+        } else {
+            Class::Stranger
+        }
+    }
+
+    /// Remembers that `ip` completed a handshake (and lifts its block, if any).
+    fn note_proven(&self, ip: IpAddr, now: Instant) {
+        let key = AuthLimiter::source(ip);
+        self.limiter.lock().forgive(ip);
+        let mut proven = self.proven.lock();
+        if !proven.contains_key(&key) && proven.len() >= MAX_PROVEN_SOURCES {
+            proven.retain(|_, t| now.duration_since(*t) < PROVEN_MEMORY);
+            if proven.len() >= MAX_PROVEN_SOURCES {
+                if let Some(k) = proven.iter().min_by_key(|(_, t)| **t).map(|(k, _)| *k) {
+                    proven.remove(&k);
+                }
+            }
+        }
+        proven.insert(key, now);
+    }
+
+    /// Enters connection `id` (of `class`) among the handshaking ones if there is room,
+    /// closing at once the oldest of a lower class, or the oldest of its class or
+    /// below once stale; otherwise returns when to try again (at the latest).
+    fn admit_handshaking(
+        &self,
+        id: u64,
+        ip: IpAddr,
+        class: Class,
+        token: &CancellationToken,
+        now: Instant,
+    ) -> Option<Instant> {
         let mut pending = self.pending.lock();
         while pending.len() >= self.cfg.max_unauthenticated {
-            let Some(oldest) = pending.first_entry() else { break };
-            let stale = oldest.get().0 + stale_after(&self.cfg);
-            if stale > now {
-                return Some(stale);
+            // The victim: lowest class first (as of now: its source may have proved
+            // itself since it came), then oldest.
+            let class_now = |p: &Pending| match p.class {
+                Class::Suspect => Class::Suspect,
+                c => c.max(self.class_of(p.ip, false, now)),
+            };
+            let victim = pending
+                .iter()
+                .map(|(k, p)| (*k, class_now(p), p.since))
+                .filter(|(_, c, _)| *c <= class)
+                .min_by_key(|(k, c, _)| (*c, *k));
+            let Some((k, vclass, since)) = victim else {
+                // Every place is held by a higher class: wait for one to leave.
+                let oldest = pending.values().map(|p| p.since).min().unwrap_or(now);
+                return Some(oldest + self.cfg.handshake_timeout);
+            };
+            if vclass == class {
+                let stale = since + stale_after(&self.cfg);
+                if stale > now {
+                    return Some(stale);
+                }
             }
-            oldest.get().1.cancel();
-            oldest.remove();
+            if let Some(p) = pending.remove(&k) {
+                p.token.cancel();
+            }
             self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             self.counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(target: "kvferry::net", "closing the oldest handshaking connection to make room");
+            tracing::debug!(target: "kvferry::net", ?vclass, "closing a handshaking connection to make room");
         }
-        pending.insert(id, (now, token.clone()));
+        pending.insert(
+            id,
+            Pending {
+                since: now,
+                class,
+                ip,
+                token: token.clone(),
+            },
+        );
         None
     }
 
     fn leave_pending(&self, id: u64) {
         if self.pending.lock().remove(&id).is_some() {
-            self.left_pending.notify_one();
+            self.left_pending.notify_waiters();
+        }
+    }
+
+    /// Waits (within `deadline`) for a handshaking place for connection `id`; false if
+    /// none came in time.
+    async fn wait_for_place(
+        &self,
+        id: u64,
+        ip: IpAddr,
+        class: Class,
+        token: &CancellationToken,
+        deadline: Instant,
+    ) -> bool {
+        loop {
+            let notified = self.left_pending.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let Some(until) = self.admit_handshaking(id, ip, class, token, Instant::now()) else {
+                return true;
+            };
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep_until(until.min(deadline).into()) => {}
+            }
         }
     }
 }
@@ -359,18 +508,43 @@ async fn serve_connection(
     stream: tokio::net::TcpStream,
     addr: SocketAddr,
     id: u64,
+    suspect: bool,
     shared: &Shared,
     handler: &dyn Handler,
 ) {
     let (cfg, counters) = (&shared.cfg, &shared.counters);
-    let accepted = handshake::accept(stream, cfg, shared.keys.as_ref(), || {
-        admit(counters, cfg.max_connections)
-    })
-    .await;
+    // Silent until its first byte (within the handshake timeout).
+    let deadline = Instant::now() + cfg.handshake_timeout;
+    let mut first = [0u8; 1];
+    match tokio::time::timeout_at(deadline.into(), stream.peek(&mut first)).await {
+        Ok(Ok(n)) if n > 0 => {}
+        _ => {
+            counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(target: "kvferry::net", "closing a connection silent for the handshake timeout from {addr}");
+            return;
+        }
+    }
+    shared.leave_silent(id);
+    let class = shared.class_of(addr.ip(), suspect, Instant::now());
+    let token = CancellationToken::new();
+    if !shared.wait_for_place(id, addr.ip(), class, &token, deadline).await {
+        counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let accepted = tokio::select! {
+        // Closed to make room for another.
+        _ = token.cancelled() => return,
+        a = handshake::accept(stream, cfg, shared.keys.as_ref(), || {
+            admit(counters, cfg.max_connections)
+        }) => a,
+    };
     // Authenticated or not, it no longer takes a handshaking place.
     shared.leave_pending(id);
     let (mut conn, _slot) = match accepted {
-        Ok(c) => c,
+        Ok(c) => {
+            shared.note_proven(addr.ip(), Instant::now());
+            c
+        }
         Err(Rejected::Failed(e)) => {
             counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(target: "kvferry::net", "handshake failed from {addr}: {e}");
@@ -379,12 +553,16 @@ async fn serve_connection(
         Err(Rejected::Auth { why, claimed }) => {
             counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
             counters.auth_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(target: "kvferry::net", claimed_peer_id = %claimed, "authentication failed from {addr}: {why}");
+            if suspect {
+                tracing::debug!(target: "kvferry::net", claimed_peer_id = %claimed, "authentication failed from {addr} (suspect source): {why}");
+            } else {
+                tracing::warn!(target: "kvferry::net", claimed_peer_id = %claimed, "authentication failed from {addr}: {why}");
+            }
             let limit = shared.cfg.auth_failure_limit;
             if shared.limiter.lock().record_failure(addr.ip(), Instant::now()) {
                 tracing::warn!(
                     target: "kvferry::net",
-                    "refusing handshakes from {} for {:?}: {limit} failed authentications",
+                    "deprioritising handshakes from {} for {:?}: {limit} failed authentications",
                     addr.ip(),
                     shared.cfg.auth_failure_window
                 );
@@ -453,17 +631,6 @@ fn note_protocol_error(counters: &Counters, peer: &super::PeerInfo, e: &NetError
     tracing::warn!(target: "kvferry::net", %peer, "closing connection: {e}");
 }
 
-/// Tells a refused connection why it is closed, without waiting: the frame fits in a
-/// fresh socket's send buffer, and a peer that cannot take it at once gets only the
-/// close.
-async fn refuse_now(stream: &tokio::net::TcpStream, kind: ErrorKind, message: String) {
-    let msg = Message::Error { kind, message };
-    let mut frame = Vec::new();
-    if crate::wire::write_control(&mut frame, 0, &msg).await.is_ok() {
-        let _ = stream.try_write(&frame);
-    }
-}
-
 async fn reply_error(conn: &mut Connection, request_id: u64, e: &NetError) {
     let kind = match e {
         NetError::Wire(WireError::Oversize { .. }) => ErrorKind::TooLarge,
@@ -529,6 +696,11 @@ impl AuthLimiter {
         }
     }
 
+    /// Lifts the block of `ip`'s source and forgets its failures (it proved itself).
+    fn forgive(&mut self, ip: IpAddr) {
+        self.sources.remove(&Self::source(ip));
+    }
+
     /// How much longer `ip` is refused, if it is.
     fn blocked(&self, ip: IpAddr, now: Instant) -> Option<Duration> {
         let until = self.sources.get(&Self::source(ip))?.blocked_until?;
@@ -584,6 +756,85 @@ impl AuthLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shared(places: usize) -> Shared {
+        let mut cfg = NetConfig::new("s");
+        cfg.max_unauthenticated = places;
+        Shared {
+            keys: None,
+            limiter: Mutex::new(AuthLimiter::new(cfg.auth_failure_limit, cfg.auth_failure_window)),
+            cfg,
+            counters: Counters::default(),
+            silent: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(BTreeMap::new()),
+            left_pending: Notify::new(),
+            proven: Mutex::new(HashMap::new()),
+        }
+    }
+
+    #[test]
+    fn places_go_by_class_then_age_and_proven_sources_keep_their_share() {
+        let s = shared(2);
+        let t0 = Instant::now();
+        let stranger: IpAddr = "10.0.0.1".parse().unwrap();
+        let friend: IpAddr = "10.0.0.2".parse().unwrap();
+        s.note_proven(friend, t0);
+        assert_eq!(s.class_of(friend, false, t0), Class::Proven);
+        assert_eq!(s.class_of(stranger, false, t0), Class::Stranger);
+        assert_eq!(s.class_of(friend, true, t0), Class::Suspect);
+        let tokens: Vec<CancellationToken> = (0..6).map(|_| CancellationToken::new()).collect();
+        // Two strangers take both places.
+        assert!(s
+            .admit_handshaking(1, stranger, Class::Stranger, &tokens[1], t0)
+            .is_none());
+        assert!(s
+            .admit_handshaking(2, stranger, Class::Stranger, &tokens[2], t0)
+            .is_none());
+        // A third stranger waits until the oldest is stale, then closes it.
+        let until = s
+            .admit_handshaking(3, stranger, Class::Stranger, &tokens[3], t0)
+            .unwrap();
+        assert_eq!(until, t0 + stale_after(&s.cfg));
+        assert!(!tokens[1].is_cancelled());
+        // A proven source closes the oldest stranger at once.
+        assert!(s.admit_handshaking(4, friend, Class::Proven, &tokens[4], t0).is_none());
+        assert!(tokens[1].is_cancelled() && !tokens[2].is_cancelled());
+        assert!(s.admit_handshaking(5, friend, Class::Proven, &tokens[5], t0).is_none());
+        assert!(tokens[2].is_cancelled());
+        // Now every place is proven: a stranger waits, even once they are stale.
+        let late = t0 + s.cfg.handshake_timeout;
+        assert!(s
+            .admit_handshaking(3, stranger, Class::Stranger, &tokens[3], late)
+            .is_some());
+        assert!(!tokens[4].is_cancelled() && !tokens[5].is_cancelled());
+        assert_eq!(s.counters.evicted.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn the_oldest_silent_connection_goes_at_once() {
+        let s = shared(1);
+        let tokens: Vec<CancellationToken> = (0..=SILENT_PER_PLACE).map(|_| CancellationToken::new()).collect();
+        for (i, t) in tokens.iter().enumerate() {
+            s.admit_silent(i as u64, t);
+        }
+        assert!(tokens[0].is_cancelled());
+        assert!(tokens[1..].iter().all(|t| !t.is_cancelled()));
+        assert_eq!(s.silent.lock().len(), SILENT_PER_PLACE);
+        assert_eq!(s.counters.evicted_silent.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn proving_the_secret_lifts_a_block() {
+        let s = shared(1);
+        let ip: IpAddr = "10.0.0.9".parse().unwrap();
+        let now = Instant::now();
+        for _ in 0..s.cfg.auth_failure_limit {
+            s.limiter.lock().record_failure(ip, now);
+        }
+        assert!(s.limiter.lock().blocked(ip, now).is_some());
+        s.note_proven(ip, now);
+        assert!(s.limiter.lock().blocked(ip, now).is_none());
+    }
 
     #[test]
     fn blocks_after_the_limit_within_the_window_then_forgets() {

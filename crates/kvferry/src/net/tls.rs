@@ -23,6 +23,9 @@
 //! closed; a TLS client reaching a plaintext server fails its TLS handshake with an
 //! error that says what to check. Bad files are [`TlsError`]s naming the file.
 //!
+//! Only TLS 1.3 is spoken, by servers and clients: a peer offering at most TLS 1.2
+//! fails the handshake (on a server, an authentication failure).
+//!
 //! TLS 1.3 session tickets are disabled on servers: nothing is ever sent unasked on an
 //! idle connection, so pools can still tell a closed connection from a live one.
 //!
@@ -208,7 +211,8 @@ impl TlsConfig {
             roots.add(c).map_err(|e| ca_err(e.to_string()))?;
         }
         let roots = Arc::new(roots);
-        let versions = rustls::DEFAULT_VERSIONS;
+        // TLS 1.3 only (the docs promise it; a 1.2-only peer fails the handshake).
+        let versions: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
         let client = ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(versions)
             .map_err(|e| ca_err(e.to_string()))?

@@ -21,6 +21,7 @@ mod accounting;
 mod consumer;
 mod producer;
 pub mod publish;
+mod quota;
 mod store;
 
 pub use consumer::{
@@ -119,7 +120,7 @@ pub enum PeerError {
         error: crate::device::DeviceError,
     },
     /// The peer already holds its share of the staging arena.
-    #[error("staging quota of peer {peer} exceeded: holds {held} pages, asked {asked}, quota {quota}")]
+    #[error("staging quota of {peer} exceeded: holds {held} pages, asked {asked}, quota {quota}")]
     QuotaExceeded {
         /// The peer.
         peer: String,

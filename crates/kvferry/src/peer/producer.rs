@@ -45,6 +45,7 @@ use tracing::Instrument;
 
 use super::accounting;
 use super::publish::{PubSource, Publication, ReleaseQueue, ReleaseReason, Released};
+use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
 use crate::copy::{CopyEngine, CopyPlan, Endpoint};
@@ -64,8 +65,21 @@ pub struct ProducerConfig {
     pub max_ttl: Duration,
     /// Staging requests (stage, get) served at once; more get an immediate `Busy`.
     pub max_concurrent_gets: usize,
-    /// Staging pages one peer may hold at once (`None`: half the arena).
+    /// Staging pages one peer (authenticated identity) may hold at once (`None`: half
+    /// the arena).
     pub max_staged_pages_per_peer: Option<usize>,
+    /// Staging pages the requests of one connection may hold at once (`None`: the
+    /// per-peer quota). Leases staged for a later pull stay charged to their connection
+    /// until they end.
+    pub max_staged_pages_per_connection: Option<usize>,
+    /// Staging pages peers of unproven identity (no TLS certificate) from one source
+    /// address (IPv6: a /64) may hold at once, however many peer ids they claim
+    /// (`None`: three quarters of the arena, or the per-peer quota if larger).
+    pub max_staged_pages_per_source: Option<usize>,
+    /// Staging pages all peers of unproven identity may hold together, so that some
+    /// staging is always left for certificate-holding peers and local work (`None`:
+    /// seven eighths of the arena, or the per-peer quota if larger).
+    pub max_unproven_staged_pages: Option<usize>,
     /// How long an eager get's lease outlives its connection when the connection closes
     /// without `Done` (then it is released, however long its TTL). Leases staged for a
     /// later pull (`Stage`) are meant to outlive their connection and keep their TTL.
@@ -79,6 +93,9 @@ impl Default for ProducerConfig {
             max_ttl: Duration::from_secs(10),
             max_concurrent_gets: 64,
             max_staged_pages_per_peer: None,
+            max_staged_pages_per_connection: None,
+            max_staged_pages_per_source: None,
+            max_unproven_staged_pages: None,
             lease_grace: Duration::from_secs(2),
         }
     }
@@ -146,6 +163,9 @@ pub struct ProducerStats {
     /// Eager-get leases whose connection closed without `Done` (released after the
     /// grace instead of at their TTL).
     pub orphaned: u64,
+    /// Staging pages charged to peers' quotas right now (staged leases, checked-out
+    /// ones and puts being received); zero once nothing is held.
+    pub quota_pages_charged: usize,
 }
 
 /// A stage's outcome: lease id, staged chunks, granted TTL in milliseconds.
@@ -175,6 +195,12 @@ struct StagedLease {
     expires: Instant,
     /// The peer it was granted to.
     owner: String,
+    /// Without TLS, the incarnation of the peer it was granted to: a `Done` or `Pull`
+    /// must come from the same process, not merely claim the same peer id (`None`:
+    /// bound to a certificate identity, or granted locally).
+    owner_incarnation: Option<u64>,
+    /// Its staging pages' quota charge (uncharged when the lease drops, on every path).
+    _charge: Option<Charge>,
     /// The connection of the eager get that holds it (`None`: a lease staged for a
     /// later pull, which outlives its connection).
     eager_conn: Option<u64>,
@@ -183,12 +209,17 @@ struct StagedLease {
 }
 
 impl StagedLease {
-    fn pages(&self) -> usize {
-        match &self.data {
-            StagedData::Pages { lease, .. } => lease.page_count(),
-            StagedData::Pinned => 0,
-        }
+    /// True if `who` may pull or release it.
+    fn belongs_to(&self, who: &Requester) -> bool {
+        self.owner == who.identity && self.owner_incarnation.is_none_or(|i| Some(i) == who.incarnation)
     }
+}
+
+/// Who asks, as far as lease binding goes.
+struct Requester {
+    identity: String,
+    /// Its incarnation, when its identity is only claimed (no TLS).
+    incarnation: Option<u64>,
 }
 
 #[derive(Default)]
@@ -216,8 +247,9 @@ struct Inner {
     recently_expired: Mutex<VecDeque<LeaseId>>,
     published: Mutex<HashMap<ChunkKey, Arc<Publication>>>,
     releases: Arc<ReleaseQueue>,
-    /// Staging pages held per peer (staged and checked-out leases).
-    pages_by_peer: Mutex<HashMap<String, usize>>,
+    /// Staging pages charged per peer, connection and source (staged and checked-out
+    /// leases, puts being received).
+    quotas: Arc<Quotas>,
     gets: Semaphore,
     /// Refusing new stages and gets (with `Busy`): set while this process is not
     /// registered in its peer directory (its lease was lost).
@@ -264,7 +296,22 @@ impl Producer {
                 "max concurrent gets must be at least 1".into(),
             ));
         }
+        let arena_pages = arena.page_count();
+        let per_peer = cfg.max_staged_pages_per_peer.unwrap_or(arena_pages / 2).max(1);
+        let limits = QuotaLimits {
+            per_peer,
+            per_connection: cfg.max_staged_pages_per_connection.unwrap_or(per_peer).max(1),
+            per_source: cfg
+                .max_staged_pages_per_source
+                .unwrap_or(per_peer.max(arena_pages * 3 / 4))
+                .max(1),
+            unproven: cfg
+                .max_unproven_staged_pages
+                .unwrap_or(per_peer.max(arena_pages * 7 / 8))
+                .max(1),
+        };
         let inner = Arc::new(Inner {
+            quotas: Quotas::new(limits),
             store,
             arena,
             engine,
@@ -276,7 +323,6 @@ impl Producer {
             recently_expired: Mutex::new(VecDeque::new()),
             published: Mutex::new(HashMap::new()),
             releases: Arc::new(ReleaseQueue::default()),
-            pages_by_peer: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             requests: RequestStats::default(),
             faults: ProducerFaults::default(),
@@ -328,6 +374,7 @@ impl Producer {
             foreign_lease_refused: c.foreign_lease_refused.load(Ordering::Relaxed),
             quota_refused: c.quota_refused.load(Ordering::Relaxed),
             orphaned: c.orphaned.load(Ordering::Relaxed),
+            quota_pages_charged: self.inner.quotas.charged(),
         }
     }
 
@@ -352,19 +399,14 @@ impl Producer {
             let ids: Vec<LeaseId> = st.iter().filter(|(_, e)| e.owner == owner).map(|(id, _)| *id).collect();
             ids.into_iter().filter_map(|id| st.remove(&id)).collect()
         };
-        for e in &drained {
-            self.uncharge(&e.owner, e.pages());
-        }
+        // Their quota charges drop with them.
         drained.len()
     }
 
     /// Releases every staged lease and publication now (e.g. at shutdown).
     pub fn release_all(&self) {
         let drained: Vec<_> = self.inner.staged.lock().drain().collect();
-        for (_, e) in &drained {
-            self.uncharge(&e.owner, e.pages());
-        }
-        drop(drained);
+        drop(drained); // pages and quota charges return here
         let published: Vec<_> = self.inner.published.lock().drain().collect();
         for (_, p) in &published {
             p.retire(ReleaseReason::Shutdown);
@@ -474,43 +516,22 @@ impl Producer {
         }
     }
 
-    fn quota(&self) -> usize {
-        self.inner
-            .cfg
-            .max_staged_pages_per_peer
-            .unwrap_or(self.inner.arena.page_count() / 2)
-            .max(1)
+    /// Pages charged to peer `identity`'s staging quota now.
+    pub fn quota_charged_to(&self, identity: &str) -> usize {
+        self.inner.quotas.charged_to(identity)
     }
 
-    /// Charges `pages` to `owner`'s quota, or refuses.
-    fn charge(&self, owner: &str, pages: usize) -> Result<(), PeerError> {
-        let quota = self.quota();
-        let mut m = self.inner.pages_by_peer.lock();
-        let held = m.get(owner).copied().unwrap_or(0);
-        if held + pages > quota {
+    /// The staging quotas in effect, in pages.
+    pub fn quota_limits(&self) -> QuotaLimits {
+        self.inner.quotas.limits()
+    }
+
+    /// Charges `pages` to `holder`, or refuses (counted).
+    fn charge(&self, holder: &Holder, pages: usize) -> Result<Charge, PeerError> {
+        self.inner.quotas.charge(holder, pages).map_err(|e| {
             self.inner.counters.quota_refused.fetch_add(1, Ordering::Relaxed);
-            return Err(PeerError::QuotaExceeded {
-                peer: owner.to_string(),
-                held,
-                asked: pages,
-                quota,
-            });
-        }
-        *m.entry(owner.to_string()).or_insert(0) += pages;
-        Ok(())
-    }
-
-    fn uncharge(&self, owner: &str, pages: usize) {
-        if pages == 0 {
-            return;
-        }
-        let mut m = self.inner.pages_by_peer.lock();
-        if let Some(n) = m.get_mut(owner) {
-            *n = n.saturating_sub(pages);
-            if *n == 0 {
-                m.remove(owner);
-            }
-        }
+            quota_error(e)
+        })
     }
 
     fn new_lease_id(&self) -> LeaseId {
@@ -546,6 +567,19 @@ impl Producer {
         ttl: Duration,
         owner: &str,
     ) -> Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError> {
+        self.stage_for(keys, ttl, &Holder::local(owner), None).await
+    }
+
+    /// [`stage`](Self::stage) for `holder`, the lease bound to `incarnation` too when
+    /// given (a claimed identity).
+    async fn stage_for(
+        &self,
+        keys: &[ChunkKey],
+        ttl: Duration,
+        holder: &Holder,
+        incarnation: Option<u64>,
+    ) -> Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError> {
+        let owner = holder.identity.as_str();
         let inner = &self.inner;
         let ttl = self.clamp_ttl(ttl);
         let mut seen = std::collections::HashSet::with_capacity(keys.len());
@@ -554,7 +588,7 @@ impl Producer {
                 "key {k} listed twice in one request"
             )));
         }
-        if let Some(r) = self.stage_published(keys, ttl, owner).await {
+        if let Some(r) = self.stage_published(keys, ttl, holder, incarnation).await {
             return r;
         }
         let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
@@ -564,9 +598,7 @@ impl Producer {
         // Partial stage: as many leading chunks as fit in the free pages.
         let mut lease = None;
         let mut k = locs.len();
-        let room = self
-            .quota()
-            .saturating_sub(inner.pages_by_peer.lock().get(owner).copied().unwrap_or(0));
+        let room = inner.quotas.room(holder);
         while k > 0 {
             let bytes: usize = locs[..k].iter().map(|l| l.len).sum();
             let pages = inner.arena.pages_for(bytes);
@@ -581,13 +613,13 @@ impl Producer {
         let Some(lease) = lease else {
             let pages = inner.arena.pages_for(locs[0].len);
             if pages > room {
-                inner.counters.quota_refused.fetch_add(1, Ordering::Relaxed);
-                return Err(PeerError::QuotaExceeded {
+                // Names the scope that is full.
+                return Err(self.charge(holder, pages).err().unwrap_or(PeerError::QuotaExceeded {
                     peer: owner.to_string(),
-                    held: self.quota() - room,
+                    held: 0,
                     asked: pages,
-                    quota: self.quota(),
-                });
+                    quota: room,
+                }));
             }
             inner.counters.busy.fetch_add(1, Ordering::Relaxed);
             return Err(PeerError::StagingExhausted {
@@ -595,6 +627,9 @@ impl Producer {
                 free: inner.arena.stats().free_pages,
             });
         };
+        // Charged before the copy (so that concurrent requests cannot overshoot), and
+        // owned by the lease from here on: any failure below uncharges it.
+        let charge = self.charge(holder, lease.page_count())?;
         let locs = &locs[..k];
         let mut offsets = Vec::with_capacity(k);
         let mut at = 0;
@@ -629,9 +664,6 @@ impl Producer {
                 checksum: crc,
             });
         }
-        // The quota is charged with the pages (checked above, racy only between
-        // concurrent requests of one peer: then the charge refuses).
-        self.charge(owner, lease.page_count())?;
         let lease_id = self.new_lease_id();
         inner.counters.staged.fetch_add(1, Ordering::Relaxed);
         inner.staged.lock().insert(
@@ -641,6 +673,8 @@ impl Producer {
                 chunks: chunks.clone(),
                 expires: Instant::now() + ttl,
                 owner: owner.to_string(),
+                owner_incarnation: incarnation,
+                _charge: Some(charge),
                 eager_conn: None,
                 publications: Vec::new(),
             },
@@ -666,7 +700,13 @@ impl Producer {
     /// holds them and sends from the cache), device publications of one cache gathered
     /// into staging pages. `None` when the first key is not published (the store
     /// serves the request).
-    async fn stage_published(&self, keys: &[ChunkKey], ttl: Duration, owner: &str) -> Option<StageResult> {
+    async fn stage_published(
+        &self,
+        keys: &[ChunkKey],
+        ttl: Duration,
+        holder: &Holder,
+        incarnation: Option<u64>,
+    ) -> Option<StageResult> {
         let pubs: Vec<Arc<Publication>> = {
             let table = self.inner.published.lock();
             let now = Instant::now();
@@ -675,7 +715,7 @@ impl Producer {
                 .collect()
         };
         let first = pubs.first()?;
-        let (chunks, data, pubs) = match &first.source {
+        let (chunks, data, pubs, charge) = match &first.source {
             PubSource::Host { .. } => {
                 let pubs: Vec<Arc<Publication>> = pubs
                     .into_iter()
@@ -692,7 +732,7 @@ impl Producer {
                         },
                     })
                     .collect();
-                (chunks, StagedData::Pinned, pubs)
+                (chunks, StagedData::Pinned, pubs, None)
             }
             PubSource::Device { cache } => {
                 let cache = cache.clone();
@@ -700,8 +740,8 @@ impl Producer {
                     .into_iter()
                     .take_while(|p| matches!(&p.source, PubSource::Device { cache: c } if Arc::ptr_eq(c, &cache)))
                     .collect();
-                match self.gather_device(&cache, &pubs, owner).await {
-                    Ok((chunks, data)) => (chunks, data, pubs),
+                match self.gather_device(&cache, &pubs, holder).await {
+                    Ok((chunks, data, charge)) => (chunks, data, pubs, Some(charge)),
                     Err(e) => return Some(Err(e)),
                 }
             }
@@ -714,7 +754,9 @@ impl Producer {
                 data,
                 chunks: chunks.clone(),
                 expires: Instant::now() + ttl,
-                owner: owner.to_string(),
+                owner: holder.identity.clone(),
+                owner_incarnation: incarnation,
+                _charge: charge,
                 eager_conn: None,
                 publications: pubs,
             },
@@ -729,8 +771,8 @@ impl Producer {
         &self,
         cache: &Arc<DeviceKvCache>,
         pubs: &[Arc<Publication>],
-        owner: &str,
-    ) -> Result<(Vec<ChunkMeta>, StagedData), PeerError> {
+        holder: &Holder,
+    ) -> Result<(Vec<ChunkMeta>, StagedData, Charge), PeerError> {
         let inner = &self.inner;
         let total: usize = pubs.iter().map(|p| p.len).sum();
         let pages = inner.arena.pages_for(total);
@@ -741,7 +783,7 @@ impl Producer {
                 free: inner.arena.stats().free_pages,
             }
         })?;
-        self.charge(owner, lease.page_count())?;
+        let charge = self.charge(holder, lease.page_count())?;
         let mut offsets = Vec::with_capacity(pubs.len());
         let mut plan = Vec::with_capacity(pubs.len());
         let mut at = 0;
@@ -764,8 +806,8 @@ impl Producer {
             Ok(l) => l,
             Err(e) => {
                 // The pages are back (failed copy) or quarantined (timeout): either way
-                // no longer this peer's.
-                self.uncharge(owner, pages);
+                // no longer this peer's (the charge drops here).
+                drop(charge);
                 return Err(device_err(e));
             }
         };
@@ -781,17 +823,36 @@ impl Producer {
                 checksum: crc,
             });
         }
-        Ok((chunks, StagedData::Pages { lease, offsets }))
+        Ok((chunks, StagedData::Pages { lease, offsets }, charge))
     }
 
     /// Releases a staged lease on `owner`'s `Done`: published chunks it sent that
     /// were published `once` leave the table. Unknown leases, and leases of another
     /// peer (refused and counted), change nothing.
     pub fn release(&self, lease_id: LeaseId, owner: &str) -> Result<(), LeaseRefusal> {
+        self.release_for(
+            lease_id,
+            &Requester {
+                identity: owner.to_string(),
+                incarnation: None,
+            },
+        )
+    }
+
+    /// Releases a lease for a remote requester: its identity, and without TLS its
+    /// incarnation, must be the ones the lease was granted to.
+    fn release_for(&self, lease_id: LeaseId, who: &Requester) -> Result<(), LeaseRefusal> {
+        let local = who.incarnation.is_none();
         let removed = {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
-                Some(e) if e.owner != owner => {
+                Some(e)
+                    if !(if local {
+                        e.owner == who.identity
+                    } else {
+                        e.belongs_to(who)
+                    }) =>
+                {
                     self.inner
                         .counters
                         .foreign_lease_refused
@@ -807,8 +868,7 @@ impl Producer {
         };
         self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
         self.retire_sent(&entry);
-        self.uncharge(&entry.owner, entry.pages());
-        Ok(())
+        Ok(()) // the entry, its pages and its charge drop here
     }
 
     /// After a `Done`: publications made `once` that this lease sent leave the table
@@ -879,11 +939,11 @@ impl Producer {
         Ok(())
     }
 
-    fn check_out(&self, lease_id: LeaseId, owner: &str) -> Result<StagedLease, (ErrorKind, String)> {
+    fn check_out(&self, lease_id: LeaseId, who: &Requester) -> Result<StagedLease, (ErrorKind, String)> {
         let entry = {
             let mut st = self.inner.staged.lock();
             match st.get(&lease_id) {
-                Some(e) if e.owner != owner => {
+                Some(e) if !e.belongs_to(who) => {
                     self.inner
                         .counters
                         .foreign_lease_refused
@@ -896,7 +956,7 @@ impl Producer {
         match entry {
             Some(e) if e.expires > Instant::now() => Ok(e),
             Some(e) => {
-                self.uncharge(&e.owner, e.pages());
+                drop(e); // pages and charge back
                 self.note_expired(lease_id);
                 Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired")))
             }
@@ -922,7 +982,19 @@ impl Producer {
 
     async fn handle_request(&self, conn: &mut Connection, id: u64, msg: Message) -> Result<(), NetError> {
         // Under TLS, the certificate's identity: a peer cannot claim another's leases.
-        let owner = conn.peer().authenticated_id().to_string();
+        // Without it, the claimed id, and leases are bound to the claimant's
+        // incarnation too; quotas then count its source address as well.
+        let peer = conn.peer();
+        let holder = Holder {
+            identity: peer.authenticated_id().to_string(),
+            conn: Some(conn.id()),
+            source: peer.addr.map(|a| a.ip()),
+            proven: peer.tls_identity.is_some(),
+        };
+        let who = Requester {
+            identity: holder.identity.clone(),
+            incarnation: (!holder.proven).then_some(peer.incarnation),
+        };
         if self.inner.refusing.load(Ordering::Acquire) && matches!(msg, Message::Stage { .. } | Message::Get { .. }) {
             self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
             let why = "not registered in the peer directory (its lease was lost; registering again)";
@@ -944,7 +1016,10 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
+                match self
+                    .stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation)
+                    .await
+                {
                     Ok((lease_id, chunks, ttl_ms)) => {
                         accounting::note_found(!chunks.is_empty());
                         let m = Message::Staged {
@@ -963,11 +1038,13 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                let (lease_id, chunks, ttl_ms) =
-                    match self.stage(&keys, Duration::from_millis(ttl_ms as u64), &owner).await {
-                        Ok(s) => s,
-                        Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
-                    };
+                let (lease_id, chunks, ttl_ms) = match self
+                    .stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation)
+                    .await
+                {
+                    Ok(s) => s,
+                    Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
+                };
                 accounting::note_found(!chunks.is_empty());
                 let m = Message::Staged {
                     lease_id,
@@ -979,19 +1056,16 @@ impl Producer {
                 if lease_id == 0 {
                     return Ok(()); // miss: nothing staged, nothing follows
                 }
-                let mut entry = match self.check_out(lease_id, &owner) {
+                let mut entry = match self.check_out(lease_id, &who) {
                     Ok(e) => e,
                     Err((kind, message)) => return refuse(conn, id, kind, message).await,
                 };
                 // Tied to this connection: released after the grace if it closes
                 // without `Done`.
                 entry.eager_conn = Some(conn.id());
-                // On a failed send the entry (and its pages) drops here: the eager
-                // consumer is gone.
-                if let Err(e) = self.send_lease(conn, id, &entry).await {
-                    self.uncharge(&entry.owner, entry.pages());
-                    return Err(e);
-                }
+                // On a failed (or aborted) send the entry, its pages and its quota
+                // charge drop here: the eager consumer is gone.
+                self.send_lease(conn, id, &entry).await?;
                 conn.send(id, &Message::PullDone { lease_id }).await?;
                 self.check_in(lease_id, entry);
                 Ok(())
@@ -1004,7 +1078,7 @@ impl Producer {
                     );
                     return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
                 }
-                let entry = match self.check_out(lease_id, &owner) {
+                let entry = match self.check_out(lease_id, &who) {
                     Ok(e) => e,
                     Err((kind, message)) => return refuse(conn, id, kind, message).await,
                 };
@@ -1017,7 +1091,7 @@ impl Producer {
             Message::Done { lease_id } => {
                 // Duplicate or unknown Dones change nothing and are acknowledged (a
                 // Done may race the TTL); a foreign one is refused.
-                match self.release(lease_id, &owner) {
+                match self.release_for(lease_id, &who) {
                     Err(LeaseRefusal::Foreign) => {
                         let m = format!("lease {lease_id} was not granted to this peer");
                         refuse(conn, id, ErrorKind::UnknownLease, m).await
@@ -1025,7 +1099,7 @@ impl Producer {
                     _ => conn.send(id, &Message::DoneAck).await,
                 }
             }
-            Message::Put { key, len } => self.receive_put(conn, id, key, len).await,
+            Message::Put { key, len } => self.receive_put(conn, id, key, len, &holder).await,
             other => {
                 let m = format!("unexpected request {}", other.name());
                 refuse(conn, id, ErrorKind::BadRequest, m).await
@@ -1034,7 +1108,14 @@ impl Producer {
     }
 
     /// Push: bytes arrive into staging pages this side allocates, then land in the store.
-    async fn receive_put(&self, conn: &mut Connection, id: u64, key: ChunkKey, len: u64) -> Result<(), NetError> {
+    async fn receive_put(
+        &self,
+        conn: &mut Connection,
+        id: u64,
+        key: ChunkKey,
+        len: u64,
+        holder: &Holder,
+    ) -> Result<(), NetError> {
         let inner = &self.inner;
         let header = conn.read_header(conn.io_timeout()).await?;
         if header.request_id != id || header.kind != FrameKind::Bulk {
@@ -1058,7 +1139,17 @@ impl Producer {
             );
             return refuse(conn, id, ErrorKind::TooLarge, m).await;
         }
-        let mut lease = match inner.arena.try_alloc(inner.arena.pages_for(len)) {
+        // Charged to the sender's quotas before a byte of the body is read (a put that
+        // stalls holds no more than its sender may), uncharged when this request ends.
+        let pages = inner.arena.pages_for(len);
+        let _charge = match self.charge(holder, pages) {
+            Ok(c) => c,
+            Err(e) => {
+                conn.skip(&header).await?;
+                return refuse(conn, id, ErrorKind::Busy, e.to_string()).await;
+            }
+        };
+        let mut lease = match inner.arena.try_alloc(pages) {
             Ok(l) => l,
             Err(e) => {
                 conn.skip(&header).await?;
@@ -1105,6 +1196,22 @@ impl Producer {
                 refuse(conn, id, ErrorKind::Internal, "landing copy failed".into()).await
             }
         }
+    }
+}
+
+/// A refused quota charge as the peer error callers know.
+fn quota_error(e: super::quota::QuotaError) -> PeerError {
+    let super::quota::QuotaError::Exceeded {
+        scope,
+        held,
+        asked,
+        quota,
+    } = e;
+    PeerError::QuotaExceeded {
+        peer: scope,
+        held,
+        asked,
+        quota,
     }
 }
 
@@ -1209,9 +1316,8 @@ async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
         }
         drop(expired_pubs);
         if !expired.is_empty() {
-            for (id, e) in &expired {
+            for (id, _) in &expired {
                 p.note_expired(*id);
-                p.uncharge(&e.owner, e.pages());
             }
             tracing::debug!(target: "kvferry::peer", n = expired.len(), "released expired staged leases");
         }

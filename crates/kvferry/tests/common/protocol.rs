@@ -562,7 +562,9 @@ impl Fixture {
         s.set_nodelay(true).map_err(|e| e.to_string())?;
         let hello = Message::Hello {
             peer_id: peer_id(conn),
-            incarnation: 0x5eed + conn as u64,
+            // One incarnation per peer: its connections are one process (leases are
+            // bound to the peer id and, without TLS, its incarnation).
+            incarnation: 0x5eed + (conn % PEERS) as u64,
             nonce: wire::auth::nonce(),
             wants_auth: false,
         };
