@@ -14,6 +14,13 @@
 //! - [`Engine::locate`] asks every live peer (at most [`FAN_OUT`] at once, all under
 //!   one deadline) how many of the keys it holds, and remembers a key no peer holds
 //!   for [`MISS_TTL`].
+//! - A peer dialled through its record (by id, or by [`Engine::locate`]) must answer
+//!   with the record's peer id and incarnation: a connection presenting another is
+//!   refused with [`NetError::WrongPeer`](crate::net::NetError::WrongPeer). A
+//!   `Restarted` event moves the expectation to the new incarnation; `Lost` clears it.
+//! - The directory judges who holds a record by dialling its address as this engine
+//!   (its secret, its TLS settings; [`Directory::set_prober`](crate::directory::Directory::set_prober)):
+//!   a holder that answers there is live and is never replaced.
 //!
 //! # Cancellation
 //!
@@ -30,7 +37,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Engine, EngineError, Inner};
-use crate::directory::{MissCache, PeerEvent, PeerRecord, RegistrationState};
+use crate::directory::{MissCache, PeerEvent, PeerRecord, Probed, Prober, RegistrationState};
 use crate::peer::{PeerError, PeerGone};
 use crate::wire::ChunkKey;
 
@@ -95,6 +102,7 @@ impl Engine {
             }
             None => bound.to_string(),
         };
+        dir.set_prober(prober(self.inner.cfg.net.clone()));
         let mut record = PeerRecord::new(self.peer_id(), address, self.incarnation());
         record.role = self.inner.cfg.role;
         record.capabilities = vec!["direct".into(), "staged".into(), "put".into()];
@@ -150,6 +158,7 @@ impl Engine {
         let mut found: Vec<Located> = futures::stream::iter(peers)
             .map(|r| {
                 let consumer = consumer.clone();
+                self.expect_record(&r);
                 async move {
                     let hits = match consumer.lookup(&r.address, keys, deadline).await {
                         Ok(h) => h,
@@ -175,6 +184,39 @@ impl Engine {
         }
         Ok(found)
     }
+}
+
+impl Engine {
+    /// Makes connections to `record`'s address accept only its peer id and
+    /// incarnation; returns the address.
+    pub fn expect_record(&self, record: &PeerRecord) -> String {
+        if let Ok(pool) = self.inner.consumer.pool(&record.address) {
+            pool.expect_identity(Some((record.peer_id.clone(), record.incarnation)));
+        }
+        record.address.clone()
+    }
+}
+
+/// Who answers at an address, found by a handshake as this engine (a throwaway
+/// connection, bounded by the connect and handshake timeouts).
+fn prober(net: crate::net::NetConfig) -> Prober {
+    Arc::new(move |addr: String| {
+        let net = net.clone();
+        Box::pin(async move {
+            let limit = net.connect_timeout + net.handshake_timeout;
+            let pool = match crate::net::Pool::new(addr.clone(), net) {
+                Ok(p) => p,
+                Err(e) => return Probed::NoAnswer(e.to_string()),
+            };
+            match pool.checkout(Instant::now() + limit).await {
+                Ok(conn) => Probed::Answered {
+                    peer_id: conn.peer().peer_id.clone(),
+                    incarnation: conn.peer().incarnation,
+                },
+                Err(e) => Probed::NoAnswer(e.to_string()),
+            }
+        }) as futures::future::BoxFuture<'static, Probed>
+    })
 }
 
 /// While the directory has lost this engine's registration, its producer refuses new
@@ -221,6 +263,9 @@ fn apply(inner: &Inner, ev: PeerEvent) {
     match ev {
         PeerEvent::Joined(_) => {}
         PeerEvent::Restarted { old, new } => {
+            if let Some(pool) = inner.consumer.existing_pool(&new.address) {
+                pool.expect_identity(Some((new.peer_id.clone(), new.incarnation)));
+            }
             inner.consumer.fail_peer(
                 &old.address,
                 PeerGone::Restarted {
@@ -231,6 +276,9 @@ fn apply(inner: &Inner, ev: PeerEvent) {
             inner.producer.release_peer(&old.peer_id);
         }
         PeerEvent::Lost(r) => {
+            if let Some(pool) = inner.consumer.existing_pool(&r.address) {
+                pool.expect_identity(None);
+            }
             inner.consumer.fail_peer(
                 &r.address,
                 PeerGone::Lost {
