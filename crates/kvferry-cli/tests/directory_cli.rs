@@ -452,11 +452,11 @@ fn peers_in(e: &etcd::Etcd, ns: &str) -> Vec<(String, String, u64)> {
         .unwrap()
         .iter()
         .map(|p| {
-            let r = if p.get("record").is_some() { &p["record"] } else { p };
+            let inc = p["incarnation"].as_str().unwrap().trim_start_matches("0x");
             (
-                r["peer_id"].as_str().unwrap().to_string(),
-                r["address"].as_str().unwrap().to_string(),
-                r["incarnation"].as_u64().unwrap(),
+                p["peer_id"].as_str().unwrap().to_string(),
+                p["address"].as_str().unwrap().to_string(),
+                u64::from_str_radix(inc, 16).unwrap(),
             )
         })
         .collect()
