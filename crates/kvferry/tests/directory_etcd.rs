@@ -430,7 +430,8 @@ async fn the_view_equals_a_fresh_list_after_random_etcd_operations() {
                 }
                 _ => {
                     let rev = client.get("x", None).await.unwrap().header().unwrap().revision();
-                    client.compact(rev, None).await.unwrap();
+                    // Compacted at this revision already: etcd says so, nothing changes.
+                    let _ = client.compact(rev, None).await;
                 }
             }
         }
