@@ -204,6 +204,7 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
     let mut over = None;
     let mut races = 0;
     let mut wait_until: Option<Instant> = None;
+    let mut judged: Option<(i64, Holder)> = None;
     loop {
         let current = match put_if(shared, record, lease_id, over).await? {
             Ok(()) => {
@@ -239,7 +240,13 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
             over = Some(current.mod_revision);
             continue;
         }
-        match judge(shared, &holder, record).await {
+        // One probe per record seen: waiting re-reads the key, not the holder (failed
+        // handshakes count against this host at the holder).
+        let verdict = match judged.take() {
+            Some((rev, v)) if rev == current.mod_revision => v,
+            _ => judge(shared, &holder, record).await,
+        };
+        match verdict {
             Holder::Alive => {
                 return Err(Refused::Held(
                     holder,
@@ -286,6 +293,7 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
                         format!("{why}, and its lease is still kept alive"),
                     ));
                 }
+                judged = Some((current.mod_revision, Holder::Unknown(why)));
                 tokio::select! {
                     _ = shared.closed.cancelled() => return Err(Refused::Failed(DirectoryError::Closed)),
                     _ = tokio::time::sleep(WAIT_POLL) => {}
