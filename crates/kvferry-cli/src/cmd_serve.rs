@@ -222,11 +222,7 @@ fn ready_while_registered(
     ready: kvferry::metrics::Readiness,
     engine: &Engine,
 ) -> impl std::future::Future<Output = ()> + Send + 'static {
-    let state = engine
-        .config()
-        .directory
-        .as_ref()
-        .and_then(|d| d.registration_state());
+    let state = engine.config().directory.as_ref().and_then(|d| d.registration_state());
     async move {
         let Some(mut state) = state else { return };
         loop {

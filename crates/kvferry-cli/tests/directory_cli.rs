@@ -498,7 +498,10 @@ fn wait_status(addr: &str, path: &str, want: &str, limit: Duration) {
         if st.contains(want) {
             return;
         }
-        assert!(t.elapsed() < limit, "{path} never answered {want} within {limit:?}: {st:?}");
+        assert!(
+            t.elapsed() < limit,
+            "{path} never answered {want} within {limit:?}: {st:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -531,9 +534,13 @@ fn every_change_of_one_etcd_revision_reaches_a_running_serve() {
         let mut c = raw(&e).await;
         for i in 5..20u64 {
             let id = format!("ghost-{i:02}");
-            c.put(format!("cli-rev/peers/{id}"), record_json(&id, "127.0.0.1:9", 100 + i), None)
-                .await
-                .unwrap();
+            c.put(
+                format!("cli-rev/peers/{id}"),
+                record_json(&id, "127.0.0.1:9", 100 + i),
+                None,
+            )
+            .await
+            .unwrap();
         }
     });
     wait_gauge(&metrics, "kvferry_directory_peers", 21.0, Duration::from_secs(5));
@@ -541,7 +548,10 @@ fn every_change_of_one_etcd_revision_reaches_a_running_serve() {
     rt.block_on(async {
         let mut c = raw(&e).await;
         let r = c
-            .delete("cli-rev/peers/ghost-", Some(etcd_client::DeleteOptions::new().with_prefix()))
+            .delete(
+                "cli-rev/peers/ghost-",
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            )
             .await
             .unwrap();
         assert_eq!(r.deleted(), 20);
@@ -645,9 +655,13 @@ fn a_record_taken_behind_a_live_peers_back_is_taken_back_or_reported() {
     //    peer takes its record back.
     rt.block_on(async {
         let mut c = raw(&e).await;
-        c.put("cli-take/peers/prefill-a", record_json("prefill-a", &free_addr(), 0xbad), None)
-            .await
-            .unwrap();
+        c.put(
+            "cli-take/peers/prefill-a",
+            record_json("prefill-a", &free_addr(), 0xbad),
+            None,
+        )
+        .await
+        .unwrap();
     });
     wait_listed(&e, "cli-take", "prefill-a", &real.addr, inc, Duration::from_secs(5));
     // 2. A record naming the impostor's incarnation at its address, on a live lease:
@@ -710,14 +724,26 @@ fn get_by_directory_refuses_a_peer_that_is_not_the_one_its_record_names() {
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("evil");
     std::fs::write(&src, vec![0xee; 3000]).unwrap();
-    let put = kvferry(&["put", "--peer", &evil.addr, "--key", "k", "--file", src.to_str().unwrap()]);
+    let put = kvferry(&[
+        "put",
+        "--peer",
+        &evil.addr,
+        "--key",
+        "k",
+        "--file",
+        src.to_str().unwrap(),
+    ]);
     assert!(put.status.success(), "{}", text(&put.stderr));
     // A forged record: peer `decode-b` (incarnation 0x1234) is at evil's address.
     let rt = rt();
     rt.block_on(async {
         raw(&e)
             .await
-            .put("cli-forge/peers/decode-b", record_json("decode-b", &evil.addr, 0x1234), None)
+            .put(
+                "cli-forge/peers/decode-b",
+                record_json("decode-b", &evil.addr, 0x1234),
+                None,
+            )
             .await
             .unwrap();
     });
@@ -741,14 +767,23 @@ fn get_by_directory_refuses_a_peer_that_is_not_the_one_its_record_names() {
         kvferry(&args)
     };
     let by_id = get(Some("decode-b"));
-    assert!(!by_id.status.success(), "got the attacker's bytes: {}", text(&by_id.stdout));
+    assert!(
+        !by_id.status.success(),
+        "got the attacker's bytes: {}",
+        text(&by_id.stdout)
+    );
     let err = text(&by_id.stderr);
     assert!(
-        err.contains(&format!("{} answered as evil", evil.addr)) && err.contains("not as decode-b (incarnation 0x1234)"),
+        err.contains(&format!("{} answered as evil", evil.addr))
+            && err.contains("not as decode-b (incarnation 0x1234)"),
         "{err}"
     );
     let located = get(None);
-    assert!(!located.status.success(), "got the attacker's bytes: {}", text(&located.stdout));
+    assert!(
+        !located.status.success(),
+        "got the attacker's bytes: {}",
+        text(&located.stdout)
+    );
     let err = text(&located.stderr);
     assert!(err.contains("no live peer in namespace cli-forge holds k"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);

@@ -553,7 +553,11 @@ fn a_rogue_advertising_a_live_peers_address_from_another_host_is_refused() {
         );
         // With the secret the victim proves itself at once; without, the lease wait is
         // bounded by the victim's TTL plus a call deadline.
-        let limit = if secret.is_none() { Duration::from_secs(5) } else { TTL + Duration::from_secs(8) };
+        let limit = if secret.is_none() {
+            Duration::from_secs(5)
+        } else {
+            TTL + Duration::from_secs(8)
+        };
         assert!(t.elapsed() < limit, "refused after {:?}", t.elapsed());
     }
     // The victim was never displaced: listed with its incarnation, registered, serving.

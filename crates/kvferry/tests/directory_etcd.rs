@@ -177,9 +177,13 @@ async fn a_restart_fails_in_flight_transfers_with_peer_restarted() {
     // directory refuses it: p answers at that address, alive).
     let addr = p.address().unwrap().to_string();
     let mut raw = etcd_client::Client::connect([e.endpoint()], None).await.unwrap();
-    raw.put("test/peers/p", serde_json::to_vec(&PeerRecord::new("p", addr, 0xabc1)).unwrap(), None)
-        .await
-        .unwrap();
+    raw.put(
+        "test/peers/p",
+        serde_json::to_vec(&PeerRecord::new("p", addr, 0xabc1)).unwrap(),
+        None,
+    )
+    .await
+    .unwrap();
     let f = get.await.unwrap().unwrap_err();
     let waited = started.elapsed();
     match &f.error {
@@ -387,7 +391,10 @@ async fn the_view_equals_a_fresh_list_after_random_etcd_operations() {
     use rand::{Rng, SeedableRng};
     use std::collections::BTreeMap;
     let Some(mut e) = etcd::Etcd::start() else { return };
-    let seed: u64 = std::env::var("KVFERRY_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
+    let seed: u64 = std::env::var("KVFERRY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
     eprintln!("seed {seed} (KVFERRY_SEED to replay)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let d = dir(&e).await;
@@ -425,8 +432,15 @@ async fn the_view_equals_a_fresh_list_after_random_etcd_operations() {
                 }
                 8 => {
                     // All of them, or those whose id starts with k1 (k1 only).
-                    let prefix = if rng.gen_bool(0.5) { "test/peers/" } else { "test/peers/k1" };
-                    client.delete(prefix, Some(DeleteOptions::new().with_prefix())).await.unwrap();
+                    let prefix = if rng.gen_bool(0.5) {
+                        "test/peers/"
+                    } else {
+                        "test/peers/k1"
+                    };
+                    client
+                        .delete(prefix, Some(DeleteOptions::new().with_prefix()))
+                        .await
+                        .unwrap();
                 }
                 _ => {
                     let rev = client.get("x", None).await.unwrap().header().unwrap().revision();
@@ -453,7 +467,10 @@ async fn the_view_equals_a_fresh_list_after_random_etcd_operations() {
                 match ev {
                     PeerEvent::Joined(r) => assert!(mirror.insert(r.peer_id.clone(), r.incarnation).is_none(), "{r:?}"),
                     PeerEvent::Restarted { old, new } => {
-                        assert_eq!(mirror.insert(new.peer_id.clone(), new.incarnation), Some(old.incarnation))
+                        assert_eq!(
+                            mirror.insert(new.peer_id.clone(), new.incarnation),
+                            Some(old.incarnation)
+                        )
                     }
                     PeerEvent::Lost(r) => assert!(mirror.remove(&r.peer_id).is_some(), "{r:?}"),
                 }

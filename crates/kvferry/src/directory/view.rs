@@ -291,7 +291,9 @@ mod tests {
         assert_eq!(lost.len(), 20, "{lost:?}");
         assert!(v.snapshot(t0).peers.is_empty());
         // One transaction with five puts: all at revision 12.
-        let joined: Vec<PeerEvent> = (0..5).flat_map(|i| v.put(rec(&format!("q{i}"), 50 + i), 12, t0)).collect();
+        let joined: Vec<PeerEvent> = (0..5)
+            .flat_map(|i| v.put(rec(&format!("q{i}"), 50 + i), 12, t0))
+            .collect();
         assert_eq!(joined.len(), 5, "{joined:?}");
         assert_eq!(v.snapshot(t0).peers.len(), 5);
         // A revision split over a reconnect: the watch resumes at it, and the part
@@ -476,7 +478,10 @@ mod tests {
             for ev in events {
                 match ev {
                     PeerEvent::Joined(r) => {
-                        assert!(mirror.insert(r.peer_id.clone(), r.clone()).is_none(), "joined twice: {ev:?}");
+                        assert!(
+                            mirror.insert(r.peer_id.clone(), r.clone()).is_none(),
+                            "joined twice: {ev:?}"
+                        );
                     }
                     PeerEvent::Restarted { old, new } => {
                         let was = mirror.insert(new.peer_id.clone(), new.clone());
@@ -499,8 +504,14 @@ mod tests {
                 .collect();
             assert_eq!(seen, e.state, "the view differs from a fresh list");
             // Incarnations only: a same-incarnation update is silent by design.
-            let inc = |m: &BTreeMap<String, PeerRecord>| m.iter().map(|(k, r)| (k.clone(), r.incarnation)).collect::<Vec<_>>();
-            assert_eq!(inc(mirror), inc(&e.state), "the events emitted do not add up to the view");
+            let inc = |m: &BTreeMap<String, PeerRecord>| {
+                m.iter().map(|(k, r)| (k.clone(), r.incarnation)).collect::<Vec<_>>()
+            };
+            assert_eq!(
+                inc(mirror),
+                inc(&e.state),
+                "the events emitted do not add up to the view"
+            );
         }
 
         proptest! {

@@ -156,7 +156,11 @@ async fn put_if(
     };
     let txn = Txn::new()
         .when([guard])
-        .and_then([TxnOp::put(key.clone(), value, Some(PutOptions::new().with_lease(lease_id)))])
+        .and_then([TxnOp::put(
+            key.clone(),
+            value,
+            Some(PutOptions::new().with_lease(lease_id)),
+        )])
         .or_else([TxnOp::get(key.clone(), None)]);
     let resp = shared.call("register", shared.client.kv_client().txn(txn)).await?;
     if resp.succeeded() {
@@ -210,7 +214,11 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
             Ok(()) => {
                 tracing::info!(target: "kvferry::directory", key, lease_id, incarnation = record.incarnation,
                     replaced = over.is_some(), "registered");
-                return Ok(if over.is_some() { Claimed::Replaced } else { Claimed::Created });
+                return Ok(if over.is_some() {
+                    Claimed::Replaced
+                } else {
+                    Claimed::Created
+                });
             }
             Err(c) => c,
         };
@@ -313,7 +321,10 @@ fn kept_changing(key: &str) -> DirectoryError {
 /// The TTL a holder's lease was granted (the call deadline when etcd does not say).
 async fn holder_ttl(shared: &Shared, lease: i64) -> Duration {
     match shared
-        .call("lease time to live", shared.client.lease_client().time_to_live(lease, None))
+        .call(
+            "lease time to live",
+            shared.client.lease_client().time_to_live(lease, None),
+        )
         .await
     {
         Ok(r) if r.granted_ttl() > 0 => Duration::from_secs(r.granted_ttl() as u64),
