@@ -788,3 +788,57 @@ fn get_by_directory_refuses_a_peer_that_is_not_the_one_its_record_names() {
     assert!(err.contains("no live peer in namespace cli-forge holds k"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_peer_that_accepts_and_never_answers_does_not_hold_up_get_by_key() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let n1 = spawn_serve_in(&e, "cli-hole", "n1", &[]).expect("serve n1");
+    // A black hole: accepts connections and never writes a byte.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_addr = hole.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in hole.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        for i in 0..3 {
+            let id = format!("hole-{i}");
+            c.put(
+                format!("cli-hole/peers/{id}"),
+                record_json(&id, &hole_addr, 7 + i),
+                None,
+            )
+            .await
+            .unwrap();
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kvferry-dircli-hole-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("src");
+    std::fs::write(&src, vec![0x5a; 2000]).unwrap();
+    let put = kvferry(&["put", "--peer", &n1.addr, "--key", "k", "--file", src.to_str().unwrap()]);
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    // The get's whole budget is shorter than a handshake timeout (3 s): it must not be
+    // spent waiting for the black holes.
+    let t = Instant::now();
+    let get = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli-hole",
+        "--key",
+        "k",
+        "--model",
+        "tiny",
+        "--timeout",
+        "2s",
+    ]);
+    assert!(get.status.success(), "after {:?}: {}", t.elapsed(), text(&get.stderr));
+    assert!(text(&get.stdout).contains("got 2000 bytes"), "{}", text(&get.stdout));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -13,7 +13,9 @@
 //!   leases this engine staged for that peer. Any event clears the miss cache.
 //! - [`Engine::locate`] asks every live peer (at most [`FAN_OUT`] at once, all under
 //!   one deadline) how many of the keys it holds, and remembers a key no peer holds
-//!   for [`MISS_TTL`].
+//!   for [`MISS_TTL`]. A peer whose lookup timed out (e.g. it accepts and never
+//!   answers) is skipped for [`SUSPECT_TTL`] or until the directory announces a change
+//!   of it. [`Engine::locate_holder`] returns as soon as one peer holds every key.
 //! - A peer dialled through its record (by id, or by [`Engine::locate`]) must answer
 //!   with the record's peer id and incarnation: a connection presenting another is
 //!   refused with [`NetError::WrongPeer`](crate::net::NetError::WrongPeer). A
@@ -27,6 +29,7 @@
 //! [`Engine::locate`] dropped midway drops its outstanding lookups (they own no
 //! memory). The event task stops when the engine closes or is dropped.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -45,11 +48,16 @@ use crate::wire::ChunkKey;
 pub const FAN_OUT: usize = 16;
 /// How long a key that no live peer held is answered as a miss without asking.
 pub const MISS_TTL: Duration = Duration::from_millis(500);
+/// How long a peer whose lookup timed out is not asked again (unless the directory
+/// announces a change of it first).
+pub const SUSPECT_TTL: Duration = Duration::from_secs(10);
 
 /// The directory side of an engine.
 pub(super) struct FleetState {
     stop: CancellationToken,
     misses: Mutex<MissCache>,
+    /// Peers (id, incarnation) whose lookup timed out, until when they are skipped.
+    suspects: Mutex<HashMap<(String, u64), Instant>>,
 }
 
 impl Default for FleetState {
@@ -57,6 +65,7 @@ impl Default for FleetState {
         FleetState {
             stop: CancellationToken::new(),
             misses: Mutex::new(MissCache::new(MISS_TTL, 65_536)),
+            suspects: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -133,6 +142,23 @@ impl Engine {
     /// [`FAN_OUT`] at once. Peers that fail or do not answer in time count as holding
     /// nothing. Empty when no peer holds the first key (remembered for [`MISS_TTL`]).
     pub async fn locate(&self, keys: &[ChunkKey], deadline: Instant) -> Result<Vec<Located>, EngineError> {
+        self.locate_until(keys, deadline, false).await
+    }
+
+    /// As [`Engine::locate`], but returns as soon as one peer holds every key (that
+    /// peer alone; else the best one once all answered): a peer that accepts and never
+    /// answers does not hold up a get that another peer can serve. `None` when no peer
+    /// holds the first key.
+    pub async fn locate_holder(&self, keys: &[ChunkKey], deadline: Instant) -> Result<Option<Located>, EngineError> {
+        Ok(self.locate_until(keys, deadline, true).await?.into_iter().next())
+    }
+
+    async fn locate_until(
+        &self,
+        keys: &[ChunkKey],
+        deadline: Instant,
+        first_full: bool,
+    ) -> Result<Vec<Located>, EngineError> {
         self.check_open()?;
         let dir = self
             .inner
@@ -147,15 +173,20 @@ impl Engine {
             return Ok(Vec::new());
         }
         let me = self.peer_id().to_string();
-        let peers: Vec<PeerRecord> = dir
-            .live_peers()
-            .peers
-            .into_iter()
-            .map(|p| p.record)
-            .filter(|r| r.peer_id != me)
-            .collect();
+        let now = Instant::now();
+        let peers: Vec<PeerRecord> = {
+            let mut suspects = self.inner.fleet.suspects.lock();
+            suspects.retain(|_, until| *until > now);
+            dir.live_peers()
+                .peers
+                .into_iter()
+                .map(|p| p.record)
+                .filter(|r| r.peer_id != me && !suspects.contains_key(&(r.peer_id.clone(), r.incarnation)))
+                .collect()
+        };
         let consumer = self.inner.consumer.clone();
-        let mut found: Vec<Located> = futures::stream::iter(peers)
+        let fleet = &self.inner.fleet;
+        let mut lookups = futures::stream::iter(peers)
             .map(|r| {
                 let consumer = consumer.clone();
                 self.expect_record(&r);
@@ -163,6 +194,12 @@ impl Engine {
                     let hits = match consumer.lookup(&r.address, keys, deadline).await {
                         Ok(h) => h,
                         Err(e) => {
+                            if matches!(e, PeerError::Timeout { .. }) {
+                                fleet
+                                    .suspects
+                                    .lock()
+                                    .insert((r.peer_id.clone(), r.incarnation), Instant::now() + SUSPECT_TTL);
+                            }
                             tracing::debug!(target: "kvferry::engine", peer = %r.peer_id, error = %e, "lookup failed");
                             0
                         }
@@ -174,10 +211,17 @@ impl Engine {
                     }
                 }
             })
-            .buffer_unordered(FAN_OUT)
-            .filter(|l| std::future::ready(l.hits > 0))
-            .collect()
-            .await;
+            .buffer_unordered(FAN_OUT);
+        let mut found = Vec::new();
+        while let Some(l) = lookups.next().await {
+            if l.hits == 0 {
+                continue;
+            }
+            if first_full && l.hits >= keys.len() {
+                return Ok(vec![l]);
+            }
+            found.push(l);
+        }
         found.sort_by(|a, b| b.hits.cmp(&a.hits).then_with(|| a.peer_id.cmp(&b.peer_id)));
         if found.is_empty() {
             self.inner.fleet.misses.lock().insert(first, Instant::now());
@@ -257,6 +301,7 @@ async fn follow(inner: Weak<Inner>, mut rx: tokio::sync::broadcast::Receiver<Pee
 
 fn apply(inner: &Inner, ev: PeerEvent) {
     inner.fleet.misses.lock().clear();
+    inner.fleet.suspects.lock().retain(|(id, _), _| id != ev.peer_id());
     if ev.peer_id() == inner.cfg.net.peer_id {
         return;
     }
