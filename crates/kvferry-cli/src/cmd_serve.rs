@@ -178,7 +178,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         use std::io::Write;
         std::io::stdout().flush()?;
         let metrics = match &args.metrics {
-            Some(addr) => Some(serve_metrics(addr, args.metrics_token_file.as_deref(), &engine).await?),
+            Some(addr) => {
+                let m = serve_metrics(addr, args.metrics_token_file.as_deref(), &engine).await?;
+                let follower = tokio::spawn(ready_while_registered(m.readiness(), &engine));
+                Some((m, follower))
+            }
             None => None,
         };
         std::io::stdout().flush()?;
@@ -188,7 +192,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         eprintln!("kvferry serve: shutting down");
         // /readyz answers 503 from here on; the endpoint stays up while the engine closes.
-        if let Some(m) = &metrics {
+        if let Some((m, follower)) = &metrics {
+            follower.abort();
             m.readiness().set(false);
         }
         // What was still held before the forced release (pages a Done or a TTL should
@@ -203,11 +208,31 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "kvferry serve: arena closed: {} pages outstanding, {} quarantined",
             report.outstanding_pages, report.quarantined_pages
         );
-        if let Some(m) = metrics {
+        if let Some((m, _)) = metrics {
             m.shutdown().await;
         }
         Ok(())
     })
+}
+
+/// `/readyz` follows the directory registration: not ready while peers cannot see
+/// this node (its registration lost, or its peer id held by another process), since
+/// its producer then refuses every get. Without a directory it stays ready.
+fn ready_while_registered(
+    ready: kvferry::metrics::Readiness,
+    engine: &Engine,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let state = engine.config().directory.as_ref().and_then(|d| d.registration_state());
+    async move {
+        let Some(mut state) = state else { return };
+        loop {
+            let registered = state.borrow_and_update().is_registered();
+            ready.set(registered);
+            if state.changed().await.is_err() {
+                return;
+            }
+        }
+    }
 }
 
 /// Starts the metrics endpoint on `spec` (a bare port means loopback) with the

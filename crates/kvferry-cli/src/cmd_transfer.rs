@@ -240,9 +240,9 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
 /// directory; a clear error when none does.
 async fn locate(c: &Engine, p: &PeerArgs, k: ChunkKey, deadline: Instant) -> anyhow::Result<String> {
     let view = c.config().directory.as_ref().expect("etcd directory").live_peers();
-    let found = c.locate(&[k], deadline).await?;
-    match found.first() {
-        Some(l) => Ok(l.peer_id.clone()),
+    // The first peer holding it: one that never answers does not hold up the get.
+    match c.locate_holder(&[k], deadline).await? {
+        Some(l) => Ok(l.peer_id),
         None => anyhow::bail!(
             "no live peer in namespace {} holds {} (asked {} peer(s){})",
             p.dir.namespace,

@@ -385,3 +385,460 @@ fn serve_exports_the_directory_view_and_flags_it_stale_while_etcd_is_down() {
     e.restart();
     wait_gauge(&metrics, "kvferry_directory_stale", 0.0, Duration::from_secs(15));
 }
+
+/// A `serve` in namespace `ns` with `extra` flags (e.g. `--metrics`, `--advertise`).
+fn spawn_serve_in(e: &etcd::Etcd, ns: &str, id: &str, extra: &[&str]) -> Result<Serve, String> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
+        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+        .args(["--directory", &e.url(), "--namespace", ns, "--directory-ttl", "2s"])
+        .args(["--peer-id", id])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry serve");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    match line.strip_prefix("kvferry serve: listening on ") {
+        Some(rest) => Ok(Serve {
+            addr: rest.split_whitespace().next().unwrap().to_string(),
+            line: line.clone(),
+            child,
+            _out: out,
+        }),
+        None => {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+}
+
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+/// The incarnation printed on a serve's first line.
+fn incarnation_of(line: &str) -> u64 {
+    let hex = line
+        .split("incarnation 0x")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_hexdigit()).next())
+        .unwrap_or_else(|| panic!("no incarnation in {line}"));
+    u64::from_str_radix(hex, 16).unwrap()
+}
+
+fn record_json(id: &str, addr: &str, incarnation: u64) -> Vec<u8> {
+    serde_json::to_vec(&kvferry::directory::PeerRecord::new(id, addr, incarnation)).unwrap()
+}
+
+async fn raw(e: &etcd::Etcd) -> etcd_client::Client {
+    etcd_client::Client::connect([e.endpoint()], None).await.unwrap()
+}
+
+/// `kvferry peers` in `ns`: (id, address, incarnation) of each line.
+fn peers_in(e: &etcd::Etcd, ns: &str) -> Vec<(String, String, u64)> {
+    let out = kvferry(&["peers", "--directory", &e.url(), "--namespace", ns, "--json"]);
+    assert!(out.status.success(), "peers failed: {}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let inc = p["incarnation"].as_str().unwrap().trim_start_matches("0x");
+            (
+                p["peer_id"].as_str().unwrap().to_string(),
+                p["address"].as_str().unwrap().to_string(),
+                u64::from_str_radix(inc, 16).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Waits until `kvferry peers` in `ns` lists `id` at `addr` with `inc`.
+fn wait_listed(e: &etcd::Etcd, ns: &str, id: &str, addr: &str, inc: u64, limit: Duration) {
+    let t = Instant::now();
+    loop {
+        let list = peers_in(e, ns);
+        if list.iter().any(|(i, a, n)| i == id && a == addr && *n == inc) {
+            return;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "{id} at {addr} ({inc:#x}) not listed within {limit:?}: {list:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The HTTP status line of `GET path` at `addr`.
+fn http_status(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_secs(1)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines().next().unwrap_or_default().to_string()
+}
+
+fn wait_status(addr: &str, path: &str, want: &str, limit: Duration) {
+    let t = Instant::now();
+    loop {
+        let st = http_status(addr, path);
+        if st.contains(want) {
+            return;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "{path} never answered {want} within {limit:?}: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn every_change_of_one_etcd_revision_reaches_a_running_serve() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let metrics = free_addr();
+    let m0 = spawn_serve_in(&e, "cli-rev", "m0", &["--metrics", &metrics]).expect("serve m0");
+    wait_gauge(&metrics, "kvferry_directory_peers", 1.0, Duration::from_secs(10));
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        // Five puts in one transaction: one revision.
+        let puts: Vec<etcd_client::TxnOp> = (0..5)
+            .map(|i| {
+                etcd_client::TxnOp::put(
+                    format!("cli-rev/peers/ghost-{i:02}"),
+                    record_json(&format!("ghost-{i:02}"), "127.0.0.1:9", 100 + i),
+                    None,
+                )
+            })
+            .collect();
+        let r = c.txn(etcd_client::Txn::new().and_then(puts)).await.unwrap();
+        assert!(r.succeeded());
+    });
+    wait_gauge(&metrics, "kvferry_directory_peers", 6.0, Duration::from_secs(5));
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        for i in 5..20u64 {
+            let id = format!("ghost-{i:02}");
+            c.put(
+                format!("cli-rev/peers/{id}"),
+                record_json(&id, "127.0.0.1:9", 100 + i),
+                None,
+            )
+            .await
+            .unwrap();
+        }
+    });
+    wait_gauge(&metrics, "kvferry_directory_peers", 21.0, Duration::from_secs(5));
+    // Twenty deletes in one revision (what `etcdctl del --prefix` does).
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        let r = c
+            .delete(
+                "cli-rev/peers/ghost-",
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.deleted(), 20);
+    });
+    wait_gauge(&metrics, "kvferry_directory_peers", 1.0, Duration::from_secs(5));
+    // The whole namespace deleted behind m0's back: its record comes back.
+    let inc = incarnation_of(&m0.line);
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        let r = c
+            .delete("cli-rev/peers/", Some(etcd_client::DeleteOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        assert_eq!(r.deleted(), 1);
+    });
+    wait_listed(&e, "cli-rev", "m0", &m0.addr, inc, Duration::from_secs(5));
+    wait_gauge(&metrics, "kvferry_directory_peers", 1.0, Duration::from_secs(5));
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+}
+
+#[test]
+fn a_rogue_advertising_a_live_peers_address_cannot_take_its_id() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let metrics = free_addr();
+    let real = spawn_serve_in(&e, "cli-own", "prefill-a", &["--metrics", &metrics]).expect("serve prefill-a");
+    let inc = incarnation_of(&real.line);
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+    // Another process claims the id at the live peer's address.
+    let t = Instant::now();
+    let err = match spawn_serve_in(&e, "cli-own", "prefill-a", &["--advertise", &real.addr]) {
+        Ok(s) => panic!("the rogue registered: {}", s.line),
+        Err(err) => err,
+    };
+    assert!(
+        err.contains(&format!(
+            "peer id prefill-a is already registered by a live process at {}",
+            real.addr
+        )),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "refused after {:?}", t.elapsed());
+    // The real peer is untouched and still serves by id.
+    wait_listed(&e, "cli-own", "prefill-a", &real.addr, inc, Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(1));
+    wait_listed(&e, "cli-own", "prefill-a", &real.addr, inc, Duration::from_secs(1));
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(1));
+    wait_status(&metrics, "/readyz", "200", Duration::from_secs(1));
+    let get = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli-own",
+        "--peer",
+        "prefill-a",
+        "--key",
+        "nothing",
+        "--model",
+        "tiny",
+    ]);
+    let err = text(&get.stderr);
+    assert!(err.contains("miss: prefill-a does not hold nothing"), "{err}");
+}
+
+#[test]
+fn a_record_taken_behind_a_live_peers_back_is_taken_back_or_reported() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let metrics = free_addr();
+    let real = spawn_serve_in(&e, "cli-take", "prefill-a", &["--metrics", &metrics]).expect("serve prefill-a");
+    let inc = incarnation_of(&real.line);
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+    // An impostor: a plain serve (no directory) that says it is prefill-a.
+    let impostor = {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args(["--peer-id", "prefill-a"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let addr = line
+            .strip_prefix("kvferry serve: listening on ")
+            .unwrap_or_else(|| panic!("{line}"))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string();
+        Serve {
+            addr,
+            line,
+            child,
+            _out: out,
+        }
+    };
+    let rt = rt();
+    // 1. A forged record on no lease, naming a holder that does not answer: the real
+    //    peer takes its record back.
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        c.put(
+            "cli-take/peers/prefill-a",
+            record_json("prefill-a", &free_addr(), 0xbad),
+            None,
+        )
+        .await
+        .unwrap();
+    });
+    wait_listed(&e, "cli-take", "prefill-a", &real.addr, inc, Duration::from_secs(5));
+    // 2. A record naming the impostor's incarnation at its address, on a live lease:
+    //    a live holder, which the real peer does not fight; it reports itself
+    //    unregistered (metric, /readyz) until the record is free, then comes back.
+    let lease = rt.block_on(async {
+        let mut c = raw(&e).await;
+        let lease = c.lease_grant(60, None).await.unwrap().id();
+        let imp_inc = incarnation_of(&impostor.line);
+        c.put(
+            "cli-take/peers/prefill-a",
+            record_json("prefill-a", &impostor.addr, imp_inc),
+            Some(etcd_client::PutOptions::new().with_lease(lease)),
+        )
+        .await
+        .unwrap();
+        lease
+    });
+    wait_gauge(&metrics, "kvferry_directory_registered", 0.0, Duration::from_secs(5));
+    wait_status(&metrics, "/readyz", "503", Duration::from_secs(2));
+    rt.block_on(async {
+        raw(&e).await.lease_revoke(lease).await.unwrap();
+    });
+    wait_listed(&e, "cli-take", "prefill-a", &real.addr, inc, Duration::from_secs(5));
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+    wait_status(&metrics, "/readyz", "200", Duration::from_secs(2));
+}
+
+#[test]
+fn get_by_directory_refuses_a_peer_that_is_not_the_one_its_record_names() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    // An attacker's serve (no directory) holding attacker bytes under key "k".
+    let evil = {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args(["--peer-id", "evil"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let addr = line
+            .strip_prefix("kvferry serve: listening on ")
+            .unwrap_or_else(|| panic!("{line}"))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string();
+        Serve {
+            addr,
+            line,
+            child,
+            _out: out,
+        }
+    };
+    let dir = std::env::temp_dir().join(format!("kvferry-dircli-forge-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("evil");
+    std::fs::write(&src, vec![0xee; 3000]).unwrap();
+    let put = kvferry(&[
+        "put",
+        "--peer",
+        &evil.addr,
+        "--key",
+        "k",
+        "--file",
+        src.to_str().unwrap(),
+    ]);
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    // A forged record: peer `decode-b` (incarnation 0x1234) is at evil's address.
+    let rt = rt();
+    rt.block_on(async {
+        raw(&e)
+            .await
+            .put(
+                "cli-forge/peers/decode-b",
+                record_json("decode-b", &evil.addr, 0x1234),
+                None,
+            )
+            .await
+            .unwrap();
+    });
+    let get = |peer: Option<&str>| {
+        let mut args = vec![
+            "get",
+            "--directory",
+            e.url().leak(),
+            "--namespace",
+            "cli-forge",
+            "--key",
+            "k",
+            "--model",
+            "tiny",
+            "--timeout",
+            "3s",
+        ];
+        if let Some(p) = peer {
+            args.extend(["--peer", p]);
+        }
+        kvferry(&args)
+    };
+    let by_id = get(Some("decode-b"));
+    assert!(
+        !by_id.status.success(),
+        "got the attacker's bytes: {}",
+        text(&by_id.stdout)
+    );
+    let err = text(&by_id.stderr);
+    assert!(
+        err.contains(&format!("{} answered as evil", evil.addr))
+            && err.contains("not as decode-b (incarnation 0x1234)"),
+        "{err}"
+    );
+    let located = get(None);
+    assert!(
+        !located.status.success(),
+        "got the attacker's bytes: {}",
+        text(&located.stdout)
+    );
+    let err = text(&located.stderr);
+    assert!(err.contains("no live peer in namespace cli-forge holds k"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_peer_that_accepts_and_never_answers_does_not_hold_up_get_by_key() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let n1 = spawn_serve_in(&e, "cli-hole", "n1", &[]).expect("serve n1");
+    // A black hole: accepts connections and never writes a byte.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_addr = hole.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in hole.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    let rt = rt();
+    rt.block_on(async {
+        let mut c = raw(&e).await;
+        for i in 0..3 {
+            let id = format!("hole-{i}");
+            c.put(
+                format!("cli-hole/peers/{id}"),
+                record_json(&id, &hole_addr, 7 + i),
+                None,
+            )
+            .await
+            .unwrap();
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("kvferry-dircli-hole-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("src");
+    std::fs::write(&src, vec![0x5a; 2000]).unwrap();
+    let put = kvferry(&["put", "--peer", &n1.addr, "--key", "k", "--file", src.to_str().unwrap()]);
+    assert!(put.status.success(), "{}", text(&put.stderr));
+    // The get's whole budget is shorter than a handshake timeout (3 s): it must not be
+    // spent waiting for the black holes.
+    let t = Instant::now();
+    let get = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli-hole",
+        "--key",
+        "k",
+        "--model",
+        "tiny",
+        "--timeout",
+        "2s",
+    ]);
+    assert!(get.status.success(), "after {:?}: {}", t.elapsed(), text(&get.stderr));
+    assert!(text(&get.stdout).contains("got 2000 bytes"), "{}", text(&get.stdout));
+    let _ = std::fs::remove_dir_all(&dir);
+}

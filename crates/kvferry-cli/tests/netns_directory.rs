@@ -5,7 +5,9 @@
 //! (with the same incarnation: the process never restarted); a
 //! restarted process comes back with a new one; etcd killed and restarted hangs
 //! nothing, known peers keep transferring, and the view recovers; a chaos run with etcd
-//! restarts corrupts and leaks nothing.
+//! restarts corrupts and leaks nothing. A rogue `serve` on another host that claims a
+//! live peer's id with `--advertise` at that peer's address is refused (with the
+//! secret, or without it), and the real peer stays listed and serving.
 //!
 //! These need the directory (`serve --directory`); where this `kvferry` lacks it they
 //! print why and return. They need root and the `etcd` binary too (a skip elsewhere, a
@@ -490,4 +492,77 @@ fn chaos_with_the_directory_and_etcd_restarts_corrupts_and_leaks_nothing() {
         st.free_pages, st.total_pages,
         "seed {seed}: client staging pages leaked"
     );
+}
+
+#[test]
+fn a_rogue_advertising_a_live_peers_address_from_another_host_is_refused() {
+    let Some(f) = Fleet::start("directory takeover") else {
+        return;
+    };
+    let victim = &f.servers[0];
+    let id = format!("h{}", victim.host.index);
+    let c = NsClient::new(&f.client, "takeover-client");
+    c.put(&victim.addr, "mine", &pattern("mine", 40_000), T).unwrap();
+    // From the client host: same id, the victim's address advertised; once with the
+    // fleet's secret (its probe reaches the victim, which answers alive), once with a
+    // wrong one (nothing proven: it waits for the victim's lease, which stays alive).
+    for secret in [None, Some("not-the-fleet-secret-but-as-long-as-one")] {
+        let mut args = vec![
+            "serve",
+            "--listen",
+            "0.0.0.0:7400",
+            "--model",
+            MODEL,
+            "--blocks",
+            "64",
+            "--arena",
+            "4MiB",
+            "--page-size",
+            "64KiB",
+            "--peer-id",
+            &id,
+            "--directory",
+            &f.etcd.url,
+            "--namespace",
+            &f.namespace,
+            "--directory-ttl",
+            "2s",
+            "--advertise",
+            &victim.addr,
+        ];
+        if let Some(s) = secret {
+            args.extend(["--secret", s]);
+        }
+        let t = Instant::now();
+        let out = kvferry(&f.client, &args, Duration::from_secs(20));
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        );
+        assert!(
+            !stdout.contains("registered as"),
+            "the rogue (secret {secret:?}) registered:\n{stdout}\n{stderr}"
+        );
+        assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "peer id {id} is already registered by a live process at {}",
+                victim.addr
+            )),
+            "secret {secret:?}: {stderr}"
+        );
+        // With the secret the victim proves itself at once; without, the lease wait is
+        // bounded by the victim's TTL plus a call deadline.
+        let limit = if secret.is_none() {
+            Duration::from_secs(5)
+        } else {
+            TTL + Duration::from_secs(8)
+        };
+        assert!(t.elapsed() < limit, "refused after {:?}", t.elapsed());
+    }
+    // The victim was never displaced: listed with its incarnation, registered, serving.
+    let list = f.wait_all_listed("the victim stays listed after the takeover attempts");
+    assert_eq!(listed(&list, &id).map(|p| p.incarnation), Some(victim.incarnation));
+    assert_eq!(victim.metric("kvferry_directory_registered"), Some(1.0));
+    assert!(f.get_via_directory("mine", "5s").unwrap() == pattern("mine", 40_000));
 }

@@ -173,10 +173,17 @@ async fn a_restart_fails_in_flight_transfers_with_peer_restarted() {
     let started = Instant::now();
     let get = tokio::spawn(async move { c2.get("p", &[k], d, Instant::now() + Duration::from_secs(10)).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // A new incarnation at p's address (what a restarted `p` registers).
-    let successor = dir(&e).await;
+    // A new incarnation at p's address, written straight into etcd (a registering
+    // directory refuses it: p answers at that address, alive).
     let addr = p.address().unwrap().to_string();
-    successor.register(PeerRecord::new("p", addr, 0xabc1)).await.unwrap();
+    let mut raw = etcd_client::Client::connect([e.endpoint()], None).await.unwrap();
+    raw.put(
+        "test/peers/p",
+        serde_json::to_vec(&PeerRecord::new("p", addr, 0xabc1)).unwrap(),
+        None,
+    )
+    .await
+    .unwrap();
     let f = get.await.unwrap().unwrap_err();
     let waited = started.elapsed();
     match &f.error {
@@ -372,4 +379,116 @@ async fn a_lost_lease_is_renewed_with_the_same_incarnation() {
         .unwrap();
     c.close(Instant::now() + Duration::from_secs(5)).await;
     p.close(Instant::now() + Duration::from_secs(5)).await;
+}
+
+/// The view against the real etcd: a seeded random run of single puts and deletes,
+/// transactions with several changes, range deletes, compactions and an etcd restart;
+/// at every checkpoint the view equals a fresh list and the events it emitted add up
+/// to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_view_equals_a_fresh_list_after_random_etcd_operations() {
+    use etcd_client::{DeleteOptions, GetOptions, Txn, TxnOp};
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeMap;
+    let Some(mut e) = etcd::Etcd::start() else { return };
+    let seed: u64 = std::env::var("KVFERRY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("seed {seed} (KVFERRY_SEED to replay)");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = dir(&e).await;
+    let mut rx = d.subscribe();
+    let mut mirror: BTreeMap<String, u64> = BTreeMap::new();
+    let key = |k: usize| format!("test/peers/k{k}");
+    let rec = |k: usize, inc: u64| serde_json::to_vec(&PeerRecord::new(format!("k{k}"), "127.0.0.1:9", inc)).unwrap();
+    let mut client = etcd_client::Client::connect([e.endpoint()], None).await.unwrap();
+    for round in 0..12 {
+        if round == 6 {
+            // A restart, changes and a compaction while the watch reconnects.
+            e.restart();
+            client = etcd_client::Client::connect([e.endpoint()], None).await.unwrap();
+        }
+        for _ in 0..12 {
+            match rng.gen_range(0..10) {
+                0..=3 => {
+                    let k = rng.gen_range(0..8);
+                    client.put(key(k), rec(k, rng.gen_range(1..4)), None).await.unwrap();
+                }
+                4 | 5 => {
+                    client.delete(key(rng.gen_range(0..8)), None).await.unwrap();
+                }
+                6 | 7 => {
+                    let mut keys: Vec<usize> = (0..8).collect();
+                    keys.retain(|_| rng.gen_bool(0.5));
+                    let ops: Vec<TxnOp> = keys
+                        .iter()
+                        .map(|&k| match rng.gen_bool(0.7) {
+                            true => TxnOp::put(key(k), rec(k, rng.gen_range(1..4)), None),
+                            false => TxnOp::delete(key(k), None),
+                        })
+                        .collect();
+                    client.txn(Txn::new().and_then(ops)).await.unwrap();
+                }
+                8 => {
+                    // All of them, or those whose id starts with k1 (k1 only).
+                    let prefix = if rng.gen_bool(0.5) {
+                        "test/peers/"
+                    } else {
+                        "test/peers/k1"
+                    };
+                    client
+                        .delete(prefix, Some(DeleteOptions::new().with_prefix()))
+                        .await
+                        .unwrap();
+                }
+                _ => {
+                    let rev = client.get("x", None).await.unwrap().header().unwrap().revision();
+                    // Compacted at this revision already: etcd says so, nothing changes.
+                    let _ = client.compact(rev, None).await;
+                }
+            }
+        }
+        // Checkpoint: the view converges to a fresh list.
+        let fresh: BTreeMap<String, u64> = client
+            .get("test/peers/", Some(GetOptions::new().with_prefix()))
+            .await
+            .unwrap()
+            .kvs()
+            .iter()
+            .map(|kv| {
+                let r: PeerRecord = serde_json::from_slice(kv.value()).unwrap();
+                (r.peer_id, r.incarnation)
+            })
+            .collect();
+        let start = Instant::now();
+        loop {
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    PeerEvent::Joined(r) => assert!(mirror.insert(r.peer_id.clone(), r.incarnation).is_none(), "{r:?}"),
+                    PeerEvent::Restarted { old, new } => {
+                        assert_eq!(
+                            mirror.insert(new.peer_id.clone(), new.incarnation),
+                            Some(old.incarnation)
+                        )
+                    }
+                    PeerEvent::Lost(r) => assert!(mirror.remove(&r.peer_id).is_some(), "{r:?}"),
+                }
+            }
+            let seen: BTreeMap<String, u64> = d
+                .live_peers()
+                .peers
+                .into_iter()
+                .map(|p| (p.record.peer_id, p.record.incarnation))
+                .collect();
+            if seen == fresh && mirror == fresh {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "round {round} (seed {seed}): view {seen:?}, events {mirror:?}, fresh list {fresh:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }

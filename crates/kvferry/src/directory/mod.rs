@@ -17,6 +17,16 @@
 //! The shared secret never goes into a directory: records carry addresses and
 //! metadata only.
 //!
+//! # Ownership of a registration
+//!
+//! A record is owned by the process whose incarnation it names. A backend never
+//! replaces a record naming a live incarnation: a newcomer with the same peer id is
+//! refused with [`DirectoryError::DuplicatePeerId`] unless the holder is proven dead
+//! (its address answers as the newcomer, see [`Prober`]) or its lease expires. A
+//! registered process checks its own record and puts it back when it vanished or was
+//! overwritten by a record whose holder is not alive; while another live process holds
+//! it, its state is [`RegistrationState::Lost`].
+//!
 //! # Cancellation
 //!
 //! [`Directory::register`] and [`Directory::deregister`] return futures bounded by the
@@ -121,7 +131,38 @@ pub trait Directory: Send + Sync + 'static {
     fn registration_state(&self) -> Option<tokio::sync::watch::Receiver<RegistrationState>> {
         None
     }
+
+    /// The record of `peer` (an id), when the backend has one: what a consumer
+    /// dialling by peer id compares the handshake's peer id and incarnation with.
+    /// Answers from memory.
+    fn record(&self, _peer: &str) -> Option<PeerRecord> {
+        None
+    }
+
+    /// Sets how this directory asks who answers at an address, to tell a live holder
+    /// of a peer id from a dead one (backends without registrations ignore it). Set it
+    /// before [`Directory::register`].
+    fn set_prober(&self, _prober: Prober) {}
 }
+
+/// Who answered at an address, as a [`Prober`] found out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Probed {
+    /// A peer completed the handshake there, presenting this id and incarnation.
+    Answered {
+        /// Its peer id.
+        peer_id: String,
+        /// Its incarnation.
+        incarnation: u64,
+    },
+    /// Nobody completed a handshake there in time (the reason says what happened).
+    NoAnswer(String),
+}
+
+/// Dials an address (a record's) and says who answers there. The engine provides one
+/// that handshakes as itself (with its secret and TLS settings), bounded by its
+/// connect and handshake timeouts.
+pub type Prober = std::sync::Arc<dyn Fn(String) -> BoxFuture<'static, Probed> + Send + Sync>;
 
 /// This process's standing in a directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,7 +171,15 @@ pub enum RegistrationState {
     Unregistered,
     /// Registered with this record.
     Registered(PeerRecord),
-    /// The backend lost the registration (e.g. its lease expired while the backend
-    /// was unreachable); registering again. Peers do not see this process meanwhile.
+    /// The backend lost the registration (its lease expired while the backend was
+    /// unreachable, its record was deleted, or another live process holds the id);
+    /// registering again. Peers do not see this process meanwhile.
     Lost,
+}
+
+impl RegistrationState {
+    /// Whether peers can see this process now.
+    pub fn is_registered(&self) -> bool {
+        matches!(self, RegistrationState::Registered(_))
+    }
 }

@@ -15,8 +15,15 @@
 //!   incarnation is [`PeerEvent::Restarted`]; a deleted id, or one missing from a new
 //!   list, is [`PeerEvent::Lost`]. Same id and incarnation (e.g. a changed capability)
 //!   updates the record silently.
-//! - Changes at or below the revision already applied are ignored (a watch replaying
-//!   what the list already showed changes nothing).
+//! - Every change of a revision is applied: one etcd revision may carry many changes
+//!   (a transaction with several puts, a range delete such as `etcdctl del --prefix`),
+//!   and they all share that revision. A change *below* the revision already applied
+//!   is ignored (the view already reflects it); a change *at* it is applied, which is
+//!   harmless when it was applied already: within one revision each key changes at
+//!   most once (etcd refuses a transaction touching a key twice), so the state at a
+//!   revision already contains each of its changes and re-applying one is a no-op.
+//!   That also keeps a revision whose changes arrive split over several watch
+//!   messages (or over a reconnect that resumes at [`PeerView::next_step`]) whole.
 //! - The view is **stale** before the first list, from a disconnection until the next
 //!   successful list or watch message, and when nothing confirmed it for longer than
 //!   `stale_after`. A stale view still answers: peers known stay usable.
@@ -33,7 +40,8 @@ use super::record::{LivePeer, LivePeers, PeerEvent, PeerRecord};
 pub enum Step {
     /// Read every record (and the revision it was read at).
     List,
-    /// Watch for changes after `from - 1`, i.e. starting at revision `from`.
+    /// Watch for changes starting at revision `from` (the revision applied: a
+    /// revision whose changes arrived only in part is read again, whole).
     Watch {
         /// First revision to report.
         from: i64,
@@ -75,9 +83,7 @@ impl PeerView {
         if self.need_list {
             Step::List
         } else {
-            Step::Watch {
-                from: self.revision + 1,
-            }
+            Step::Watch { from: self.revision }
         }
     }
 
@@ -107,20 +113,21 @@ impl PeerView {
         events
     }
 
-    /// A put seen by the watch at `revision`.
+    /// A put seen by the watch at `revision` (ignored below the revision applied).
     pub fn put(&mut self, record: PeerRecord, revision: i64, now: Instant) -> Vec<PeerEvent> {
         self.confirmed(now);
-        if revision <= self.revision {
+        if revision < self.revision {
             return Vec::new();
         }
         self.revision = revision;
         self.upsert(record, now).into_iter().collect()
     }
 
-    /// A delete of `peer_id` seen by the watch at `revision`.
+    /// A delete of `peer_id` seen by the watch at `revision` (ignored below the
+    /// revision applied).
     pub fn deleted(&mut self, peer_id: &str, revision: i64, now: Instant) -> Vec<PeerEvent> {
         self.confirmed(now);
-        if revision <= self.revision {
+        if revision < self.revision {
             return Vec::new();
         }
         self.revision = revision;
@@ -230,7 +237,7 @@ mod tests {
         assert!(v.is_stale(t0), "stale before the first list");
         let ev = v.listed(vec![rec("a", 1), rec("b", 2)], 10, t0);
         assert_eq!(ev, vec![PeerEvent::Joined(rec("a", 1)), PeerEvent::Joined(rec("b", 2))]);
-        assert_eq!(v.next_step(), Step::Watch { from: 11 });
+        assert_eq!(v.next_step(), Step::Watch { from: 10 });
         assert!(!v.is_stale(t0));
         assert_eq!(v.resolve("a").as_deref(), Some("127.0.0.1:7001"));
     }
@@ -258,7 +265,7 @@ mod tests {
         assert_eq!(v.put(rec("c", 4), 8, t0), vec![PeerEvent::Joined(rec("c", 4))]);
         assert_eq!(v.deleted("c", 9, t0), vec![PeerEvent::Lost(rec("c", 4))]);
         assert!(v.deleted("zz", 10, t0).is_empty());
-        assert_eq!(v.next_step(), Step::Watch { from: 11 });
+        assert_eq!(v.next_step(), Step::Watch { from: 10 });
     }
 
     #[test]
@@ -267,8 +274,33 @@ mod tests {
         let mut v = PeerView::new(STALE);
         v.listed(vec![rec("a", 1)], 10, t0);
         assert!(v.deleted("a", 9, t0).is_empty(), "older than the list");
-        assert!(v.put(rec("a", 2), 10, t0).is_empty(), "at the list's revision");
+        assert!(v.put(rec("a", 2), 9, t0).is_empty(), "older than the list");
+        // The change that made the listed state, replayed at the list's revision.
+        assert!(v.put(rec("a", 1), 10, t0).is_empty(), "at the list's revision");
         assert_eq!(v.record("a").unwrap().incarnation, 1);
+    }
+
+    #[test]
+    fn every_change_of_one_revision_is_applied() {
+        let t0 = Instant::now();
+        let mut v = PeerView::new(STALE);
+        let all: Vec<PeerRecord> = (0..20).map(|i| rec(&format!("p{i}"), i + 1)).collect();
+        v.listed(all.clone(), 10, t0);
+        // One range delete: twenty deletes, all at revision 11.
+        let lost: Vec<PeerEvent> = all.iter().flat_map(|r| v.deleted(&r.peer_id, 11, t0)).collect();
+        assert_eq!(lost.len(), 20, "{lost:?}");
+        assert!(v.snapshot(t0).peers.is_empty());
+        // One transaction with five puts: all at revision 12.
+        let joined: Vec<PeerEvent> = (0..5)
+            .flat_map(|i| v.put(rec(&format!("q{i}"), 50 + i), 12, t0))
+            .collect();
+        assert_eq!(joined.len(), 5, "{joined:?}");
+        assert_eq!(v.snapshot(t0).peers.len(), 5);
+        // A revision split over a reconnect: the watch resumes at it, and the part
+        // already applied changes nothing the second time.
+        assert_eq!(v.next_step(), Step::Watch { from: 12 });
+        assert!(v.put(rec("q0", 50), 12, t0).is_empty());
+        assert_eq!(v.snapshot(t0).peers.len(), 5);
     }
 
     #[test]
@@ -292,7 +324,7 @@ mod tests {
                 PeerEvent::Joined(rec("c", 6)),
             ]
         );
-        assert_eq!(v.next_step(), Step::Watch { from: 41 });
+        assert_eq!(v.next_step(), Step::Watch { from: 40 });
     }
 
     #[test]
@@ -305,7 +337,7 @@ mod tests {
         let snap = v.snapshot(t1);
         assert!(snap.stale);
         assert_eq!(snap.peers.len(), 1, "known peers stay usable");
-        assert_eq!(v.next_step(), Step::Watch { from: 11 }, "resume from the last revision");
+        assert_eq!(v.next_step(), Step::Watch { from: 10 }, "resume at the last revision");
         v.confirmed(t1);
         assert!(!v.is_stale(t1));
     }
@@ -330,5 +362,203 @@ mod tests {
         v.put(rec("a", 2), 2, t1);
         let t2 = t1 + Duration::from_secs(2);
         assert_eq!(v.snapshot(t2).peers[0].known_for, Duration::from_secs(2));
+    }
+
+    /// The view against a model of etcd: random single puts and deletes, transactions,
+    /// range deletes, compactions, disconnections and relists, with the watch's
+    /// messages cut at random points (a revision may be split over two messages or a
+    /// reconnect). Whenever everything was delivered, the view equals a fresh list, and
+    /// the events it emitted, applied to a mirror, give the same peers.
+    mod model {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::BTreeMap;
+
+        const KEYS: usize = 6;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Put(usize, u64),
+            Delete(usize),
+            /// Distinct keys: `Some(incarnation)` puts, `None` deletes.
+            Txn(Vec<(usize, Option<u64>)>),
+            /// Deletes every key at index `from` or above (`0`: the whole prefix).
+            DeleteRange(usize),
+            Compact,
+            Disconnect,
+            /// Delivers up to this many pending changes.
+            Deliver(usize),
+            /// Delivers everything pending, then compares.
+            Sync,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0..KEYS, 1u64..4).prop_map(|(k, i)| Op::Put(k, i)),
+                2 => (0..KEYS).prop_map(Op::Delete),
+                2 => proptest::collection::btree_map(0..KEYS, proptest::option::of(1u64..4), 1..KEYS)
+                    .prop_map(|m| Op::Txn(m.into_iter().collect())),
+                1 => (0..3usize).prop_map(Op::DeleteRange),
+                1 => Just(Op::Compact),
+                1 => Just(Op::Disconnect),
+                3 => (1..8usize).prop_map(Op::Deliver),
+                1 => Just(Op::Sync),
+            ]
+        }
+
+        fn key(k: usize) -> String {
+            format!("p{k}")
+        }
+
+        /// What etcd holds and every change it made, by revision.
+        struct Etcd {
+            state: BTreeMap<String, PeerRecord>,
+            revision: i64,
+            compacted: i64,
+            log: Vec<(i64, String, Option<PeerRecord>)>,
+        }
+
+        impl Etcd {
+            /// One revision with these changes (none that change nothing: etcd makes no
+            /// revision for a delete of nothing).
+            fn commit(&mut self, changes: Vec<(String, Option<PeerRecord>)>) {
+                let changes: Vec<_> = changes
+                    .into_iter()
+                    .filter(|(k, v)| v.is_some() || self.state.contains_key(k))
+                    .collect();
+                if changes.is_empty() {
+                    return;
+                }
+                self.revision += 1;
+                for (k, v) in changes {
+                    match &v {
+                        Some(r) => self.state.insert(k.clone(), r.clone()),
+                        None => self.state.remove(&k),
+                    };
+                    self.log.push((self.revision, k, v));
+                }
+            }
+        }
+
+        /// The watch the view's edge holds: the next change of the log to deliver.
+        struct Edge {
+            cursor: Option<usize>,
+        }
+
+        fn deliver(v: &mut PeerView, e: &Etcd, edge: &mut Edge, mut n: usize, now: Instant, out: &mut Vec<PeerEvent>) {
+            while n > 0 {
+                let pos = match (edge.cursor, v.next_step()) {
+                    (Some(p), _) => p,
+                    (None, Step::List) => {
+                        out.extend(v.listed(e.state.values().cloned().collect(), e.revision, now));
+                        edge.cursor = Some(e.log.len());
+                        continue;
+                    }
+                    (None, Step::Watch { from }) => {
+                        if from < e.compacted {
+                            v.compacted();
+                            continue;
+                        }
+                        let p = e.log.iter().position(|(r, _, _)| *r >= from).unwrap_or(e.log.len());
+                        edge.cursor = Some(p);
+                        p
+                    }
+                };
+                let Some((rev, k, val)) = e.log.get(pos) else { return };
+                out.extend(match val {
+                    Some(r) => v.put(r.clone(), *rev, now),
+                    None => v.deleted(k, *rev, now),
+                });
+                edge.cursor = Some(pos + 1);
+                n -= 1;
+            }
+        }
+
+        fn apply_events(mirror: &mut BTreeMap<String, PeerRecord>, events: &[PeerEvent]) {
+            for ev in events {
+                match ev {
+                    PeerEvent::Joined(r) => {
+                        assert!(
+                            mirror.insert(r.peer_id.clone(), r.clone()).is_none(),
+                            "joined twice: {ev:?}"
+                        );
+                    }
+                    PeerEvent::Restarted { old, new } => {
+                        let was = mirror.insert(new.peer_id.clone(), new.clone());
+                        assert_eq!(was.as_ref().map(|r| r.incarnation), Some(old.incarnation), "{ev:?}");
+                        assert_ne!(old.incarnation, new.incarnation, "{ev:?}");
+                    }
+                    PeerEvent::Lost(r) => {
+                        assert!(mirror.remove(&r.peer_id).is_some(), "lost an unknown peer: {ev:?}");
+                    }
+                }
+            }
+        }
+
+        fn check(v: &PeerView, e: &Etcd, mirror: &BTreeMap<String, PeerRecord>, now: Instant) {
+            let seen: BTreeMap<String, PeerRecord> = v
+                .snapshot(now)
+                .peers
+                .into_iter()
+                .map(|p| (p.record.peer_id.clone(), p.record))
+                .collect();
+            assert_eq!(seen, e.state, "the view differs from a fresh list");
+            // Incarnations only: a same-incarnation update is silent by design.
+            let inc = |m: &BTreeMap<String, PeerRecord>| {
+                m.iter().map(|(k, r)| (k.clone(), r.incarnation)).collect::<Vec<_>>()
+            };
+            assert_eq!(
+                inc(mirror),
+                inc(&e.state),
+                "the events emitted do not add up to the view"
+            );
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            #[test]
+            fn the_view_equals_a_fresh_list(ops in proptest::collection::vec(op(), 1..80)) {
+                let now = Instant::now();
+                let mut v = PeerView::new(STALE);
+                let mut e = Etcd { state: BTreeMap::new(), revision: 1, compacted: 0, log: Vec::new() };
+                let mut edge = Edge { cursor: None };
+                let mut events = Vec::new();
+                let mut mirror = BTreeMap::new();
+                for op in ops.into_iter().chain([Op::Sync]) {
+                    match op {
+                        // A record's capabilities change with the put, so that a silent
+                        // same-incarnation update is checked too.
+                        Op::Put(k, i) => {
+                            let mut r = rec(&key(k), i);
+                            r.capabilities = vec![format!("r{}", e.revision + 1)];
+                            e.commit(vec![(key(k), Some(r))]);
+                        }
+                        Op::Delete(k) => e.commit(vec![(key(k), None)]),
+                        Op::Txn(ch) => e.commit(
+                            ch.into_iter()
+                                .map(|(k, i)| (key(k), i.map(|i| rec(&key(k), i))))
+                                .collect(),
+                        ),
+                        Op::DeleteRange(from) => {
+                            let doomed = (from..KEYS).map(|k| (key(k), None)).collect();
+                            e.commit(doomed);
+                        }
+                        // A new watch from below this revision is refused (a watch already
+                        // running keeps going, as in etcd).
+                        Op::Compact => e.compacted = e.revision,
+                        Op::Disconnect => {
+                            v.disconnected();
+                            edge.cursor = None;
+                        }
+                        Op::Deliver(n) => deliver(&mut v, &e, &mut edge, n, now, &mut events),
+                        Op::Sync => {
+                            deliver(&mut v, &e, &mut edge, usize::MAX, now, &mut events);
+                            apply_events(&mut mirror, &std::mem::take(&mut events));
+                            check(&v, &e, &mirror, now);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

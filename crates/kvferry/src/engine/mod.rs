@@ -376,14 +376,16 @@ impl Engine {
     }
 
     /// Resolves a peer name through the directory; an unknown name is used as an
-    /// address.
+    /// address. A name the directory has a record of is dialled expecting that
+    /// record's peer id and incarnation (see [`Engine::expect_record`]).
     pub fn resolve_peer(&self, peer: &str) -> String {
-        self.inner
-            .cfg
-            .directory
-            .as_ref()
-            .and_then(|d| d.resolve(peer))
-            .unwrap_or_else(|| peer.to_string())
+        let Some(dir) = self.inner.cfg.directory.as_ref() else {
+            return peer.to_string();
+        };
+        match dir.record(peer) {
+            Some(r) => self.expect_record(&r),
+            None => dir.resolve(peer).unwrap_or_else(|| peer.to_string()),
+        }
     }
 
     /// Registers a cache: the engine holds it (and the memory it keeps alive) until

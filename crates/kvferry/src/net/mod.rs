@@ -91,6 +91,21 @@ pub enum NetError {
         /// The message kind received.
         got: &'static str,
     },
+    /// The peer that answered is not the one the directory's record names (another
+    /// peer id or incarnation at that address: a stale or forged record).
+    #[error("{addr} answered as {got_id} (incarnation {got_incarnation:#x}), not as {expected_id} (incarnation {expected_incarnation:#x}) named by the directory; refusing it")]
+    WrongPeer {
+        /// The address dialled.
+        addr: String,
+        /// The peer id the record names.
+        expected_id: String,
+        /// The incarnation the record names.
+        expected_incarnation: u64,
+        /// The peer id presented in the handshake.
+        got_id: String,
+        /// The incarnation presented in the handshake.
+        got_incarnation: u64,
+    },
     /// A frame could not be read or written.
     #[error(transparent)]
     Wire(#[from] WireError),

@@ -9,6 +9,11 @@
 //! restarts, new connections see a new incarnation and [`Pool::incarnation`] changes,
 //! which makes references to the old incarnation fail fast.
 //!
+//! A pool may be told which peer id and incarnation should answer at its address
+//! ([`Pool::expect_identity`], set from the directory's record when a peer is dialled
+//! by id): a connection whose handshake presents another is refused with
+//! [`NetError::WrongPeer`] (a stale or forged record does not get its bytes used).
+//!
 //! # Cancellation
 //!
 //! [`Pool::checkout`] is cancel-safe: a dropped checkout returns its permit and closes
@@ -33,6 +38,8 @@ struct Shared {
     restarts: AtomicU64,
     /// Connections opened (handshaken) so far.
     opened: AtomicU64,
+    /// The peer id and incarnation the directory says answer here, if dialled by id.
+    expected: Mutex<Option<(String, u64)>>,
 }
 
 /// What a [`Pool`] holds now and has opened so far.
@@ -72,6 +79,7 @@ impl Pool {
                 incarnation: AtomicU64::new(0),
                 restarts: AtomicU64::new(0),
                 opened: AtomicU64::new(0),
+                expected: Mutex::new(None),
             }),
         })
     }
@@ -97,6 +105,39 @@ impl Pool {
             in_use: (self.shared.cfg.connections_per_peer).saturating_sub(self.shared.permits.available_permits()),
             idle: self.shared.idle.lock().len(),
             opened: self.shared.opened.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets (or, with `None`, clears) the peer id and incarnation that must answer at
+    /// this address; idle connections of another peer are dropped.
+    pub fn expect_identity(&self, who: Option<(String, u64)>) {
+        let mut e = self.shared.expected.lock();
+        if *e == who {
+            return;
+        }
+        if let Some((id, inc)) = &who {
+            self.shared
+                .idle
+                .lock()
+                .retain(|c| c.peer().peer_id == *id && c.peer().incarnation == *inc);
+        }
+        *e = who;
+    }
+
+    /// A connection presenting another peer than the one expected is refused.
+    fn check_identity(&self, conn: &Connection) -> Result<(), NetError> {
+        let e = self.shared.expected.lock();
+        match &*e {
+            Some((id, inc)) if conn.peer().peer_id != *id || conn.peer().incarnation != *inc => {
+                Err(NetError::WrongPeer {
+                    addr: self.shared.addr.clone(),
+                    expected_id: id.clone(),
+                    expected_incarnation: *inc,
+                    got_id: conn.peer().peer_id.clone(),
+                    got_incarnation: conn.peer().incarnation,
+                })
+            }
+            _ => Ok(()),
         }
     }
 
@@ -128,6 +169,7 @@ impl Pool {
             }
         };
         if let Some(conn) = idle {
+            self.check_identity(&conn)?;
             return Ok(PooledConnection {
                 conn: Some(conn),
                 pool: self.clone(),
@@ -146,6 +188,8 @@ impl Pool {
                 }
             };
         self.shared.opened.fetch_add(1, Ordering::Relaxed);
+        // Before the pool learns the incarnation: a wrong peer changes nothing here.
+        self.check_identity(&conn)?;
         let inc = conn.peer().incarnation;
         let prev = self.shared.incarnation.swap(inc, Ordering::AcqRel);
         if prev != 0 && prev != inc {

@@ -50,7 +50,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::record::{LivePeers, PeerEvent, PeerRecord};
 use super::view::PeerView;
-use super::{Directory, DirectoryError, RegistrationState, EVENT_CAPACITY};
+use super::{Directory, DirectoryError, Prober, RegistrationState, EVENT_CAPACITY};
+
+/// Longest a registration waits for a record it cannot prove dead to expire.
+pub const MAX_HOLDER_WAIT: Duration = Duration::from_secs(60);
 
 /// This process's registration.
 pub(crate) struct Registration {
@@ -71,6 +74,10 @@ pub(crate) struct Shared {
     reg: Mutex<Option<Registration>>,
     /// Published registration state.
     state: tokio::sync::watch::Sender<RegistrationState>,
+    /// Tells who answers at an address (set by the engine).
+    prober: Mutex<Option<Prober>>,
+    /// Wakes the keep-alive task to check its record now (the view saw it change).
+    check_now: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -99,7 +106,17 @@ impl Shared {
         format!("{}{peer_id}", self.cfg.prefix())
     }
 
+    /// The peer id this process is registered under, if any.
+    fn own_id(&self) -> Option<String> {
+        self.reg.lock().as_ref().map(|r| r.record.peer_id.clone())
+    }
+
     fn publish(&self, events: Vec<PeerEvent>) {
+        let own = self.own_id();
+        if own.is_some() && events.iter().any(|e| Some(e.peer_id()) == own.as_deref()) {
+            // Maybe its own record changed behind its back: the keep-alive task looks.
+            self.check_now.notify_one();
+        }
         for e in events {
             tracing::info!(target: "kvferry::directory", event = ?e, "peer event");
             let _ = self.events.send(e);
@@ -162,6 +179,8 @@ impl EtcdDirectory {
             closed: CancellationToken::new(),
             reg: Mutex::new(None),
             state: tokio::sync::watch::channel(RegistrationState::Unregistered).0,
+            prober: Mutex::new(None),
+            check_now: tokio::sync::Notify::new(),
         });
         tokio::spawn(watch::run(shared.clone()));
         Ok(EtcdDirectory { shared })
@@ -230,5 +249,13 @@ impl Directory for EtcdDirectory {
 
     fn registration_state(&self) -> Option<tokio::sync::watch::Receiver<RegistrationState>> {
         Some(self.shared.state.subscribe())
+    }
+
+    fn record(&self, peer: &str) -> Option<PeerRecord> {
+        self.shared.view.lock().record(peer).cloned()
+    }
+
+    fn set_prober(&self, prober: Prober) {
+        *self.shared.prober.lock() = Some(prober);
     }
 }

@@ -159,6 +159,11 @@ impl Consumer {
         Ok(p)
     }
 
+    /// The connection pool for `peer`, if one was made (none is made here).
+    pub fn existing_pool(&self, peer: &str) -> Option<Pool> {
+        self.inner.pools.lock().get(peer).cloned()
+    }
+
     /// Client connections to every peer: in use and idle now, opened so far (the sum
     /// over this consumer's pools).
     pub fn connection_stats(&self) -> PoolStats {
