@@ -795,14 +795,16 @@ def test_import_kvferry_without_vllm():
     assert out.stdout.strip() == "clear"
 
 
-def test_connector_bench_runs(need_vllm):
-    """``python -m kvferry.integrations.vllm_bench``: a short run, every block verified."""
+@pytest.mark.parametrize("bench_device", ["host", "sim"])
+def test_connector_bench_runs(need_vllm, bench_device):
+    """``python -m kvferry.integrations.vllm_bench``: a short run, every block verified
+    (``--device sim``: every block through the sim device path)."""
     import json
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvferry.integrations.vllm_bench", "--requests", "8", "--rounds", "2", "--json", "--rust-bench", "none"],
+        [sys.executable, "-m", "kvferry.integrations.vllm_bench", "--requests", "8", "--rounds", "2", "--json", "--rust-bench", "none", "--device", bench_device],
         capture_output=True,
         text=True,
         timeout=300,
@@ -813,3 +815,4 @@ def test_connector_bench_runs(need_vllm):
     assert r["bytes"] == 2 * 8 * 4 * r["block_bytes"] and r["block_bytes"] == 640 << 10
     assert r["gbps"] > 0 and r["blocks_per_s"] > 0
     assert r["ratio_to_rust"] is None and "none" in r["rust_note"]
+    assert r["device"] == bench_device

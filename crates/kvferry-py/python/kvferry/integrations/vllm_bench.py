@@ -82,7 +82,7 @@ class _Side:
                 kv_connector="KvferryConnector",
                 kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role,
-                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0},
+                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0, **({"device": "sim"} if a.device == "sim" else {})},
             ),
         )
         spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.kv_heads, head_size=a.head_dim, dtype=torch.float16)
@@ -212,9 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
     p.add_argument("--rust-bench", default=None, metavar="PATH|none", help="the Rust kvferry binary (default: as python -m kvferry bench)")
+    p.add_argument(
+        "--device",
+        choices=["host", "sim"],
+        default="host",
+        help="host: the CPU tensors move zero copy (default); sim: both sides adopt them as kvferry's sim device "
+        "memory, so every block goes through the device path (gather into staging, socket, scatter)",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     res = run_connector(a)
+    res["device"] = a.device
     binary, note = _rust_binary(a.rust_bench)
     res["rust_gbps"] = None
     if binary is not None:
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
     else:
         print(
-            f"connector: {res['gbps']:.2f} GB/s, {res['blocks_per_s']:.0f} blocks/s, {res['requests_per_s']:.0f} requests/s "
+            f"connector ({a.device}): {res['gbps']:.2f} GB/s, {res['blocks_per_s']:.0f} blocks/s, {res['requests_per_s']:.0f} requests/s "
             f"({res['rounds']} rounds of {res['requests']} requests x {res['request_bytes'] / 2**20:.1f} MiB; "
             f"round p50 {res['p50_ms']:.1f} ms, p99 {res['p99_ms']:.1f} ms); corrupted blocks {res['corrupted_blocks']}, "
             f"failed {res['failed']}"
