@@ -240,18 +240,22 @@ class _Landing:
         with self._lock:
             entry = self._regions.get(base)
             if entry is None or entry[0] != nbytes:
-                block = math.gcd(self._align, nbytes)
-                if block < 512:
+                block = self._align
+                usable = nbytes // block * block
+                if usable == 0:
                     return None
-                view = torch.empty(0, dtype=torch.uint8).set_(storage)  # the whole buffer, shared
+                # The buffer's whole aligned blocks, shared (no copy); the region holds
+                # the view, so the memory outlives every transfer into it.
+                view = torch.empty(0, dtype=torch.uint8).set_(storage)[:usable]
                 region = self._engine.register_kv_cache(view, block_bytes=block, name="lmcache-cpu")
                 entry = (nbytes, block, region, view)
                 self._regions[base] = entry
-        _, block, region, _ = entry
+        _, block, region, view = entry
         off = raw.data_ptr() - base
         phys = raw.numel() * raw.element_size()
         nblocks = -(-length // block)
-        if off % block or nblocks * block > phys or length > phys:
+        # land only inside this object: aligned start, whole blocks within its physical size
+        if off % block or nblocks * block > phys or length > phys or off + nblocks * block > view.numel():
             return None
         first = off // block
         return region, list(range(first, first + nblocks))
