@@ -36,6 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised by the test of the message
     raise ImportError(f"{_HOW} ({e})") from e
 
+from ._channel import ChannelError, KvferryTransferChannel, install
 from ._remote import KvferryConnectorAdapter, KvferryRemoteConnector, RemoteOptions, installed_version
 
 __all__ = [
@@ -44,4 +45,7 @@ __all__ = [
     "KvferryConnectorAdapter",
     "RemoteOptions",
     "installed_version",
+    "KvferryTransferChannel",
+    "ChannelError",
+    "install",
 ]
