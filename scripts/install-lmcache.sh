@@ -35,7 +35,8 @@ t=$(now)
 if [ "$have" != "$lmcache_version" ]; then
     "$py" -m pip install -q --disable-pip-version-check --no-deps "lmcache==$lmcache_version"
 fi
-"$py" -m pip install -q --disable-pip-version-check sortedcontainers aiofile aiofiles numpy pytest "maturin>=1.5,<2"
+# redis: only for the benchmark's Redis tier (python -m kvferry.integrations.lmcache.bench)
+"$py" -m pip install -q --disable-pip-version-check sortedcontainers aiofile aiofiles redis numpy pytest "maturin>=1.5,<2"
 echo "done in $(since "$t")"
 
 if [ "$build" = 1 ]; then

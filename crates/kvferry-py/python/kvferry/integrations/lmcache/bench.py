@@ -106,6 +106,8 @@ def _engine(remote: dict[str, Any], chunks: int) -> Any:
 def _remote_backend(eng: Any) -> Any:
     for name, b in eng.storage_manager.storage_backends.items():
         if name.startswith("RemoteBackend"):
+            if b.connection is None:
+                raise RuntimeError(f"{name} has no connection (see LMCache's log: a missing client module?)")
             return b
     raise RuntimeError("no remote backend was created (see LMCache's log)")
 
