@@ -87,6 +87,7 @@ class RemoteOptions:
     ``secret`` / ``secret_file``: the shared secret the server requires.
     ``directory``: ``etcd://HOST:PORT[,...]`` to find ``server`` by peer id.
     ``threads``: threads running pushes and lookups off LMCache's event loop.
+    ``parallel``: concurrent transfers a batched get is cut into.
     """
 
     server: str
@@ -95,6 +96,7 @@ class RemoteOptions:
     secret: Optional[bytes] = None
     directory: Optional[str] = None
     threads: int = 4
+    parallel: int = 4
 
     @staticmethod
     def from_config(config: Any, url: Optional[str] = None) -> "RemoteOptions":
@@ -107,7 +109,7 @@ class RemoteOptions:
             opts["server"] = f"{parsed.hostname}:{parsed.port}"
             for k, v in parse_qs(parsed.query).items():
                 opts[k] = v[-1]
-        known = {"server", "timeout", "connect_timeout", "secret", "secret_file", "directory", "threads"}
+        known = {"server", "timeout", "connect_timeout", "secret", "secret_file", "directory", "threads", "parallel"}
         unknown = sorted(set(opts) - known)
         if unknown:
             raise ValueError(f"unknown kvferry option(s) {unknown}; known: {sorted(known)}")
@@ -134,6 +136,7 @@ class RemoteOptions:
             secret=secret,
             directory=opts.get("directory"),
             threads=int(opts.get("threads", 4)),
+            parallel=int(opts.get("parallel", 4)),
         )
 
 
@@ -417,20 +420,14 @@ class KvferryRemoteConnector(RemoteConnector):
             return out
         landed = 0
         try:
-            t = self.engine.get(
-                self.opts.server,
-                [_data_key(k) for k in keys[: len(objs)]],
-                places[0][0],
-                [p[1] for p in places],
-                timeout=self.opts.timeout,
-            )
-            landed = await self._await_transfer(t)
+            landed = await self._get_data([_data_key(k) for k in keys[: len(objs)]], places)
         except kvferry.NotFoundError:
             landed = 0
         except kvferry.Error as e:
             logger.warning("kvferry remote tier: get of %d chunk(s) failed (%s): miss", len(objs), e)
             landed = 0
         except BaseException:
+            # cancelled: _get_data returned only after every transfer drained
             for o in objs:
                 o.ref_count_down()
             raise
@@ -464,6 +461,50 @@ class KvferryRemoteConnector(RemoteConnector):
                 logger.warning("kvferry remote tier: bad metadata record for %s (%s): miss", keys[i], e)
                 break
         return metas
+
+    async def _get_data(self, keys: list[str], places: list[tuple[Any, list[int]]]) -> int:
+        """Gets ``keys`` into their places as up to ``parallel`` concurrent transfers
+        (over the engine's pooled connections); returns the leading chunks landed. A
+        failing piece cancels its siblings and waits for their drain before raising;
+        a cancel of the caller does the same before re-raising."""
+        region = places[0][0]
+        step = -(-len(keys) // max(1, min(self.opts.parallel, len(keys))))
+        transfers = [
+            self.engine.get(self.opts.server, keys[s : s + step], region, [p[1] for p in places[s : s + step]], timeout=self.opts.timeout)
+            for s in range(0, len(keys), step)
+        ]
+
+        def cancel_all() -> None:
+            for t in transfers:
+                if not t.done():
+                    t.cancel()
+
+        async def run() -> int:
+            futs = [asyncio.ensure_future(self._bounded(t)) for t in transfers]
+            done, pending = await asyncio.wait(futs, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:  # one failed: stop the siblings, then wait for all of them
+                await asyncio.to_thread(cancel_all)
+                await asyncio.wait(pending)
+            total = 0
+            for f in futs:  # the prefix: stop at the first piece that did not land whole
+                if f.exception() is not None:
+                    if total == 0:
+                        raise f.exception()  # type: ignore[misc]
+                    break
+                n = f.result()
+                total += n
+                if n < step:
+                    break
+            return total
+
+        return await settle(run(), on_cancel=lambda: self._pool.submit(cancel_all))
+
+    async def _bounded(self, t: kvferry.Transfer) -> int:
+        try:
+            return await asyncio.wait_for(asyncio.shield(_as_future(t)), self.opts.timeout + _DRAIN_GRACE)
+        except asyncio.TimeoutError:
+            await asyncio.to_thread(t.cancel)
+            raise kvferry.TimeoutError(f"kvferry remote tier: get from {self.opts.server} outlived its deadline") from None
 
     async def _await_transfer(self, t: kvferry.Transfer) -> int:
         """The transfer's result; bounded by ``timeout`` plus a drain grace; a cancel

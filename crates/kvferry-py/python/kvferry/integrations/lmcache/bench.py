@@ -112,63 +112,74 @@ def _remote_backend(eng: Any) -> Any:
     raise RuntimeError("no remote backend was created (see LMCache's log)")
 
 
-def run_tier(name: str, remote: dict[str, Any], chunks: int, rounds: int) -> dict[str, Any]:
-    import torch
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+class Tier:
+    """One tier's LMCache engine, with the workload stored and verified."""
 
-    iid, eng = _engine(remote, chunks)
-    try:
-        rb = _remote_backend(eng)
-        tokens = torch.arange(chunks * CHUNK)
+    def __init__(self, name: str, remote: dict[str, Any], chunks: int) -> None:
+        import torch
+
+        self.name, self.chunks = name, chunks
+        self.iid, self.eng = _engine(remote, chunks)
+        self.rb = _remote_backend(self.eng)
+        self.tokens = torch.arange(chunks * CHUNK)
         g = torch.Generator().manual_seed(7)
-        kv = torch.randn(LAYERS, 2, len(tokens), HEADS, HEAD_DIM, generator=g).to(torch.float16)
+        self.kv = torch.randn(LAYERS, 2, len(self.tokens), HEADS, HEAD_DIM, generator=g).to(torch.float16)
         t0 = time.perf_counter()
-        eng.store(tokens, kvcaches=kv)
-        keys = [k for _, _, k in eng.token_database.process_tokens(tokens=tokens)]
+        self.eng.store(self.tokens, kvcaches=self.kv)
+        self.keys = [k for _, _, k in self.eng.token_database.process_tokens(tokens=self.tokens)]
         deadline = time.monotonic() + 300
-        while sum(1 for k in keys if rb.contains(k)) < len(keys):
+        while sum(1 for k in self.keys if self.rb.contains(k)) < len(self.keys):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: puts did not finish")
             time.sleep(0.02)
-        store_s = time.perf_counter() - t0
-        tier_s, retr_s = [], []
-        for _ in range(rounds):
-            eng.clear(locations=["LocalCPUBackend"])
-            t0 = time.perf_counter()
-            objs = rb.batched_get_blocking(keys)
-            tier_s.append(time.perf_counter() - t0)
-            ok = all(o is not None for o in objs)
-            for i, o in enumerate(objs):
-                if o is None:
-                    continue
-                want = kv[:, :, i * CHUNK : (i + 1) * CHUNK].permute(1, 0, 2, 3, 4).reshape(2, LAYERS, CHUNK, HEADS * HEAD_DIM)
-                ok = ok and torch.equal(o.tensor, want)
-                o.ref_count_down()
-            if not ok:
-                raise RuntimeError(f"{name}: the tier returned wrong or missing chunks")
-            eng.clear(locations=["LocalCPUBackend"])
-            out = torch.zeros_like(kv)
-            t0 = time.perf_counter()
-            n = int(eng.retrieve(tokens, kvcaches=out).sum().item())
-            retr_s.append(time.perf_counter() - t0)
-            if n != len(tokens) or not torch.equal(out, kv):
-                raise RuntimeError(f"{name}: retrieve returned {n}/{len(tokens)} tokens or wrong bytes")
-        total = chunks * CHUNK_BYTES
-        tier, retr = statistics.median(tier_s), statistics.median(retr_s)
+        self.store_s = time.perf_counter() - t0
+        self.tier_s: list[float] = []
+        self.retr_s: list[float] = []
+
+    def round(self) -> None:
+        import torch
+
+        self.eng.clear(locations=["LocalCPUBackend"])
+        t0 = time.perf_counter()
+        objs = self.rb.batched_get_blocking(self.keys)
+        self.tier_s.append(time.perf_counter() - t0)
+        ok = all(o is not None for o in objs)
+        for i, o in enumerate(objs):
+            if o is None:
+                continue
+            want = self.kv[:, :, i * CHUNK : (i + 1) * CHUNK].permute(1, 0, 2, 3, 4).reshape(2, LAYERS, CHUNK, HEADS * HEAD_DIM)
+            ok = ok and torch.equal(o.tensor, want)
+            o.ref_count_down()
+        if not ok:
+            raise RuntimeError(f"{self.name}: the tier returned wrong or missing chunks")
+        self.eng.clear(locations=["LocalCPUBackend"])
+        out = torch.zeros_like(self.kv)
+        t0 = time.perf_counter()
+        n = int(self.eng.retrieve(self.tokens, kvcaches=out).sum().item())
+        self.retr_s.append(time.perf_counter() - t0)
+        if n != len(self.tokens) or not torch.equal(out, self.kv):
+            raise RuntimeError(f"{self.name}: retrieve returned {n}/{len(self.tokens)} tokens or wrong bytes")
+
+    def result(self) -> dict[str, Any]:
+        total = self.chunks * CHUNK_BYTES
+        tier, retr = statistics.median(self.tier_s), statistics.median(self.retr_s)
         return {
-            "tier": name,
-            "chunks": chunks,
+            "tier": self.name,
+            "chunks": self.chunks,
             "chunk_bytes": CHUNK_BYTES,
-            "store_s": round(store_s, 3),
+            "store_s": round(self.store_s, 3),
             "tier_get_GBps": round(total / tier / 1e9, 3),
-            "tier_get_chunks_per_s": round(chunks / tier, 1),
+            "tier_get_chunks_per_s": round(self.chunks / tier, 1),
             "retrieve_GBps": round(total / retr / 1e9, 3),
-            "retrieve_chunks_per_s": round(chunks / retr, 1),
-            "tier_get_s": [round(x, 4) for x in tier_s],
-            "retrieve_s": [round(x, 4) for x in retr_s],
+            "retrieve_chunks_per_s": round(self.chunks / retr, 1),
+            "tier_get_s": [round(x, 4) for x in self.tier_s],
+            "retrieve_s": [round(x, 4) for x in self.retr_s],
         }
-    finally:
-        LMCacheEngineBuilder.destroy(iid)
+
+    def close(self) -> None:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        LMCacheEngineBuilder.destroy(self.iid)
 
 
 def _kvferry_bin() -> str:
@@ -187,11 +198,11 @@ def _kvferry_bin() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tiers", default="kvferry,lm,redis")
     args = ap.parse_args(argv)
     procs: list[subprocess.Popen[Any]] = []
-    results = []
+    tiers: list[Tier] = []
     secret = "bench-secret-0123456789abcdef0123456789"
     try:
         for tier in args.tiers.split(","):
@@ -217,19 +228,24 @@ def main(argv: list[str] | None = None) -> int:
                 remote = {"remote_url": f"lm://127.0.0.1:{port}"}
             elif tier == "redis":
                 env = dict(os.environ)
-                cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory", "0"]
+                cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
                 remote = {"remote_url": f"redis://127.0.0.1:{port}"}
             else:
                 raise SystemExit(f"unknown tier {tier!r}")
-            p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append(p)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             _wait_port(port)
-            r = run_tier(tier, remote, args.chunks, args.rounds)
-            results.append(r)
+            tiers.append(Tier(tier, remote, args.chunks))
+        # rounds interleaved across tiers, so that a busy moment of a shared machine
+        # does not land on one tier only
+        for _ in range(args.rounds):
+            for t in tiers:
+                t.round()
+        results = [t.result() for t in tiers]
+        for r in results:
             print(json.dumps(r), flush=True)
-            p.terminate()
-            p.wait(10)
     finally:
+        for t in tiers:
+            t.close()
         for p in procs:
             if p.poll() is None:
                 p.kill()
