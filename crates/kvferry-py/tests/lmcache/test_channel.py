@@ -163,14 +163,15 @@ def _watch(call: Call, side: Side, cancels_at: list[float]) -> int:
         if pending and now >= pending[0]:
             pending.pop(0)
             call.cancel()
-        users = side.users
-        if call.done():
+        done = call.done()
+        users = side.users  # read after done: once it returned, nothing may hold the buffer
+        if done:
+            assert users == 0, f"the call returned while {users} transfer(s) still held the buffer"
             break
         if users > 0:
             held_while_running += 1
         assert now < 30, "the cancelled call never returned"
         time.sleep(0.002)
-    assert side.users == 0, f"the call returned while {side.users} transfer(s) still held the buffer"
     return held_while_running
 
 

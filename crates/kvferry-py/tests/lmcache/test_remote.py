@@ -217,3 +217,69 @@ def test_wrong_secret_is_a_clear_error_at_start_up(serve, lmc):
     local = e.backends["LocalCPUBackend"]
     with pytest.raises(IrrecoverableException, match="refused this client's secret"):
         KvferryRemoteConnector(None, local, e.engine.config)
+
+
+def test_cancelled_get_returns_only_after_its_transfers_drained(lmc):
+    """LMCache cancels a get that outlived ``blocking_timeout_secs``. The server here is
+    an in-process kvferry engine (any engine can be the tier's peer) whose sends are
+    slowed by its fault hook, so the get is still landing when it is cancelled, three
+    times: until it returns, the landing region is held; the instant it returns, no
+    transfer holds it and the objects it allocated were released."""
+    import asyncio
+
+    import torch
+
+    import kvferry
+
+    secret = "kvferry-lmcache-test-secret-0123456789"  # conftest's SECRET
+    server = kvferry.Engine(secret=secret, store_bytes=64 << 20, store_block_bytes=4096, arena_bytes=64 << 20)
+    try:
+        e = lmc(server.address, timeout=10.0)
+        conn = e.connector
+        tokens = torch.arange(16 * e.chunk)
+        kv = e.kv(len(tokens), seed=9)
+        e.store(tokens, kv)
+        e.drop_local()
+        keys = e.keys(tokens)
+        server._e._inject_faults(send_delay_us=100_000)
+        loop = e.remote.loop
+
+        async def make():
+            return asyncio.ensure_future(conn.batched_get(keys))
+
+        task = asyncio.run_coroutine_threadsafe(make(), loop).result(5)
+        deadline = time.monotonic() + 10
+        region = None
+        while region is None or region.users == 0:
+            regions = list(conn._landing._regions.values())
+            region = regions[0][2] if regions else None
+            assert time.monotonic() < deadline, "the get never started landing"
+            time.sleep(0.001)
+        # three cancels, 40 ms apart; until the get returns, sample at the same instant
+        # "not returned" and "a transfer holds LMCache's buffer"; the instant it
+        # returned, nothing may hold it
+        held = 0
+        t0 = time.monotonic()
+        cancels = [0.0, 0.04, 0.08]
+        while True:
+            now = time.monotonic() - t0
+            if cancels and now >= cancels[0]:
+                cancels.pop(0)
+                loop.call_soon_threadsafe(task.cancel)
+            done = task.done()
+            users = region.users  # read after done: if done, nothing may hold the buffer
+            if done:
+                assert users == 0, f"the get returned while {users} transfer(s) still held LMCache's buffer"
+                break
+            if users > 0:
+                held += 1
+            assert now < 20, "the cancelled get never returned"
+            time.sleep(0.001)
+        assert task.cancelled()
+        assert held > 0
+        # the tier still serves: a fresh get lands the right bytes
+        server._e._inject_faults(send_delay_us=0)
+        n, out = e.retrieve(tokens)
+        assert n == len(tokens) and torch.equal(out, kv)
+    finally:
+        server.close()

@@ -485,11 +485,12 @@ class KvferryRemoteConnector(RemoteConnector):
             if pending:  # one failed: stop the siblings, then wait for all of them
                 await asyncio.to_thread(cancel_all)
                 await asyncio.wait(pending)
+            errors = [f.exception() for f in futs]  # every outcome retrieved (no "never retrieved" log)
             total = 0
-            for f in futs:  # the prefix: stop at the first piece that did not land whole
-                if f.exception() is not None:
+            for f, err in zip(futs, errors):  # the prefix: stop at the first piece that did not land whole
+                if err is not None:
                     if total == 0:
-                        raise f.exception()  # type: ignore[misc]
+                        raise err
                     break
                 n = f.result()
                 total += n
