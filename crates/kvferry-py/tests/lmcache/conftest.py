@@ -288,3 +288,9 @@ def lmc(need_lmcache: None) -> Iterator[Any]:
             e.close()
         except Exception:  # noqa: BLE001 - teardown of a test that already failed
             pass
+
+
+@pytest.fixture
+def cpu_connector(need_lmcache: None) -> Any:
+    """The CPU test connector class (see the module docs)."""
+    return cpu_connector_class()
