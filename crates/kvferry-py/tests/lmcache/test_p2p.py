@@ -17,11 +17,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import pytest
 
-pytestmark = pytest.mark.usefixtures("need_lmcache")
 
 
 def _port() -> int:
@@ -71,8 +70,14 @@ def _engine(name: str, pull: int, reply: int, connector: Any) -> Any:
     return e
 
 
-def test_p2p_backend_gets_the_other_engines_bytes_through_the_kvferry_channel(cpu_connector):
+def p2p_main() -> None:
+    """Runs in a child process (LMCache's P2P machinery keeps process-wide state and
+    threads that would outlive the test in the pytest process)."""
     import torch
+
+    from conftest import cpu_connector_class
+
+    cpu_connector = cpu_connector_class()
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     from kvferry.integrations.lmcache import KvferryTransferChannel, install
@@ -115,6 +120,7 @@ def test_p2p_backend_gets_the_other_engines_bytes_through_the_kvferry_channel(cp
             want = kv[:, :, i * 16 : (i + 1) * 16].permute(1, 0, 2, 3, 4).reshape(2, 2, 16, 32)
             assert torch.equal(o.tensor, want), f"chunk {i}: not A's bytes"
             o.ref_count_down()
+        print("P2P-OK", len(objs), flush=True)
     finally:
         for n in names:
             try:
@@ -123,3 +129,10 @@ def test_p2p_backend_gets_the_other_engines_bytes_through_the_kvferry_channel(cp
                 pass
         ctl.kill()
         ctl.wait(10)
+
+
+def test_p2p_backend_gets_the_other_engines_bytes_through_the_kvferry_channel(need_lmcache):
+    here = Path(__file__).resolve().parent
+    code = f"import sys, os; sys.path.insert(0, {str(here)!r}); import test_p2p; test_p2p.p2p_main(); sys.stdout.flush(); os._exit(0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert "P2P-OK 4" in out.stdout, (out.stdout[-3000:], out.stderr[-3000:])
