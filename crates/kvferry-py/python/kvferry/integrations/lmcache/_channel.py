@@ -338,6 +338,7 @@ class KvferryTransferChannel(BaseTransferChannel):
                     first = f.exception()
                     await asyncio.to_thread(self._drain, transfers)
         if first is not None:
+            await asyncio.to_thread(self._drain, transfers)  # the failed one may still drain
             raise first
         total = 0
         for f in futs:
@@ -348,8 +349,11 @@ class KvferryTransferChannel(BaseTransferChannel):
         return total
 
     def _drain(self, transfers: list[kvferry.Transfer]) -> None:
+        """Returns once no transfer of ``transfers`` touches the buffer: a failed
+        transfer can be done while it still drains, and ``cancel()`` returns only after
+        the drain, so every transfer that did not succeed is cancelled, done or not."""
         for t in transfers:
-            if not t.done():
+            if not t.done() or t.error is not None:
                 t.cancel()
 
     def batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:

@@ -475,8 +475,11 @@ class KvferryRemoteConnector(RemoteConnector):
         ]
 
         def cancel_all() -> None:
+            # A failed transfer can be done while it still drains (its fence): cancel()
+            # returns only after the drain, so it is called on every transfer that did
+            # not succeed, done or not.
             for t in transfers:
-                if not t.done():
+                if not t.done() or t.error is not None:
                     t.cancel()
 
         async def run() -> int:
@@ -486,6 +489,8 @@ class KvferryRemoteConnector(RemoteConnector):
                 await asyncio.to_thread(cancel_all)
                 await asyncio.wait(pending)
             errors = [f.exception() for f in futs]  # every outcome retrieved (no "never retrieved" log)
+            if any(e is not None for e in errors):
+                await asyncio.to_thread(cancel_all)  # returns once every failed one drained
             total = 0
             for f, err in zip(futs, errors):  # the prefix: stop at the first piece that did not land whole
                 if err is not None:
@@ -509,14 +514,14 @@ class KvferryRemoteConnector(RemoteConnector):
 
     async def _await_transfer(self, t: kvferry.Transfer) -> int:
         """The transfer's result; bounded by ``timeout`` plus a drain grace; a cancel
-        of the caller cancels the transfer and waits until it drained."""
+        of the caller, or a failure, cancels the transfer and waits until it drained."""
 
         async def bounded() -> int:
             try:
-                return await asyncio.wait_for(asyncio.shield(_as_future(t)), self.opts.timeout + _DRAIN_GRACE)
-            except asyncio.TimeoutError:
-                await asyncio.to_thread(t.cancel)
-                raise kvferry.TimeoutError(f"kvferry remote tier: get from {self.opts.server} outlived its deadline") from None
+                return await self._bounded(t)
+            except BaseException:
+                await asyncio.to_thread(t.cancel)  # a failed transfer may still drain
+                raise
 
         return await settle(bounded(), on_cancel=lambda: self._pool.submit(t.cancel))
 
