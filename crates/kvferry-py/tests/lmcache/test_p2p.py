@@ -133,6 +133,10 @@ def p2p_main() -> None:
 
 def test_p2p_backend_gets_the_other_engines_bytes_through_the_kvferry_channel(need_lmcache):
     here = Path(__file__).resolve().parent
-    code = f"import sys, os; sys.path.insert(0, {str(here)!r}); import test_p2p; test_p2p.p2p_main(); sys.stdout.flush(); os._exit(0)"
+    # a hang dumps every thread's stack (to stderr, shown by the assert) and exits
+    code = (
+        "import faulthandler, sys, os; faulthandler.dump_traceback_later(150, exit=True); "
+        f"sys.path.insert(0, {str(here)!r}); import test_p2p; test_p2p.p2p_main(); sys.stdout.flush(); os._exit(0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert "P2P-OK 4" in out.stdout, (out.stdout[-3000:], out.stderr[-3000:])
