@@ -9,7 +9,7 @@
 #   KVFERRY_LMCACHE_VENV=/work/venv-lmc ./scripts/install-lmcache.sh   # another venv (must import torch)
 #   ./scripts/install-lmcache.sh --no-build               # skip rebuilding kvferry
 #
-# Then: "$venv/bin/python" -m pytest crates/kvferry-py/tests/lmcache -q
+# Then: "$venv/bin/python" -m pytest crates/kvferry-py/tests/with_lmcache -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -57,4 +57,4 @@ print(f"lmcache {v}: kvferry.integrations.lmcache importable")
 ' 2>&1 | grep -v -e 'LMCache INFO' -e 'LMCache WARNING' -e '^W[0-9]')
 
 echo "== done in $(since "$t_all")"
-echo "run: $py -m pytest $root/crates/kvferry-py/tests/lmcache -q"
+echo "run: $py -m pytest $root/crates/kvferry-py/tests/with_lmcache -q"
