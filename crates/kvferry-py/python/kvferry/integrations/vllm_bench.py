@@ -82,7 +82,13 @@ class _Side:
                 kv_connector="KvferryConnector",
                 kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role,
-                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0, **({"device": "sim"} if a.device == "sim" else {})},
+                kv_connector_extra_config={
+                    "timeout": 60.0,
+                    "lease_ttl": 120.0,
+                    # The device path stages every byte on both sides: a round's worth of
+                    # staging (64 requests x 2.5 MiB by default) on each.
+                    **({"device": "sim", "arena_bytes": max(64 << 20, 2 * a.requests * a.blocks_per_request * 2 * a.block_size * a.kv_heads * a.head_dim * 2 * a.layers)} if a.device == "sim" else {}),
+                },
             ),
         )
         spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.kv_heads, head_size=a.head_dim, dtype=torch.float16)
