@@ -35,7 +35,17 @@ t=$(now)
 if [ "$have" != "$lmcache_version" ]; then
     "$py" -m pip install -q --disable-pip-version-check --no-deps "lmcache==$lmcache_version"
 fi
-# redis: only for the benchmark's Redis tier (python -m kvferry.integrations.lmcache.bench)
+# redis: only for the benchmark's Redis tier (python -m kvferry.integrations.lmcache.bench),
+# which starts Debian's redis-server: installed here as root when missing (the tests
+# do not need it).
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null \
+            || echo "note: apt-get install redis-server failed; the benchmark's Redis tier will be skipped" >&2
+    else
+        echo "note: redis-server is not installed (sudo apt-get install -y redis-server); only the benchmark's Redis tier needs it" >&2
+    fi
+fi
 "$py" -m pip install -q --disable-pip-version-check sortedcontainers aiofile aiofiles redis numpy pytest "maturin>=1.5,<2"
 echo "done in $(since "$t")"
 

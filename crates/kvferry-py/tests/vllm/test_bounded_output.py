@@ -35,26 +35,9 @@ import kvferry
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
-PINNED = "0.33.0"
-_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry built in) and run pytest from that venv"
-
-
-def _find_vllm() -> str | None:
-    """Why the vLLM tests cannot run here, or None."""
-    try:
-        import vllm
-    except ImportError as e:
-        return f"vLLM is not installed ({e}); {_HOW}"
-    version = getattr(vllm, "__version__", None)
-    if version is None:
-        return f"vLLM is not installed; {_HOW}"
-    if version != PINNED:
-        return f"kvferry_bounded_output is pinned to vllm=={PINNED}, found {version}; {_HOW}"
-    return None
-
-
-WHY_NOT = _find_vllm()
-REQUIRED = os.environ.get("KVFERRY_REQUIRE_VLLM") == "1"
+# Why vLLM 0.33.0 is unusable here (None when it is), and whether that is a failure:
+# the same check as the connector tests.
+from test_connector import REQUIRED, WHY_NOT  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
