@@ -62,6 +62,15 @@
 //! server (no client certificate, an untrusted one) is an authentication failure; a
 //! plaintext kvferry client is recognised by its first byte (the frame magic's) and
 //! told in plaintext that the server requires TLS.
+//!
+//! # Cancellation
+//!
+//! [`connect`] and [`accept`] may be dropped at any await (a caller's deadline, the
+//! server's silent-connection budget closing the oldest, shutdown). They hold only the
+//! socket being handshaken and register nothing until they return: dropping one
+//! closes that socket, and no peer table, quota or pool has seen the connection. Both
+//! bound themselves (`connect_timeout`, then `handshake_timeout`), so a peer that stops
+//! answering half-way never holds a caller past those bounds.
 
 use std::fmt;
 use std::net::SocketAddr;

@@ -14,6 +14,15 @@
 //!
 //! The vectored bulk read ([`wire::read_bulk_body_tcp`](crate::wire::read_bulk_body_tcp)),
 //! whose reads go straight to the socket, takes the same progress timeout itself.
+//!
+//! # Cancellation
+//!
+//! [`Progress`] holds no state outside the wrapped stream, and dropping a read or write
+//! through it (a caller's deadline, a `select!` arm) loses nothing it owns. A frame
+//! cut off in the middle leaves the stream at an unknown position in the framing, so
+//! the owner of the connection must close it rather than use it again: a pool takes a
+//! connection back only through an explicit `PooledConnection::finish`, so one
+//! abandoned mid-frame is closed.
 
 use std::future::Future;
 use std::io;

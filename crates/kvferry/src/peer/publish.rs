@@ -17,6 +17,13 @@
 //! (when published `once`), by TTL expiry, by an explicit release, or by being
 //! replaced. A send in progress therefore always finishes from live, unreleased
 //! blocks: the engine hears "released" only after the last socket write stopped.
+//!
+//! # Cancellation
+//!
+//! The only future here, the release queue's `wait`, holds a `Notified` and nothing
+//! else: dropping it loses no release (the queue keeps them until `take`). A send that
+//! holds a publication's `Arc` and is dropped mid-write lets go of it like any other
+//! holder, so the release is reported once that drop has happened, never before.
 
 use std::sync::Arc;
 

@@ -20,6 +20,13 @@
 //! Encoding is postcard, which numbers enum variants by position: the order of the
 //! variants of [`Message`] and [`ErrorKind`] is part of the wire format. Add new
 //! variants at the end only, and bump [`VERSION`](super::VERSION) for anything else.
+//!
+//! # Cancellation
+//!
+//! [`read_message`] may be dropped at any await. Bytes of a frame it already consumed
+//! are lost with it, so the stream is then at an unknown position in the framing: the
+//! connection must be closed, not read again (the `net` layer does so for every
+//! dropped or failed read).
 
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncRead;

@@ -1,3 +1,32 @@
+//! The [`Consumer`] API: what a caller asks for, and how each call is bounded.
+//!
+//! Every method takes a `deadline` (an [`Instant`] on tokio's clock). Requests that move
+//! no KV bytes (`lookup`, `stage`, `release`, `put`) are one exchange on a pooled
+//! connection, awaited under that deadline. Requests that land bytes (`get`, `resolve`
+//! and the delayed pull in one call) start a transfer task (see `transfer`) and come in
+//! two forms: `start_*`, which returns a [`Transfer`] whose [`DrainFence`] exists before
+//! the transfer completes, and an `async fn` built on it. [`Consumer::get_blocking`]
+//! waits for `start_get`'s transfer from a plain thread.
+//!
+//! One clock: every `Timeout` reports the time waited since the caller's call began
+//! (`run_fenced` measures it once), whichever step — connect, stage, receive, land —
+//! used the time up.
+//!
+//! Per peer address the consumer keeps a connection [`Pool`] and a `PeerWatch` (the
+//! directory's view of that peer), and it counts bytes, chunks, outcomes and latency
+//! for [`Consumer::stats`] and [`Consumer::transfer_latency`].
+//!
+//! # Cancellation
+//!
+//! Dropping an `async fn` future that started a transfer cancels the transfer; its
+//! task drains in the background (receive dropped, landing copy stopped, staging
+//! returned, `Done` sent) and its fence fires when nothing writes the destination any
+//! more. A caller that may drop the future and must reuse the destination uses the
+//! `start_*` form and waits on the fence. Dropping one of the single-exchange futures
+//! closes the connection it held (it is taken back only through an explicit finish)
+//! and leaves nothing behind on this side; a `stage` dropped after the producer
+//! granted the lease leaves that lease to end by its TTL.
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
