@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All of kvferry's tests, Rust and Python, on a fresh machine with only the Rust
 # toolchain and CPython >= 3.11: creates a virtual environment (.venv, or
-# $KVFERRY_VENV), installs maturin, pytest and numpy into it, builds the Python
+# $KVFERRY_VENV), installs maturin, pytest, numpy and mypy into it, builds the Python
 # package from source, installs the system tools some tests use (etcd, nftables,
 # iproute2; as root with apt-get, otherwise those tests skip with a message, and under
 # CI=true a missing tool is a failure), then runs `cargo test --workspace` and pytest.
@@ -23,7 +23,7 @@ echo "== python environment ($venv)"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "numpy>=1.24"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.5,<2" "pytest>=7" "numpy>=1.24" "mypy>=1.10"
 
 profile_flag=--release
 [ "${KVFERRY_TEST_PROFILE:-release}" = "dev" ] && profile_flag=
@@ -36,6 +36,10 @@ cargo test --workspace $profile_flag "$@"
 
 echo "== python package (maturin develop $profile_flag)"
 (cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag)
+
+echo "== python types: the stubs against the built module (stubtest), the package core under mypy --strict"
+(cd crates/kvferry-py/python && "$venv/bin/python" -m mypy.stubtest kvferry._kvferry \
+    && "$venv/bin/python" -m mypy --strict kvferry --exclude 'kvferry/integrations/')
 
 echo "== python tests"
 # shellcheck disable=SC2086

@@ -41,6 +41,7 @@
 //! There is no future to drop: the call is synchronous. An interrupt (a signal
 //! handler raising) ends the wait like a timeout does — the event is left as it is.
 
+use kvferry::ErrorCode;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -358,9 +359,12 @@ fn query_cuda(handle: usize, what: &str, device: &str) -> PyResult<bool> {
     // arguments keep alive for this whole call (torch destroys it only when the
     // object is freed).
     unsafe { kvferry::device::query_raw_event(handle) }.map_err(|e| {
-        ErrInfo::new("DeviceError", format!("bounded_wait: querying {what} on {device}: {e}"))
-            .op(what)
-            .into()
+        ErrInfo::new(
+            ErrorCode::Device,
+            format!("bounded_wait: querying {what} on {device}: {e}"),
+        )
+        .op(what)
+        .into()
     })
 }
 
@@ -450,7 +454,7 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
     }
     let waited = outcome.waited;
     let mut info = ErrInfo::new(
-        "TimeoutError",
+        ErrorCode::Timeout,
         format!(
             "bounded_wait: {what} on {device} did not complete within {timeout:.3} s (waited {:.3} s); \
              the device may still complete it later",

@@ -93,7 +93,7 @@ impl EngineDevice {
     fn open_cuda(spec: &str, ordinal: usize, op_timeout: Duration) -> Result<Option<EngineDevice>, ErrInfo> {
         let cuda = CudaDevice::open(ordinal, 0).map_err(|e| match e {
             DeviceError::InvalidArgument(m) => ErrInfo::invalid(format!("device {spec:?}: {m}")),
-            e => ErrInfo::new("DeviceError", format!("device {spec:?} (CUDA): {e}")),
+            e => ErrInfo::new(e.code(), format!("device {spec:?} (CUDA): {e}")),
         })?;
         Ok(Some(EngineDevice {
             device: cuda.clone(),
@@ -222,7 +222,7 @@ impl EngineDevice {
 pub fn dev_err(e: &DeviceError) -> ErrInfo {
     match e {
         DeviceError::InvalidArgument(m) => ErrInfo::invalid(m.clone()),
-        _ => ErrInfo::new("DeviceError", e.to_string()),
+        _ => ErrInfo::new(e.code(), e.to_string()),
     }
 }
 

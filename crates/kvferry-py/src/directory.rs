@@ -34,10 +34,10 @@ pub async fn connect_etcd(
     cfg.validate().map_err(invalid)?;
     let dir = EtcdDirectory::connect(cfg)
         .await
-        .map_err(|e| ErrInfo::new("Error", format!("directory {url}: {e}")).op("connect"))?;
+        .map_err(|e| ErrInfo::new(kvferry::ErrorCode::Directory, format!("directory {url}: {e}")).op("connect"))?;
     dir.wait_listed(wait).await.map_err(|_| {
         ErrInfo::new(
-            "TimeoutError",
+            kvferry::ErrorCode::Timeout,
             format!("cannot reach etcd at {url} within {wait:?} (is it running?)"),
         )
         .op("connect")

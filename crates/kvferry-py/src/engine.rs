@@ -19,6 +19,7 @@
 //! `Transfer` object does not cancel its task: it finishes or fails on its own
 //! deadline, and the memory it touches stays alive until then.
 
+use kvferry::ErrorCode;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -229,7 +230,7 @@ impl PyEngine {
             let waited = started.elapsed();
             if waited >= timeout {
                 let mut e = ErrInfo::new(
-                    "InUseError",
+                    ErrorCode::InUse,
                     format!(
                         "{} is still in use by {holders} transfer(s) or publication(s) after {waited:?}",
                         region.cache_name()
@@ -326,7 +327,7 @@ impl PyEngine {
             return Err(ErrInfo::invalid("runtime_threads must be at least 1").into());
         }
         let runtime = RuntimeRef::get(runtime_threads, shared_runtime)
-            .map_err(|e| ErrInfo::new("Error", format!("starting the engine's runtime: {e}")))?;
+            .map_err(|e| ErrInfo::new(ErrorCode::Io, format!("starting the engine's runtime: {e}")))?;
         let handle = runtime.handle().clone();
         let device = EngineDevice::open(
             device,
@@ -392,7 +393,7 @@ impl PyEngine {
 
     /// Every counter, as JSON (the Python layer parses it into a dict).
     fn stats_json(&self) -> PyResult<String> {
-        serde_json::to_string(&self.engine.stats()).map_err(|e| ErrInfo::new("Error", e.to_string()).into())
+        serde_json::to_string(&self.engine.stats()).map_err(|e| ErrInfo::new(ErrorCode::Internal, e.to_string()).into())
     }
 
     /// Registers `parts` — `[(buffer, [(offset, stride, length), ...]), ...]` — as one
@@ -606,10 +607,12 @@ impl PyEngine {
             })
             .map_err(PyErr::from)?;
         if h.chunks.is_empty() {
-            return Err(ErrInfo::new("NotFoundError", format!("{peer} holds none of the keys"))
-                .peer(&peer)
-                .op("stage")
-                .into());
+            return Err(
+                ErrInfo::new(ErrorCode::NotFound, format!("{peer} holds none of the keys"))
+                    .peer(&peer)
+                    .op("stage")
+                    .into(),
+            );
         }
         Ok(PyStaged { handle: h })
     }

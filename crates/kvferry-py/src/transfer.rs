@@ -13,6 +13,7 @@
 //! returns only after its drain: no socket or copy thread touches the destination
 //! blocks any more and its staging pages are back.
 
+use kvferry::ErrorCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,9 +89,11 @@ pub struct PyTransfer {
 /// What a finished transfer means for Python: chunks landed, or why not.
 pub fn outcome(peer: &str, r: Result<Landed, GetFailure>, what: &str) -> Outcome {
     match r {
-        Ok(l) if l.chunks == 0 => Err(ErrInfo::new("NotFoundError", format!("{peer} holds none of the keys"))
-            .peer(peer)
-            .op(what)),
+        Ok(l) if l.chunks == 0 => Err(
+            ErrInfo::new(ErrorCode::NotFound, format!("{peer} holds none of the keys"))
+                .peer(peer)
+                .op(what),
+        ),
         Ok(l) => Ok(l.chunks),
         Err(f) => Err(ErrInfo::from(&f).peer(peer).op(what)),
     }
@@ -135,7 +138,7 @@ impl PyTransfer {
             };
             let mut o = outcome(&p, r, op);
             if let Err(e) = &mut o {
-                if e.class == "TimeoutError" {
+                if e.code == ErrorCode::Timeout {
                     e.waited = Some(e.waited.unwrap_or_default().max(called.elapsed()));
                 }
             }
@@ -234,9 +237,12 @@ impl PyTransfer {
             Some(Ok(n)) => Ok(n),
             Some(Err(e)) => Err(e.to_py(py)),
             None => {
-                let mut e = ErrInfo::new("TimeoutError", format!("transfer still running after {timeout:?} s"))
-                    .peer(&self.peer)
-                    .op("wait");
+                let mut e = ErrInfo::new(
+                    ErrorCode::Timeout,
+                    format!("transfer still running after {timeout:?} s"),
+                )
+                .peer(&self.peer)
+                .op("wait");
                 e.waited = t;
                 Err(e.to_py(py))
             }
@@ -291,7 +297,7 @@ impl PyTransfer {
         let state = match &*self.shared.outcome.lock() {
             None => "running".to_string(),
             Some(Ok(n)) => format!("landed {n} chunk(s)"),
-            Some(Err(e)) => format!("failed: {}", e.class),
+            Some(Err(e)) => format!("failed: {}", e.code),
         };
         format!("Transfer(peer={:?}, {state})", self.peer)
     }

@@ -7,6 +7,7 @@
 //! Layers, bottom up (see `docs/architecture.md`):
 //!
 //! - [`checksum`]: crc32c, computed and combined; a leaf every layer may use.
+//! - [`error_code`]: the stable [`ErrorCode`] every error type reports through `code()`.
 //! - [`mem`]: the staging arena, its pages and leases, and registered regions.
 //! - [`copy`]: dedicated copy threads executing [`copy::CopyPlan`]s; a cancelled or
 //!   failed copy releases nothing until every started slice has stopped.
@@ -25,6 +26,7 @@ pub mod copy;
 pub mod device;
 pub mod directory;
 pub mod engine;
+pub mod error_code;
 pub mod layout;
 pub mod mem;
 pub mod metrics;
@@ -33,3 +35,5 @@ pub mod peer;
 pub mod stats;
 pub mod sync;
 pub mod wire;
+
+pub use error_code::ErrorCode;

@@ -14,6 +14,7 @@ from ._engine import DeviceMemory, Engine, Region, Transfer
 from .bounded_wait import bounded_wait
 from ._kvferry import HAS_CUDA, HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
+    ERROR_CODES,
     AuthError,
     BusyError,
     CancelledError,
@@ -39,6 +40,7 @@ __all__ = [
     "key_bytes",
     "bounded_wait",
     "errors",
+    "ERROR_CODES",
     "Error",
     "InvalidArgumentError",
     "TimeoutError",

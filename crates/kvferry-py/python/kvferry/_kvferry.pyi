@@ -10,6 +10,7 @@ extension raises ``kvferry.InvalidArgumentError`` for anything else. Lists of ke
 be real ``list`` objects. Durations are seconds (positive, finite).
 """
 
+import builtins
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -18,7 +19,36 @@ from typing_extensions import Buffer
 _Key = str | bytes
 _Span = tuple[int, int, int]  # (offset, stride, length) in bytes
 
-__all__ = ["Engine", "Region", "Transfer", "Staged", "DeviceMemory", "key_bytes", "__version__", "HAS_ETCD", "HAS_CUDA"]
+__all__ = [
+    "Engine",
+    "Region",
+    "Transfer",
+    "Staged",
+    "DeviceMemory",
+    "key_bytes",
+    "crc32c",
+    "dlpack_info",
+    "bounded_wait",
+    "__version__",
+    "HAS_ETCD",
+    "HAS_CUDA",
+    "ERROR_CODES",
+    "ERROR_CLASSES",
+    "Error",
+    "InvalidArgumentError",
+    "TimeoutError",
+    "CancelledError",
+    "PeerLostError",
+    "PeerRestartedError",
+    "AuthError",
+    "BusyError",
+    "NotFoundError",
+    "LeaseExpiredError",
+    "ChecksumError",
+    "InUseError",
+    "ClosedError",
+    "DeviceError",
+]
 
 __version__: str
 """The crate's version (``CARGO_PKG_VERSION``)."""
@@ -27,6 +57,34 @@ HAS_ETCD: bool
 HAS_CUDA: bool
 """Whether this build can open ``Engine(device="cuda:N")`` (cargo feature ``cuda``; the
 driver is loaded at run time, so a machine without a GPU still refuses to open one)."""
+ERROR_CODES: list[str]
+"""Every error code (``Error.code``'s possible values), in a fixed order."""
+ERROR_CLASSES: list[str]
+"""The names of the exception classes below, base first."""
+
+# The exception classes are created by the extension from one list (src/errors.rs).
+class Error(Exception):
+    code: str
+    peer: str | None
+    key: str | None
+    op: str | None
+    waited: float | None
+    dirty: bool
+
+class InvalidArgumentError(Error, ValueError): ...
+class TimeoutError(Error, builtins.TimeoutError): ...  # noqa: A001 - deliberately shadows
+class CancelledError(Error): ...
+class PeerLostError(Error, ConnectionError): ...
+class PeerRestartedError(Error): ...
+class AuthError(Error, PermissionError): ...
+class BusyError(Error): ...
+class NotFoundError(Error, LookupError): ...
+class LeaseExpiredError(Error): ...
+class ChecksumError(Error): ...
+class InUseError(Error): ...
+class ClosedError(Error): ...
+class DeviceError(Error): ...
+
 
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""

@@ -155,6 +155,23 @@ pub enum ClusterError {
 }
 
 impl ClusterError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            ClusterError::InvalidConfig { .. } | ClusterError::InvalidDuration { .. } => C::InvalidConfig,
+            ClusterError::Io { .. } | ClusterError::Spawn { .. } => C::Io,
+            ClusterError::Startup { .. } | ClusterError::WorkerDied { .. } => C::WorkerDied,
+            ClusterError::RankFailed { .. } => C::RankFailed,
+            ClusterError::Timeout { .. } => C::Timeout,
+            ClusterError::Protocol(_) | ClusterError::Unexpected { .. } => C::Protocol,
+            ClusterError::Wire(e) => e.code(),
+            ClusterError::ShutDown => C::Closed,
+        }
+    }
+}
+
+impl ClusterError {
     /// The failure in uniform structured form (kind, rank, message), for errors that
     /// fail a step on a rank: [`ClusterError::RankFailed`], [`ClusterError::Timeout`]
     /// and [`ClusterError::WorkerDied`].

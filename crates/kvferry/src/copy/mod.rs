@@ -62,3 +62,17 @@ pub enum CopyError {
     #[error("invalid copy engine configuration: {0}")]
     InvalidConfig(String),
 }
+
+impl CopyError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            CopyError::InvalidPlan(_) => C::InvalidArgument,
+            CopyError::InvalidConfig(_) => C::InvalidConfig,
+            CopyError::Cancelled => C::Cancelled,
+            CopyError::SliceFailed { .. } => C::Internal,
+            CopyError::ShutDown => C::Closed,
+        }
+    }
+}

@@ -28,6 +28,16 @@ pub enum StageError {
     Copy(#[from] CopyError),
 }
 
+impl StageError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        match self {
+            StageError::Alloc(e) => e.code(),
+            StageError::Copy(e) => e.code(),
+        }
+    }
+}
+
 /// Staged bytes: the lease holding them and the source handed back.
 #[derive(Debug)]
 pub struct Staged {

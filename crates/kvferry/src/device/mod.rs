@@ -148,6 +148,22 @@ pub enum DeviceError {
     Driver(String),
 }
 
+impl DeviceError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            DeviceError::NoDevice(_) | DeviceError::Driver(_) => C::NoDevice,
+            DeviceError::Timeout { .. } | DeviceError::CopyFailed { .. } | DeviceError::Fault(_) => C::Device,
+            DeviceError::InvalidArgument(_) => C::InvalidArgument,
+            DeviceError::OutOfMemory { .. } => C::DeviceOutOfMemory,
+            DeviceError::Closed(_) => C::Closed,
+            DeviceError::Mem(e) => e.code(),
+            DeviceError::Copy(e) => e.code(),
+        }
+    }
+}
+
 /// Which backend a device is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum DeviceKind {

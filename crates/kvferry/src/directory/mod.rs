@@ -100,6 +100,20 @@ pub enum DirectoryError {
     Closed,
 }
 
+impl DirectoryError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            DirectoryError::InvalidConfig(_) => C::InvalidConfig,
+            DirectoryError::DuplicatePeerId { .. } => C::DuplicatePeerId,
+            DirectoryError::Timeout { .. } => C::Timeout,
+            DirectoryError::Backend { .. } | DirectoryError::BadRecord { .. } => C::Directory,
+            DirectoryError::Closed => C::Closed,
+        }
+    }
+}
+
 /// Where peers are found.
 pub trait Directory: Send + Sync + 'static {
     /// The address of `peer` (an id), or `None` when it is not known. Answers from

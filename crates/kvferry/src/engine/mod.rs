@@ -109,6 +109,24 @@ pub enum EngineError {
     Directory(#[from] crate::directory::DirectoryError),
 }
 
+impl EngineError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            EngineError::InvalidConfig(_) => C::InvalidConfig,
+            EngineError::Bind { .. } => C::BindFailed,
+            EngineError::Closed => C::Closed,
+            EngineError::InUse { .. } => C::InUse,
+            EngineError::NotRegistered(_) => C::NotRegistered,
+            EngineError::Mem(e) => e.code(),
+            EngineError::Layout(e) => e.code(),
+            EngineError::Peer(e) => e.code(),
+            EngineError::Directory(e) => e.code(),
+        }
+    }
+}
+
 /// Everything an engine counts, in one snapshot.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct EngineStats {

@@ -40,6 +40,17 @@ pub enum LayoutError {
     Incompatible(String),
 }
 
+impl LayoutError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            LayoutError::Invalid(_) | LayoutError::UnknownPreset(_) => C::InvalidArgument,
+            LayoutError::BlockOutOfRange { .. } | LayoutError::Incompatible(_) => C::LayoutMismatch,
+        }
+    }
+}
+
 /// Whether K or V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Kv {

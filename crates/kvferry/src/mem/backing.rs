@@ -63,6 +63,17 @@ pub enum BackingError {
     },
 }
 
+impl BackingError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            BackingError::ZeroSize => C::InvalidConfig,
+            BackingError::Mmap { .. } => C::Memory,
+        }
+    }
+}
+
 /// Releases externally allocated memory (e.g. `cuMemFreeHost`).
 pub type ExternalFree = Box<dyn FnOnce(*mut u8, usize) + Send + Sync>;
 

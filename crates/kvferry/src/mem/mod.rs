@@ -87,3 +87,19 @@ pub enum MemError {
         size: usize,
     },
 }
+
+impl MemError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            MemError::InvalidConfig(_) | MemError::ZeroPages => C::InvalidConfig,
+            MemError::Backing(_) => C::Memory,
+            MemError::TooLarge { .. } => C::TooLarge,
+            MemError::Exhausted { .. } => C::StagingExhausted,
+            MemError::Timeout { .. } => C::Timeout,
+            MemError::Closed => C::Closed,
+            MemError::OutOfBounds { .. } => C::InvalidArgument,
+        }
+    }
+}

@@ -34,6 +34,16 @@ pub enum ByteSizeError {
     Overflow(String),
 }
 
+impl ByteSizeError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            _ => C::InvalidArgument,
+        }
+    }
+}
+
 impl ByteSize {
     /// The size in bytes.
     pub fn bytes(self) -> u64 {

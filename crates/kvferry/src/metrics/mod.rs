@@ -56,3 +56,14 @@ pub enum MetricsError {
         source: std::io::Error,
     },
 }
+
+impl MetricsError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            MetricsError::InvalidConfig(_) | MetricsError::Token { .. } => C::InvalidConfig,
+            MetricsError::Bind { .. } => C::BindFailed,
+        }
+    }
+}

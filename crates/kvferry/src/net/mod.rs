@@ -112,6 +112,24 @@ pub enum NetError {
 }
 
 impl NetError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            NetError::InvalidConfig(_) => C::InvalidConfig,
+            NetError::Connect { .. } => C::ConnectFailed,
+            NetError::Timeout { .. } => C::Timeout,
+            NetError::Lost { .. } => C::PeerLost,
+            NetError::Auth(_) => C::AuthFailed,
+            NetError::Remote { kind, .. } => kind.code(),
+            NetError::Protocol(_) | NetError::Unexpected { .. } => C::Protocol,
+            NetError::WrongPeer { .. } => C::WrongPeer,
+            NetError::Wire(e) => e.code(),
+        }
+    }
+}
+
+impl NetError {
     /// True when the connection can no longer be used (lost, broken frame, timeout).
     pub fn is_connection_fatal(&self) -> bool {
         !matches!(self, NetError::Remote { .. })

@@ -94,6 +94,16 @@ pub enum TlsError {
     },
 }
 
+impl TlsError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            _ => C::InvalidConfig,
+        }
+    }
+}
+
 /// TLS settings of a node, validated when built; cheap to clone.
 #[derive(Clone)]
 pub struct TlsConfig {

@@ -166,6 +166,33 @@ pub enum PeerError {
     ShuttingDown,
 }
 
+impl PeerError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            PeerError::InvalidArgument(_) => C::InvalidArgument,
+            PeerError::Timeout { .. } => C::Timeout,
+            PeerError::Cancelled => C::Cancelled,
+            PeerError::PeerLost { .. } => C::PeerLost,
+            PeerError::PeerRestarted { .. } => C::PeerRestarted,
+            PeerError::LeaseExpired { .. } => C::LeaseExpired,
+            PeerError::StaleIncarnation { .. } => C::StaleIncarnation,
+            PeerError::Remote { kind, .. } => kind.code(),
+            PeerError::StagingExhausted { .. } => C::StagingExhausted,
+            PeerError::Device { error, .. } => error.code(),
+            PeerError::QuotaExceeded { .. } => C::QuotaExceeded,
+            PeerError::StoreFull { .. } => C::StoreFull,
+            PeerError::ChecksumMismatch { .. } => C::ChecksumMismatch,
+            PeerError::Layout(e) => e.code(),
+            PeerError::Mem(e) => e.code(),
+            PeerError::Copy(e) => e.code(),
+            PeerError::Net(e) => e.code(),
+            PeerError::ShuttingDown => C::Closed,
+        }
+    }
+}
+
 impl From<NetError> for PeerError {
     fn from(e: NetError) -> Self {
         match e {

@@ -18,3 +18,13 @@ pub enum StatsError {
     #[error("invalid histogram buckets: {0}")]
     InvalidBuckets(String),
 }
+
+impl StatsError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            StatsError::InvalidBuckets(_) => C::InvalidArgument,
+        }
+    }
+}

@@ -82,3 +82,17 @@ pub enum WireError {
         got: FrameKind,
     },
 }
+
+impl WireError {
+    /// The stable code of this error.
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            WireError::Io(_) => C::Io,
+            WireError::Closed | WireError::Truncated | WireError::Stalled(_) => C::PeerLost,
+            WireError::ChecksumMismatch { .. } => C::ChecksumMismatch,
+            WireError::Oversize { .. } => C::TooLarge,
+            _ => C::Protocol,
+        }
+    }
+}

@@ -81,6 +81,26 @@ pub enum ErrorKind {
     ShuttingDown,
 }
 
+impl ErrorKind {
+    /// The stable code of a peer's refusal of this kind.
+    pub fn code(self) -> crate::ErrorCode {
+        use crate::ErrorCode as C;
+        match self {
+            ErrorKind::AuthFailed => C::AuthFailed,
+            ErrorKind::AuthRequired => C::AuthRequired,
+            ErrorKind::UnknownLease => C::UnknownLease,
+            ErrorKind::LeaseExpired => C::LeaseExpired,
+            ErrorKind::StaleIncarnation => C::StaleIncarnation,
+            ErrorKind::Busy => C::Busy,
+            ErrorKind::TooLarge => C::TooLarge,
+            ErrorKind::BadRequest => C::InvalidArgument,
+            ErrorKind::Internal => C::Internal,
+            ErrorKind::NotFound => C::NotFound,
+            ErrorKind::ShuttingDown => C::PeerShuttingDown,
+        }
+    }
+}
+
 /// A control message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Message {
