@@ -358,7 +358,7 @@ fn query_cuda(handle: usize, what: &str, device: &str) -> PyResult<bool> {
     // SAFETY: `handle` is the CUevent of a torch event object that the caller's
     // arguments keep alive for this whole call (torch destroys it only when the
     // object is freed).
-    unsafe { kvferry::device::query_raw_event(handle) }.map_err(|e| {
+    unsafe { kvferry::engine::query_raw_event(handle) }.map_err(|e| {
         ErrInfo::new(
             ErrorCode::Device,
             format!("bounded_wait: querying {what} on {device}: {e}"),

@@ -13,10 +13,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvferry::engine::Arena;
 #[cfg(feature = "cuda")]
-use kvferry::device::CudaDevice;
-use kvferry::device::{Device, DeviceBuffer, DeviceError, Fault, FaultRule, SimConfig, SimDevice, Trigger};
-use kvferry::mem::Arena;
+use kvferry::engine::CudaDevice;
+use kvferry::engine::{Device, DeviceBuffer, DeviceError, Fault, FaultRule, SimConfig, SimDevice, Trigger};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -130,7 +130,7 @@ impl EngineDevice {
             if pages == 0 {
                 return Ok(None);
             }
-            return kvferry::device::cuda_pinned_arena(c, page_size, pages)
+            return kvferry::engine::cuda_pinned_arena(c, page_size, pages)
                 .map(Some)
                 .map_err(|e| dev_err(&e));
         }

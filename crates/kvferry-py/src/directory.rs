@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::directory::{Directory, LivePeers};
+use kvferry::engine::{Directory, LivePeers};
 
 use crate::errors::ErrInfo;
 
@@ -26,8 +26,8 @@ pub async fn connect_etcd(
     ttl: Duration,
     wait: Duration,
 ) -> Result<Arc<dyn Directory>, ErrInfo> {
-    use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
-    let invalid = |e: kvferry::directory::DirectoryError| ErrInfo::invalid(format!("directory: {e}"));
+    use kvferry::engine::{EtcdConfig, EtcdDirectory};
+    let invalid = |e: kvferry::engine::DirectoryError| ErrInfo::invalid(format!("directory: {e}"));
     let endpoints = EtcdConfig::parse_url(url).map_err(invalid)?;
     let mut cfg = EtcdConfig::new(endpoints, namespace.to_string());
     cfg.ttl = ttl;

@@ -26,12 +26,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::device::DeviceKvCache;
+use kvferry::engine::ChunkKey;
+use kvferry::engine::DeviceKvCache;
+use kvferry::engine::Region;
+use kvferry::engine::{Destination, TransferPath};
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
-use kvferry::layout::{KvCache, Span};
-use kvferry::mem::Region;
-use kvferry::peer::{Destination, TransferPath};
-use kvferry::wire::ChunkKey;
+use kvferry::engine::{KvCache, Span};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -39,6 +39,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
+use crate::options::EngineOptions;
 use crate::region::{PyRegion, RegionKind};
 use crate::runtime::RuntimeRef;
 use crate::transfer::{PyTransfer, Waiting};
@@ -103,7 +104,7 @@ struct HeldObject(#[allow(dead_code)] Py<PyAny>);
 /// A staged lease on a peer (delayed pull), from `Engine.stage`.
 #[pyclass(name = "Staged", module = "kvferry._kvferry", frozen)]
 pub struct PyStaged {
-    handle: kvferry::peer::StagedHandle,
+    handle: kvferry::engine::StagedHandle,
 }
 
 #[pymethods]
@@ -204,7 +205,7 @@ impl PyEngine {
         })
     }
 
-    fn device_memory(&self, buf: kvferry::device::DeviceBuffer, shape: Option<Vec<usize>>) -> PyDeviceMemory {
+    fn device_memory(&self, buf: kvferry::engine::DeviceBuffer, shape: Option<Vec<usize>>) -> PyDeviceMemory {
         PyDeviceMemory {
             kind: buf_kind(self.device.as_ref()),
             buf,
@@ -255,41 +256,37 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (listen, secret, arena_bytes, page_size, peer_id, copy_threads, store_bytes,
-        store_block_bytes, lease_ttl, default_ttl, max_ttl, io_timeout, connect_timeout,
-        connections_per_peer, pinned, runtime_threads, device="host", device_latency_us=0,
-        device_timeout=5.0, etcd=None, namespace="kvferry", directory_ttl=10.0, role="both",
-        advertise=None, wait_spin_us=0, shared_runtime=false))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        listen: Option<String>,
-        secret: Option<Vec<u8>>,
-        arena_bytes: usize,
-        page_size: usize,
-        peer_id: Option<String>,
-        copy_threads: Option<usize>,
-        store_bytes: usize,
-        store_block_bytes: usize,
-        lease_ttl: f64,
-        default_ttl: f64,
-        max_ttl: f64,
-        io_timeout: f64,
-        connect_timeout: f64,
-        connections_per_peer: usize,
-        pinned: bool,
-        runtime_threads: usize,
-        device: &str,
-        device_latency_us: u64,
-        device_timeout: f64,
-        etcd: Option<String>,
-        namespace: &str,
-        directory_ttl: f64,
-        role: &str,
-        advertise: Option<String>,
-        wait_spin_us: u64,
-        shared_runtime: bool,
-    ) -> PyResult<PyEngine> {
+    fn new(py: Python<'_>, options: PyRef<'_, EngineOptions>) -> PyResult<PyEngine> {
+        let EngineOptions {
+            listen,
+            secret,
+            arena_bytes,
+            page_size,
+            peer_id,
+            copy_threads,
+            store_bytes,
+            store_block_bytes,
+            lease_ttl,
+            default_ttl,
+            max_ttl,
+            io_timeout,
+            connect_timeout,
+            connections_per_peer,
+            pinned,
+            runtime_threads,
+            shared_runtime,
+            device,
+            device_latency_us,
+            device_timeout,
+            etcd,
+            namespace,
+            directory_ttl,
+            role,
+            advertise,
+            wait_spin_us,
+        } = options.clone();
+        drop(options);
+        let (device, namespace, role) = (device.as_str(), namespace.as_str(), role.as_str());
         if wait_spin_us > 1_000_000 {
             return Err(ErrInfo::invalid(format!(
                 "wait_spin_us must be at most 1000000 (one second), got {wait_spin_us}"
@@ -918,9 +915,9 @@ impl PyEngine {
         let fut = async move {
             let start = tokio::time::Instant::now();
             let (deadline, retry_until) = (start + t, start + retry);
-            let fail = |error| kvferry::peer::GetFailure {
+            let fail = |error| kvferry::engine::GetFailure {
                 error,
-                fence: kvferry::copy::DrainFence::ready(),
+                fence: kvferry::engine::DrainFence::ready(),
                 dirty: false,
             };
             let mut backoff = Duration::from_millis(2);
@@ -929,11 +926,11 @@ impl PyEngine {
                 let chunks = handle.chunks.len();
                 if chunks > 0 {
                     e.release_staged(&handle, deadline).await.map_err(fail)?;
-                    return Ok(kvferry::peer::Landed { chunks, bytes: 0 });
+                    return Ok(kvferry::engine::Landed { chunks, bytes: 0 });
                 }
                 let now = tokio::time::Instant::now();
                 if now + backoff > retry_until {
-                    return Ok(kvferry::peer::Landed { chunks: 0, bytes: 0 });
+                    return Ok(kvferry::engine::Landed { chunks: 0, bytes: 0 });
                 }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_millis(50));
@@ -943,7 +940,7 @@ impl PyEngine {
         Ok(PyTransfer::spawn_op(
             &self.waiting,
             peer,
-            kvferry::copy::DrainFence::ready(),
+            kvferry::engine::DrainFence::ready(),
             fut,
             "release_remote",
         ))

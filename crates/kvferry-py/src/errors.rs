@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use kvferry::engine::EngineError;
-use kvferry::peer::{GetFailure, PeerError};
+use kvferry::engine::{GetFailure, PeerError};
 use kvferry::ErrorCode;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;

@@ -13,6 +13,7 @@ mod dlpack;
 mod engine;
 mod errors;
 mod linger;
+mod options;
 mod region;
 mod runtime;
 mod spin;
@@ -37,12 +38,13 @@ fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
     }
     // SAFETY: the buffer is held (and C-contiguous) for this call; it is only read.
     let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) };
-    Ok(py.detach(|| kvferry::checksum::checksum(bytes)))
+    Ok(py.detach(|| kvferry::engine::checksum(bytes)))
 }
 
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
+    m.add_class::<options::EngineOptions>()?;
     m.add_class::<region::PyRegion>()?;
     m.add_class::<transfer::PyTransfer>()?;
     m.add_class::<engine::PyStaged>()?;

@@ -7,9 +7,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvferry::device::DeviceKvCache;
+use kvferry::engine::BlockMap;
+use kvferry::engine::DeviceKvCache;
 use kvferry::engine::Registered;
-use kvferry::layout::BlockMap;
 use pyo3::prelude::*;
 
 /// Where a region's memory lives.

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry::copy::DrainFence;
-use kvferry::peer::{GetFailure, Landed, PeerError};
+use kvferry::engine::DrainFence;
+use kvferry::engine::{GetFailure, Landed, PeerError};
 use parking_lot::{Condvar, Mutex};
 use pyo3::prelude::*;
 use tokio::runtime::Handle;

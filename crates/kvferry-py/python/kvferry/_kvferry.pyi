@@ -21,6 +21,7 @@ _Span = tuple[int, int, int]  # (offset, stride, length) in bytes
 
 __all__ = [
     "Engine",
+    "EngineOptions",
     "Region",
     "Transfer",
     "Staged",
@@ -191,39 +192,73 @@ class Staged:
         """Seconds left on the lease (by this side's conservative clock)."""
 
 @final
+class EngineOptions:
+    """Everything an engine is started with (see ``kvferry.Engine`` for each field);
+    every field is readable and writable, and checked when the engine starts."""
+
+    listen: str | None
+    secret: bytes | None
+    arena_bytes: int
+    page_size: int
+    peer_id: str | None
+    copy_threads: int | None
+    store_bytes: int
+    store_block_bytes: int
+    lease_ttl: float
+    default_ttl: float
+    max_ttl: float
+    io_timeout: float
+    connect_timeout: float
+    connections_per_peer: int
+    pinned: bool
+    runtime_threads: int
+    shared_runtime: bool
+    device: str
+    device_latency_us: int
+    device_timeout: float
+    etcd: str | None
+    namespace: str
+    directory_ttl: float
+    role: str
+    advertise: str | None
+    wait_spin_us: int
+    def __new__(
+        cls,
+        *,
+        listen: str | None = ...,
+        secret: bytes | None = None,
+        arena_bytes: int = ...,
+        page_size: int = ...,
+        peer_id: str | None = None,
+        copy_threads: int | None = None,
+        store_bytes: int = ...,
+        store_block_bytes: int = ...,
+        lease_ttl: float = 10.0,
+        default_ttl: float = 10.0,
+        max_ttl: float = 10.0,
+        io_timeout: float = 5.0,
+        connect_timeout: float = 3.0,
+        connections_per_peer: int = 4,
+        pinned: bool = True,
+        runtime_threads: int = 2,
+        shared_runtime: bool = True,
+        device: str = ...,
+        device_latency_us: int = 0,
+        device_timeout: float = 5.0,
+        etcd: str | None = None,
+        namespace: str = ...,
+        directory_ttl: float = 10.0,
+        role: str = ...,
+        advertise: str | None = None,
+        wait_spin_us: int = 0,
+    ) -> EngineOptions: ...
+
+@final
 class Engine:
     """The kvferry engine. It owns a tokio runtime; every call that waits or copies
     releases the GIL."""
 
-    def __new__(
-        cls,
-        listen: str | None,
-        secret: bytes | None,
-        arena_bytes: int,
-        page_size: int,
-        peer_id: str | None,
-        copy_threads: int | None,
-        store_bytes: int,
-        store_block_bytes: int,
-        lease_ttl: float,
-        default_ttl: float,
-        max_ttl: float,
-        io_timeout: float,
-        connect_timeout: float,
-        connections_per_peer: int,
-        pinned: bool,
-        runtime_threads: int,
-        device: str = "host",
-        device_latency_us: int = 0,
-        device_timeout: float = 5.0,
-        etcd: str | None = None,
-        namespace: str = "kvferry",
-        directory_ttl: float = 10.0,
-        role: str = "both",
-        advertise: str | None = None,
-        wait_spin_us: int = 0,
-        shared_runtime: bool = False,
-    ) -> Engine:
+    def __new__(cls, options: EngineOptions) -> Engine:
         """Starts an engine (listening on ``listen``, or client-only for None);
         ``device`` is ``"host"``, ``"sim"`` (a simulated accelerator) or ``"cuda"`` /
         ``"cuda:N"`` (GPU N; ``DeviceError`` without a driver or GPU,

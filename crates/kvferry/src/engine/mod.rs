@@ -39,10 +39,13 @@
 
 mod config;
 pub mod directory;
+mod exports;
 mod fleet;
 
 pub use config::{EngineConfig, StoreConfig};
+// Names the engine's API uses, re-exported (and used here through the same glob).
 pub use directory::{Directory, StaticDirectory};
+pub use exports::*;
 pub use fleet::{Located, FAN_OUT, MISS_TTL};
 
 use std::collections::HashMap;
@@ -55,14 +58,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::copy::{CopyEngine, CopyStats};
-use crate::layout::{Arrangement, KvCache, KvLayout, LayoutError};
-use crate::mem::{Arena, ArenaConfig, ArenaStats, MemError, Region};
+use crate::layout::{Arrangement, KvLayout, LayoutError};
+use crate::mem::{ArenaConfig, ArenaStats, MemError};
 use crate::net::{NetError, Server, ServerStats};
 use crate::peer::{
-    ChunkStore, Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerError, Producer,
-    ProducerStats, Released, StagedHandle, StoreStats, Transfer,
+    ChunkStore, Consumer, ConsumerConfig, ConsumerStats, Producer, ProducerStats, Released, StoreStats, Transfer,
 };
-use crate::wire::ChunkKey;
 
 /// Errors of the engine's own (non-transfer) operations.
 #[derive(Debug, thiserror::Error)]
