@@ -30,7 +30,7 @@ use kvferry::engine::ChunkKey;
 use kvferry::engine::DeviceKvCache;
 use kvferry::engine::Region;
 use kvferry::engine::{Destination, TransferPath};
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::{Engine, EngineConfig, StoreConfig, TlsConfig};
 use kvferry::engine::{KvCache, Span};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
@@ -284,6 +284,9 @@ impl PyEngine {
             role,
             advertise,
             wait_spin_us,
+            tls_cert,
+            tls_key,
+            tls_ca,
         } = options.clone();
         drop(options);
         let (device, namespace, role) = (device.as_str(), namespace.as_str(), role.as_str());
@@ -319,6 +322,14 @@ impl PyEngine {
         cfg.net.io_timeout = required(io_timeout, "io_timeout")?;
         cfg.net.connect_timeout = required(connect_timeout, "connect_timeout")?;
         cfg.net.connections_per_peer = connections_per_peer;
+        cfg.net.tls = match (tls_cert, tls_key, tls_ca) {
+            (None, None, None) => None,
+            (Some(cert), Some(key), Some(ca)) => Some(
+                TlsConfig::from_files(cert.as_ref(), key.as_ref(), ca.as_ref())
+                    .map_err(|e| ErrInfo::new(e.code(), format!("tls: {e}")))?,
+            ),
+            _ => return Err(ErrInfo::invalid("tls_cert, tls_key and tls_ca go together").into()),
+        };
         cfg.pinned = pinned;
         if runtime_threads == 0 {
             return Err(ErrInfo::invalid("runtime_threads must be at least 1").into());

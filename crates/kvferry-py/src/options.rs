@@ -89,6 +89,15 @@ pub struct EngineOptions {
     /// How long a waiting thread polls before it sleeps (microseconds, ≤ 1 s).
     #[pyo3(get, set)]
     pub wait_spin_us: u64,
+    /// This engine's certificate chain (PEM file); with `tls_key` and `tls_ca`, mutual TLS.
+    #[pyo3(get, set)]
+    pub tls_cert: Option<String>,
+    /// The private key of `tls_cert` (PEM file).
+    #[pyo3(get, set)]
+    pub tls_key: Option<String>,
+    /// The CA (PEM file) that signs every peer's certificate.
+    #[pyo3(get, set)]
+    pub tls_ca: Option<String>,
 }
 
 #[pymethods]
@@ -101,7 +110,7 @@ impl EngineOptions {
         io_timeout=5.0, connect_timeout=3.0, connections_per_peer=4, pinned=true,
         runtime_threads=2, shared_runtime=true, device="host".to_string(), device_latency_us=0,
         device_timeout=5.0, etcd=None, namespace="kvferry".to_string(), directory_ttl=10.0,
-        role="both".to_string(), advertise=None, wait_spin_us=0))]
+        role="both".to_string(), advertise=None, wait_spin_us=0, tls_cert=None, tls_key=None, tls_ca=None))]
     fn new(
         listen: Option<String>,
         secret: Option<Vec<u8>>,
@@ -129,6 +138,9 @@ impl EngineOptions {
         role: String,
         advertise: Option<String>,
         wait_spin_us: u64,
+        tls_cert: Option<String>,
+        tls_key: Option<String>,
+        tls_ca: Option<String>,
     ) -> EngineOptions {
         EngineOptions {
             listen,
@@ -157,16 +169,20 @@ impl EngineOptions {
             role,
             advertise,
             wait_spin_us,
+            tls_cert,
+            tls_key,
+            tls_ca,
         }
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "EngineOptions(listen={:?}, device={:?}, peer_id={:?}, secret={}, arena_bytes={}, etcd={:?}, role={:?})",
+            "EngineOptions(listen={:?}, device={:?}, peer_id={:?}, secret={}, tls={}, arena_bytes={}, etcd={:?}, role={:?})",
             self.listen,
             self.device,
             self.peer_id,
             if self.secret.is_some() { "<hidden>" } else { "None" },
+            self.tls_cert.is_some(),
             self.arena_bytes,
             self.etcd,
             self.role,

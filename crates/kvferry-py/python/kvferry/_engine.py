@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, Union
 
@@ -195,6 +196,12 @@ class Engine:
             required when listening on an unspecified address such as 0.0.0.0).
         device_latency_us: simulated time per device copy (``device="sim"``).
         device_timeout: bound on each device copy, from its submission (seconds).
+        tls_cert, tls_key, tls_ca: PEM files of this engine's certificate chain, its
+            private key and the CA that signs every peer's certificate: mutual TLS 1.3
+            on every connection, in and out (what ``kvferry serve --tls-cert
+            --tls-key --tls-ca`` uses; a peer without a certificate from that CA is
+            refused with ``AuthError``). All three or none. With ``secret`` as well,
+            the HMAC handshake runs inside TLS.
     """
 
     def __init__(
@@ -226,6 +233,9 @@ class Engine:
         advertise: str | None = None,
         wait_spin_us: int = DEFAULT_WAIT_SPIN_US,
         shared_runtime: bool = True,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         device = str(device)  # also a torch.device
         if device not in ("host", "sim") and not is_cuda_name(device):
@@ -276,6 +286,9 @@ class Engine:
                 role=role,
                 advertise=advertise,
                 wait_spin_us=int(wait_spin_us),
+                tls_cert=None if tls_cert is None else os.fspath(tls_cert),
+                tls_key=None if tls_key is None else os.fspath(tls_key),
+                tls_ca=None if tls_ca is None else os.fspath(tls_ca),
             )
         )
         self.device = device

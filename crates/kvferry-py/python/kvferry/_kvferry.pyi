@@ -222,6 +222,9 @@ class EngineOptions:
     role: str
     advertise: str | None
     wait_spin_us: int
+    tls_cert: str | None
+    tls_key: str | None
+    tls_ca: str | None
     def __new__(
         cls,
         *,
@@ -251,6 +254,9 @@ class EngineOptions:
         role: str = ...,
         advertise: str | None = None,
         wait_spin_us: int = 0,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_ca: str | None = None,
     ) -> EngineOptions: ...
 
 @final

@@ -283,3 +283,36 @@ def test_cancelled_get_returns_only_after_its_transfers_drained(lmc):
         assert n == len(tokens) and torch.equal(out, kv)
     finally:
         server.close()
+
+
+def test_mutual_tls_to_the_server(serve, lmc, tmp_path):
+    """``kvferry.tls_cert/tls_key/tls_ca``: the tier reaches a ``kvferry serve`` run with
+    mutual TLS and moves identical bytes; a certificate from another CA is refused at
+    start-up (LMCache's IrrecoverableException, as for a wrong secret)."""
+    import torch
+    from _pki import HAVE_OPENSSL, make_pki
+    from lmcache.v1.exceptions import IrrecoverableException
+
+    if not HAVE_OPENSSL:
+        pytest.skip("needs the openssl command to make certificates")
+    pki = make_pki(tmp_path, {"server": "ca", "client": "ca", "rogue": "other_ca"})
+    srv = serve(extra=["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"]), "--tls-ca", str(pki["ca"])])
+
+    def tls(who: str) -> dict[str, str]:
+        return {"kvferry.tls_cert": str(pki[f"{who}_cert"]), "kvferry.tls_key": str(pki[f"{who}_key"]), "kvferry.tls_ca": str(pki["ca"])}
+
+    e = lmc(srv.address, extra=tls("client"))
+    tokens = torch.arange(3 * e.chunk)
+    kv = e.kv(len(tokens), seed=7)
+    e.store(tokens, kv)
+    e.drop_local()
+    n, out = e.retrieve(tokens)
+    assert n == len(tokens) and torch.equal(out, kv)
+    # A certificate from another CA: the connector refuses to start, naming TLS (LMCache
+    # logs that and runs without the tier).
+    from kvferry.integrations.lmcache import KvferryRemoteConnector
+
+    rogue = lmc(srv.address, extra=tls("rogue"))
+    assert "RemoteBackend-kvferry" not in rogue.backends
+    with pytest.raises(IrrecoverableException, match="TLS certificate"):
+        KvferryRemoteConnector(None, rogue.backends["LocalCPUBackend"], rogue.engine.config)

@@ -16,6 +16,7 @@ pub use crate::directory::etcd::{EtcdConfig, EtcdDirectory};
 pub use crate::directory::{DirectoryError, LivePeers};
 pub use crate::layout::{BlockMap, KvCache, Span};
 pub use crate::mem::{Arena, Region};
+pub use crate::net::TlsConfig;
 pub use crate::peer::{Destination, GetFailure, Landed, PeerError, StagedHandle, TransferPath};
 pub use crate::wire::ChunkKey;
 pub use crate::ErrorCode;

@@ -210,13 +210,20 @@ pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, N
     }
 }
 
-/// An authentication refusal from the server becomes [`NetError::Auth`].
+/// An authentication refusal from the server becomes [`NetError::Auth`]: a refusal
+/// message, or a fatal TLS alert on the first read. In TLS 1.3 the client's handshake
+/// completes before the server has checked the client's certificate, so a server that
+/// rejects it (another CA, no certificate) says so with an alert that arrives only
+/// when the client reads its first reply.
 fn refused_by(server: &str, e: NetError) -> NetError {
     match e {
         NetError::Remote {
             kind: ErrorKind::AuthFailed | ErrorKind::AuthRequired,
             message,
         } => NetError::Auth(format!("server {server} refused us: {message}")),
+        NetError::Lost { reason, .. } if reason.contains("received fatal alert") => {
+            NetError::Auth(format!("server {server} refused our TLS certificate: {reason}"))
+        }
         e => e,
     }
 }

@@ -108,7 +108,9 @@ class KvferryTransferChannel(BaseTransferChannel):
     (``async_mode``, ``role``, ``buffer_ptr``, ``buffer_size``, ``align_bytes``,
     ``tp_rank``, ``peer_init_url``, ``peer_lookup_url``, ``event_loop``, ...). Options
     from the environment: ``KVFERRY_CHANNEL_TIMEOUT`` (seconds, default 10),
-    ``KVFERRY_SECRET`` (the shared secret every peer must prove).
+    ``KVFERRY_SECRET`` (the shared secret every peer must prove), and for mutual TLS
+    between the peers ``KVFERRY_TLS_CERT``, ``KVFERRY_TLS_KEY``, ``KVFERRY_TLS_CA``
+    (PEM files; all three or none).
     """
 
     def __init__(self, async_mode: bool = False, **kw: Any) -> None:
@@ -127,7 +129,9 @@ class KvferryTransferChannel(BaseTransferChannel):
         self.peer_lookup_url = kw.get("peer_lookup_url")
         self.timeout = float(kw.get("kvferry_timeout") or os.environ.get("KVFERRY_CHANNEL_TIMEOUT") or DEFAULT_TIMEOUT)
         secret = kw.get("kvferry_secret") or os.environ.get("KVFERRY_SECRET")
+        tls = {k: os.environ.get(f"KVFERRY_{k.upper()}") for k in ("tls_cert", "tls_key", "tls_ca")}
         self.engine = kvferry.Engine(
+            **tls,
             listen=f"{_host(self.peer_init_url)}:0",
             secret=secret,
             arena_bytes=4 << 20,

@@ -86,6 +86,8 @@ class RemoteOptions:
     ``timeout``: bound on every call, seconds. ``connect_timeout``: bound on connecting.
     ``secret`` / ``secret_file``: the shared secret the server requires.
     ``directory``: ``etcd://HOST:PORT[,...]`` to find ``server`` by peer id.
+    ``tls_cert`` / ``tls_key`` / ``tls_ca``: PEM files for mutual TLS with a server
+    started with ``--tls-cert/--tls-key/--tls-ca`` (all three or none).
     ``threads``: threads running pushes and lookups off LMCache's event loop.
     ``parallel``: concurrent transfers a batched get is cut into.
     """
@@ -95,6 +97,9 @@ class RemoteOptions:
     connect_timeout: float = 2.0
     secret: Optional[bytes] = None
     directory: Optional[str] = None
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_ca: Optional[str] = None
     threads: int = 4
     parallel: int = 4
 
@@ -109,7 +114,19 @@ class RemoteOptions:
             opts["server"] = f"{parsed.hostname}:{parsed.port}"
             for k, v in parse_qs(parsed.query).items():
                 opts[k] = v[-1]
-        known = {"server", "timeout", "connect_timeout", "secret", "secret_file", "directory", "threads", "parallel"}
+        known = {
+            "server",
+            "timeout",
+            "connect_timeout",
+            "secret",
+            "secret_file",
+            "directory",
+            "threads",
+            "parallel",
+            "tls_cert",
+            "tls_key",
+            "tls_ca",
+        }
         unknown = sorted(set(opts) - known)
         if unknown:
             raise ValueError(f"unknown kvferry option(s) {unknown}; known: {sorted(known)}")
@@ -129,12 +146,18 @@ class RemoteOptions:
         timeout = float(opts.get("timeout", 5.0))
         if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"kvferry.timeout must be a positive number of seconds, got {opts.get('timeout')!r}")
+        tls = [opts.get(k) for k in ("tls_cert", "tls_key", "tls_ca")]
+        if any(t is not None for t in tls) and not all(t is not None for t in tls):
+            raise ValueError("kvferry.tls_cert, kvferry.tls_key and kvferry.tls_ca go together")
         return RemoteOptions(
             server=str(server),
             timeout=timeout,
             connect_timeout=float(opts.get("connect_timeout", min(timeout, 2.0))),
             secret=secret,
             directory=opts.get("directory"),
+            tls_cert=None if tls[0] is None else str(tls[0]),
+            tls_key=None if tls[1] is None else str(tls[1]),
+            tls_ca=None if tls[2] is None else str(tls[2]),
             threads=int(opts.get("threads", 4)),
             parallel=int(opts.get("parallel", 4)),
         )
@@ -287,6 +310,9 @@ class KvferryRemoteConnector(RemoteConnector):
             io_timeout=self.opts.timeout,
             connect_timeout=self.opts.connect_timeout,
             directory=directory,
+            tls_cert=self.opts.tls_cert,
+            tls_key=self.opts.tls_key,
+            tls_ca=self.opts.tls_ca,
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.threads, thread_name_prefix="kvferry-lmc")
         align = int(getattr(getattr(local_cpu_backend, "memory_allocator", None), "align_bytes", 0) or 4096)
@@ -304,10 +330,18 @@ class KvferryRemoteConnector(RemoteConnector):
         except kvferry.AuthError as e:
             self.engine.close(1.0)
             self._pool.shutdown(wait=False)
-            raise IrrecoverableException(
-                f"kvferry remote tier: server {self.opts.server} refused this client's secret ({e}); "
-                "set kvferry.secret / kvferry.secret_file to the secret the server was started with"
-            ) from e
+            if self.opts.tls_cert is not None:
+                why = (
+                    f"kvferry remote tier: server {self.opts.server} refused this client's TLS certificate or secret ({e}); "
+                    "kvferry.tls_cert must be signed by the CA the server trusts (--tls-ca), kvferry.tls_ca must be the CA "
+                    "that signed the server's, and kvferry.secret must be the server's secret if it has one"
+                )
+            else:
+                why = (
+                    f"kvferry remote tier: server {self.opts.server} refused this client's secret ({e}); "
+                    "set kvferry.secret / kvferry.secret_file to the secret the server was started with"
+                )
+            raise IrrecoverableException(why) from e
         except kvferry.Error as e:
             logger.warning("kvferry remote tier: server %s not reachable yet (%s); calls are misses until it is", self.opts.server, e)
 
