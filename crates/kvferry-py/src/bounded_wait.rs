@@ -36,17 +36,19 @@
 //!     GIL only for that call; an exception raised by `query()` propagates unchanged.
 //! - The polling schedule (no busy spin). Each `what` remembers, for its last 16 waits
 //!   that found the event pending at first, when the event completed: after the last
-//!   query that saw it pending and by the one that saw it complete. From the best
-//!   resolved of those brackets a wait sleeps in one stretch until shortly before the
-//!   earliest recent completion, polls finely across the recent completions (6 queries,
-//!   at least 40 µs apart), and then, as without history, backs off geometrically: the
-//!   next query at 4 times the time waited so far (the first at 20 µs), at most
-//!   400 ms later. A second on an event that never completes so costs about ten
-//!   queries (a dozen after a history), and a wait that ends when its history says
-//!   resumes within tens of microseconds. Completion times that vary widely give
-//!   coarser fine polls (the same six queries across the spread). While polling the
-//!   thread's timer slack is 1 µs (Linux), so short sleeps are as short as asked; it is
-//!   restored afterwards.
+//!   query that saw it pending and by the one that saw it complete (taken at the middle
+//!   of that bracket). A wait sleeps in one stretch until shortly before the earliest
+//!   recent completion, polls finely across to the latest (6 queries, at least 40 µs
+//!   apart; the most extreme completion on each side is left out once there are 6, so
+//!   one step delayed by a busy host does not coarsen the next 16), polls once more a
+//!   window later, and then, as without history, backs off geometrically: the next
+//!   query at 4 times the time waited so far (the first at 20 µs), at most 400 ms
+//!   later. A second on an event that never completes so costs about ten queries (a
+//!   dozen after a history), and a wait that ends when its history says resumes
+//!   within tens of microseconds. Completion times that vary widely give coarser fine
+//!   polls (the same six queries across the spread). While polling the thread's timer
+//!   slack is 1 µs (Linux), so short sleeps are as short as asked; it is restored
+//!   afterwards.
 //! - Ctrl-C: a signal interrupts the sleep (Linux: `nanosleep`/`futex` return
 //!   `EINTR`), the wait runs Python's signal handlers, and a raised `KeyboardInterrupt`
 //!   ends it; otherwise it sleeps on. (As with Python's own lock waits, a signal
@@ -120,26 +122,29 @@ impl History {
         self.len = (self.len + 1).min(HISTORY);
     }
 
-    /// The plan its samples give: from the best resolved brackets (those at most twice
-    /// as wide as the narrowest, or 80 µs), sleep until shortly before the earliest
-    /// completion and poll [`FINE_POLLS`] times across to the latest.
+    /// The plan its samples give. Each sample's completion is taken at the middle of
+    /// its bracket; from the earliest to the latest of those (leaving out the most
+    /// extreme one on each side once there are 6 samples: a step delayed by a busy
+    /// host), sleep until shortly before the earliest and poll [`FINE_POLLS`] times
+    /// across to the latest.
     fn plan(&self) -> Plan {
         let recent = &self.recent[..self.len];
-        let Some(narrowest) = recent.iter().map(Sample::width).min() else {
+        if recent.is_empty() {
             return Plan::COLD;
-        };
-        let limit = (narrowest * 2).max(FINE_STEP_MIN * 2);
-        let good = || recent.iter().filter(move |s| s.width() <= limit);
-        let lo = good().map(|s| s.lower).min().unwrap_or_default();
-        let hi = good().map(|s| s.upper).max().unwrap_or_default();
+        }
+        let mut mids: Vec<Duration> = recent.iter().map(|s| s.lower + s.width() / 2).collect();
+        mids.sort();
+        let trim = usize::from(mids.len() >= 6);
+        let (lo, hi) = (mids[trim], mids[mids.len() - 1 - trim]);
         // A margin of 1/32 of it, between 20 µs and 500 µs, before the earliest.
         let margin = (lo / 32).clamp(Duration::from_micros(20), Duration::from_micros(500));
         let horizon = lo.saturating_sub(margin);
         let window = hi.saturating_sub(horizon);
+        let step = (window / FINE_POLLS).max(FINE_STEP_MIN);
         Plan {
             horizon,
-            fine_end: horizon + window,
-            step: (window / FINE_POLLS).max(FINE_STEP_MIN),
+            fine_end: horizon + step * FINE_POLLS,
+            step,
         }
     }
 }
@@ -168,6 +173,11 @@ impl Plan {
         }
         if last < self.fine_end {
             return last + self.step;
+        }
+        if self.fine_end > Duration::ZERO && last < self.fine_end * 2 - self.horizon {
+            // Just past the window (a step a little later than the recent ones): one
+            // more poll a window later before backing off.
+            return (self.fine_end * 2 - self.horizon).max(last + self.step);
         }
         (last * GROWTH).max(last + COLD_FIRST).min(last + POLL_MAX)
     }
@@ -708,29 +718,43 @@ mod tests {
             h.record(sample(us(2000), us(2040)));
         }
         let p = h.plan();
-        let margin = Duration::from_nanos(62_500); // 2 ms / 32
-        assert_eq!(p.horizon, us(2000) - margin);
+        let margin = Duration::from_nanos(63_125); // 2.02 ms / 32
+        assert_eq!(p.horizon, us(2020) - margin);
         assert_eq!(p.step, FINE_STEP_MIN);
-        // Never completing after that history: still about a dozen wake-ups a second.
-        let n = polls(p, Duration::from_secs(1)).len();
-        assert!(n <= 13, "{n}");
+        let at = polls(p, Duration::from_secs(1));
+        assert_eq!(at[0], p.horizon);
+        assert_eq!(at[1], p.horizon + FINE_STEP_MIN);
+        // Never completing after that history: about a dozen wake-ups a second.
+        assert!(at.len() <= 14, "{}: {at:?}", at.len());
+    }
+
+    #[test]
+    fn one_delayed_step_does_not_coarsen_the_plan() {
+        let mut h = History::default();
+        for i in 0..10 {
+            let lo = us(2000 + 10 * i);
+            h.record(sample(lo, lo + us(40)));
+        }
+        h.record(sample(ms(15), ms(20)));
+        let p = h.plan();
+        assert_eq!(p.step, FINE_STEP_MIN);
+        assert!(p.fine_end < ms(3), "{p:?}");
     }
 
     #[test]
     fn rough_brackets_give_way_to_finer_ones() {
         let mut h = History::default();
-        // A cold wait: the event completed between 20.48 and 81.92 ms.
+        // A cold wait: the event completed between 20.48 and 81.92 ms (middle 51.2).
         h.record(sample(us(20_480), us(81_920)));
         let p = h.plan();
-        assert_eq!(p.horizon, us(20_480) - us(500));
-        assert_eq!(p.fine_end, us(81_920));
-        // Six polls across: the next bracket is a sixth as wide...
-        assert_eq!(p.step, (us(81_920) - p.horizon) / FINE_POLLS);
-        // ...and once it is recorded the rough one no longer counts.
-        h.record(sample(ms(60), ms(60) + p.step));
+        assert_eq!(p.horizon, us(51_200) - us(500));
+        // The next wait polls from just before 51.2 ms; one that sees the completion at
+        // 60 ms brackets it within a step, and the plan follows.
+        h.record(sample(ms(60), ms(60) + FINE_STEP_MIN));
         let q = h.plan();
-        assert_eq!(q.horizon, ms(60) - us(500));
-        assert!(q.step < p.step / 4, "{q:?}");
+        assert_eq!(q.horizon, us(51_200) - us(500));
+        assert!(q.fine_end >= ms(60), "{q:?}");
+        assert!(q.step < ms(2), "{q:?}");
     }
 
     #[test]
@@ -740,8 +764,8 @@ mod tests {
             h.record(sample(us(lo), us(lo + 100)));
         }
         let p = h.plan();
-        assert_eq!(p.horizon, us(480));
-        assert_eq!(p.fine_end, us(5100));
-        assert_eq!(p.step, (us(5100) - us(480)) / FINE_POLLS);
+        assert_eq!(p.horizon, us(530));
+        assert_eq!(p.step, (us(5050) - us(530)) / FINE_POLLS);
+        assert_eq!(p.fine_end, p.horizon + p.step * FINE_POLLS);
     }
 }
