@@ -395,6 +395,7 @@ def test_real_torch_cuda_event_never_recorded_is_complete():
 
 
 def _why_no_gpu() -> str | None:
+    """Why the GPU part (the CUDA host-function path of bounded_wait) cannot run here."""
     if not kvferry.HAS_CUDA:
         return "this build of kvferry has no cuda feature"
     try:
@@ -431,13 +432,19 @@ def test_cuda_event_behind_a_two_second_kernel_completes():
     torch.cuda._sleep(int(2000 * per_ms))
     ev.record()
     assert not ev.query()
+    before = _stats()
     cpu0 = time.thread_time()
     waited = kvferry.bounded_wait(ev, 30.0, what="two-second kernel")
     cpu = time.thread_time() - cpu0
+    after = _stats()
     assert ev.query()
     assert 1.5 <= waited <= 3.0, waited
-    # Queried through cuEventQuery without spinning: a small fraction of the wait.
-    assert cpu < 0.05 * waited, (cpu, waited)
+    # Notified by the driver's host function on a private stream, not polled: the
+    # thread woke about once per 250 ms check (target < 0.1 % of a core; loose here).
+    assert after["cuda_notify"] == before["cuda_notify"] + 1, (before, after)
+    assert after["cuda_poll"] == before["cuda_poll"]
+    assert after["cuda_watch_fired"] >= before["cuda_watch_fired"] + 1
+    assert cpu < 0.005 * waited, (cpu, waited)
     # A generic torch.Event on the same device goes through its raw handle too.
     if hasattr(torch, "Event"):
         gev = torch.Event(device="cuda")
@@ -484,17 +491,34 @@ def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean(
             pytest.skip(f"cuStreamWaitValue32 is not supported here ({r})")
         y = x * 2
         ev.record(stream)
+    busy0 = _stats()["cuda_watch_busy"]
     t0 = time.monotonic()
+    cpu0 = time.thread_time()
     with pytest.raises(kvferry.TimeoutError) as info:
         kvferry.bounded_wait(ev, 1.0, what="flag-gated copy")
+    cpu = time.thread_time() - cpu0
     elapsed = time.monotonic() - t0
     assert 1.0 <= elapsed <= 1.0 + 0.02, elapsed
     assert info.value.device.startswith("cuda")
     assert not ev.query()
+    # A second on a stuck event: the notifier plus four queries (target < 0.1 %).
+    assert cpu < 0.003, cpu
+    # The watch stream is held behind the stuck event (its host function owns what it
+    # signals); a wait on another event meanwhile gets a fresh stream and is not held up.
+    assert _stats()["cuda_watch_busy"] == busy0 + 1
+    other = torch.cuda.Event()
+    torch.cuda._sleep(1000)
+    other.record()
+    assert kvferry.bounded_wait(other, 10.0, what="unrelated") < 1.0
     flag[0] = 1  # the host sets the flag; the stream proceeds
     assert kvferry.bounded_wait(ev, 10.0, what="flag-gated copy") < 10.0
     torch.cuda.synchronize()
     assert torch.equal(y, x * 2)
+    # The late host function ran and gave its stream back.
+    deadline = time.monotonic() + 5.0
+    while _stats()["cuda_watch_busy"] > busy0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _stats()["cuda_watch_busy"] == busy0
     # Clean: new work runs and completes.
     z = torch.ones(1024, device="cuda").sum()
     done = torch.cuda.Event()

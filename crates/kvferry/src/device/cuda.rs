@@ -23,6 +23,10 @@
 //!   holds the stream until the event settles. It occupies the driver's callback thread
 //!   meanwhile, so gate only on conditions that do not need other host functions of the
 //!   same context to run first.
+//! - Events of other libraries (torch's `CUevent`s) can be queried
+//!   ([`query_raw_event`]) or watched without polling ([`on_raw_event_complete`]: a
+//!   private stream waits on the event and runs a host function that calls back; a
+//!   stream is reused only after its host function ran).
 //! - An error from `cuEventQuery` (a sticky context error) settles the event as
 //!   [`EventStatus::Faulted`]: its memory stays quarantined.
 //! - Device memory is ours (`Device::alloc`: `cuMemAlloc`, freed on the reaper thread
@@ -1172,30 +1176,29 @@ pub unsafe fn on_raw_event_complete(
     if handle == 0 {
         return Err(DeviceError::InvalidArgument("a null CUevent handle".into()));
     }
-    let ctx = {
-        let mut pool = watch_pool().lock();
+    let known = {
+        let pool = watch_pool().lock();
         if pool.busy >= MAX_BUSY_WATCH_STREAMS {
             return Ok(false);
         }
-        match pool.ctx.get(&ordinal) {
-            Some(&c) => c as sys::CUcontext,
-            None => {
-                let mut dev: sys::CUdevice = 0;
-                let ord = c_int::try_from(ordinal)
-                    .map_err(|_| DeviceError::InvalidArgument(format!("GPU ordinal {ordinal}")))?;
-                // SAFETY: the driver is loaded and initialised; `dev` is a valid out
-                // pointer.
-                check(unsafe { sys::cuDeviceGet(&mut dev, ord) }, "cuDeviceGet")?;
-                let mut c: sys::CUcontext = std::ptr::null_mut();
-                // SAFETY: `dev` is a device handle; `c` a valid out pointer. The
-                // retained context is kept for the life of the process (never released).
-                check(
-                    unsafe { sys::cuDevicePrimaryCtxRetain(&mut c, dev) },
-                    "cuDevicePrimaryCtxRetain",
-                )?;
-                pool.ctx.insert(ordinal, c as usize);
-                c
-            }
+        pool.ctx.get(&ordinal).copied()
+    };
+    // The pool's lock is never held across a driver call (host functions take it).
+    let ctx = match known {
+        Some(c) => c as sys::CUcontext,
+        None => {
+            let mut dev: sys::CUdevice = 0;
+            let ord =
+                c_int::try_from(ordinal).map_err(|_| DeviceError::InvalidArgument(format!("GPU ordinal {ordinal}")))?;
+            // SAFETY: the driver is loaded and initialised; `dev` is a valid out pointer.
+            check(unsafe { sys::cuDeviceGet(&mut dev, ord) }, "cuDeviceGet")?;
+            let mut c: sys::CUcontext = std::ptr::null_mut();
+            // The retained context is kept for the life of the process (never released;
+            // a second retain by a racing caller only raises its count).
+            // SAFETY: `dev` is a device handle; `c` a valid out pointer.
+            let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut c, dev) };
+            check(r, "cuDevicePrimaryCtxRetain")?;
+            *watch_pool().lock().ctx.entry(ordinal).or_insert(c as usize) as sys::CUcontext
         }
     };
     // SAFETY: `ctx` is a retained primary context; it is popped by `_pop`.
