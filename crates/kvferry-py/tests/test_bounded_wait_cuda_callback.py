@@ -38,6 +38,12 @@ class Ev:
     def query(self):
         raise AssertionError("query() called on the CUDA path")
 
+def settle(busy):
+    # The fake driver counts a host function as fired once it returned.
+    deadline = time.monotonic() + 2
+    while lib.fake_fired() != lib.fake_launches() - busy and time.monotonic() < deadline:
+        time.sleep(0.005)
+
 def later(h, s):
     threading.Timer(s, lambda: lib.fake_event_set(h)).start()
 
@@ -45,6 +51,7 @@ h = lib.fake_event_new(); later(h, 0.2)
 c0 = time.thread_time()
 out["late_waited"] = kvferry.bounded_wait(Ev(h), 5.0, what="late")
 out["late_cpu"] = time.thread_time() - c0
+settle(0)
 out["late"] = st()
 out["depth_after_late"] = lib.fake_depth()
 
@@ -61,6 +68,7 @@ out["stuck"] = st()
 
 other = lib.fake_event_new(); later(other, 0.05)
 out["other_waited"] = kvferry.bounded_wait(Ev(other), 5.0, what="other")
+settle(1)
 out["other"] = st()
 out["streams_after_other"] = lib.fake_streams_created()
 

@@ -1262,10 +1262,14 @@ unsafe extern "C" fn watch_done(data: *mut c_void) {
     // SAFETY: guaranteed by the caller (`on_raw_event_complete`).
     let watch = unsafe { Box::from_raw(data as *mut Watch) };
     let Watch { done, ordinal, stream } = *watch;
+    // The stream is free first (work enqueued on it now runs after this function), so
+    // whoever `done` wakes sees the pool as it is.
+    {
+        let mut pool = watch_pool().lock();
+        pool.busy -= 1;
+        pool.fired += 1;
+        pool.idle.entry(ordinal).or_default().push(stream);
+    }
     // Never unwind into the driver.
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(done));
-    let mut pool = watch_pool().lock();
-    pool.busy -= 1;
-    pool.fired += 1;
-    pool.idle.entry(ordinal).or_default().push(stream);
 }
