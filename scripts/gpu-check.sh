@@ -35,6 +35,8 @@ start=$(date +%s)
         "$venv/bin/python" -m pytest crates/kvferry-py/tests/test_cuda.py -q -rs
         echo "== bounded_wait on real CUDA events (a 2 s kernel; a stream gated on a host flag, 1 s deadline)"
         "$venv/bin/python" -m pytest crates/kvferry-py/tests/test_bounded_wait.py -q -rs
+        echo "== bounded_wait benchmark (query(), CompletionEvent and cuda kinds)"
+        "$venv/bin/python" -m kvferry.bench_bounded_wait --samples 200
     else
         echo "skipped: no Python environment with maturin, pytest and numpy (offline?)"
     fi

@@ -12,65 +12,85 @@
 //! - When the deadline passes first, raises `kvferry.TimeoutError` naming `what`, the
 //!   event's device and the time waited (attributes `op` = what, `waited`, `device`).
 //!   The event itself is untouched: the device may still complete it later.
-//! - CUDA events (`torch.cuda.Event`, whose `cuda_event` is the raw `CUevent`, and a
-//!   `torch.Event` on a CUDA device, whose `event_id` is) are queried from Rust with
-//!   `cuEventQuery` through the cuda backend's dynamic loading of the driver, with the
-//!   GIL released for the whole wait; a driver error (a sticky fault, a bad handle) is
-//!   a `kvferry.DeviceError`. An event never recorded (handle 0) counts as complete, as
-//!   torch's `query()` says. Builds without the `cuda` feature use `query()`.
-//! - Any other event is polled with its `query()` (truthy: complete), holding the GIL
-//!   only for that call; an exception raised by `query()` propagates unchanged.
-//! - No busy spin: between queries the thread sleeps with the GIL released, on a
-//!   schedule that adapts. Each `what` remembers, for its last 16 waits that found the
-//!   event pending at first, when the event completed (between the last query that
-//!   saw it pending and the one that saw it complete). A wait sleeps in one stretch
-//!   (pieces of at most 100 ms) until shortly before the earliest of those times —
-//!   the event's usual completion — then polls finely (10 µs, each interval 1.2 times
-//!   the last) across their spread (1 to 20 ms), then coarsely (doubling, up to
-//!   100 ms). A wait with no history polls coarsely from 10 µs; the next one polls
-//!   finely across the rough bracket the first one found, after which the history is
-//!   precise. So a wait that ends when its history says resumes within tens of
-//!   microseconds, and a second on an event that never completes costs about 25
-//!   queries. During the wait the thread's timer slack is 1 µs (Linux), so short
-//!   sleeps are as short as asked; it is restored afterwards.
-//! - Ctrl-C: the wait checks for signals between polls (CUDA waits on the main
-//!   thread at most every 50 ms), so `KeyboardInterrupt` ends it.
+//! - The GIL is released while the thread sleeps. How it learns of the completion
+//!   depends on the event; the first query is always immediate, so a completed event
+//!   costs one query:
+//!   - **Events that notify** — `kvferry.CompletionEvent` (`completion.rs`): the thread
+//!     sleeps on the event's notifier until it is set or the deadline passes. No
+//!     polling: one wake-up, when it completes or at the deadline.
+//!   - **CUDA events** (`torch.cuda.Event`, whose `cuda_event` is the raw `CUevent`,
+//!     and a `torch.Event` on a CUDA device, whose `event_id` is), in builds with the
+//!     `cuda` feature: one `cuEventQuery` from Rust; if pending, a private stream of the
+//!     event's device waits on it and then runs a host function that sets a notifier
+//!     (`kvferry::device::on_raw_event_complete`), and the thread sleeps on that
+//!     notifier, with the GIL released for the whole wait. The driver's callback thread
+//!     can be held up by someone else's host function, so the wait also queries the
+//!     event every 250 ms and at the deadline (four driver calls per second of a stuck
+//!     event, never a continuous poll). Where the notification cannot be armed (a
+//!     driver without the entry points, 64 watch streams already held behind stuck
+//!     events, an unknown device ordinal) the wait polls `cuEventQuery` on the
+//!     schedule below. A driver error (a sticky fault, a bad handle) is a
+//!     `kvferry.DeviceError`. An event never recorded (handle 0) counts as complete, as
+//!     torch's `query()` says. Builds without the `cuda` feature use `query()`.
+//!   - **Any other event** is polled with its `query()` (truthy: complete), holding the
+//!     GIL only for that call; an exception raised by `query()` propagates unchanged.
+//! - The polling schedule (no busy spin). Each `what` remembers, for its last 16 waits
+//!   that found the event pending at first, when the event completed: after the last
+//!   query that saw it pending and by the one that saw it complete (taken at the middle
+//!   of that bracket). A wait sleeps in one stretch until shortly before the earliest
+//!   recent completion, polls finely across to the latest (6 queries, at least 40 µs
+//!   apart; the most extreme completion on each side is left out once there are 6, so
+//!   one step delayed by a busy host does not coarsen the next 16), polls once more a
+//!   window later, and then, as without history, backs off geometrically: the next
+//!   query at 4 times the time waited so far (the first at 20 µs), at most 400 ms
+//!   later. A second on an event that never completes so costs about ten queries (a
+//!   dozen after a history), and a wait that ends when its history says resumes
+//!   within tens of microseconds. Completion times that vary widely give coarser fine
+//!   polls (the same six queries across the spread). While polling the thread's timer
+//!   slack is 1 µs (Linux), so short sleeps are as short as asked; it is restored
+//!   afterwards.
+//! - Ctrl-C: a signal interrupts the sleep (Linux: `nanosleep`/`futex` return
+//!   `EINTR`), the wait runs Python's signal handlers, and a raised `KeyboardInterrupt`
+//!   ends it; otherwise it sleeps on. (As with Python's own lock waits, a signal
+//!   delivered to another thread is seen at the next wake-up.)
 //!
 //! # Cancellation
 //!
 //! There is no future to drop: the call is synchronous. An interrupt (a signal
-//! handler raising) ends the wait like a timeout does — the event is left as it is.
+//! handler raising) ends the wait like a timeout does — the event is left as it is. A
+//! CUDA notification armed by a wait that ended early stays armed: its host function
+//! owns the notifier it sets (an `Arc`), so it touches nothing freed, and its stream is
+//! reused only after it ran.
 
 use kvferry::ErrorCode;
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
+use crate::completion::{Notifier, PyCompletionEvent, Woke};
 use crate::errors::ErrInfo;
 
-/// First interval between queries.
-const POLL_MIN: Duration = Duration::from_micros(10);
-/// Longest interval between queries.
-const POLL_MAX: Duration = Duration::from_millis(100);
-/// Growth of the interval in the fine window, as a ratio num/den (1.2).
-const FINE_NUM: u32 = 6;
-const FINE_DEN: u32 = 5;
-/// Growth of the interval after the fine window (doubling).
-const COARSE_NUM: u32 = 2;
-const COARSE_DEN: u32 = 1;
-/// The fine window: at least this long, at most [`FINE_MAX`] (the spread of recent
-/// completion times in between).
-const FINE_MIN: Duration = Duration::from_millis(1);
-const FINE_MAX: Duration = Duration::from_millis(20);
+/// The first poll of a wait without history (after the immediate query).
+const COLD_FIRST: Duration = Duration::from_micros(20);
+/// Back-off: the next poll at this multiple of the time waited so far...
+const GROWTH: u32 = 4;
+/// ...but at most this long after the last one.
+const POLL_MAX: Duration = Duration::from_millis(400);
+/// Queries spent across the window of recent completions.
+const FINE_POLLS: u32 = 6;
+/// The shortest interval between fine polls.
+const FINE_STEP_MIN: Duration = Duration::from_micros(40);
 /// Waits remembered per `what`.
 const HISTORY: usize = 16;
 /// `what` names remembered (a bound on the table; beyond it the oldest is forgotten).
 const MAX_NAMES: usize = 256;
-/// How often a CUDA wait on the main thread takes the GIL to check for signals.
-const SIGNAL_EVERY: Duration = Duration::from_millis(50);
+/// How often a notified CUDA wait also queries the event (a held-up callback thread).
+const CUDA_CHECK_EVERY: Duration = Duration::from_millis(250);
 
 /// When the event of one past wait completed: after `lower` (the last query that saw it
 /// pending) and by `upper` (the query that saw it complete), from the wait's start.
@@ -81,9 +101,8 @@ struct Sample {
 }
 
 impl Sample {
-    /// Whether it brackets the completion closely: within 1/8 of it or 500 µs.
-    fn precise(&self) -> bool {
-        self.upper - self.lower <= (self.lower / 8).max(Duration::from_micros(500))
+    fn width(&self) -> Duration {
+        self.upper.saturating_sub(self.lower)
     }
 }
 
@@ -104,47 +123,65 @@ impl History {
         self.len = (self.len + 1).min(HISTORY);
     }
 
-    /// The plan its samples give (see [`plan`]).
+    /// The plan its samples give. Each sample's completion is taken at the middle of
+    /// its bracket; from the earliest to the latest of those (leaving out the most
+    /// extreme one on each side once there are 6 samples: a step delayed by a busy
+    /// host), sleep until shortly before the earliest and poll [`FINE_POLLS`] times
+    /// across to the latest.
     fn plan(&self) -> Plan {
         let recent = &self.recent[..self.len];
-        let precise: Vec<Sample> = recent.iter().copied().filter(Sample::precise).collect();
-        let (lo, window) = if precise.is_empty() {
-            // Only rough brackets (a wait that polled coarsely): start at the earliest
-            // completion they allow and poll finely across the widest of them, which
-            // makes this wait's bracket precise.
-            let Some(lo) = recent.iter().map(|s| s.lower).min() else {
-                return Plan::COLD;
-            };
-            (lo, recent.iter().map(|s| s.upper - s.lower).max().unwrap_or_default())
-        } else {
-            let lo = precise.iter().map(|s| s.lower).min().unwrap_or_default();
-            let hi = precise.iter().map(|s| s.lower).max().unwrap_or_default();
-            (lo, hi - lo)
-        };
-        // A margin of 1/32 of it, between 50 µs and 500 µs, before the earliest.
-        let margin = (lo / 32).clamp(Duration::from_micros(50), Duration::from_micros(500));
+        if recent.is_empty() {
+            return Plan::COLD;
+        }
+        let mut mids: Vec<Duration> = recent.iter().map(|s| s.lower + s.width() / 2).collect();
+        mids.sort();
+        let trim = usize::from(mids.len() >= 6);
+        let (lo, hi) = (mids[trim], mids[mids.len() - 1 - trim]);
+        // A margin of 1/32 of it, between 20 µs and 500 µs, before the earliest.
+        let margin = (lo / 32).clamp(Duration::from_micros(20), Duration::from_micros(500));
+        let horizon = lo.saturating_sub(margin);
+        let window = hi.saturating_sub(horizon);
+        let step = (window / FINE_POLLS).max(FINE_STEP_MIN);
         Plan {
-            horizon: lo.saturating_sub(margin),
-            fine: (window + margin).clamp(FINE_MIN, FINE_MAX),
+            horizon,
+            fine_end: horizon + step * FINE_POLLS,
+            step,
         }
     }
 }
 
-/// The schedule of one wait: sleep in one stretch until `horizon`, then poll finely
-/// for `fine` (intervals from [`POLL_MIN`] growing 1.2×), then coarsely (doubling, up
-/// to [`POLL_MAX`]).
+/// The schedule of one wait (times from its start): sleep until `horizon`, poll every
+/// `step` until `fine_end`, then back off (see [`Plan::next_poll`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Plan {
     horizon: Duration,
-    fine: Duration,
+    fine_end: Duration,
+    step: Duration,
 }
 
 impl Plan {
-    /// Without history: coarse polling (doubling from [`POLL_MIN`]) from the start.
+    /// Without history: back off from the start.
     const COLD: Plan = Plan {
         horizon: Duration::ZERO,
-        fine: Duration::ZERO,
+        fine_end: Duration::ZERO,
+        step: FINE_STEP_MIN,
     };
+
+    /// When to poll next, given the time of the last poll.
+    fn next_poll(&self, last: Duration) -> Duration {
+        if last < self.horizon {
+            return self.horizon;
+        }
+        if last < self.fine_end {
+            return last + self.step;
+        }
+        if self.fine_end > Duration::ZERO && last < self.fine_end * 2 - self.horizon {
+            // Just past the window (a step a little later than the recent ones): one
+            // more poll a window later before backing off.
+            return (self.fine_end * 2 - self.horizon).max(last + self.step);
+        }
+        (last * GROWTH).max(last + COLD_FIRST).min(last + POLL_MAX)
+    }
 }
 
 struct Histories {
@@ -162,9 +199,7 @@ fn histories() -> &'static Mutex<Histories> {
     })
 }
 
-/// The plan of a wait for `what`. From the history: sleep until shortly before the
-/// earliest recent completion, poll finely across the spread of recent completions
-/// (precise brackets only, when there are some). Without history: coarse from the start.
+/// The plan of a wait for `what` (see [`History::plan`]); without history, cold.
 fn plan(what: &str) -> Plan {
     let mut h = histories().lock();
     h.clock += 1;
@@ -190,6 +225,27 @@ fn record(what: &str, sample: Sample) {
     let hist = h.by_name.entry(what.to_string()).or_default();
     hist.used = clock;
     hist.record(sample);
+}
+
+/// Counters of how waits went (`kvferry._kvferry._bounded_wait_stats()`).
+struct Stats {
+    notify_waits: AtomicU64,
+    cuda_notify_waits: AtomicU64,
+    cuda_poll_waits: AtomicU64,
+    query_waits: AtomicU64,
+    polls: AtomicU64,
+}
+
+static STATS: Stats = Stats {
+    notify_waits: AtomicU64::new(0),
+    cuda_notify_waits: AtomicU64::new(0),
+    cuda_poll_waits: AtomicU64::new(0),
+    query_waits: AtomicU64::new(0),
+    polls: AtomicU64::new(0),
+};
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Sets the calling thread's timer slack to 1 µs, restoring the previous value on drop.
@@ -233,6 +289,30 @@ impl Drop for TimerSlack {
     }
 }
 
+/// Sleeps until `until`; returns true if a signal interrupted the sleep (Linux).
+fn sleep_until(until: Instant) -> bool {
+    let now = Instant::now();
+    if now >= until {
+        return false;
+    }
+    let d = until - now;
+    #[cfg(target_os = "linux")]
+    {
+        let ts = libc::timespec {
+            tv_sec: d.as_secs() as libc::time_t,
+            tv_nsec: d.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: a valid timespec; the remainder pointer may be null.
+        let r = unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
+        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        std::thread::sleep(d);
+        false
+    }
+}
+
 /// How one wait ended.
 struct Outcome {
     completed: bool,
@@ -244,29 +324,33 @@ struct Outcome {
     last_pending: Duration,
 }
 
-/// The wait loop: `poll` says whether the event completed, `pause` sleeps (releasing
-/// whatever must be released) and may end the wait with an error (a signal).
-fn wait_loop(
-    start: Instant,
-    timeout: Duration,
-    plan: Plan,
-    mut poll: impl FnMut() -> PyResult<bool>,
-    mut pause: impl FnMut(Duration) -> PyResult<()>,
-) -> PyResult<Outcome> {
-    let deadline = start + timeout;
-    if poll()? {
-        return Ok(Outcome {
+impl Outcome {
+    fn at_once(start: Instant) -> Outcome {
+        Outcome {
             completed: true,
             waited: start.elapsed(),
             pending_at_start: false,
             last_pending: Duration::ZERO,
-        });
+        }
+    }
+}
+
+/// The polling loop: `poll` says whether the event completed, `pause` sleeps until the
+/// given instant (releasing whatever must be released) and may end the wait with an
+/// error (a signal).
+fn poll_loop(
+    start: Instant,
+    timeout: Duration,
+    plan: Plan,
+    mut poll: impl FnMut() -> PyResult<bool>,
+    mut pause: impl FnMut(Instant) -> PyResult<()>,
+) -> PyResult<Outcome> {
+    let deadline = start + timeout;
+    if poll()? {
+        return Ok(Outcome::at_once(start));
     }
     let mut last_pending = start.elapsed();
     let _slack = TimerSlack::tighten();
-    let horizon = plan.horizon.min(timeout);
-    let fine_until = horizon + plan.fine;
-    let mut interval = POLL_MIN;
     loop {
         let now = Instant::now();
         if now >= deadline {
@@ -277,22 +361,14 @@ fn wait_loop(
                 last_pending,
             });
         }
-        let elapsed = now - start;
-        let nap = if elapsed < horizon {
-            // Towards the horizon, in pieces of at most POLL_MAX.
-            (horizon - elapsed).min(POLL_MAX)
-        } else {
-            let nap = interval;
-            interval = if elapsed < fine_until {
-                interval * FINE_NUM / FINE_DEN
-            } else {
-                interval * COARSE_NUM / COARSE_DEN
-            }
-            .min(POLL_MAX);
-            nap
-        };
-        pause(nap.min(deadline - now))?;
+        let next = (start + plan.next_poll(last_pending)).min(deadline);
+        pause(next)?;
+        if Instant::now() < next {
+            // Interrupted early (a signal that raised nothing): sleep on.
+            continue;
+        }
         let before = start.elapsed();
+        bump(&STATS.polls);
         if poll()? {
             return Ok(Outcome {
                 completed: true,
@@ -305,11 +381,25 @@ fn wait_loop(
     }
 }
 
-/// How the event is queried.
+/// Sleeps on `n` until it is set or `deadline` passes, running Python's signal handlers
+/// when a signal interrupts the sleep. Call with the GIL released.
+fn sleep_on(n: &Notifier, deadline: Instant) -> PyResult<bool> {
+    loop {
+        match n.wait_until(deadline) {
+            Woke::Set => return Ok(true),
+            Woke::Deadline => return Ok(false),
+            Woke::Interrupted => Python::attach(|py| py.check_signals())?,
+        }
+    }
+}
+
+/// How the event is waited for.
 enum Source {
-    /// A raw `CUevent` (0: never recorded).
+    /// Its notifier (`kvferry.CompletionEvent`).
+    Notify(Arc<Notifier>),
+    /// A raw `CUevent` (0: never recorded) and its GPU ordinal, if known.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Cuda(usize),
+    Cuda(usize, Option<usize>),
     /// Its `query()` method.
     Query,
 }
@@ -321,6 +411,11 @@ fn device_of(event: &Bound<'_, PyAny>) -> Option<String> {
         return None;
     }
     dev.str().ok().map(|s| s.to_string())
+}
+
+/// The GPU ordinal of a device named `cuda:N`.
+fn cuda_ordinal(device: Option<&str>) -> Option<usize> {
+    device?.strip_prefix("cuda:")?.parse().ok()
 }
 
 /// The raw CUDA handle of a torch CUDA event, if `event` is one.
@@ -373,14 +468,90 @@ fn query_cuda(_handle: usize, _what: &str, _device: &str) -> PyResult<bool> {
     unreachable!("CUDA handles are used only in builds with the cuda feature")
 }
 
-fn is_main_thread(py: Python<'_>) -> bool {
-    (|| -> PyResult<bool> {
-        let threading = py.import("threading")?;
-        let main = threading.call_method0("main_thread")?;
-        let current = threading.call_method0("current_thread")?;
-        Ok(main.is(&current))
-    })()
-    .unwrap_or(false)
+/// Arms a notification for the raw CUDA event (see the module docs); `None` when it
+/// cannot be armed (the caller polls).
+#[cfg(feature = "cuda")]
+fn arm_cuda(handle: usize, ordinal: Option<usize>) -> Option<Arc<Notifier>> {
+    let ordinal = ordinal?;
+    let n = Arc::new(Notifier::new());
+    let signal = n.clone();
+    // SAFETY: `handle` is a live CUevent of GPU `ordinal` for this call, as in
+    // `query_cuda`. The callback owns its `Arc` of the notifier.
+    match unsafe {
+        kvferry::device::on_raw_event_complete(
+            handle,
+            ordinal,
+            Box::new(move || {
+                signal.set();
+            }),
+        )
+    } {
+        Ok(true) => Some(n),
+        Ok(false) | Err(_) => None,
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn arm_cuda(_handle: usize, _ordinal: Option<usize>) -> Option<Arc<Notifier>> {
+    None
+}
+
+/// A CUDA event's wait, with the GIL released: notified where possible, else polled.
+fn wait_cuda(
+    handle: usize,
+    ordinal: Option<usize>,
+    start: Instant,
+    timeout: Duration,
+    plan: Plan,
+    what: &str,
+    device: &str,
+) -> PyResult<Outcome> {
+    let deadline = start + timeout;
+    if query_cuda(handle, what, device)? {
+        return Ok(Outcome::at_once(start));
+    }
+    let Some(n) = (if timeout.is_zero() {
+        None
+    } else {
+        arm_cuda(handle, ordinal)
+    }) else {
+        bump(&STATS.cuda_poll_waits);
+        return poll_loop(
+            start,
+            timeout,
+            plan,
+            || query_cuda(handle, what, device),
+            |until| {
+                if sleep_until(until) {
+                    Python::attach(|py| py.check_signals())?;
+                }
+                Ok(())
+            },
+        );
+    };
+    bump(&STATS.cuda_notify_waits);
+    let mut check = start + CUDA_CHECK_EVERY;
+    loop {
+        if sleep_on(&n, check.min(deadline))? || query_cuda(handle, what, device)? {
+            return Ok(Outcome {
+                completed: true,
+                waited: start.elapsed(),
+                // Notified: nothing to learn for the polling schedule.
+                pending_at_start: false,
+                last_pending: Duration::ZERO,
+            });
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(Outcome {
+                completed: false,
+                waited: now - start,
+                pending_at_start: true,
+                last_pending: Duration::ZERO,
+            });
+        }
+        check += CUDA_CHECK_EVERY;
+    }
 }
 
 /// Waits for `event` to complete, at most `timeout` seconds; returns the seconds
@@ -397,47 +568,51 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
     let timeout_d = Duration::from_secs_f64(timeout);
     let what = what.unwrap_or_else(|| type_name(event));
     let device = device_of(event);
-    let source = match cuda_handle(event, device.as_deref()) {
-        Some(h) => Source::Cuda(h),
-        None => Source::Query,
+    let source = if let Ok(ev) = event.cast::<PyCompletionEvent>() {
+        Source::Notify(ev.get().notifier.clone())
+    } else {
+        match cuda_handle(event, device.as_deref()) {
+            Some(h) => Source::Cuda(h, cuda_ordinal(device.as_deref())),
+            None => Source::Query,
+        }
     };
     let device = device.unwrap_or_else(|| match source {
-        Source::Cuda(_) => "cuda".to_string(),
-        Source::Query => "an unnamed device".to_string(),
+        Source::Cuda(..) => "cuda".to_string(),
+        _ => "an unnamed device".to_string(),
     });
-    let plan = plan(&what);
     let start = Instant::now();
-    let outcome = match source {
-        Source::Query => wait_loop(
-            start,
-            timeout_d,
-            plan,
-            || event.call_method0("query")?.is_truthy(),
-            |d| {
-                py.detach(|| std::thread::sleep(d));
-                py.check_signals()
-            },
-        )?,
-        Source::Cuda(handle) => {
-            let main = is_main_thread(py);
+    let outcome = match &source {
+        Source::Notify(n) => {
+            bump(&STATS.notify_waits);
+            let deadline = start + timeout_d;
+            let completed = n.is_set() || py.detach(|| sleep_on(n, deadline))?;
+            Outcome {
+                completed,
+                waited: start.elapsed(),
+                pending_at_start: false,
+                last_pending: Duration::ZERO,
+            }
+        }
+        Source::Query => {
+            bump(&STATS.query_waits);
+            let query = event.getattr("query")?;
+            poll_loop(
+                start,
+                timeout_d,
+                plan(&what),
+                || query.call0()?.is_truthy(),
+                |until| {
+                    if py.detach(|| sleep_until(until)) {
+                        py.check_signals()?;
+                    }
+                    Ok(())
+                },
+            )?
+        }
+        Source::Cuda(handle, ordinal) => {
+            let plan = plan(&what);
             let (what_ref, device_ref) = (what.as_str(), device.as_str());
-            py.detach(|| {
-                let mut checked = Instant::now();
-                wait_loop(
-                    start,
-                    timeout_d,
-                    plan,
-                    || query_cuda(handle, what_ref, device_ref),
-                    |d| {
-                        std::thread::sleep(d);
-                        if main && checked.elapsed() >= SIGNAL_EVERY {
-                            checked = Instant::now();
-                            Python::attach(|py| py.check_signals())?;
-                        }
-                        Ok(())
-                    },
-                )
-            })?
+            py.detach(|| wait_cuda(*handle, *ordinal, start, timeout_d, plan, what_ref, device_ref))?
         }
     };
     if outcome.completed {
@@ -468,9 +643,37 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
     Err(err)
 }
 
+/// How waits have gone in this process: counts of waits by path (`notify`,
+/// `cuda_notify`, `cuda_poll`, `query`), `polls` made by polling waits after their
+/// first query, and in builds with the `cuda` feature the watch streams
+/// (`cuda_watch_idle`, `cuda_watch_busy`: held behind events not yet complete,
+/// `cuda_watch_fired`). For tests and benchmarks.
+#[pyfunction]
+pub fn _bounded_wait_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    d.set_item("notify", get(&STATS.notify_waits))?;
+    d.set_item("cuda_notify", get(&STATS.cuda_notify_waits))?;
+    d.set_item("cuda_poll", get(&STATS.cuda_poll_waits))?;
+    d.set_item("query", get(&STATS.query_waits))?;
+    d.set_item("polls", get(&STATS.polls))?;
+    #[cfg(feature = "cuda")]
+    {
+        let (idle, busy, fired) = kvferry::device::raw_event_watch_stats();
+        d.set_item("cuda_watch_idle", idle)?;
+        d.set_item("cuda_watch_busy", busy)?;
+        d.set_item("cuda_watch_fired", fired)?;
+    }
+    Ok(d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
@@ -478,6 +681,26 @@ mod tests {
 
     fn sample(lower: Duration, upper: Duration) -> Sample {
         Sample { lower, upper }
+    }
+
+    /// The poll times of a wait of `plan` that never completes within `timeout`.
+    fn polls(plan: Plan, timeout: Duration) -> Vec<Duration> {
+        let mut at = Duration::ZERO;
+        let mut out = vec![];
+        while at < timeout {
+            at = plan.next_poll(at).min(timeout);
+            out.push(at);
+        }
+        out
+    }
+
+    #[test]
+    fn without_history_the_wait_backs_off_from_20_us() {
+        let p = polls(Plan::COLD, Duration::from_secs(1));
+        assert_eq!(&p[..4], &[us(20), us(80), us(320), us(1280)]);
+        // Intervals never exceed POLL_MAX; a second costs ten wake-ups.
+        assert!(p.windows(2).all(|w| w[1] - w[0] <= POLL_MAX));
+        assert_eq!(p.len(), 10, "{p:?}");
     }
 
     #[test]
@@ -493,41 +716,60 @@ mod tests {
     }
 
     #[test]
-    fn plan_sleeps_until_shortly_before_the_usual_completion() {
-        let name = "tests::plan";
-        assert_eq!(plan(name), Plan::COLD);
-        record(name, sample(ms(2), ms(2) + Duration::from_micros(20)));
-        let margin = Duration::from_nanos(62_500); // 2 ms / 32
-        assert_eq!(
-            plan(name),
-            Plan {
-                horizon: ms(2) - margin,
-                fine: FINE_MIN,
-            }
-        );
-        // A spread of completion times widens the fine window, up to FINE_MAX.
-        record(name, sample(ms(7), ms(7)));
-        assert_eq!(plan(name).fine, ms(5) + margin);
-        record(name, sample(ms(90), ms(90)));
-        assert_eq!(plan(name).fine, FINE_MAX);
+    fn a_steady_history_sleeps_until_just_before_and_polls_finely() {
+        let mut h = History::default();
+        for _ in 0..4 {
+            h.record(sample(us(2000), us(2040)));
+        }
+        let p = h.plan();
+        let margin = Duration::from_nanos(63_125); // 2.02 ms / 32
+        assert_eq!(p.horizon, us(2020) - margin);
+        assert_eq!(p.step, FINE_STEP_MIN);
+        let at = polls(p, Duration::from_secs(1));
+        assert_eq!(at[0], p.horizon);
+        assert_eq!(at[1], p.horizon + FINE_STEP_MIN);
+        // Never completing after that history: about a dozen wake-ups a second.
+        assert!(at.len() <= 14, "{}: {at:?}", at.len());
     }
 
     #[test]
-    fn rough_brackets_give_way_to_precise_ones() {
+    fn one_delayed_step_does_not_coarsen_the_plan() {
         let mut h = History::default();
-        // A coarse wait: the event completed between 41 and 82 ms.
-        h.record(sample(ms(41), ms(82)));
+        for i in 0..10 {
+            let lo = us(2000 + 10 * i);
+            h.record(sample(lo, lo + us(40)));
+        }
+        h.record(sample(ms(15), ms(20)));
         let p = h.plan();
-        assert_eq!(p.horizon, ms(41) - Duration::from_micros(500));
-        assert_eq!(p.fine, FINE_MAX);
-        // The next wait polled finely and bracketed it at 60 ms: the rough one is ignored.
-        h.record(sample(ms(60), ms(60) + Duration::from_micros(100)));
-        assert_eq!(
-            h.plan(),
-            Plan {
-                horizon: ms(60) - Duration::from_micros(500),
-                fine: FINE_MIN,
-            }
-        );
+        assert_eq!(p.step, FINE_STEP_MIN);
+        assert!(p.fine_end < ms(3), "{p:?}");
+    }
+
+    #[test]
+    fn rough_brackets_give_way_to_finer_ones() {
+        let mut h = History::default();
+        // A cold wait: the event completed between 20.48 and 81.92 ms (middle 51.2).
+        h.record(sample(us(20_480), us(81_920)));
+        let p = h.plan();
+        assert_eq!(p.horizon, us(51_200) - us(500));
+        // The next wait polls from just before 51.2 ms; one that sees the completion at
+        // 60 ms brackets it within a step, and the plan follows.
+        h.record(sample(ms(60), ms(60) + FINE_STEP_MIN));
+        let q = h.plan();
+        assert_eq!(q.horizon, us(51_200) - us(500));
+        assert!(q.fine_end >= ms(60), "{q:?}");
+        assert!(q.step < ms(2), "{q:?}");
+    }
+
+    #[test]
+    fn varied_completions_spread_the_six_fine_polls() {
+        let mut h = History::default();
+        for lo in [500, 1700, 2900, 4100, 5000] {
+            h.record(sample(us(lo), us(lo + 100)));
+        }
+        let p = h.plan();
+        assert_eq!(p.horizon, us(530));
+        assert_eq!(p.step, (us(5050) - us(530)) / FINE_POLLS);
+        assert_eq!(p.fine_end, p.horizon + p.step * FINE_POLLS);
     }
 }

@@ -7,6 +7,7 @@
 #![allow(clippy::too_many_arguments, clippy::type_complexity, clippy::result_large_err)]
 
 mod bounded_wait;
+mod completion;
 mod device;
 mod directory;
 mod dlpack;
@@ -54,6 +55,8 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dlpack::dlpack_info, m)?)?;
     m.add_function(wrap_pyfunction!(bounded_wait::bounded_wait, m)?)?;
     errors::add_classes(m)?;
+    m.add_function(wrap_pyfunction!(bounded_wait::_bounded_wait_stats, m)?)?;
+    m.add_class::<completion::PyCompletionEvent>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ETCD", directory::HAS_ETCD)?;
     m.add("HAS_CUDA", cfg!(feature = "cuda"))?;

@@ -11,7 +11,7 @@ never leaks, never hangs.
 
 from . import errors
 from ._engine import DeviceMemory, Engine, Region, Transfer
-from .bounded_wait import bounded_wait
+from .bounded_wait import CompletionEvent, bounded_wait
 from ._kvferry import HAS_CUDA, HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
     ERROR_CODES,
@@ -39,6 +39,7 @@ __all__ = [
     "Staged",
     "key_bytes",
     "bounded_wait",
+    "CompletionEvent",
     "errors",
     "ERROR_CODES",
     "Error",

@@ -400,6 +400,21 @@ class Engine:
         the next ``corrupt_next_sends`` chunks on the wire."""
 
 def bounded_wait(event: Any, timeout: float, *, what: str | None = None) -> float:
-    """Waits for ``event`` (``query()``; CUDA events through ``cuEventQuery``) at most
-    ``timeout`` seconds, GIL released; returns the seconds waited or raises
+    """Waits for ``event`` at most ``timeout`` seconds, GIL released (``CompletionEvent``
+    on its notifier; CUDA events through a driver host function, else ``cuEventQuery``;
+    others polled with ``query()``); returns the seconds waited or raises
     ``TimeoutError`` naming ``what``, the device and the time waited."""
+
+def _bounded_wait_stats() -> dict[str, int]:
+    """Counts of bounded waits by path (``notify``, ``cuda_notify``, ``cuda_poll``,
+    ``query``), ``polls``, and (cuda builds) the CUDA watch streams."""
+
+class CompletionEvent:
+    """An event completed with ``set()``; ``bounded_wait`` sleeps on it without polling."""
+
+    def __init__(self, *, device: str = "host") -> None: ...
+    def set(self) -> bool: ...
+    def query(self) -> bool: ...
+    def is_set(self) -> bool: ...
+    @property
+    def device(self) -> str: ...

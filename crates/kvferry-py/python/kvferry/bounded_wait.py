@@ -10,17 +10,27 @@ it learns why. :func:`bounded_wait` is the bounded replacement::
     # or kvferry.TimeoutError: "bounded_wait: output copy on cuda:0 did not complete
     # within 30.000 s (waited 30.000 s); ..."  with .op, .waited and .device set
 
-It accepts any event with ``query()``: ``torch.cuda.Event`` and ``torch.Event`` of a
-CUDA device are queried from Rust with the driver's ``cuEventQuery`` on the raw handle,
-with the GIL released for the whole wait; anything else (``torch.Event`` of other
-accelerators, your own objects) is polled through ``query()``, holding the GIL only for
-that call. Between queries the thread sleeps with an adaptive backoff (no busy spin):
-a wait first sleeps until shortly before the completion time of recent waits with the
-same ``what``, then polls finely (from 10 µs, intervals growing 1.2×) across their
-spread, then coarsely (doubling, up to 100 ms); without history it polls coarsely
-from the start. Waiting a second on an event that never completes takes 24–36
-queries (``python -m kvferry.bench_bounded_wait`` measures CPU and latency; figures
-in ``docs/benchmarks.md``).
+How it learns that the event completed depends on the event (the first query is
+immediate, so a completed event costs one query):
+
+- ``kvferry.CompletionEvent`` — an event a thread or a callback completes with
+  ``set()`` — is waited for on its notifier: no polling, one wake-up when it is set or
+  at the deadline.
+- ``torch.cuda.Event`` and ``torch.Event`` of a CUDA device: a private stream waits on
+  the event and then runs a host function (``cuLaunchHostFunc``) that wakes the
+  waiter, with the GIL released for the whole wait; the event is also queried every
+  250 ms and at the deadline (four driver calls per second of a stuck event). Where the
+  driver lacks the entry points it polls ``cuEventQuery`` as below.
+- Anything else with ``query()`` (``torch.Event`` of other accelerators, your own
+  objects) is polled, holding the GIL only for that call, on an adaptive schedule (no
+  busy spin): a wait first sleeps until shortly before the completion time of recent
+  waits with the same ``what``, polls six times across their spread (at least 40 µs
+  apart), then backs off (the next query at four times the time waited, at most
+  400 ms later); without history it backs off from 20 µs. A second on an event that
+  never completes costs about ten queries.
+
+``python -m kvferry.bench_bounded_wait`` measures CPU and latency per kind; figures in
+``docs/benchmarks.md``.
 
 On timeout the event is untouched (the device may still complete it): the caller gets
 an error instead of a hang, and decides what to do with the work behind the event.
@@ -31,6 +41,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from . import _kvferry
+from ._kvferry import CompletionEvent
 
 
 class Queryable(Protocol):
@@ -55,4 +66,4 @@ def bounded_wait(event: Queryable, timeout: float, *, what: str | None = None) -
     return _kvferry.bounded_wait(event, timeout, what=what)
 
 
-__all__ = ["Queryable", "bounded_wait"]
+__all__ = ["CompletionEvent", "Queryable", "bounded_wait"]
