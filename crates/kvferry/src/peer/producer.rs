@@ -887,6 +887,26 @@ impl Producer {
         }
     }
 
+    /// A consumer's `Release`: each key that is a `once` publication leaves the table
+    /// (reason `Declined`; reported once every transfer still sending it stopped).
+    /// Whoever may pull a `once` publication may release it (it could stage it and
+    /// send `Done`): a key is the capability. Publications many may read and store
+    /// chunks are never touched. Nothing is staged.
+    fn decline(&self, keys: &[ChunkKey]) -> Vec<bool> {
+        let mut table = self.inner.published.lock();
+        keys.iter()
+            .map(|k| match table.get(k) {
+                Some(p) if p.once => {
+                    if let Some(p) = table.remove(k) {
+                        p.retire(ReleaseReason::Declined);
+                    }
+                    true
+                }
+                _ => false,
+            })
+            .collect()
+    }
+
     async fn send_lease(&self, conn: &mut Connection, request_id: u64, entry: &StagedLease) -> Result<(), NetError> {
         for (i, meta) in entry.chunks.iter().enumerate() {
             let delay = self.inner.faults.send_delay_us.load(Ordering::Relaxed);
@@ -1098,6 +1118,14 @@ impl Producer {
                     }
                     _ => conn.send(id, &Message::DoneAck).await,
                 }
+            }
+            Message::Release { keys, incarnation } => {
+                if incarnation != self.inner.incarnation {
+                    let m = format!("release for incarnation {incarnation:#x}, this is {:#x}", self.inner.incarnation);
+                    return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
+                }
+                let released = self.decline(&keys);
+                conn.send(id, &Message::ReleaseAck { released }).await
             }
             Message::Put { key, len } => self.receive_put(conn, id, key, len, &holder).await,
             other => {
