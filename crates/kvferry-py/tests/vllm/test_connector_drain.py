@@ -185,7 +185,17 @@ def test_release_under_staging_pressure_frees_the_prefill(need_vllm, decodes):
         # Staged, never pulled: each lease holds a staging page (a gather's copy) on
         # the prefill until its TTL. 4 pages is one peer's quota, 6 the quota of
         # unproven peers from one address.
-        staged = [hogs[i // 4].stage(p.address, [params[r]["remote_request_id"]], timeout=5.0) for i, (r, _) in enumerate(held)]
+        def stage(hog, key):  # the prefill publishes a step after returning the params
+            until = time.monotonic() + 5.0
+            while True:
+                try:
+                    return hog.stage(p.address, [key], timeout=5.0)
+                except errors.NotFoundError:
+                    if time.monotonic() > until:
+                        raise
+                    time.sleep(0.01)
+
+        staged = [stage(hogs[i // 4], params[r]["remote_request_id"]) for i, (r, _) in enumerate(held)]
         assert len(staged) == 6
         with pytest.raises(errors.BusyError):
             d.worker.engine.stage(p.address, [params[rid]["remote_request_id"]], timeout=5.0)
