@@ -331,6 +331,9 @@ def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
             elif cmd == "device_fault":
                 inst.worker.engine._e._inject_device_fault(msg[1], msg[2])
                 conn.send(("ok",))
+            elif cmd == "corrupt":
+                inst.worker.engine._e._inject_faults(corrupt_next_sends=msg[1])
+                conn.send(("ok",))
             elif cmd == "device_release":
                 inst.worker.engine._e._release_device()
                 conn.send(("ok",))

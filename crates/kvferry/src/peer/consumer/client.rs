@@ -421,9 +421,17 @@ impl Consumer {
         let fut = async {
             for attempt in 0..2 {
                 let mut conn = pool.checkout(deadline).await?;
+                let current = conn.peer().incarnation;
+                if let Some(expected) = incarnation.filter(|&e| e != current) {
+                    conn.finish();
+                    return Err(PeerError::StaleIncarnation {
+                        handle: expected,
+                        current,
+                    });
+                }
                 let msg = Message::Release {
                     keys: keys.to_vec(),
-                    incarnation: incarnation.unwrap_or(conn.peer().incarnation),
+                    incarnation: current,
                 };
                 match conn.request(&msg).await {
                     Ok(Message::ReleaseAck { released }) if released.len() == keys.len() => {
