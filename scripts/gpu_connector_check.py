@@ -178,9 +178,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         )
         t0 = time.perf_counter()
         done: set[str] = set()
+        sent: set[str] = set()
         while len(done) < nreq:
             # Publishing may wait a step for the GPU: keep stepping the prefill too.
-            prefill.step(KvferryConnectorMetadata(), set())
+            sent |= prefill.step(KvferryConnectorMetadata(), set())[0]
             _, got = decode.step(meta, set())
             meta = KvferryConnectorMetadata(idle=True)
             done |= got
@@ -193,7 +194,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 if not torch.equal(s, d):
                     corrupted += 1
         moved += nb * prefill.block_bytes
-        sent: set[str] = set()
         deadline = time.monotonic() + a.timeout
         while len(sent) < nreq and time.monotonic() < deadline:
             s, _ = prefill.step(KvferryConnectorMetadata(), set())
