@@ -104,7 +104,11 @@ async fn release_frees_once_publications_only() {
     assert_eq!(decode.get(&addr, &[once], d, in_secs(5)).await.unwrap().chunks, 0);
     let d = Destination::new(dst.cache.clone(), vec![vec![6]]);
     assert_eq!(decode.get(&addr, &[shared], d, in_secs(5)).await.unwrap().chunks, 1);
-    assert_eq!(prefill.stats().producer.published_now, 1, "the shared publication stays");
+    assert_eq!(
+        prefill.stats().producer.published_now,
+        1,
+        "the shared publication stays"
+    );
     close_clean(&decode).await;
     close_clean(&prefill).await;
 }
@@ -157,7 +161,10 @@ async fn release_needs_no_staging() {
     let k = key("once");
     prefill.publish(k, &src, &[1, 2, 3], Duration::ZERO, true).unwrap();
     let t0 = Instant::now();
-    assert_eq!(decode.release_keys(&addr, &[k], None, in_secs(5)).await.unwrap(), [true]);
+    assert_eq!(
+        decode.release_keys(&addr, &[k], None, in_secs(5)).await.unwrap(),
+        [true]
+    );
     let released = released_within(&prefill, Duration::from_secs(2)).await;
     let took = t0.elapsed();
     assert_eq!(

@@ -1121,7 +1121,10 @@ impl Producer {
             }
             Message::Release { keys, incarnation } => {
                 if incarnation != self.inner.incarnation {
-                    let m = format!("release for incarnation {incarnation:#x}, this is {:#x}", self.inner.incarnation);
+                    let m = format!(
+                        "release for incarnation {incarnation:#x}, this is {:#x}",
+                        self.inner.incarnation
+                    );
                     return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
                 }
                 let released = self.decline(&keys);
