@@ -13,6 +13,11 @@
 //! [`KvCache`] (see [`super::publish`]), which are sent straight from the cache with
 //! vectored writes — zero copies on this side.
 //!
+//! A consumer that will not pull sends `Release`: the `once` publications it names
+//! leave the table at once (reason `Declined`), with nothing staged, so it works while
+//! staging is full. A key is the capability (whoever may pull a `once` publication may
+//! end it); other publications and store chunks are never touched.
+//!
 //! Leases are bound to the peer they were granted to: ids are random, and a `Done` (or
 //! pull) from another peer is refused and counted. A request listing a key twice is
 //! refused. Each peer may hold at most `max_staged_pages_per_peer` staging pages at
