@@ -499,7 +499,8 @@ class Engine:
 
     def released(self) -> list[tuple[Key, str]]:
         """``[(key, reason)]`` of publications released since the last call; reason is
-        ``done``, ``expired``, ``released``, ``replaced`` or ``shutdown``."""
+        ``done``, ``declined`` (a consumer's ``release_remote``), ``expired``, ``released``,
+        ``replaced`` or ``shutdown``."""
         return self._e.take_released()
 
     # -- fetching KV ------------------------------------------------------------
