@@ -7,6 +7,11 @@
 # The Python CUDA tests (crates/kvferry-py/tests/test_cuda.py) also need CPython with
 # torch (CUDA) — $KVFERRY_GPU_PYTHON or python3, whose packages a venv under
 # target/gpu-check-venv sees — and say why they skip without it.
+# The vLLM connector's worker halves over torch CUDA tensors (two cuda:0 engines on
+# one GPU: publish -> pull -> every byte compared on the GPU; scripts/
+# gpu_connector_check.py) also need vLLM 0.33.0: the venv of scripts/install-vllm.sh
+# ($KVFERRY_VLLM_VENV, default ~/.cache/kvferry/venv-vllm) is added behind that venv's
+# own packages; without it, or without a CUDA device, the check says why it skips.
 #
 #   scripts/gpu-check.sh            # results also go to $OUT (default: target/gpu-check)
 set -euo pipefail
@@ -37,6 +42,16 @@ start=$(date +%s)
         "$venv/bin/python" -m pytest crates/kvferry-py/tests/test_bounded_wait.py -q -rs
         echo "== bounded_wait benchmark (query(), CompletionEvent and cuda kinds)"
         "$venv/bin/python" -m kvferry.bench_bounded_wait --samples 200
+        echo "== vLLM connector worker halves over torch CUDA tensors (two cuda:0 engines, bytes verified)"
+        vllm_venv=${KVFERRY_VLLM_VENV:-$HOME/.cache/kvferry/venv-vllm}
+        vllm_site=$("$vllm_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
+        if [ -n "$vllm_site" ] && [ -d "$vllm_site/vllm" ]; then
+            site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+            echo "$vllm_site" > "$site/zz-kvferry-vllm.pth"   # after this venv's own packages (its CUDA kvferry wins)
+            HF_HUB_OFFLINE=1 "$venv/bin/python" scripts/gpu_connector_check.py --device cuda | tee "$out/connector-cuda.json"
+        else
+            echo "skipped: no vLLM 0.33.0 environment at $vllm_venv (scripts/install-vllm.sh makes one)"
+        fi
     else
         echo "skipped: no Python environment with maturin, pytest and numpy (offline?)"
     fi

@@ -902,19 +902,21 @@ impl PyEngine {
     }
 
     /// Tells `peer` this engine will not fetch `keys` (a request was aborted): the peer
-    /// stages them under a lease and this engine answers `Done` at once, so a
-    /// publication made `once` is released now rather than at its TTL. A miss (the
-    /// peer has not published yet) is retried with backoff (2 ms doubling to 50 ms)
-    /// for up to `retry_miss` seconds; everything within `timeout`. Runs in the
-    /// background; the returned transfer's result is the number of keys released
-    /// (`NotFoundError` when the peer never held any).
-    #[pyo3(signature = (keys, peer, timeout, retry_miss=0.0))]
+    /// frees the publications made `once` among them now rather than at their TTL
+    /// (a `Release` request: nothing is staged, so it works when the peer's staging is
+    /// full). A miss (the peer has not published yet) is retried with backoff (2 ms
+    /// doubling to 50 ms) for up to `retry_miss` seconds; everything within `timeout`.
+    /// With `incarnation`, a peer that restarted since is refused
+    /// (`PeerRestartedError`). Runs in the background; the returned transfer's result
+    /// is the number of keys released (`NotFoundError` when none was).
+    #[pyo3(signature = (keys, peer, timeout, retry_miss=0.0, incarnation=None))]
     fn release_remote(
         &self,
         keys: &Bound<'_, PyList>,
         peer: String,
         timeout: f64,
         retry_miss: f64,
+        incarnation: Option<u64>,
     ) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
         let t = required(timeout, "timeout")?;
@@ -932,16 +934,18 @@ impl PyEngine {
                 dirty: false,
             };
             let mut backoff = Duration::from_millis(2);
+            let mut left = keys;
+            let mut released = 0;
             loop {
-                let handle = e.stage(&p2, &keys, deadline).await.map_err(fail)?;
-                let chunks = handle.chunks.len();
-                if chunks > 0 {
-                    e.release_staged(&handle, deadline).await.map_err(fail)?;
-                    return Ok(kvferry::engine::Landed { chunks, bytes: 0 });
-                }
+                let got = e.release_keys(&p2, &left, incarnation, deadline).await.map_err(fail)?;
+                released += got.iter().filter(|&&r| r).count();
+                left = left.into_iter().zip(got).filter(|(_, r)| !r).map(|(k, _)| k).collect();
                 let now = tokio::time::Instant::now();
-                if now + backoff > retry_until {
-                    return Ok(kvferry::engine::Landed { chunks: 0, bytes: 0 });
+                if left.is_empty() || now + backoff > retry_until {
+                    return Ok(kvferry::engine::Landed {
+                        chunks: released,
+                        bytes: 0,
+                    });
                 }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_millis(50));

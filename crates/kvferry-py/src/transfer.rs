@@ -7,11 +7,20 @@
 //! variable: a transfer that finishes within it (a miss, a small chunk) is seen at once
 //! instead of after a sleeping thread's wake-up.
 //!
+//! `done()` and `drained()` are two moments: `done()` is true once the outcome is
+//! known (landed, or the error: what `wait` returns); `drained()` once nothing —
+//! socket, copy thread, device stream — writes the destination blocks any more. A
+//! success is drained when it is done. A failure usually is too, but not always: a
+//! host-to-device copy that outlived the transfer's deadline keeps writing until the
+//! device confirms it, so a caller that hands the destination back to its owner (an
+//! engine freeing the blocks) waits for `drained()`, polling it without blocking.
+//!
 //! # Cancellation
 //!
 //! `cancel()` (and a `KeyboardInterrupt` during `wait`) cancels the transfer and
 //! returns only after its drain: no socket or copy thread touches the destination
-//! blocks any more and its staging pages are back.
+//! blocks any more and its staging pages are back. `cancel(timeout=0)` only asks:
+//! it returns at once, and `drained()` says when the drain finished.
 
 use kvferry::ErrorCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -204,11 +213,19 @@ impl PyTransfer {
     }
 
     fn cancel_and_drain(&self, py: Python<'_>) -> bool {
+        self.cancel_within(py, DRAIN_BOUND)
+    }
+
+    /// Cancels, then waits at most `bound` for the drain (and the outcome).
+    fn cancel_within(&self, py: Python<'_>, bound: Duration) -> bool {
         self.cancel.cancel();
+        if bound.is_zero() {
+            return self.fence.is_drained();
+        }
         let (fence, rt, shared) = (self.fence.clone(), self.runtime.clone(), self.shared.clone());
         py.detach(move || {
-            let until = Instant::now() + DRAIN_BOUND;
-            let drained = rt.block_on(fence.wait_until(tokio::time::Instant::now() + DRAIN_BOUND));
+            let until = Instant::now() + bound;
+            let drained = rt.block_on(fence.wait_until(tokio::time::Instant::now() + bound));
             // The task records its outcome right after the cancel wins its race (or
             // the transfer finished first): wait for it too, so `done()` and `error`
             // are settled when `cancel()` returns. Bounded like the drain.
@@ -249,16 +266,36 @@ impl PyTransfer {
         }
     }
 
-    /// True once the transfer has finished (landed or failed).
+    /// True once the transfer has finished (landed or failed): its outcome is known.
+    /// A failed transfer may still be draining (see `drained`).
     fn done(&self) -> bool {
         self.shared.outcome.lock().is_some()
     }
 
+    /// True once nothing writes the destination blocks any more and the transfer's
+    /// staging pages are back (never blocks). Until then the blocks are not the
+    /// caller's to reuse, even after `done()`: a device copy that outlived a failed
+    /// transfer is waited for (bounded; a device that never confirms leaves this
+    /// False for good, like a quarantined page).
+    fn drained(&self) -> bool {
+        self.fence.is_drained() && self.shared.outcome.lock().is_some()
+    }
+
     /// Cancels the transfer and returns once its drain finished (the destination
     /// blocks are quiet and staging pages are back): True then, False if the drain
-    /// did not finish within the bound (it goes on in the background).
-    fn cancel(&self, py: Python<'_>) -> bool {
-        self.cancel_and_drain(py)
+    /// did not finish within `timeout` seconds (default 10; it goes on in the
+    /// background, and `drained()` tells when it finished). `timeout=0` returns at
+    /// once.
+    #[pyo3(signature = (timeout=None))]
+    fn cancel(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let bound = match timeout {
+            None => DRAIN_BOUND,
+            Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t.min(DRAIN_BOUND.as_secs_f64())),
+            Some(t) => {
+                return Err(ErrInfo::invalid(format!("timeout must be >= 0 seconds, got {t}")).into());
+            }
+        };
+        Ok(self.cancel_within(py, bound))
     }
 
     /// The transfer's exception if it failed, else None (also None while running).

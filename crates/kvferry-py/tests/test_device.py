@@ -162,7 +162,7 @@ def test_release_remote_frees_a_publication_at_once():
         while time.monotonic() < deadline and len(released) < 2:
             released += p.released()
             time.sleep(0.005)
-        assert sorted(released) == [("late", "done"), ("now", "done")]
+        assert sorted(released) == [("late", "declined"), ("now", "declined")]  # Release, not Done
         assert time.monotonic() - t0 < 1.0
         with pytest.raises(kvferry.NotFoundError):
             d.release_remote(p.address, "never").wait(5.0)

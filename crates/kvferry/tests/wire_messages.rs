@@ -98,6 +98,8 @@ fn message() -> impl Strategy<Value = Message> {
         (error_kind(), ".{0,80}").prop_map(|(kind, message)| Message::Error { kind, message }),
         Just(Message::Ping),
         Just(Message::Pong),
+        (keys(), any::<u64>()).prop_map(|(keys, incarnation)| Message::Release { keys, incarnation }),
+        vec(any::<bool>(), 0..10).prop_map(|released| Message::ReleaseAck { released }),
     ]
 }
 

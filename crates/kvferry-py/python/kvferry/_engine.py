@@ -86,12 +86,20 @@ class Transfer:
         return self._t.wait(timeout)
 
     def done(self) -> bool:
-        """True once the transfer finished."""
+        """True once the transfer finished: its outcome (landed or the error) is known."""
         return self._t.done()
 
-    def cancel(self) -> bool:
-        """Cancels and returns after the drain (False if the drain outlived its bound)."""
-        return self._t.cancel()
+    def drained(self) -> bool:
+        """True once nothing writes the destination blocks any more (never blocks). A
+        failed transfer can be ``done()`` and not yet drained (a device copy that
+        outlived it); hand the blocks back only once this is True."""
+        return self._t.drained()
+
+    def cancel(self, timeout: float | None = None) -> bool:
+        """Cancels and returns after the drain: True, or False if the drain outlived
+        ``timeout`` seconds (default 10; ``0``: return at once and poll
+        :meth:`drained`)."""
+        return self._t.cancel(timeout)
 
     @property
     def error(self) -> BaseException | None:
@@ -506,7 +514,8 @@ class Engine:
 
     def released(self) -> list[tuple[Key, str]]:
         """``[(key, reason)]`` of publications released since the last call; reason is
-        ``done``, ``expired``, ``released``, ``replaced`` or ``shutdown``."""
+        ``done``, ``declined`` (a consumer's ``release_remote``), ``expired``, ``released``,
+        ``replaced`` or ``shutdown``."""
         return self._e.take_released()
 
     # -- fetching KV ------------------------------------------------------------
@@ -554,17 +563,26 @@ class Engine:
         return t.wait(None)
 
     def release_remote(
-        self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0, *, retry_miss: float = 0.0
+        self,
+        peer: str,
+        keys: Key | Sequence[Key],
+        timeout: float = 5.0,
+        *,
+        retry_miss: float = 0.0,
+        incarnation: int | None = None,
     ) -> Transfer:
         """Tells ``peer`` that this engine will not fetch ``keys`` (say, the request
         was aborted): the peer releases publications made ``once`` now instead of at
-        their TTL. A miss (not published yet) is retried for up to ``retry_miss``
-        seconds. Returns at once; the transfer's result is the number of keys
-        released (``NotFoundError`` if the peer never held any)."""
+        their TTL. It stages nothing (a ``Release`` request), so it works while the
+        peer's staging is full. A miss (not published yet) is retried for up to
+        ``retry_miss`` seconds. With ``incarnation`` (the one that published), a peer
+        that restarted since is refused with ``PeerRestartedError``. Returns at once;
+        the transfer's result is the number of keys released (``NotFoundError`` if
+        none was)."""
         ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
         if not ks:
             raise InvalidArgumentError("empty key list")
-        return Transfer(self._e.release_remote(ks, self._peer(peer), float(timeout), float(retry_miss)))
+        return Transfer(self._e.release_remote(ks, self._peer(peer), float(timeout), float(retry_miss), incarnation))
 
     def pull(
         self,

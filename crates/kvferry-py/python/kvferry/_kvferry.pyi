@@ -160,9 +160,12 @@ class Transfer:
         raises ``KeyboardInterrupt``. The GIL is released while waiting."""
     def done(self) -> bool:
         """True once the transfer finished (landed or failed)."""
-    def cancel(self) -> bool:
-        """Cancels and returns after the drain: True, or False if the drain outlived its
-        bound (it goes on in the background)."""
+    def drained(self) -> bool:
+        """True once nothing writes the destination any more (never blocks); a failed
+        transfer can be done and not yet drained."""
+    def cancel(self, timeout: float | None = None) -> bool:
+        """Cancels and returns after the drain: True, or False if the drain outlived
+        ``timeout`` (default 10 s; 0: at once; it goes on in the background)."""
     @property
     def error(self) -> BaseException | None:
         """The transfer's exception if it failed, else None (also None while running)."""
@@ -290,9 +293,11 @@ class Engine:
         """Registers device memory ``parts`` (each with its spans) as one KV cache of
         ``blocks`` blocks; published blocks are gathered device-to-host into staging
         pages, received ones scattered host-to-device from them."""
-    def release_remote(self, keys: list[_Key], peer: str, timeout: float, retry_miss: float = 0.0) -> Transfer:
-        """Tells ``peer`` these keys will not be fetched (stage, then ``Done``): its
-        ``once`` publications are released now. Misses are retried for ``retry_miss``
+    def release_remote(
+        self, keys: list[_Key], peer: str, timeout: float, retry_miss: float = 0.0, incarnation: int | None = None
+    ) -> Transfer:
+        """Tells ``peer`` these keys will not be fetched (a ``Release`` request: nothing
+        is staged): its ``once`` publications are released now. Misses are retried for ``retry_miss``
         seconds. Returns at once; the result is the number of keys released."""
     def device_stats_json(self) -> str:
         """The device's counters as a JSON object (``{}`` without a device)."""

@@ -331,6 +331,12 @@ def prefill_main(conn, extra: dict[str, Any], num_blocks: int) -> None:
             elif cmd == "device_fault":
                 inst.worker.engine._e._inject_device_fault(msg[1], msg[2])
                 conn.send(("ok",))
+            elif cmd == "corrupt":
+                inst.worker.engine._e._inject_faults(corrupt_next_sends=msg[1])
+                conn.send(("ok",))
+            elif cmd == "device_release":
+                inst.worker.engine._e._release_device()
+                conn.send(("ok",))
             elif cmd == "device_stats":
                 conn.send(("device_stats", inst.worker.engine.stats().get("device", {})))
             elif cmd == "leaks":
@@ -557,10 +563,12 @@ def test_lifecycle_prefill_to_decode(prefill, decode, kv_device):
 @pytest.mark.parametrize("kv_device", ["sim"], indirect=True)  # faults need the sim device
 def test_device_faults_fail_only_their_requests(prefill, decode, kv_device):
     """Sim device on both sides. Decode side: of 48 pulls in flight, the one whose
-    host-to-device copy never completes fails within ``device_timeout`` (+ slack) as a
-    load error, its staging pages quarantined; the 47 others land. Prefill side: a
-    device-to-host gather that fails becomes a load error for its request only, and the
-    prefill's blocks are freed within a round trip (the decode releases them)."""
+    host-to-device copy never completes fails within ``device_timeout`` (+ slack), its
+    staging pages quarantined; the 47 others land. Its blocks go back to vLLM (the load
+    error) only once the device confirmed the copy (here: the sim device released).
+    Prefill side: a device-to-host gather that fails becomes a load error for its
+    request only, and the prefill's blocks are freed within a round trip (the decode
+    releases them)."""
     bound = 2.0
     d = decode(extra={"timeout": TIMEOUT, "device_timeout": bound})
     reqs = prompts(48, seed=30, lo=20, hi=100)
@@ -569,20 +577,25 @@ def test_device_faults_fail_only_their_requests(prefill, decode, kv_device):
     for rid, prompt in reqs:
         d.add(rid, prompt, max_tokens=2, params=params[rid])
     t0 = time.monotonic()
-    d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), TIMEOUT, "48 pulls")
-    took = time.monotonic() - t0
-    assert len(d.failed_recving) == 1, d.failed_recving
-    (stuck,) = d.failed_recving
-    assert took < bound + 2.0, took
+    d.run_until(lambda: sum(r in d.finished_recving for r, _ in reqs) == 47, TIMEOUT, "47 pulls")
+    (stuck,) = [r for r, _ in reqs if r not in d.finished_recving]
+    t = d.worker._pulls[stuck].transfer
+    d.run_until(t.done, bound + 2.0 - (time.monotonic() - t0), "the stuck pull to fail")
+    assert isinstance(t.error, Exception) and not t.drained()
     for rid, prompt in reqs:
         if rid != stuck:
             check_landed(d, rid, prompt)
-    assert d.stats.data["failed"]["device"] == 1
     assert d.worker.engine.stats()["arena"]["quarantined_pages"] > 0, "the stuck copy's pages stay out of use"
+    for _ in range(10):
+        d.step()
+    assert not d.failed_recving and stuck not in d.finished_recving, "blocks handed back before the device confirmed"
+    d.worker.engine._e._release_device()
+    d.run_until(lambda: stuck in d.finished_recving, 5, "the stuck pull, drained")
+    assert d.failed_recving == {stuck}
+    assert d.stats.data["failed"]["device"] == 1
     d.run_until(lambda: all(r in d.final for r, _ in reqs), 30, "the decodes (the stuck one recomputed)")
     prefill.wait_freed({r for r, _ in reqs}, timeout=5)
     assert d.free_blocks() == d.free_at_start
-    d.worker.engine._e._release_device()
 
     # The prefill's gather fails for one request.
     (rid, prompt), = prompts(1, seed=31, lo=40, hi=41)

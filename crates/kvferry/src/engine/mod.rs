@@ -623,6 +623,23 @@ impl Engine {
         self.inner.consumer.release(handle, deadline).await
     }
 
+    /// Tells `peer` that `keys` will not be pulled, so it frees its `once`
+    /// publications of them now, without staging (see
+    /// [`Consumer::release_keys`](crate::peer::Consumer::release_keys)).
+    pub async fn release_keys(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        incarnation: Option<u64>,
+        deadline: Instant,
+    ) -> Result<Vec<bool>, PeerError> {
+        self.check_open().map_err(|_| PeerError::ShuttingDown)?;
+        self.inner
+            .consumer
+            .release_keys(&self.resolve_peer(peer), keys, incarnation, deadline)
+            .await
+    }
+
     /// Pushes `data` to `peer`'s store under `key`.
     pub async fn push(&self, peer: &str, key: ChunkKey, data: &[u8], deadline: Instant) -> Result<(), PeerError> {
         self.check_open().map_err(|_| PeerError::ShuttingDown)?;

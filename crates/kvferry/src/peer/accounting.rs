@@ -55,7 +55,8 @@ pub(super) fn kind_of(msg: &Message) -> RequestKind {
         Message::Stage { .. } => RequestKind::Stage,
         Message::Get { .. } => RequestKind::Get,
         Message::Pull { .. } => RequestKind::Pull,
-        Message::Done { .. } => RequestKind::Done,
+        // A release without a pull frees publications as `Done` frees leases.
+        Message::Done { .. } | Message::Release { .. } => RequestKind::Done,
         Message::Put { .. } => RequestKind::Put,
         _ => RequestKind::Other,
     }

@@ -13,6 +13,11 @@
 //! [`KvCache`] (see [`super::publish`]), which are sent straight from the cache with
 //! vectored writes — zero copies on this side.
 //!
+//! A consumer that will not pull sends `Release`: the `once` publications it names
+//! leave the table at once (reason `Declined`), with nothing staged, so it works while
+//! staging is full. A key is the capability (whoever may pull a `once` publication may
+//! end it); other publications and store chunks are never touched.
+//!
 //! Leases are bound to the peer they were granted to: ids are random, and a `Done` (or
 //! pull) from another peer is refused and counted. A request listing a key twice is
 //! refused. Each peer may hold at most `max_staged_pages_per_peer` staging pages at
@@ -887,6 +892,26 @@ impl Producer {
         }
     }
 
+    /// A consumer's `Release`: each key that is a `once` publication leaves the table
+    /// (reason `Declined`; reported once every transfer still sending it stopped).
+    /// Whoever may pull a `once` publication may release it (it could stage it and
+    /// send `Done`): a key is the capability. Publications many may read and store
+    /// chunks are never touched. Nothing is staged.
+    fn decline(&self, keys: &[ChunkKey]) -> Vec<bool> {
+        let mut table = self.inner.published.lock();
+        keys.iter()
+            .map(|k| match table.get(k) {
+                Some(p) if p.once => {
+                    if let Some(p) = table.remove(k) {
+                        p.retire(ReleaseReason::Declined);
+                    }
+                    true
+                }
+                _ => false,
+            })
+            .collect()
+    }
+
     async fn send_lease(&self, conn: &mut Connection, request_id: u64, entry: &StagedLease) -> Result<(), NetError> {
         for (i, meta) in entry.chunks.iter().enumerate() {
             let delay = self.inner.faults.send_delay_us.load(Ordering::Relaxed);
@@ -1098,6 +1123,17 @@ impl Producer {
                     }
                     _ => conn.send(id, &Message::DoneAck).await,
                 }
+            }
+            Message::Release { keys, incarnation } => {
+                if incarnation != self.inner.incarnation {
+                    let m = format!(
+                        "release for incarnation {incarnation:#x}, this is {:#x}",
+                        self.inner.incarnation
+                    );
+                    return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
+                }
+                let released = self.decline(&keys);
+                conn.send(id, &Message::ReleaseAck { released }).await
             }
             Message::Put { key, len } => self.receive_put(conn, id, key, len, &holder).await,
             other => {

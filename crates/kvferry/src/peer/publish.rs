@@ -48,6 +48,8 @@ pub enum ReleaseReason {
     Replaced,
     /// The producer shut down.
     Shutdown,
+    /// A consumer said it will not pull it (`Release`, publications made `once`).
+    Declined,
 }
 
 /// A publication's blocks are free for the engine again.

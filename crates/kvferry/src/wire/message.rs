@@ -12,6 +12,8 @@
 //! - Eager get: `Get` → `Staged` → bulk frames → `PullDone`; then `Done` → `DoneAck`.
 //! - Push: `Put` + one bulk frame → `PutAck`.
 //! - Liveness: `Ping` → `Pong`.
+//! - Release without pulling: `Release` → `ReleaseAck` (a consumer that will not pull
+//!   `once` publications tells the producer to free them; nothing is staged).
 //!
 //! Decoding bounds every message by the control-frame size; [`Message::validate`] then
 //! enforces the finer [`Limits`] (key counts, string lengths, chunk sizes). Receivers
@@ -223,6 +225,23 @@ pub enum Message {
         /// The server's proof.
         proof: [u8; 32],
     },
+    /// The consumer will not pull these keys: the producer retires the ones that are
+    /// `once` publications (published for a single consumer), without staging
+    /// anything. Any other chunk (a publication many may read, a store chunk) is left
+    /// alone. Refused with `StaleIncarnation` when `incarnation` is not the
+    /// producer's.
+    Release {
+        /// Keys to release.
+        keys: Vec<ChunkKey>,
+        /// The producer incarnation that published them.
+        incarnation: u64,
+    },
+    /// Reply to [`Message::Release`]: per key, in order, whether a publication was
+    /// released by this request.
+    ReleaseAck {
+        /// `released[i]`: key `i` was a `once` publication and is released now.
+        released: Vec<bool>,
+    },
 }
 
 impl Message {
@@ -234,9 +253,11 @@ impl Message {
             Message::Hello { peer_id, .. } | Message::Challenge { peer_id, .. } => {
                 check("peer id", peer_id.len(), MAX_PEER_ID_BYTES)
             }
-            Message::Lookup { keys } | Message::Stage { keys, .. } | Message::Get { keys, .. } => {
-                check("key list", keys.len(), limits.max_keys)
-            }
+            Message::Lookup { keys }
+            | Message::Stage { keys, .. }
+            | Message::Get { keys, .. }
+            | Message::Release { keys, .. } => check("key list", keys.len(), limits.max_keys),
+            Message::ReleaseAck { released } => check("release list", released.len(), limits.max_keys),
             Message::Staged { chunks, .. } => {
                 check("chunk list", chunks.len(), limits.max_keys)?;
                 chunks
@@ -281,6 +302,8 @@ impl Message {
             Message::Ping => "Ping",
             Message::Pong => "Pong",
             Message::WelcomeAuth { .. } => "WelcomeAuth",
+            Message::Release { .. } => "Release",
+            Message::ReleaseAck { .. } => "ReleaseAck",
         }
     }
 }

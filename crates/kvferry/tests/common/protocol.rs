@@ -497,6 +497,7 @@ fn misplaced(which: u8) -> Message {
         },
         Message::Pong,
         Message::WelcomeAuth { proof: [0; 32] },
+        Message::ReleaseAck { released: vec![true] },
     ];
     all[which as usize % all.len()].clone()
 }

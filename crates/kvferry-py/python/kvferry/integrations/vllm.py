@@ -89,12 +89,17 @@ Guarantees: a decode instance never computes on bytes that did not land verified
 a dead, hung or restarted prefill instance, an expired lease or a timeout becomes a
 load error for exactly the requests involved (``get_block_ids_with_load_errors`` and
 ``failed_recving``; vLLM then recomputes or fails them per ``kv_load_failure_policy``).
-A decode request aborted mid-pull gets its blocks back at once (the pull is cancelled
-and drained, bounded). A prefill instance frees a request's blocks only after its
+A decode request aborted mid-pull gets its blocks back once the cancelled pull drained
+(asked without waiting, reported in a later step). A failed pull is reported (its load
+error, ``finished_recving``) only once nothing writes its blocks any more: a device
+copy that outlived the transfer's deadline is waited for (polled each step, never
+blocking vLLM's step; a device that never confirms keeps the request's blocks, as
+quarantined staging pages are kept). A prefill instance frees a request's blocks only after its
 publication was released — the decode's ``Done``, lease expiry or shutdown — and never
 while a send still reads them. A decode request that will not pull (aborted before or
 during its pull, or given up after a timeout) tells the prefill instance through
-kvferry (``Engine.release_remote``: stage, then ``Done`` at once), so its blocks are
+kvferry (``Engine.release_remote``: a ``Release`` request that stages nothing, so a
+prefill whose staging is full still frees them), so its blocks are
 freed within a round trip instead of at lease expiry — whatever the last error was (a
 miss too: the release retries until the lease's advertised end, so a prefill that
 publishes after the decode gave up is released as soon as it does), and when vLLM gives
@@ -525,6 +530,7 @@ class _Pull:
     scratch: dict[str, torch.Tensor] | None = None
     scratch_region: Region | None = None
     error: BaseException | None = None
+    undrained_since: float | None = None  # monotonic: failed, destination not yet quiet
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -563,6 +569,7 @@ class KvferryConnectorWorker:
         self._load_errors: set[int] = set()
         self._done_meta: KvferryConnectorMetadata | None = None
         self._releases: dict[str, Transfer] = {}  # release_remote in flight, by request
+        self._draining: dict[str, _Pull] = {}  # aborted mid-pull, destination not yet quiet
         self.stats = KvferryConnectorStats()  # this interval's, taken by get_kv_connector_stats
         self.device: str | None = None  # the engine's device: None (host), "sim", "cuda:N"
         self._step_done: Any = None  # CUDA: event recorded after the step's forward
@@ -665,22 +672,29 @@ class KvferryConnectorWorker:
             self._start_pull(req_id, spec, meta.expires_at.get(req_id))
         for req_id, rel in meta.reqs_to_release.items():
             peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
-            self._release_remote(req_id, rel.key, peer.get("address"), rel.expires_at)
+            inc = peer.get("incarnation")
+            self._release_remote(req_id, rel.key, peer.get("address"), rel.expires_at, inc if isinstance(inc, int) else None)
 
-    def _release_remote(self, req_id: str, key: str, address: str | None, expires_at: float | None) -> None:
+    def _release_remote(
+        self, req_id: str, key: str, address: str | None, expires_at: float | None, incarnation: int | None = None
+    ) -> None:
         """Tells the prefill instance (this rank's peer) that ``key`` will not be
         pulled, so it frees the blocks now. The prefill may not have published yet (it
         publishes a step after it returned the params, and a slow step is why a decode
         gives up), so a miss is retried until the lease's advertised end (``timeout``
         when none was advertised): the release lands within a retry interval (at most
-        50 ms) of the publication. In the background; a failure only means the blocks
-        wait for the lease to expire."""
+        50 ms) of the publication. A ``Release`` request stages nothing, so a prefill
+        whose staging is full (``Busy``) is still told. In the background; a failure
+        only means the blocks wait for the lease to expire."""
         if self.engine is None or not address:
             return
         timeout = self.config.timeout
         retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
+        inc = incarnation if incarnation is not None and 0 <= incarnation < 1 << 64 else None
         try:
-            self._releases[req_id] = self.engine.release_remote(address, key, timeout=retry + timeout, retry_miss=retry)
+            self._releases[req_id] = self.engine.release_remote(
+                address, key, timeout=retry + timeout, retry_miss=retry, incarnation=inc
+            )
             self.stats.record_release()
         except errors.Error as e:
             logger.debug("KvferryConnector: releasing %s on %s failed: %s", req_id, address, e)
@@ -832,22 +846,28 @@ class KvferryConnectorWorker:
         res = KVConnectorTransferResults()
         self._wait_idle()
         self._publish_computed()
-        # Decode requests finished (aborted) while pulling: cancel, wait for the drain
-        # (bounded), and hand the blocks back. Cancelling tells the prefill Done.
+        # Decode requests finished (aborted) while pulling: cancel without waiting, and
+        # hand the blocks back (finished_recving) once the pull drained: at once if it
+        # already has, else in a later step. Nothing here waits on the drain.
         for req_id in finished_req_ids:
             pull = self._pulls.pop(req_id, None)
             if pull is not None:
-                landed = pull.transfer is not None and pull.transfer.done() and pull.transfer.error is None
-                if pull.transfer is not None and not pull.transfer.done():
-                    pull.transfer.cancel()
-                self._drop_scratch(pull)
-                res.finished_recving.add(req_id)
+                t = pull.transfer
+                landed = t is not None and t.done() and t.error is None
+                if t is not None and not t.done():
+                    t.cancel(timeout=0)
                 if not landed and pull.error is None:
                     # Aborted before the bytes landed: the prefill instance may free
                     # the blocks now (a landed pull already sent Done).
-                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at)
+                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
+                self._draining[req_id] = pull
             if req_id in self._sending or req_id in self._released or req_id in self._to_publish:
                 self._finished_seen.add(req_id)
+        for req_id, pull in list(self._draining.items()):
+            if pull.transfer is None or pull.transfer.drained():
+                del self._draining[req_id]
+                self._drop_scratch(pull)
+                res.finished_recving.add(req_id)
         now = time.monotonic()
         for req_id, pull in list(self._pulls.items()):
             if pull.error is None:
@@ -865,7 +885,7 @@ class KvferryConnectorWorker:
                     if now < pull.deadline + 1.0:
                         continue
                     # kvferry enforces the deadline itself; this is the backstop.
-                    t.cancel()
+                    t.cancel(timeout=0)
                     pull.error = errors.TimeoutError(f"pull of {req_id} did not finish within {self.config.timeout}s")
                 elif isinstance(t.error, errors.NotFoundError) and now < pull.retry_until:
                     pull.transfer = None
@@ -873,6 +893,19 @@ class KvferryConnectorWorker:
                     continue
                 else:
                     pull.error = t.error
+            t = pull.transfer
+            if t is not None and not t.drained():
+                # Failed, but something (a device copy that outlived the transfer) may
+                # still write the destination blocks: vLLM gets them back (the load
+                # error) only once the device confirmed; polled each step, never waited.
+                if pull.undrained_since is None:
+                    pull.undrained_since = now
+                    logger.warning(
+                        "KvferryConnector: pull of %s failed (%r); its blocks are reported once the device confirms the copy into them",
+                        req_id,
+                        pull.error,
+                    )
+                continue
             if pull.error is None and pull.scratch is not None:
                 try:
                     self._land_scratch(pull)
@@ -893,7 +926,7 @@ class KvferryConnectorWorker:
                     # miss too: the prefill may publish after the decode's timeout), so
                     # the prefill may free them now. A restarted prefill no longer holds
                     # them.
-                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at)
+                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
         self._reap_releases()
         # Publications released (decode's Done, abort, lease expiry, shutdown): the
         # blocks are free once the request was reported finished to this worker.
@@ -919,11 +952,12 @@ class KvferryConnectorWorker:
         return out
 
     def shutdown(self) -> None:
-        for pull in list(self._pulls.values()):
+        for pull in [*self._pulls.values(), *self._draining.values()]:
             if pull.transfer is not None and not pull.transfer.done():
                 pull.transfer.cancel()
             self._drop_scratch(pull)
         self._pulls.clear()
+        self._draining.clear()
         if self.engine is not None:
             report = self.engine.close(timeout=self.config.timeout)
             if not report.get("clean", True):

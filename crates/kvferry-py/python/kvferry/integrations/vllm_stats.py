@@ -20,8 +20,8 @@ the plain ``data`` dict to the front end, rebuilds it there with
   ``vllm:kvferry_releases_total`` (prefill instances told to free blocks a decode
   will not pull: aborts, give-ups, 0 external tokens),
   ``vllm:kvferry_publications_released_total{reason=…}`` (prefill side: ``done`` —
-  pulled —, ``expired`` — the lease ran out: the decode never came or never said —,
-  ``released``, ``shutdown``).
+  pulled —, ``declined`` — the decode said it will not pull —, ``expired`` — the lease
+  ran out: the decode never came or never said —, ``released``, ``shutdown``).
 
 Everything in ``data`` is plain lists and ints, so it pickles and serializes as vLLM
 needs between processes.
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 FAILURE_KINDS = ("miss", "timeout", "peer_lost", "restarted", "checksum", "device", "lease_expired", "other")
-RELEASE_REASONS = ("done", "expired", "released", "shutdown")
+RELEASE_REASONS = ("done", "declined", "expired", "released", "shutdown")
 
 
 def failure_kind(error: BaseException | None) -> str:

@@ -431,6 +431,60 @@ impl Consumer {
         .map(|_| ())
     }
 
+    /// Tells `peer` that `keys` will not be pulled: it frees those of them that are
+    /// `once` publications at once, staging nothing (so it works when its staging is
+    /// full). Returns, per key, whether it was released by this call (false: not
+    /// published (yet), already released, or not a `once` publication). With
+    /// `incarnation`, a peer that is another incarnation (it restarted) is refused
+    /// with `StaleIncarnation`; without, the incarnation the connection reached.
+    pub async fn release_keys(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        incarnation: Option<u64>,
+        deadline: Instant,
+    ) -> Result<Vec<bool>, PeerError> {
+        check_keys(keys, self.max_keys())?;
+        let pool = self.pool(peer)?;
+        let start = Instant::now();
+        let fut = async {
+            for attempt in 0..2 {
+                let mut conn = pool.checkout(deadline).await?;
+                let current = conn.peer().incarnation;
+                if let Some(expected) = incarnation.filter(|&e| e != current) {
+                    conn.finish();
+                    return Err(PeerError::StaleIncarnation {
+                        handle: expected,
+                        current,
+                    });
+                }
+                let msg = Message::Release {
+                    keys: keys.to_vec(),
+                    incarnation: current,
+                };
+                match conn.request(&msg).await {
+                    Ok(Message::ReleaseAck { released }) if released.len() == keys.len() => {
+                        conn.finish();
+                        return Ok(released);
+                    }
+                    Ok(other) => return Err(unexpected("ReleaseAck", &other)),
+                    // A reused idle connection may have died with an old incarnation.
+                    Err(NetError::Lost { .. }) if conn.reused() && attempt == 0 => continue,
+                    Err(e) => return Err(PeerError::from(e)),
+                }
+            }
+            unreachable!("the second attempt returns")
+        };
+        let fut = self.peer_watch(peer).race(fut);
+        match tokio::time::timeout_at(deadline, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(PeerError::Timeout {
+                op: "release",
+                waited: start.elapsed(),
+            }),
+        }
+    }
+
     /// Eager get: the peer stages `keys` and sends them at once; they land in `dst`.
     ///
     /// # Cancellation

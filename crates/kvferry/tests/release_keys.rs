@@ -1,0 +1,182 @@
+//! `Release`: a consumer that will not pull tells the producer to free its `once`
+//! publications, without staging anything.
+//!
+//! - Only `once` publications are released (reason `Declined`); a publication many
+//!   may read, a store chunk and an unknown key are left alone and answered `false`.
+//! - A release naming another incarnation of the producer is refused, and releases
+//!   nothing.
+//! - It needs no staging: with the consumer's staging quota on the producer used up
+//!   (every `Stage` refused `Busy`), a release still frees the publication.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry::copy::CopyConfig;
+use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::layout::KvCache;
+use kvferry::mem::Region;
+use kvferry::peer::{Destination, PeerError, ReleaseReason, Released};
+use kvferry::wire::{ChunkKey, ErrorKind};
+use tokio::time::Instant;
+
+const BLOCK: usize = 4096;
+const BLOCKS: u32 = 16;
+
+fn config(peer_id: &str, quota_pages: Option<usize>) -> EngineConfig {
+    let mut cfg = EngineConfig::default().peer_id(peer_id).arena(2 << 20, 64 << 10);
+    cfg.pinned = false;
+    cfg.copy = CopyConfig {
+        threads: 1,
+        slice_bytes: 256 << 10,
+    };
+    cfg.store = StoreConfig::Bytes {
+        bytes: 1 << 20,
+        block_bytes: 16 << 10,
+    };
+    cfg.producer.max_staged_pages_per_peer = quota_pages;
+    cfg.net.io_timeout = Duration::from_secs(2);
+    cfg
+}
+
+fn in_secs(s: u64) -> Instant {
+    Instant::now() + Duration::from_secs(s)
+}
+
+fn key(name: &str) -> ChunkKey {
+    ChunkKey::from_name(name)
+}
+
+fn cache(name: &str) -> KvCache {
+    let region = Arc::new(Region::host(name, BLOCKS as usize * BLOCK).unwrap());
+    region.write(0, &vec![7u8; BLOCKS as usize * BLOCK]).unwrap();
+    KvCache::contiguous(region, BLOCK).unwrap()
+}
+
+async fn released_within(e: &Engine, within: Duration) -> Vec<Released> {
+    let deadline = Instant::now() + within;
+    loop {
+        let r = e.take_released();
+        if !r.is_empty() || Instant::now() >= deadline {
+            return r;
+        }
+        e.wait_released(deadline).await;
+    }
+}
+
+async fn close_clean(e: &Engine) {
+    let r = e.close(in_secs(5)).await;
+    assert!(r.is_clean(), "{} closed unclean: {r:?}", e.peer_id());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_frees_once_publications_only() {
+    let prefill = Engine::start(config("prefill", None)).await.unwrap();
+    let decode = Engine::start(config("decode", None)).await.unwrap();
+    let addr = prefill.address().unwrap().to_string();
+    let src = prefill.register(cache("prefill-kv")).unwrap();
+    let (once, shared, stored, unknown) = (key("once"), key("shared"), key("stored"), key("unknown"));
+    prefill.publish(once, &src, &[1, 2], Duration::ZERO, true).unwrap();
+    prefill.publish(shared, &src, &[3], Duration::ZERO, false).unwrap();
+    prefill.put(stored, &[5u8; 1000]).unwrap();
+
+    let t0 = Instant::now();
+    let got = decode
+        .release_keys(&addr, &[once, shared, stored, unknown], None, in_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(got, [true, false, false, false]);
+    let released = released_within(&prefill, Duration::from_secs(2)).await;
+    assert_eq!(
+        released,
+        [Released {
+            key: once,
+            reason: ReleaseReason::Declined
+        }]
+    );
+    eprintln!("released within {:?} of the request", t0.elapsed());
+    // Released: a second release and a get both miss; the others are still served.
+    assert_eq!(
+        decode.release_keys(&addr, &[once], None, in_secs(5)).await.unwrap(),
+        [false]
+    );
+    let dst = decode.register(cache("decode-kv")).unwrap();
+    let d = Destination::new(dst.cache.clone(), vec![vec![4, 5]]);
+    assert_eq!(decode.get(&addr, &[once], d, in_secs(5)).await.unwrap().chunks, 0);
+    let d = Destination::new(dst.cache.clone(), vec![vec![6]]);
+    assert_eq!(decode.get(&addr, &[shared], d, in_secs(5)).await.unwrap().chunks, 1);
+    assert_eq!(
+        prefill.stats().producer.published_now,
+        1,
+        "the shared publication stays"
+    );
+    close_clean(&decode).await;
+    close_clean(&prefill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_for_another_incarnation_is_refused() {
+    let prefill = Engine::start(config("prefill", None)).await.unwrap();
+    let decode = Engine::start(config("decode", None)).await.unwrap();
+    let addr = prefill.address().unwrap().to_string();
+    let src = prefill.register(cache("prefill-kv")).unwrap();
+    let k = key("once");
+    prefill.publish(k, &src, &[1], Duration::ZERO, true).unwrap();
+    let stale = prefill.incarnation() ^ 1;
+    match decode.release_keys(&addr, &[k], Some(stale), in_secs(5)).await {
+        Err(PeerError::StaleIncarnation { handle, current }) => {
+            assert_eq!((handle, current), (stale, prefill.incarnation()))
+        }
+        other => panic!("expected StaleIncarnation, got {other:?}"),
+    }
+    assert!(released_within(&prefill, Duration::from_millis(200)).await.is_empty());
+    // The right incarnation releases it.
+    let got = decode
+        .release_keys(&addr, &[k], Some(prefill.incarnation()), in_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(got, [true]);
+    assert_eq!(released_within(&prefill, Duration::from_secs(2)).await.len(), 1);
+    close_clean(&decode).await;
+    close_clean(&prefill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_needs_no_staging() {
+    // One staging page per peer: once the decode holds it, every Stage is Busy.
+    let prefill = Engine::start(config("prefill", Some(1))).await.unwrap();
+    let decode = Engine::start(config("decode", None)).await.unwrap();
+    let addr = prefill.address().unwrap().to_string();
+    let src = prefill.register(cache("prefill-kv")).unwrap();
+    let (a, b) = (key("stored-a"), key("stored-b"));
+    prefill.put(a, &[1u8; 1000]).unwrap();
+    prefill.put(b, &[2u8; 1000]).unwrap();
+    let held = decode.stage(&addr, &[a], in_secs(5)).await.unwrap();
+    assert_eq!(held.chunks.len(), 1);
+    match decode.stage(&addr, &[b], in_secs(5)).await {
+        Err(PeerError::Remote {
+            kind: ErrorKind::Busy, ..
+        }) => {}
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    let k = key("once");
+    prefill.publish(k, &src, &[1, 2, 3], Duration::ZERO, true).unwrap();
+    let t0 = Instant::now();
+    assert_eq!(
+        decode.release_keys(&addr, &[k], None, in_secs(5)).await.unwrap(),
+        [true]
+    );
+    let released = released_within(&prefill, Duration::from_secs(2)).await;
+    let took = t0.elapsed();
+    assert_eq!(
+        released,
+        [Released {
+            key: k,
+            reason: ReleaseReason::Declined
+        }]
+    );
+    assert!(took < Duration::from_secs(1), "released after {took:?}");
+    eprintln!("released under staging pressure within {took:?}");
+    decode.release_staged(&held, in_secs(5)).await.unwrap();
+    close_clean(&decode).await;
+    close_clean(&prefill).await;
+}
