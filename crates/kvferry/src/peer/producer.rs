@@ -175,6 +175,9 @@ pub struct ProducerStats {
 /// selection the shape of the selected stream.
 type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32, Option<SelectedShape>), PeerError>;
 
+/// One staged chunk gathered from a device cache: its key, length and ranges.
+type GatherFrame = (ChunkKey, usize, Vec<(usize, usize)>);
+
 /// Why a `Done` changed nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseRefusal {
@@ -906,7 +909,7 @@ impl Producer {
     async fn gather_device(
         &self,
         cache: &Arc<DeviceKvCache>,
-        frames: Vec<(ChunkKey, usize, Vec<(usize, usize)>)>,
+        frames: Vec<GatherFrame>,
         holder: &Holder,
     ) -> Result<(Vec<ChunkMeta>, StagedData, Charge), PeerError> {
         let inner = &self.inner;

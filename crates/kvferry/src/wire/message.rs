@@ -10,6 +10,9 @@
 //! - Delayed pull: `Stage` → `Staged`; later `Pull` → one bulk frame per staged chunk →
 //!   `PullDone`; finally `Done` → `DoneAck`.
 //! - Eager get: `Get` → `Staged` → bulk frames → `PullDone`; then `Done` → `DoneAck`.
+//! - Partial (selected) get or stage: `GetSelected` / `StageSelected` →
+//!   `StagedSelected` (then as above); see [`super::selection`]. A selection that does
+//!   not fit is answered `Error { kind: BadSelection }`, the connection kept.
 //! - Push: `Put` + one bulk frame → `PutAck`.
 //! - Liveness: `Ping` → `Pong`.
 //!

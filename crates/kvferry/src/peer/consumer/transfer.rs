@@ -51,6 +51,9 @@ impl TaskError {
     }
 }
 
+/// A host-to-device scatter: `(offset in the staging lease, destination ranges)`.
+type ScatterPlan = Vec<(usize, Vec<(usize, usize)>)>;
+
 /// Where a chunk's received bytes go.
 enum Sink {
     /// Receiver staging pages, chunk `i` at `offsets[i]`.
@@ -332,7 +335,7 @@ impl TransferCtx<'_> {
         cache: &DeviceKvCache,
         offsets: &[usize],
         chunks: &[ChunkMeta],
-    ) -> Result<Vec<(usize, Vec<(usize, usize)>)>, PeerError> {
+    ) -> Result<ScatterPlan, PeerError> {
         let mut plan = Vec::with_capacity(chunks.len());
         for (i, meta) in chunks.iter().enumerate() {
             plan.push((offsets[i], cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?));
@@ -344,7 +347,7 @@ impl TransferCtx<'_> {
         &mut self,
         cache: &std::sync::Arc<DeviceKvCache>,
         lease: Lease,
-        plan: Vec<(usize, Vec<(usize, usize)>)>,
+        plan: ScatterPlan,
         landed: Landed,
     ) -> Result<Landed, PeerError> {
         let device_err = |error| PeerError::Device {
@@ -474,7 +477,7 @@ impl TransferCtx<'_> {
         let mut cursor = landing.as_ref().map(|l| l.cursor());
         let mut at = 0; // a selected stream's offset in the staging lease
         for (i, meta) in chunks.iter().enumerate() {
-            if cursor.is_some() {
+            if let Some(cur) = cursor.as_mut() {
                 // A selected stream: frame `i` fills the next `len` bytes.
                 let len = meta.len as usize;
                 let received = match sink {
@@ -487,7 +490,7 @@ impl TransferCtx<'_> {
                         let Target::Host(cache) = &self.dst.target else {
                             unreachable!("device targets are always staged");
                         };
-                        let ranges = cursor.as_mut().expect("selected").take(len)?;
+                        let ranges = cur.take(len)?;
                         self.dirty = true;
                         // SAFETY: the destination's blocks were checked distinct and
                         // the selection's destination ranges disjoint and inside each
