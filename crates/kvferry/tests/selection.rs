@@ -618,6 +618,14 @@ async fn malformed_selections_are_typed_errors_and_the_engines_keep_serving() {
         bad_selection(&f).contains("piece counts differ: the source has 4 pieces per block, the destination 2"),
         "{f}"
     );
+    // Keys published from different caches cannot be selected from together.
+    let other = Kv::new(&p.prefill, "other", 8, piece, Some(11));
+    p.prefill
+        .publish(key("o"), &other.reg, &[0], Duration::ZERO, false)
+        .unwrap();
+    let d = dst.dst(vec![0, 1], TransferPath::Direct, sel(Some(vec![0, 4]), None, None));
+    let f = failure(p.decode.get(&p.addr, &[key("r"), key("o")], d, soon()).await);
+    assert!(bad_selection(&f).contains("published from different caches"), "{f}");
     // A store chunk cannot be selected from; an unpublished key is a miss.
     let d = dst.dst(vec![0], TransferPath::Direct, sel(Some(vec![0]), None, None));
     let f = failure(p.decode.get(&p.addr, &[key("stored")], d, soon()).await);
