@@ -49,11 +49,13 @@ pub enum ExcClass {
     Closed,
     /// `DeviceError`.
     Device,
+    /// `SelectionError` (an `InvalidArgumentError`).
+    Selection,
 }
 
 impl ExcClass {
     /// Every class, base first (the order they are created in).
-    pub const ALL: [ExcClass; 14] = [
+    pub const ALL: [ExcClass; 15] = [
         ExcClass::Error,
         ExcClass::InvalidArgument,
         ExcClass::Timeout,
@@ -68,6 +70,7 @@ impl ExcClass {
         ExcClass::InUse,
         ExcClass::Closed,
         ExcClass::Device,
+        ExcClass::Selection,
     ];
 
     /// The class's Python name.
@@ -87,6 +90,16 @@ impl ExcClass {
             ExcClass::InUse => "InUseError",
             ExcClass::Closed => "ClosedError",
             ExcClass::Device => "DeviceError",
+            ExcClass::Selection => "SelectionError",
+        }
+    }
+
+    /// The kvferry class it derives from (created before it in [`ExcClass::ALL`]).
+    const fn parent(self) -> Option<ExcClass> {
+        match self {
+            ExcClass::Error => None,
+            ExcClass::Selection => Some(ExcClass::InvalidArgument),
+            _ => Some(ExcClass::Error),
         }
     }
 
@@ -120,6 +133,7 @@ impl ExcClass {
             ExcClass::InUse => ErrorCode::InUse,
             ExcClass::Closed => ErrorCode::Closed,
             ExcClass::Device => ErrorCode::Device,
+            ExcClass::Selection => ErrorCode::Selection,
         }
     }
 
@@ -139,6 +153,7 @@ impl ExcClass {
             ExcClass::Checksum => "Received bytes did not match the checksum computed by the producer; nothing was landed as valid (direct transfers leave the blocks ``dirty``).",
             ExcClass::InUse => "A region is still used by transfers or publications.",
             ExcClass::Closed => "The engine is closed.",
+            ExcClass::Selection => "A ``kvferry.Selection`` does not fit the publication or the destination. The message names the mismatch: a block position past the publication's blocks (``block position N of M``), a range outside a piece (``range (o, l) exceeds piece i of P bytes``), per-piece totals that differ (``the source selects S bytes, the destination lands D``), piece counts that differ, block counts that differ, overlapping destination ranges, or keys that cannot be selected from (store chunks, different caches). Raised by the consumer before anything is sent where it can tell, else by the producer's refusal.",
             ExcClass::Device => "A device copy (gathering published device blocks, or landing received ones) failed or did not complete within the engine's ``device_timeout``; staging pages it may still target are quarantined, never reused, until the device confirms.",
         }
     }
@@ -162,6 +177,7 @@ impl ExcClass {
             C::InUse => ExcClass::InUse,
             C::Closed => ExcClass::Closed,
             C::Device | C::NoDevice | C::DeviceOutOfMemory => ExcClass::Device,
+            C::Selection => ExcClass::Selection,
             C::WrongPeer
             | C::Protocol
             | C::Io
@@ -189,8 +205,9 @@ pub fn add_classes(m: &Bound<'_, PyModule>) -> PyResult<()> {
         let mut made: Vec<Py<PyType>> = Vec::with_capacity(ExcClass::ALL.len());
         for c in ExcClass::ALL {
             let mut bases: Vec<Bound<'_, PyAny>> = Vec::new();
-            if c != ExcClass::Error {
-                bases.push(made[0].bind(py).clone().into_any());
+            if let Some(parent) = c.parent() {
+                let i = ExcClass::ALL.iter().position(|x| *x == parent).unwrap_or(0);
+                bases.push(made[i].bind(py).clone().into_any());
             }
             if let Some(b) = c.builtin() {
                 bases.push(builtins.getattr(b)?);

@@ -17,6 +17,7 @@ mod linger;
 mod options;
 mod region;
 mod runtime;
+mod selection;
 mod spin;
 mod transfer;
 
@@ -57,6 +58,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::add_classes(m)?;
     m.add_function(wrap_pyfunction!(bounded_wait::_bounded_wait_stats, m)?)?;
     m.add_class::<completion::PyCompletionEvent>()?;
+    m.add_function(wrap_pyfunction!(selection::check_selection, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ETCD", directory::HAS_ETCD)?;
     m.add("HAS_CUDA", cfg!(feature = "cuda"))?;

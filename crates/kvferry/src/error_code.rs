@@ -91,11 +91,13 @@ pub enum ErrorCode {
     RankFailed,
     /// A worker process died or never started.
     WorkerDied,
+    /// A selection (partial get) does not fit the publication or the destination.
+    Selection,
 }
 
 impl ErrorCode {
     /// Every code, in a fixed order (new codes go at the end).
-    pub const ALL: [ErrorCode; 37] = [
+    pub const ALL: [ErrorCode; 38] = [
         ErrorCode::InvalidArgument,
         ErrorCode::InvalidConfig,
         ErrorCode::LayoutMismatch,
@@ -133,6 +135,7 @@ impl ErrorCode {
         ErrorCode::Internal,
         ErrorCode::RankFailed,
         ErrorCode::WorkerDied,
+        ErrorCode::Selection,
     ];
 
     /// The code's stable string form (snake case), e.g. `"timeout"`.
@@ -175,6 +178,7 @@ impl ErrorCode {
             ErrorCode::Internal => "internal",
             ErrorCode::RankFailed => "rank_failed",
             ErrorCode::WorkerDied => "worker_died",
+            ErrorCode::Selection => "selection",
         }
     }
 

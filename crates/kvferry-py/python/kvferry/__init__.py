@@ -10,7 +10,7 @@ never leaks, never hangs.
 """
 
 from . import errors
-from ._engine import DeviceMemory, Engine, Region, Transfer
+from ._engine import DeviceMemory, Engine, Region, Selection, Transfer
 from .bounded_wait import CompletionEvent, bounded_wait
 from ._kvferry import HAS_CUDA, HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
@@ -28,6 +28,7 @@ from .errors import (
     NotFoundError,
     PeerLostError,
     PeerRestartedError,
+    SelectionError,
     TimeoutError,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "Engine",
     "Region",
     "Transfer",
+    "Selection",
     "DeviceMemory",
     "Staged",
     "key_bytes",
@@ -44,6 +46,7 @@ __all__ = [
     "ERROR_CODES",
     "Error",
     "InvalidArgumentError",
+    "SelectionError",
     "TimeoutError",
     "CancelledError",
     "PeerLostError",

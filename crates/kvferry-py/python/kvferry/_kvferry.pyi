@@ -27,6 +27,7 @@ __all__ = [
     "Staged",
     "DeviceMemory",
     "key_bytes",
+    "check_selection",
     "crc32c",
     "dlpack_info",
     "bounded_wait",
@@ -49,6 +50,7 @@ __all__ = [
     "InUseError",
     "ClosedError",
     "DeviceError",
+    "SelectionError",
 ]
 
 __version__: str
@@ -85,10 +87,19 @@ class ChecksumError(Error): ...
 class InUseError(Error): ...
 class ClosedError(Error): ...
 class DeviceError(Error): ...
+class SelectionError(InvalidArgumentError): ...
 
 
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
+
+_Selection = tuple[list[int] | None, list[tuple[int, int]] | None, list[tuple[int, int]] | None]
+
+def check_selection(
+    blocks: list[int] | None, src_ranges: list[tuple[int, int]] | None, dst_ranges: list[tuple[int, int]] | None
+) -> None:
+    """Checks a selection's lists as ``kvferry.Selection`` builds them; raises
+    ``SelectionError``."""
 
 def crc32c(data: Buffer) -> int:
     """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
@@ -189,7 +200,10 @@ class Staged:
         """The peer's incarnation that granted it."""
     @property
     def chunks(self) -> int:
-        """Chunks staged (a prefix of the keys asked for)."""
+        """Chunks staged (a prefix of the keys asked for; with a selection, every key)."""
+    @property
+    def selected_bytes(self) -> int | None:
+        """Bytes staged for a selection (what a resolve moves), else None."""
     @property
     def ttl_left(self) -> float:
         """Seconds left on the lease (by this side's conservative clock)."""
@@ -360,6 +374,7 @@ class Engine:
         timeout: float,
         path: str,
         incarnation: int | None = None,
+        select: _Selection | None = None,
     ) -> Transfer:
         """Starts an eager get of ``keys`` from ``peer`` into ``block_ids`` (one list per
         key) of ``region``; ``path`` is ``"direct"`` or ``"staged"``. With
@@ -373,9 +388,10 @@ class Engine:
         block_ids: Sequence[Sequence[int]],
         timeout: float,
         path: str,
+        select: _Selection | None = None,
     ) -> int:
         """Delayed pull (stage, then resolve); returns the chunks landed."""
-    def stage(self, peer: str, keys: list[_Key], timeout: float) -> Staged:
+    def stage(self, peer: str, keys: list[_Key], timeout: float, select: _Selection | None = None) -> Staged:
         """Delayed pull, step one: ``peer`` stages ``keys`` under a lease. Raises
         ``NotFoundError`` when it holds none of them."""
     def resolve(
@@ -385,6 +401,7 @@ class Engine:
         block_ids: Sequence[Sequence[int]],
         timeout: float,
         path: str,
+        select: _Selection | None = None,
     ) -> int:
         """Delayed pull, step two: moves a staged handle's chunks into ``region``;
         returns the chunks landed."""

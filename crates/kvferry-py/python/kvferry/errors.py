@@ -19,7 +19,8 @@ keep working): ``Error``; ``InvalidArgumentError`` (``ValueError``); ``TimeoutEr
 (the builtin ``TimeoutError``); ``CancelledError``; ``PeerLostError``
 (``ConnectionError``); ``PeerRestartedError``; ``AuthError`` (``PermissionError``);
 ``BusyError``; ``NotFoundError`` (``LookupError``); ``LeaseExpiredError``;
-``ChecksumError``; ``InUseError``; ``ClosedError``; ``DeviceError``.
+``ChecksumError``; ``InUseError``; ``ClosedError``; ``DeviceError``; ``SelectionError`` (an
+``InvalidArgumentError``: a :class:`kvferry.Selection` that does not fit).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ._kvferry import (
     NotFoundError,
     PeerLostError,
     PeerRestartedError,
+    SelectionError,
     TimeoutError,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "ERROR_CODES",
     "Error",
     "InvalidArgumentError",
+    "SelectionError",
     "TimeoutError",
     "CancelledError",
     "PeerLostError",
