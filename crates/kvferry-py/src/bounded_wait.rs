@@ -22,7 +22,7 @@
 //!     and a `torch.Event` on a CUDA device, whose `event_id` is), in builds with the
 //!     `cuda` feature: one `cuEventQuery` from Rust; if pending, a private stream of the
 //!     event's device waits on it and then runs a host function that sets a notifier
-//!     (`kvferry::device::on_raw_event_complete`), and the thread sleeps on that
+//!     (`kvferry::engine::on_raw_event_complete`), and the thread sleeps on that
 //!     notifier, with the GIL released for the whole wait. The driver's callback thread
 //!     can be held up by someone else's host function, so the wait also queries the
 //!     event every 250 ms and at the deadline (four driver calls per second of a stuck
@@ -478,7 +478,7 @@ fn arm_cuda(handle: usize, ordinal: Option<usize>) -> Option<Arc<Notifier>> {
     // SAFETY: `handle` is a live CUevent of GPU `ordinal` for this call, as in
     // `query_cuda`. The callback owns its `Arc` of the notifier.
     match unsafe {
-        kvferry::device::on_raw_event_complete(
+        kvferry::engine::on_raw_event_complete(
             handle,
             ordinal,
             Box::new(move || {
@@ -659,7 +659,7 @@ pub fn _bounded_wait_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("polls", get(&STATS.polls))?;
     #[cfg(feature = "cuda")]
     {
-        let (idle, busy, fired) = kvferry::device::raw_event_watch_stats();
+        let (idle, busy, fired) = kvferry::engine::raw_event_watch_stats();
         d.set_item("cuda_watch_idle", idle)?;
         d.set_item("cuda_watch_busy", busy)?;
         d.set_item("cuda_watch_fired", fired)?;

@@ -7,7 +7,7 @@
 pub use crate::checksum::checksum;
 pub use crate::copy::DrainFence;
 #[cfg(feature = "cuda")]
-pub use crate::device::{cuda_pinned_arena, query_raw_event, CudaDevice};
+pub use crate::device::{cuda_pinned_arena, on_raw_event_complete, query_raw_event, raw_event_watch_stats, CudaDevice};
 pub use crate::device::{
     Device, DeviceBuffer, DeviceError, DeviceKvCache, Fault, FaultRule, SimConfig, SimDevice, Trigger,
 };
