@@ -104,7 +104,7 @@ def test_every_decode_block_matches_the_reference(ptp, dtp, heads, pbs, dbs, pla
     remote = [5 + 2 * i for i in range(nrem)]  # scattered prefill blocks
     local = [3 + 3 * j for j in range(nloc)]
     src = [build(p, q, remote, ntok, max(remote) + 1) for q in range(ptp)]
-    plans = plan_request(m, "req", ntok, [remote], [local], [skip])
+    plans = plan_request(m, "req", ntok, [remote], [[None if j < skip else b for j, b in enumerate(local)]])
     got, keys = execute(plans, p, d, remote, src, max(local) + 1)
     for r in range(dtp):
         want = build(d, r, local, ntok, max(local) + 1)
@@ -159,10 +159,10 @@ def test_same_shape_reads_whole_pieces():
 
 
 def test_prefix_hit_reads_only_the_missing_blocks():
-    plans = plan_request(check(desc(1), desc(1)), "k", 64, [[10, 11, 12, 13]], [[1, 2, 3, 4]], [3])
+    plans = plan_request(check(desc(1), desc(1)), "k", 64, [[10, 11, 12, 13]], [[None, None, None, 4]])
     (rd,) = plans[0].reads
     assert rd.blocks == [3] and rd.dst_blocks == [4]
-    all_hit = plan_request(check(desc(1), desc(1)), "k", 64, [[10, 11, 12, 13]], [[1, 2, 3, 4]], [4])
+    all_hit = plan_request(check(desc(1), desc(1)), "k", 64, [[10, 11, 12, 13]], [[None] * 4])
     assert not all_hit[0].reads and ("k" in {k for _, k in all_hit[0].releases})
 
 
@@ -170,7 +170,10 @@ def test_sliding_window_group_moves_only_the_window():
     g = (GroupDesc("full"), GroupDesc("sliding_window", 32))
     p, d = desc(1, groups=g), desc(1, groups=g)
     # 100 tokens: the full group has 7 blocks, the window group only its last 3.
-    plans = plan_request(check(p, d), "k", 100, [[1, 2, 3, 4, 5, 6, 7], [20, 21, 22]], [[31, 32, 33, 34, 35, 36, 37], [40, 41, 42]])
+    plans = plan_request(
+        check(p, d), "k", 100, [[1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 20, 21, 22]],
+        [[31, 32, 33, 34, 35, 36, 37], [None, None, None, None, 40, 41, 42]],
+    )
     (rd,) = plans[0].reads
     assert rd.blocks == list(range(10)) and rd.dst_blocks == [31, 32, 33, 34, 35, 36, 37, 40, 41, 42]
 

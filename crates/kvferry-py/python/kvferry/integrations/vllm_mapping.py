@@ -308,54 +308,45 @@ def plan_request(
     m: Mapping,
     key: str,
     num_tokens: int,
-    remote_blocks: list[list[int]],
-    local_blocks: list[list[int]],
-    skip_blocks: list[int] | None = None,
+    remote_blocks: list[list[int | None]],
+    local_blocks: list[list[int | None]],
 ) -> list[RankPlan]:
-    """Every decode rank's plan for one request.
+    """Every decode rank's plan for one request of ``num_tokens`` prompt tokens.
 
-    ``remote_blocks`` / ``local_blocks``: per KV cache group, the prefill's published
-    blocks (in publication order, concatenated over groups) and the decode's blocks of
-    the same group, both for the *tail* of the prompt that the group keeps (for a
-    sliding-window group: the window's blocks; ``num_tokens`` counts the whole prompt,
-    and each group's lists end at the prompt's last token). ``skip_blocks``: per group,
-    leading local blocks already held (a prefix hit) that are not read."""
+    ``remote_blocks[g][i]``: the prefill's block holding block *i* (from the prompt's
+    start) of KV cache group *g*, or ``None``/``0`` where it holds none (vLLM's null
+    block: a sliding window's skipped blocks). The publication's block list is every
+    held block, group by group, in order. ``local_blocks[g][j]``: the decode's block
+    for block *j* of group *g*, or ``None`` where nothing is to be read (a local prefix
+    hit, or outside a sliding window)."""
     p, d = m.prefill, m.decode
-    ngroups = len(remote_blocks)
-    skip = list(skip_blocks) if skip_blocks is not None else [0] * ngroups
     plans = [RankPlan() for _ in range(d.tp_size)]
     used: dict[int, int] = {}  # prefill rank -> slots taken
     ph = _phases(p, d)
-    base = 0  # position of this group's first block in the publication's list
     pairs_by_phase: list[list[tuple[int, int]]] = [[] for _ in range(ph)]
-    for g in range(ngroups):
-        rb, lb = remote_blocks[g], local_blocks[g]
-        # Token index of the group's first listed block, counted from the prompt start.
-        n_rem = len(rb)
-        last_tok = num_tokens  # exclusive
-        # Both lists end at the prompt's last token: align from the end, by blocks.
-        r_first_block = (last_tok + p.block_size - 1) // p.block_size - n_rem
-        l_first_block = (last_tok + d.block_size - 1) // d.block_size - len(lb)
-        for j, lblock in enumerate(lb):
-            jj = l_first_block + j  # absolute decode block index
-            if j < skip[g]:
+    base = 0  # publication position of this group's first held block
+    for g, rb in enumerate(remote_blocks):
+        pos: dict[int, int] = {}
+        for i, blk in enumerate(rb):
+            if blk:
+                pos[i] = base + len(pos)
+        base += len(pos)
+        lb = local_blocks[g] if g < len(local_blocks) else []
+        for jj, lblock in enumerate(lb):
+            if lblock is None:
                 continue
             for k in range(ph):
                 if d.block_size >= p.block_size:
-                    ii = jj * ph + k  # absolute prefill block
+                    ii = jj * ph + k  # the prefill block feeding phase k
                     tok0 = ii * p.block_size
                 else:
                     ii = jj // ph
                     if jj % ph != k:
                         continue
                     tok0 = jj * d.block_size
-                if tok0 >= last_tok:
+                if tok0 >= num_tokens or ii not in pos:
                     continue
-                i = ii - r_first_block
-                if not 0 <= i < n_rem:
-                    continue
-                pairs_by_phase[k].append((base + i, lblock))
-        base += n_rem
+                pairs_by_phase[k].append((pos[ii], int(lblock)))
     for r in range(d.tp_size):
         dst_a, _ = heads_of(r, d.tp_size, d.num_kv_heads) if d.attention == "MHA" else (0, 1)
         for q, ha, hb in _sources(p, d, r):
