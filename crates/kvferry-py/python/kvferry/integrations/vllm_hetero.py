@@ -162,11 +162,13 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
                 plans[q % d_tp].releases.append((q, slot_key(key, s)))
         return spec_cls(key=key, peers=peers, remote_block_ids=[], local_block_ids=flat_local, plans=plans, refused=str(v))
     plans = plan_request(v, key, ntok, remote, local)
+    first = list(blocks.blocks[0]) if blocks.blocks else []
     return spec_cls(
         key=key,
         peers=peers,
         remote_block_ids=[b for g in remote for b in g if b],
-        local_block_ids=flat_local,
+        local_block_ids=[b.block_id for b in first if not getattr(b, "is_null", False)],
+        skip_blocks=sum(1 for b in first if b.block_hash is not None and not getattr(b, "is_null", False)),
         plans=plans,
         npub=npub,
         src_piece_bytes=v.prefill.piece_bytes,
@@ -251,7 +253,7 @@ def start_reads(worker: Any, pull: Any) -> None:
     for q, k in mine.releases:
         by_rank.setdefault(q, []).append(k)
     for q, keys in by_rank.items():
-        _release(worker, pull, q, keys)
+        _release(worker, pull.req_id, spec.peers, pull.expires_at, q, keys)
     if spec.refused is not None:
         raise IncompatibleError([spec.refused])
     geo = _Geometry(pieces=worker._pieces, src_piece_bytes=spec.src_piece_bytes, npub=spec.npub)
@@ -269,15 +271,16 @@ def start_reads(worker: Any, pull: Any) -> None:
     )
 
 
-def _release(worker: Any, pull: Any, q: int, keys: list[str]) -> None:
-    peers = pull.spec.peers
+def _release(worker: Any, req_id: str, peers: list[dict[str, Any]], expires_at: float | None, q: int, keys: list[str]) -> None:
+    """Tells prefill rank ``q`` that ``keys`` will not be read (in the background; a
+    miss is retried until the lease's advertised end)."""
     address = peers[q].get("address") if q < len(peers) else None
     if worker.engine is None or not address or not keys:
         return
     timeout = worker.config.timeout
-    retry = timeout if pull.expires_at is None else max(0.0, pull.expires_at - time.time())
+    retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
     try:
-        worker._releases[f"{pull.req_id}@{q}#{len(worker._releases)}"] = worker.engine.release_remote(
+        worker._releases[f"{req_id}@{q}#{len(worker._releases)}"] = worker.engine.release_remote(
             address, keys, timeout=retry + timeout, retry_miss=retry
         )
         worker.stats.record_release()
@@ -297,7 +300,7 @@ def give_up(worker: Any, pull: Any) -> None:
     for addr, keys in by_addr.items():
         q = next((i for i, p in enumerate(peers) if p.get("address") == addr), None)
         if q is not None:
-            _release(worker, pull, q, keys)
+            _release(worker, pull.req_id, peers, pull.expires_at, q, keys)
 
 
 # -- releases without a pull -----------------------------------------------------------
@@ -339,11 +342,5 @@ def release_keys(worker: Any, req_id: str, rel: Any) -> None:
     by_rank: dict[int, list[str]] = {}
     for q, k in mine:
         by_rank.setdefault(q, []).append(k)
-
-    class _P:  # what _release reads of a pull
-        pass
-
-    p = _P()
-    p.spec, p.req_id, p.expires_at = rel, req_id, rel.expires_at  # type: ignore[attr-defined]
     for q, keys in by_rank.items():
-        _release(worker, p, q, keys)
+        _release(worker, req_id, rel.peers, rel.expires_at, q, keys)
