@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 from test_connector import LAYERS, MODEL_DIR, need_vllm, prompts  # noqa: F401
 
+from kvferry.integrations.vllm_reads import has_selection
+
 HEAD_SIZE = 16
 HEAD_BYTES = HEAD_SIZE * 2  # float16
 HERE = Path(__file__).parent
@@ -284,6 +286,19 @@ def _pulled(d: HInstance) -> tuple[int, int]:
     )
 
 
+def _wire(d: HInstance) -> int:
+    """Payload bytes every decode rank's engine received."""
+    return sum(c.connector_worker.engine.stats()["consumer"]["bytes_received"] for c in d.ranks)
+
+
+def _needed(p: HInstance, d: HInstance, ntok: int, skip_tokens: int = 0) -> int:
+    """Bytes the decode needs for one prompt: every token slot of the finer block grid
+    from ``skip_tokens`` to the prompt's end, K and V of 2 layers, each rank's heads."""
+    g = min(p.bs, d.bs)
+    slots = (-(-ntok // g) - skip_tokens // g) * g
+    return d.tp * slots * 2 * len(LAYERS) * d.hpr * d.hs * 2
+
+
 def _transfer(made, p_kw: dict[str, Any], d_kw: dict[str, Any], n: int = 3, seed: int = 31, lo: int = 20, hi: int = 90):
     p = HInstance("kv_producer", **p_kw, tag="p")
     made.append(p)
@@ -291,6 +306,7 @@ def _transfer(made, p_kw: dict[str, Any], d_kw: dict[str, Any], n: int = 3, seed
     made.append(d)
     reqs = prompts(n, seed=seed, lo=lo, hi=hi)
     params = _prefill(p, reqs)
+    wire0 = _wire(d)
     for rid, prompt in reqs:
         assert params[rid]["kvferry_desc"]["tp_size"] == p.tp
         d.add(rid, prompt, max_tokens=2, params=params[rid])
@@ -308,9 +324,8 @@ def _transfer(made, p_kw: dict[str, Any], d_kw: dict[str, Any], n: int = 3, seed
     assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
     for c in p.ranks + d.ranks:
         assert c.connector_worker.engine.stats()["consumer"]["draining"] == 0
-    # What the decode needed: every prompt token's K and V of its heads, every layer.
-    need = sum(len(pr) for _, pr in reqs)
-    return p, d, reqs, need
+    need = sum(_needed(p, d, len(pr)) for _, pr in reqs)
+    return p, d, reqs, need, _wire(d) - wire0
 
 
 CASES = {
@@ -329,9 +344,19 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_decode_rank_holds_its_heads(made, case):
     p_kw, d_kw = CASES[case]
-    p, d, reqs, _ = _transfer(made, p_kw, d_kw)
-    nblocks_d = sum(-(-len(pr) // d.bs) for _, pr in reqs)
-    assert _pulled(d)[1] == d.tp * nblocks_d  # every rank landed every block of its own
+    p, d, reqs, need, wire = _transfer(made, p_kw, d_kw)
+    assert _pulled(d)[0] == need  # the bytes the connector reports pulled: what the decode needs
+    assert wire >= need
+    if has_selection():  # partial gets: the wire carries exactly those bytes
+        assert wire == need, (wire, need)
+
+
+@pytest.mark.xfail(not has_selection(), strict=True, reason="needs partial gets on the wire (kvferry.Selection)")
+@pytest.mark.parametrize("case", ["tp2-to-tp4", "bs32-to-bs16-tp2-to-tp4"])
+def test_wire_carries_only_the_head_slices(made, case):
+    p_kw, d_kw = CASES[case]
+    _, _, _, need, wire = _transfer(made, p_kw, d_kw, n=2)
+    assert wire == need, (wire, need)
 
 
 def test_prefix_hit_reads_only_the_missing_blocks(made):
@@ -345,13 +370,16 @@ def test_prefix_hit_reads_only_the_missing_blocks(made):
     # ...then a remote prefill of the whole prompt: only blocks 3 and 4 are read.
     params = _prefill(p, [(rid, prompt)])[rid]
     d.stats.clear()
+    wire0 = _wire(d)
     d.add(rid, prompt, 2, params)
     d.run_until(lambda: rid in d.finished_recving, 20, "the pull")
     assert not d.failed_recving
     nbytes, nblocks = _pulled(d)
     assert nblocks == d.tp * 2, nblocks
     # Bytes the decode needs: 2 blocks x (2 layers x K,V) x its heads' slice, per rank.
-    assert nbytes == d.tp * 2 * 4 * (16 * d.hpr * HEAD_BYTES), nbytes
+    assert nbytes == d.tp * 2 * 4 * (16 * d.hpr * HEAD_BYTES) == _needed(p, d, len(prompt), 48), nbytes
+    if has_selection():  # only the missing blocks' head slices crossed the wire
+        assert _wire(d) - wire0 == nbytes
     for rank in range(d.tp):
         for pos in range(48, len(prompt)):
             assert d.landed[rid][rank][pos] == d.expected(prompt, rank, pos), (rank, pos)
