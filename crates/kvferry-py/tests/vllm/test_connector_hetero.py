@@ -109,7 +109,7 @@ class HInstance:
         self.vllm_config = config(0)
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=self.hpr, head_size=head_size, dtype=torch.float16)
         page = 2 * block_size * self.hpr * head_size * 2
-        self.kv_cache_config = KVCacheConfig(
+        self.kv_cache_config = self.make_kv_cache_config(num_blocks, spec) or KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS],
             kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
@@ -127,13 +127,7 @@ class HInstance:
         self.ranks, self.kv = [], []
         for r in range(tp):
             c = KVConnectorFactory.create_connector(config(r), KVConnectorRole.WORKER, self.kv_cache_config)
-            kv = {}
-            for n in LAYERS:
-                if layout == "HND":
-                    phys = torch.zeros((2, num_blocks, self.hpr, block_size, head_size), dtype=torch.float16)
-                    kv[n] = phys.permute(0, 1, 3, 2, 4)  # logical [2, blocks, tokens, heads, head_size]
-                else:
-                    kv[n] = torch.zeros((2, num_blocks, block_size, self.hpr, head_size), dtype=torch.float16)
+            kv = self.make_caches(num_blocks)
             c.register_kv_caches(kv)
             self.ranks.append(c)
             self.kv.append(kv)
@@ -147,7 +141,23 @@ class HInstance:
         self.failed_recving: set[str] = set()
         self.invalid: set[int] = set()
         self.landed: dict[str, list[list[list[bytes]]]] = {}  # rid -> rank -> pos -> per (layer, kv, head)
+        self.landed_groups: dict[str, list[list[int]]] = {}  # rid -> its blocks per group when it landed
         self.stats: list[dict[str, Any]] = []
+
+    def make_kv_cache_config(self, num_blocks: int, spec: Any) -> Any:
+        return None  # the default: one full-attention group, one tensor per layer
+
+    def make_caches(self, num_blocks: int) -> dict[str, Any]:
+        import torch
+
+        kv = {}
+        for n in LAYERS:
+            if self.layout == "HND":
+                phys = torch.zeros((2, num_blocks, self.hpr, self.bs, self.hs), dtype=torch.float16)
+                kv[n] = phys.permute(0, 1, 3, 2, 4)  # logical [2, blocks, tokens, heads, head_size]
+            else:
+                kv[n] = torch.zeros((2, num_blocks, self.bs, self.hpr, self.hs), dtype=torch.float16)
+        return kv
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -190,11 +200,12 @@ class HInstance:
                     req = self.scheduler.requests[rid]
                     n = so.num_scheduled_tokens[rid]
                     end = req.num_computed_tokens
-                    (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                    groups = self.scheduler.kv_cache_manager.get_block_ids(rid)
                     toks = req.all_token_ids
                     for pos in range(end - n, end):
-                        b, off = blocks[pos // self.bs], pos % self.bs
                         for li, name in enumerate(LAYERS):
+                            blocks = groups[li if len(groups) > 1 else 0]  # a layer's group's blocks
+                            b, off = blocks[pos // self.bs], pos % self.bs
                             for kvi in (0, 1):
                                 for hh in range(self.hpr):
                                     self.raw(rank, name, kvi, b, off, hh).view(-1)[:] = _pattern(
@@ -225,7 +236,11 @@ class HInstance:
         for rid in kvo.finished_recving or ():
             req = self.scheduler.requests.get(rid)
             if req is not None and not req.is_finished() and rid not in (kvo.failed_recving or ()):
-                (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                groups = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                self.landed_groups[rid] = [list(g) for g in groups]
+                if len(groups) > 1:
+                    continue
+                (blocks,) = groups
                 self.landed[rid] = [
                     [self.slot(rank, blocks, pos) for pos in range(req.num_prompt_tokens)] for rank in range(self.tp)
                 ]

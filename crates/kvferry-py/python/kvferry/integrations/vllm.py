@@ -490,7 +490,7 @@ class KvferryConnectorScheduler:
                 request.request_id,
             )
             return False, None
-        groups = vllm_hetero.group_block_ids(block_ids, request.num_prompt_tokens, self.block_size)
+        groups = vllm_hetero.group_block_ids(block_ids, request.num_prompt_tokens, self.block_size, self.groups)
         ids = [b for g in groups for b in g if b] if len(groups) > 1 else groups[0]
         if not ids:
             return False, None

@@ -100,12 +100,24 @@ def descriptor(sched: Any) -> KvDescriptor | None:
 # -- prefill scheduler ---------------------------------------------------------------
 
 
-def group_block_ids(block_ids: Any, num_tokens: int, block_size: int) -> list[list[int]]:
-    """``block_ids`` (one list, or one per group) → per group, the prompt's blocks."""
+def group_block_ids(
+    block_ids: Any, num_tokens: int, block_size: int, kinds: tuple[GroupDesc, ...] = ()
+) -> list[list[int]]:
+    """``block_ids`` (one list, or one per group) → per group, the prompt's blocks by
+    position; a sliding-window group's blocks wholly before the window that the next
+    token attends to become ``0`` (not published, not moved)."""
     ids = list(block_ids or [])
     groups = [list(g) for g in ids] if ids and isinstance(ids[0], (list, tuple)) else [ids]
     n = math.ceil(num_tokens / block_size)
-    return [[int(b) for b in g[:n]] for g in groups]
+    out = []
+    for gi, g in enumerate(groups):
+        row = [int(b) for b in g[:n]]
+        kind = kinds[gi] if gi < len(kinds) else GroupDesc()
+        if kind.kind == "sliding_window" and kind.window > 0:
+            first = max(0, num_tokens - kind.window) // block_size  # first block the window touches
+            row = [0 if i < first else b for i, b in enumerate(row)]
+        out.append(row)
+    return out
 
 
 def advertise(sched: Any, params: dict[str, Any], groups: list[list[int]]) -> None:
