@@ -84,7 +84,7 @@ class HInstance:
 
         self.tp, self.bs, self.layout, self.kv_heads, self.hs = tp, block_size, layout, kv_heads, head_size
         self.hpr = max(1, kv_heads // tp)
-        extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, **(extra or {})}
+        extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, "reader_slots": 4, **(extra or {})}
 
         def config(rank: int) -> VllmConfig:
             cfg = VllmConfig(

@@ -68,6 +68,15 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     released, for a pull in flight to land, instead of returning at once. vLLM's engine
     loop otherwise steps back to back while it waits, and that loop's CPU is taken from
     the transfers. ``0`` turns it off; steps that run a forward pass never wait.
+``reader_slots`` (int, default ``1``, at most 64; prefill side)
+    Keys each finished request is published under on each rank (the same blocks,
+    zero copy): every get of a request's blocks uses one, and the blocks are freed
+    once every slot was read or released. One suffices when each decode rank reads one
+    prefill rank once (same TP, block size and layout); a decode that reads a prefill
+    rank more often — ``D_TP / P_TP`` ranks reading each, times the block-size ratio —
+    refuses the pair at the handshake naming this key. The decode releases slots it
+    does not read at once (on a device cache a release stages, so keep it no larger
+    than needed). See docs/vllm.md, "Heterogeneous prefill and decode".
 ``device_timeout`` (float seconds, default: ``timeout``)
     Bound on each device copy; a copy that has not completed by then fails its transfer
     (a load error on the decode side) and its staging pages stay quarantined until the
@@ -170,7 +179,7 @@ _DEFAULTS: dict[str, Any] = {
     "device": None,
     "device_timeout": None,
     "idle_wait": 0.001,
-    "reader_slots": 4,
+    "reader_slots": 1,
 }
 
 
@@ -193,7 +202,7 @@ class KvferryConfig:
     device: str | None = None
     device_timeout: float | None = None
     idle_wait: float = 0.001
-    reader_slots: int = 4
+    reader_slots: int = 1
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
