@@ -453,3 +453,33 @@ def test_abort_mid_pull_tp2_to_tp4_frees_every_rank(made):
     assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
     for c in d.ranks:
         assert c.connector_worker.engine.stats()["consumer"]["draining"] == 0
+
+
+def test_prefill_death_mid_pull_tp2_to_tp4_is_a_load_error_on_every_rank(made):
+    """Both prefill ranks go away (their engines closed, sockets torn down) while four
+    decode ranks are mid-pull (sends delayed): every decode rank reports the request
+    failed within its bound, the failed blocks are reported to vLLM, and the blocks
+    come back to the decode's pool once vLLM has finished the request (recomputed or
+    failed, per ``kv_load_failure_policy``)."""
+    p = HInstance("kv_producer", tp=2, tag="p")
+    d = HInstance("kv_consumer", tp=4, tag="d", extra={"timeout": 8.0, "io_timeout": 2.0})
+    made += [p, d]
+    reqs = prompts(2, seed=47, lo=60, hi=90)
+    params = _prefill(p, reqs)
+    for c in p.ranks:
+        c.connector_worker.engine._e._inject_faults(send_delay_us=400_000, corrupt_next_sends=None)
+    for rid, prompt in reqs:
+        d.add(rid, prompt, max_tokens=2, params=params[rid])
+    d.step()
+    time.sleep(0.2)  # the gets are in flight on every rank
+    t0 = time.monotonic()
+    for c in p.ranks:
+        c.shutdown()
+    made.remove(p)
+    d.run_until(lambda: all(r in d.failed_recving for r, _ in reqs), 15, "the load errors")
+    assert time.monotonic() - t0 < 12.0  # within timeout plus a small bound
+    assert d.invalid, "the failed blocks are reported to vLLM"
+    d.run_until(lambda: not (d.held() & {r for r, _ in reqs}), 15, "vLLM to finish the requests")
+    assert d.free_blocks() == d.free_at_start
+    for c in d.ranks:
+        assert c.connector_worker.engine.stats()["consumer"]["draining"] == 0
