@@ -138,8 +138,10 @@ class RankReads:
             import torch
 
             n = self.geo.npub
-            s.scratch = {f"piece{i}": torch.empty((n, self.geo.src_piece_bytes), dtype=torch.uint8) for i in range(len(self.geo.pieces))}
-            s.scratch_region = self._register(s.scratch, n, f"scratch-{rd.key}")
+            whole = torch.empty((len(self.geo.pieces), n, self.geo.src_piece_bytes), dtype=torch.uint8)
+            s.scratch = {"all": whole}
+            # One [blocks, piece_bytes] tensor per piece, in region order (views of one).
+            s.scratch_region = self._register({f"piece{i}": whole[i] for i in range(whole.shape[0])}, n, f"scratch-{rd.key}")
         s.transfer = self.engine.get(
             s.address, rd.key, s.scratch_region, list(range(self.geo.npub)), timeout=left, path=self.path, incarnation=s.incarnation
         )
@@ -153,12 +155,12 @@ class RankReads:
         dr = rd.dst_ranges or [(0, int(self.geo.pieces[0].shape[1]))]
         src_idx = torch.tensor(rd.blocks, dtype=torch.long)
         dst_idx = torch.tensor(rd.dst_blocks, dtype=torch.long)
+        sc = s.scratch["all"][:, src_idx]  # [pieces, blocks, src piece bytes]: one gather
+        data = sc[:, :, sr[0][0] : sr[0][0] + sr[0][1]] if len(sr) == 1 else torch.cat([sc[:, :, o : o + n] for o, n in sr], dim=2)
         for i, piece in enumerate(self.geo.pieces):
-            sc = s.scratch[f"piece{i}"][src_idx]
-            data = torch.cat([sc[:, o : o + n] for o, n in sr], dim=1)
             at = 0
             for o, n in dr:
-                piece[dst_idx, o : o + n] = data[:, at : at + n]
+                piece[dst_idx, o : o + n] = data[i, :, at : at + n]
                 at += n
 
     def _drop_scratch(self, s: _Sub) -> None:
