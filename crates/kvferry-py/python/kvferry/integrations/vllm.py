@@ -87,8 +87,12 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``remote_request_id`` (the publication's key), ``remote_host``, ``remote_port``,
 ``remote_num_tokens``, ``tp_size``, ``kvferry_peer_id``, ``kvferry_incarnation``
 (rank 0's; a restarted instance has a new incarnation), ``kvferry_peers`` (one
-``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank) and
-``kvferry_expires_at`` (wall-clock time the lease ends).
+``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank),
+``kvferry_expires_at`` (wall-clock time the lease ends) and ``kvferry_desc`` (the
+instance's KV geometry, for the compatibility handshake: see
+``vllm_mapping.KvDescriptor``); with several KV cache groups (or a sliding window's
+null blocks) ``remote_block_ids`` is one list per group, ``0`` where a group holds no
+block.
 
 The worker publishes one engine step after the scheduler returned the params, so a
 decode instance may ask first: a miss is retried (2-50 ms backoff) until the lease's
@@ -122,7 +126,6 @@ blocks are published only once the step that computed them has completed on the 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -500,7 +503,7 @@ class KvferryConnectorScheduler:
             )
             return False, None
         groups = vllm_hetero.group_block_ids(block_ids, request.num_prompt_tokens, self.block_size, self.groups)
-        ids = [b for g in groups for b in g if b] if len(groups) > 1 else groups[0]
+        ids = [b for g in groups for b in g if b]  # what is published: every held block
         if not ids:
             return False, None
         self._need_send[request.request_id] = ids

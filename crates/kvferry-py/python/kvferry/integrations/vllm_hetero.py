@@ -124,7 +124,7 @@ def advertise(sched: Any, params: dict[str, Any], groups: list[list[int]]) -> No
     d = descriptor(sched)
     if d is not None:
         params["kvferry_desc"] = d.to_params()
-        if len(groups) > 1:
+        if len(groups) > 1 or any(b == 0 for g in groups for b in g):
             params["remote_block_ids"] = groups
 
 
