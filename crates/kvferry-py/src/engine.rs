@@ -40,6 +40,7 @@ use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
 use crate::region::{PyRegion, RegionKind};
 use crate::runtime::RuntimeRef;
+use crate::selection::{selection, PySelection};
 use crate::transfer::{PyTransfer, Waiting};
 
 static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
@@ -119,10 +120,19 @@ impl PyStaged {
         self.handle.incarnation
     }
 
-    /// Chunks staged (a prefix of the keys asked for).
+    /// Chunks staged (a prefix of the keys asked for; with a selection, every key).
     #[getter]
     fn chunks(&self) -> usize {
-        self.handle.chunks.len()
+        match &self.handle.selection {
+            Some(s) => s.keys,
+            None => self.handle.chunks.len(),
+        }
+    }
+
+    /// Bytes staged for a selection (what a resolve moves), else None.
+    #[getter]
+    fn selected_bytes(&self) -> Option<u64> {
+        self.handle.selection.as_ref().map(|s| s.shape.total())
     }
 
     /// Seconds left on the lease (by this side's conservative clock).
@@ -182,7 +192,9 @@ impl PyEngine {
         block_ids: Vec<Vec<u32>>,
         path: &str,
         incarnation: Option<u64>,
+        select: Option<PySelection>,
     ) -> PyResult<Destination> {
+        let select = selection(select)?;
         self.check_region(region)?;
         if region.readonly {
             return Err(ErrInfo::invalid(format!("{} is read-only: it cannot receive", region.cache_name())).into());
@@ -193,7 +205,7 @@ impl PyEngine {
             // Device memory is always received through staging pages.
             RegionKind::Device(c) => Destination::device(c.clone(), block_ids),
         };
-        Ok(dst.with_incarnation(incarnation))
+        Ok(dst.with_incarnation(incarnation).with_selection(select))
     }
 
     fn dev(&self) -> PyResult<&EngineDevice> {
@@ -537,7 +549,7 @@ impl PyEngine {
     /// Starts an eager get of `keys` from `peer` into `block_ids` of `region`. With
     /// `incarnation`, a peer that is any other incarnation (it restarted) fails the
     /// transfer with `PeerRestartedError` before anything is staged.
-    #[pyo3(signature = (keys, peer, region, block_ids, timeout, path, incarnation=None))]
+    #[pyo3(signature = (keys, peer, region, block_ids, timeout, path, incarnation=None, select=None))]
     fn get(
         &self,
         keys: &Bound<'_, PyList>,
@@ -547,9 +559,10 @@ impl PyEngine {
         timeout: f64,
         path: &str,
         incarnation: Option<u64>,
+        select: Option<PySelection>,
     ) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
-        let dst = self.destination(region, block_ids, path, incarnation)?;
+        let dst = self.destination(region, block_ids, path, incarnation, select)?;
         let t = required(timeout, "timeout")?;
         let _guard = self.handle().enter();
         let deadline = tokio::time::Instant::now() + t;
@@ -560,6 +573,7 @@ impl PyEngine {
 
     /// Delayed pull: asks `peer` to stage `keys`, then moves them into `block_ids` of
     /// `region`; returns the chunks landed.
+    #[pyo3(signature = (keys, peer, region, block_ids, timeout, path, select=None))]
     fn pull(
         &self,
         py: Python<'_>,
@@ -569,9 +583,10 @@ impl PyEngine {
         block_ids: Vec<Vec<u32>>,
         timeout: f64,
         path: &str,
+        select: Option<PySelection>,
     ) -> PyResult<usize> {
         let keys = Self::keys(keys)?;
-        let dst = self.destination(region, block_ids, path, None)?;
+        let dst = self.destination(region, block_ids, path, None, select)?;
         let t = required(timeout, "timeout")?;
         let _guard = self.handle().enter();
         // One fence for both steps, fired by the library once nothing writes `dst`:
@@ -594,14 +609,29 @@ impl PyEngine {
 
     /// Delayed pull, step one: asks `peer` to stage `keys` under a lease (copied or
     /// pinned on its side) and returns a handle to resolve before the lease expires.
-    fn stage(&self, py: Python<'_>, peer: String, keys: &Bound<'_, PyList>, timeout: f64) -> PyResult<PyStaged> {
+    #[pyo3(signature = (peer, keys, timeout, select=None))]
+    fn stage(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        keys: &Bound<'_, PyList>,
+        timeout: f64,
+        select: Option<PySelection>,
+    ) -> PyResult<PyStaged> {
         let keys = Self::keys(keys)?;
         let t = required(timeout, "timeout")?;
+        let select = selection(select)?;
         let e = &self.engine;
         let h = py
             .detach(|| {
                 self.handle()
-                    .block_on(async { e.stage(&peer, &keys, tokio::time::Instant::now() + t).await })
+                    .block_on(async {
+                        let deadline = tokio::time::Instant::now() + t;
+                        match &select {
+                            None => e.stage(&peer, &keys, deadline).await,
+                            Some(s) => e.stage_selected(&peer, &keys, s, deadline).await,
+                        }
+                    })
                     .map_err(|err| ErrInfo::from(&err).peer(&peer).op("stage"))
             })
             .map_err(PyErr::from)?;
@@ -617,6 +647,7 @@ impl PyEngine {
     /// Delayed pull, step two: moves a staged handle's chunks into `block_ids` of
     /// `region`; returns the chunks landed. Raises `PeerRestartedError` if the peer
     /// restarted since staging, `LeaseExpiredError` if the lease is (nearly) over.
+    #[pyo3(signature = (staged, region, block_ids, timeout, path, select=None))]
     fn resolve(
         &self,
         py: Python<'_>,
@@ -625,8 +656,9 @@ impl PyEngine {
         block_ids: Vec<Vec<u32>>,
         timeout: f64,
         path: &str,
+        select: Option<PySelection>,
     ) -> PyResult<usize> {
-        let dst = self.destination(region, block_ids, path, None)?;
+        let dst = self.destination(region, block_ids, path, None, select)?;
         let t = required(timeout, "timeout")?;
         let h = staged.handle.clone();
         let peer = h.peer.clone();

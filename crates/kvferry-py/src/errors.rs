@@ -95,6 +95,7 @@ fn remote_class(kind: ErrorKind) -> &'static str {
         ErrorKind::AuthFailed | ErrorKind::AuthRequired => "AuthError",
         ErrorKind::NotFound => "NotFoundError",
         ErrorKind::ShuttingDown => "PeerLostError",
+        ErrorKind::BadSelection => "SelectionError",
         _ => "Error",
     }
 }
@@ -128,6 +129,7 @@ impl From<&PeerError> for ErrInfo {
             PeerError::Net(NetError::Remote { kind, .. }) => ErrInfo::new(remote_class(*kind), msg),
             PeerError::ShuttingDown => ErrInfo::new("ClosedError", msg),
             PeerError::Device { .. } => ErrInfo::new("DeviceError", msg),
+            PeerError::Selection(_) => ErrInfo::new("SelectionError", msg),
             _ => ErrInfo::new("Error", msg),
         }
     }

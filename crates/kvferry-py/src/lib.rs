@@ -15,6 +15,7 @@ mod errors;
 mod linger;
 mod region;
 mod runtime;
+mod selection;
 mod spin;
 mod transfer;
 
@@ -51,6 +52,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_info, m)?)?;
     m.add_function(wrap_pyfunction!(bounded_wait::bounded_wait, m)?)?;
+    m.add_function(wrap_pyfunction!(selection::check_selection, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ETCD", directory::HAS_ETCD)?;
     m.add("HAS_CUDA", cfg!(feature = "cuda"))?;

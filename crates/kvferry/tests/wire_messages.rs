@@ -4,7 +4,7 @@
 
 use kvferry::wire::{
     read_control, read_message, write_control, ChunkKey, ChunkMeta, ErrorKind, FrameHeader, FrameKind, Limits, Message,
-    WireError,
+    SelectedShape, WireError, WireSelection,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -53,11 +53,31 @@ fn error_kind() -> impl Strategy<Value = ErrorKind> {
         Internal,
         NotFound,
         ShuttingDown,
+        BadSelection,
     ])
 }
 
+fn selection() -> impl Strategy<Value = WireSelection> {
+    (
+        prop::option::of(vec(any::<u32>(), 0..20)),
+        prop::option::of(vec((any::<u64>(), any::<u64>()), 0..20)),
+        any::<Option<u32>>(),
+        prop::option::of(vec(any::<u64>(), 0..20)),
+    )
+        .prop_map(|(blocks, ranges, expect_blocks, expect_pieces)| WireSelection {
+            blocks,
+            ranges,
+            expect_blocks: expect_blocks.map(|n| n % 1000),
+            expect_pieces,
+        })
+}
+
+fn chunk_meta() -> impl Strategy<Value = ChunkMeta> {
+    (key(), any::<u64>(), any::<u32>()).prop_map(|(key, len, checksum)| ChunkMeta { key, len, checksum })
+}
+
 fn message() -> impl Strategy<Value = Message> {
-    let meta = (key(), any::<u64>(), any::<u32>()).prop_map(|(key, len, checksum)| ChunkMeta { key, len, checksum });
+    let meta = chunk_meta();
     prop_oneof![
         (".{0,40}", any::<u64>(), any::<[u8; 32]>(), any::<bool>()).prop_map(
             |(peer_id, incarnation, nonce, wants_auth)| Message::Hello {
@@ -98,6 +118,32 @@ fn message() -> impl Strategy<Value = Message> {
         (error_kind(), ".{0,80}").prop_map(|(kind, message)| Message::Error { kind, message }),
         Just(Message::Ping),
         Just(Message::Pong),
+        (keys(), any::<u32>(), selection()).prop_map(|(keys, ttl_ms, select)| Message::GetSelected {
+            keys,
+            ttl_ms,
+            select
+        }),
+        (keys(), any::<u32>(), selection()).prop_map(|(keys, ttl_ms, select)| Message::StageSelected {
+            keys,
+            ttl_ms,
+            select
+        }),
+        (
+            any::<u128>(),
+            any::<u64>(),
+            vec(chunk_meta(), 0..10),
+            any::<u32>(),
+            (0u32..1000, vec(any::<u64>(), 0..20))
+        )
+            .prop_map(|(lease_id, incarnation, chunks, ttl_ms, (blocks, pieces))| {
+                Message::StagedSelected {
+                    lease_id,
+                    incarnation,
+                    chunks,
+                    ttl_ms,
+                    shape: SelectedShape { blocks, pieces },
+                }
+            }),
     ]
 }
 

@@ -10,7 +10,7 @@ never leaks, never hangs.
 """
 
 from . import errors
-from ._engine import DeviceMemory, Engine, Region, Transfer
+from ._engine import DeviceMemory, Engine, Region, Selection, Transfer
 from .bounded_wait import bounded_wait
 from ._kvferry import HAS_CUDA, HAS_ETCD, Staged, __version__, key_bytes
 from .errors import (
@@ -27,6 +27,7 @@ from .errors import (
     NotFoundError,
     PeerLostError,
     PeerRestartedError,
+    SelectionError,
     TimeoutError,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "Engine",
     "Region",
     "Transfer",
+    "Selection",
     "DeviceMemory",
     "Staged",
     "key_bytes",
@@ -41,6 +43,7 @@ __all__ = [
     "errors",
     "Error",
     "InvalidArgumentError",
+    "SelectionError",
     "TimeoutError",
     "CancelledError",
     "PeerLostError",

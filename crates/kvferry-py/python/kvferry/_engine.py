@@ -9,7 +9,7 @@ from typing import Any, Union
 
 from . import _kvferry
 from ._memory import byte_view, check_raw, detached, is_cuda_name, is_cuda_tensor, is_raw, layer_spans
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, SelectionError
 
 Key = Union[str, bytes]
 Region = _kvferry.Region
@@ -61,6 +61,151 @@ def _path(path: str) -> str:
     if path not in _PATHS:
         raise InvalidArgumentError(f"path must be one of {_PATHS}, got {path!r}")
     return path
+
+
+def _selection_ints(values: Any, what: str) -> tuple[int, ...]:
+    tolist = getattr(values, "tolist", None)
+    vals = tolist() if callable(tolist) else values
+    try:
+        out = tuple(int(v) for v in vals)
+    except (TypeError, ValueError):
+        raise SelectionError(f"{what} must be a sequence of ints, got {values!r}") from None
+    if any(v < 0 or v >= 1 << 32 for v in out):
+        raise SelectionError(f"{what}: positions must be in 0..2**32, got {list(out)}")
+    return out
+
+
+def _selection_ranges(values: Any, what: str) -> tuple[tuple[int, int], ...]:
+    try:
+        out = tuple((int(o), int(n)) for o, n in values)
+    except (TypeError, ValueError):
+        raise SelectionError(f"{what} must be a sequence of (offset, length) pairs, got {values!r}") from None
+    if any(o < 0 or n < 0 or o >= 1 << 63 or n >= 1 << 63 for o, n in out):
+        raise SelectionError(f"{what}: offsets and lengths must be in 0..2**63, got {list(out)}")
+    return out
+
+
+class Selection:
+    """Which part of a publication a get, pull or stage moves (a partial get).
+    Immutable.
+
+    Args:
+        blocks: positions (0-based) into the publication's block list (the
+            ``block_ids`` given to :meth:`Engine.publish`; with several keys, their
+            lists concatenated in key order). The selected blocks land, in this order,
+            into the get's destination ``block_ids`` (so ``len(block_ids) ==
+            len(blocks)``; several keys' destination lists are concatenated). None:
+            every block.
+        src_ranges: ordered ``(offset, length)`` byte ranges inside every per-layer
+            piece of each selected source block (a piece is one span of the source
+            region: one layer's K or V of one block for a vLLM cache). The producer
+            sends exactly these bytes, concatenated in this order (any order, e.g. a
+            permutation; each must lie inside the piece). None: the whole piece.
+        dst_ranges: ordered ``(offset, length)`` byte ranges inside every per-layer
+            piece of the destination block, filled in order by the bytes of that piece
+            (they must not overlap, and their total must equal the source's). None:
+            the whole destination piece (then the selected source bytes of a piece
+            must equal the destination piece's size).
+
+    Source and destination must have the same number of pieces per block. A selection
+    that does not fit raises :class:`kvferry.SelectionError` naming the mismatch: here
+    for what can be told without a publication, at the get for what the destination
+    tells, and by the producer for the rest.
+
+    Every selected byte is counted on the wire: ``stats()["consumer"]["bytes_received"]``
+    on the consumer and ``stats()["producer"]["bytes_sent"]`` on the producer grow by
+    exactly the selected bytes of a selected get (payload bytes, frame headers not
+    counted).
+    """
+
+    __slots__ = ("_blocks", "_src", "_dst")
+
+    _blocks: tuple[int, ...] | None
+    _src: tuple[tuple[int, int], ...] | None
+    _dst: tuple[tuple[int, int], ...] | None
+
+    def __init__(
+        self,
+        blocks: Sequence[int] | None = None,
+        src_ranges: Sequence[tuple[int, int]] | None = None,
+        dst_ranges: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        b = None if blocks is None else _selection_ints(blocks, "blocks")
+        s = None if src_ranges is None else _selection_ranges(src_ranges, "src_ranges")
+        d = None if dst_ranges is None else _selection_ranges(dst_ranges, "dst_ranges")
+        _kvferry.check_selection(
+            None if b is None else list(b),
+            None if s is None else list(s),
+            None if d is None else list(d),
+        )
+        object.__setattr__(self, "_blocks", b)
+        object.__setattr__(self, "_src", s)
+        object.__setattr__(self, "_dst", d)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Selection is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Selection is immutable")
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """Positions into the publication's block list, or None (every block)."""
+        return self._blocks
+
+    @property
+    def src_ranges(self) -> tuple[tuple[int, int], ...] | None:
+        """``(offset, length)`` ranges inside every source piece, or None (whole)."""
+        return self._src
+
+    @property
+    def dst_ranges(self) -> tuple[tuple[int, int], ...] | None:
+        """``(offset, length)`` ranges inside every destination piece, or None (whole)."""
+        return self._dst
+
+    def _wire(self) -> tuple[list[int] | None, list[tuple[int, int]] | None, list[tuple[int, int]] | None]:
+        return (
+            None if self._blocks is None else list(self._blocks),
+            None if self._src is None else list(self._src),
+            None if self._dst is None else list(self._dst),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Selection):
+            return NotImplemented
+        return (self._blocks, self._src, self._dst) == (other._blocks, other._src, other._dst)
+
+    def __hash__(self) -> int:
+        return hash((self._blocks, self._src, self._dst))
+
+    def __repr__(self) -> str:
+        return f"Selection(blocks={self._blocks!r}, src_ranges={self._src!r}, dst_ranges={self._dst!r})"
+
+
+def _select(select: Selection | None) -> Any:
+    if select is None:
+        return None
+    if not isinstance(select, Selection):
+        raise SelectionError(f"select must be a kvferry.Selection or None, got {select!r}")
+    return select._wire()
+
+
+def _selected_batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[list[int]]]:
+    """A selected get's keys and its destination blocks as one flat list (one list, or
+    one list per key, concatenated)."""
+    if isinstance(key, (str, bytes)):
+        keys: list[Key] = [key]
+    else:
+        tolist = getattr(key, "tolist", None)
+        keys = list(tolist() if callable(tolist) else key)
+        if not keys:
+            raise InvalidArgumentError("empty key list")
+    rows = block_ids.tolist() if callable(getattr(block_ids, "tolist", None)) else list(block_ids)
+    if rows and all(isinstance(r, (list, tuple)) or hasattr(r, "tolist") for r in rows):
+        flat: list[Any] = [b for r in rows for b in (r.tolist() if hasattr(r, "tolist") else r)]
+    else:
+        flat = rows
+    return keys, [_ids(flat)]
 
 
 class Transfer:
@@ -506,6 +651,7 @@ class Engine:
         timeout: float = 30.0,
         path: str = "direct",
         incarnation: int | None = None,
+        select: Selection | None = None,
     ) -> Transfer:
         """Starts fetching ``key`` (or a batch of keys, with one block-id list each)
         from ``peer`` into ``block_ids`` of ``dst``; returns at once. ``path``:
@@ -513,10 +659,16 @@ class Engine:
         landing only verified chunks; always taken into device memory).
         ``incarnation``: the peer's :attr:`incarnation` the keys were offered by; if
         the peer is another one now (it restarted), the transfer fails with
-        ``PeerRestartedError`` before anything is staged or written."""
-        keys, blocks = _batch(key, block_ids)
+        ``PeerRestartedError`` before anything is staged or written.
+        ``select``: a :class:`Selection`, to move only part of the publication (a
+        subset of its blocks, byte ranges of every per-layer piece) into ``block_ids``
+        (then one flat list, or one list per key, concatenated); all keys must be
+        published by one region of the peer (a key not published yet is a miss,
+        ``NotFoundError``); a selection that does not fit raises ``SelectionError``."""
+        sel = _select(select)
+        keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
         return Transfer(
-            self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation))
+            self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation), sel)
         )
 
     def get_blocking(
@@ -529,13 +681,16 @@ class Engine:
         *,
         path: str = "direct",
         incarnation: int | None = None,
+        select: Selection | None = None,
     ) -> int:
         """Fetches and returns the chunks landed, within ``timeout`` seconds or raises
         ``TimeoutError``. A miss raises ``NotFoundError``; a partial hit returns how many
         leading chunks landed; a peer that is no longer ``incarnation`` raises
-        ``PeerRestartedError``. The GIL is released while waiting."""
-        keys, blocks = _batch(key, block_ids)
-        t = self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation))
+        ``PeerRestartedError``. The GIL is released while waiting. ``select``: as for
+        :meth:`get`."""
+        sel = _select(select)
+        keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
+        t = self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation), sel)
         return t.wait(None)
 
     def release_remote(
@@ -560,27 +715,49 @@ class Engine:
         timeout: float = 5.0,
         *,
         path: str = "direct",
+        select: Selection | None = None,
     ) -> int:
         """Delayed pull: the peer stages the keys under a lease, then their bytes move
-        into ``dst``; returns the chunks landed."""
-        keys, blocks = _batch(key, block_ids)
-        return self._e.pull(keys, self._peer(peer), dst, blocks, float(timeout), _path(path))
+        into ``dst``; returns the chunks landed. ``select``: as for :meth:`get` (the
+        peer stages only the selected bytes)."""
+        sel = _select(select)
+        keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
+        return self._e.pull(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), sel)
 
-    def stage(self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0) -> _kvferry.Staged:
+    def stage(
+        self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0, *, select: Selection | None = None
+    ) -> _kvferry.Staged:
         """Delayed pull, step one: ``peer`` stages the keys under a lease (its TTL is
         this engine's ``lease_ttl``) and returns a handle for :meth:`resolve`. Raises
-        ``NotFoundError`` when the peer holds none of them."""
+        ``NotFoundError`` when the peer holds none of them. ``select``: stage only the
+        selected part (:class:`Selection`; every key must be published), which a
+        :meth:`resolve` then lands by the selection's ``dst_ranges`` or its own."""
         ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
-        return self._e.stage(self._peer(peer), ks, float(timeout))
+        return self._e.stage(self._peer(peer), ks, float(timeout), _select(select))
 
-    def resolve(self, staged: _kvferry.Staged, dst: Region, block_ids: Any, timeout: float = 5.0, *, path: str = "direct") -> int:
+    def resolve(
+        self,
+        staged: _kvferry.Staged,
+        dst: Region,
+        block_ids: Any,
+        timeout: float = 5.0,
+        *,
+        path: str = "direct",
+        select: Selection | None = None,
+    ) -> int:
         """Delayed pull, step two: moves a staged handle's chunks into ``dst``
         (``block_ids``: one list per staged chunk, or one list for a single chunk);
-        returns the chunks landed. ``PeerRestartedError`` if the peer restarted since."""
+        returns the chunks landed. ``PeerRestartedError`` if the peer restarted since.
+        A handle staged with a selection lands into ``block_ids`` (one flat list) by
+        that selection's ``dst_ranges``, or by ``select``'s, which must name the same
+        ``blocks`` and ``src_ranges`` as were staged (``SelectionError`` otherwise)."""
+        sel = _select(select)
         rows = block_ids.tolist() if callable(getattr(block_ids, "tolist", None)) else list(block_ids)
         if rows and not isinstance(rows[0], (list, tuple)):
             rows = [rows]
-        return self._e.resolve(staged, dst, [_ids(r) for r in rows], float(timeout), _path(path))
+        if sel is not None or staged.selected_bytes is not None:
+            rows = [[b for r in rows for b in r]]
+        return self._e.resolve(staged, dst, [_ids(r) for r in rows], float(timeout), _path(path), sel)
 
     def push(self, peer: str, key: Key, data: Any, timeout: float = 5.0) -> None:
         """Pushes ``data`` into ``peer``'s store under ``key``."""

@@ -31,6 +31,14 @@ driver is loaded at run time, so a machine without a GPU still refuses to open o
 def key_bytes(key: _Key) -> bytes:
     """The 32-byte chunk key the engine uses for ``key``: a ``str`` hashed, 32 bytes as is."""
 
+_Selection = tuple[list[int] | None, list[tuple[int, int]] | None, list[tuple[int, int]] | None]
+
+def check_selection(
+    blocks: list[int] | None, src_ranges: list[tuple[int, int]] | None, dst_ranges: list[tuple[int, int]] | None
+) -> None:
+    """Checks a selection's lists as ``kvferry.Selection`` builds them; raises
+    ``SelectionError``."""
+
 def crc32c(data: Buffer) -> int:
     """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
     released while it runs."""
@@ -127,7 +135,10 @@ class Staged:
         """The peer's incarnation that granted it."""
     @property
     def chunks(self) -> int:
-        """Chunks staged (a prefix of the keys asked for)."""
+        """Chunks staged (a prefix of the keys asked for; with a selection, every key)."""
+    @property
+    def selected_bytes(self) -> int | None:
+        """Bytes staged for a selection (what a resolve moves), else None."""
     @property
     def ttl_left(self) -> float:
         """Seconds left on the lease (by this side's conservative clock)."""
@@ -256,6 +267,7 @@ class Engine:
         timeout: float,
         path: str,
         incarnation: int | None = None,
+        select: _Selection | None = None,
     ) -> Transfer:
         """Starts an eager get of ``keys`` from ``peer`` into ``block_ids`` (one list per
         key) of ``region``; ``path`` is ``"direct"`` or ``"staged"``. With
@@ -269,9 +281,10 @@ class Engine:
         block_ids: Sequence[Sequence[int]],
         timeout: float,
         path: str,
+        select: _Selection | None = None,
     ) -> int:
         """Delayed pull (stage, then resolve); returns the chunks landed."""
-    def stage(self, peer: str, keys: list[_Key], timeout: float) -> Staged:
+    def stage(self, peer: str, keys: list[_Key], timeout: float, select: _Selection | None = None) -> Staged:
         """Delayed pull, step one: ``peer`` stages ``keys`` under a lease. Raises
         ``NotFoundError`` when it holds none of them."""
     def resolve(
@@ -281,6 +294,7 @@ class Engine:
         block_ids: Sequence[Sequence[int]],
         timeout: float,
         path: str,
+        select: _Selection | None = None,
     ) -> int:
         """Delayed pull, step two: moves a staged handle's chunks into ``region``;
         returns the chunks landed."""

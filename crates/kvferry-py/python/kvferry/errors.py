@@ -29,6 +29,17 @@ class InvalidArgumentError(Error, ValueError):
     """An argument is unusable: bad block ids, a non-contiguous array, a wrong dtype..."""
 
 
+class SelectionError(InvalidArgumentError):
+    """A :class:`kvferry.Selection` does not fit the publication or the destination.
+    The message names the mismatch: a block position past the publication's blocks
+    (``block position N of M``), a range outside a piece (``range (o, l) exceeds piece
+    i of P bytes``), per-piece totals that differ (``the source selects S bytes, the
+    destination lands D``), piece counts that differ, block counts that differ,
+    overlapping destination ranges, or keys that cannot be selected from (store
+    chunks, different caches). Raised by the consumer before anything is sent where it
+    can tell, else by the producer's refusal."""
+
+
 class TimeoutError(Error, builtins.TimeoutError):  # noqa: A001 - deliberately shadows
     """The operation did not finish within its timeout; the transfer was cancelled and
     drains in the background."""
@@ -85,6 +96,7 @@ class DeviceError(Error):
 __all__ = [
     "Error",
     "InvalidArgumentError",
+    "SelectionError",
     "TimeoutError",
     "CancelledError",
     "PeerLostError",

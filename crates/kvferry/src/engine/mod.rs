@@ -18,6 +18,12 @@
 //!   (synchronous, bounded), [`stage`](Engine::stage) + [`resolve`](Engine::resolve)
 //!   (delayed pull), [`push`](Engine::push) and [`lookup`](Engine::lookup). Each names
 //!   its destination blocks and path (direct or staged) in a [`Destination`].
+//! - **Partial gets**: a [`Selection`] (a subset of a publication's blocks, byte
+//!   ranges of every per-layer piece, and where they land in the destination's
+//!   pieces) rides on the destination ([`Destination::with_selection`]) for
+//!   [`start_get`], [`get`](Engine::get), [`start_pull`](Engine::start_pull) and
+//!   [`resolve`](Engine::resolve); [`stage_selected`](Engine::stage_selected) stages
+//!   only the selected bytes. See [`crate::peer::selection`].
 //! - [`stats`](Engine::stats) and [`close`](Engine::close), which drains everything
 //!   and reports what was still out at its deadline.
 //!
@@ -41,6 +47,8 @@ mod config;
 pub mod directory;
 mod fleet;
 
+pub use crate::peer::selection::Selection;
+pub use crate::wire::SelectionError;
 pub use config::{EngineConfig, StoreConfig};
 pub use directory::{Directory, StaticDirectory};
 pub use fleet::{Located, FAN_OUT, MISS_TTL};
@@ -561,6 +569,24 @@ impl Engine {
         self.inner
             .consumer
             .stage(&self.resolve_peer(peer), keys, deadline)
+            .await
+    }
+
+    /// [`stage`](Self::stage) of the `select`ed part of published keys: only the
+    /// selected bytes are staged. The handle lands by the selection's destination
+    /// ranges unless the resolve's destination carries its own selection (same blocks
+    /// and source ranges).
+    pub async fn stage_selected(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        select: &Selection,
+        deadline: Instant,
+    ) -> Result<StagedHandle, PeerError> {
+        self.check_open().map_err(|_| PeerError::ShuttingDown)?;
+        self.inner
+            .consumer
+            .stage_selected(&self.resolve_peer(peer), keys, select, deadline)
             .await
     }
 

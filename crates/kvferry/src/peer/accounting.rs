@@ -52,8 +52,8 @@ pub(super) fn kind_of(msg: &Message) -> RequestKind {
     match msg {
         Message::Ping => RequestKind::Ping,
         Message::Lookup { .. } => RequestKind::Lookup,
-        Message::Stage { .. } => RequestKind::Stage,
-        Message::Get { .. } => RequestKind::Get,
+        Message::Stage { .. } | Message::StageSelected { .. } => RequestKind::Stage,
+        Message::Get { .. } | Message::GetSelected { .. } => RequestKind::Get,
         Message::Pull { .. } => RequestKind::Pull,
         Message::Done { .. } => RequestKind::Done,
         Message::Put { .. } => RequestKind::Put,

@@ -22,14 +22,16 @@ mod consumer;
 mod producer;
 pub mod publish;
 mod quota;
+pub mod selection;
 mod store;
 
 pub use consumer::{
-    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerGone, StagedHandle, Target, Transfer,
-    TransferPath,
+    Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerGone, StagedHandle, StagedSelection,
+    Target, Transfer, TransferPath,
 };
 pub use producer::{LeaseRefusal, Producer, ProducerConfig, ProducerFaults, ProducerStats};
 pub use publish::{ReleaseReason, Released};
+pub use selection::Selection;
 pub use store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 
 use std::time::Duration;
@@ -164,6 +166,9 @@ pub enum PeerError {
     /// The producer or consumer is shutting down.
     #[error("shutting down")]
     ShuttingDown,
+    /// A selection (partial get) does not fit the publication or the destination.
+    #[error("selection does not fit: {0}")]
+    Selection(#[from] crate::wire::SelectionError),
 }
 
 impl From<NetError> for PeerError {

@@ -46,6 +46,7 @@ use tracing::Instrument;
 use super::accounting;
 use super::publish::{PubSource, Publication, ReleaseQueue, ReleaseReason, Released};
 use super::quota::{Charge, Holder, QuotaLimits, Quotas};
+use super::selection::{plan_source, SourcePlan};
 use super::store::{truncate_ranges, ChunkStore};
 use super::PeerError;
 use crate::copy::{CopyEngine, CopyPlan, Endpoint};
@@ -54,7 +55,9 @@ use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
 use crate::net::{Connection, Handler, NetError};
 use crate::stats::RequestStats;
-use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, FrameKind, LeaseId, Message};
+use crate::wire::{
+    ChunkKey, ChunkMeta, ErrorKind, FrameKind, LeaseId, Limits, Message, SelectedShape, SelectionError, WireSelection,
+};
 
 /// Producer settings.
 #[derive(Clone, Debug)]
@@ -168,8 +171,12 @@ pub struct ProducerStats {
     pub quota_pages_charged: usize,
 }
 
-/// A stage's outcome: lease id, staged chunks, granted TTL in milliseconds.
-type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError>;
+/// A stage's outcome: lease id, staged chunks, granted TTL in milliseconds, and for a
+/// selection the shape of the selected stream.
+type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32, Option<SelectedShape>), PeerError>;
+
+/// One staged chunk gathered from a device cache: its key, length and ranges.
+type GatherFrame = (ChunkKey, usize, Vec<(usize, usize)>);
 
 /// Why a `Done` changed nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,6 +194,9 @@ enum StagedData {
     /// Published host blocks (the lease's `publications`), sent straight from the
     /// engine's cache.
     Pinned,
+    /// The selected part of published host blocks (one cache: the first
+    /// publication's), sent straight from the cache frame by frame.
+    Selected { plan: Arc<SourcePlan> },
 }
 
 struct StagedLease {
@@ -434,7 +444,8 @@ impl Producer {
         let len = cache.map().chunk_bytes(blocks.len());
         let ranges = cache.chunk_ranges(blocks, len)?;
         let checksum = cache.checksum(&ranges)?;
-        self.insert_publication(key, PubSource::Host { cache, checksum }, ranges, len, ttl, once);
+        let source = PubSource::Host { cache, checksum };
+        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once);
         Ok(())
     }
 
@@ -456,15 +467,25 @@ impl Producer {
             .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
         let len = cache.map().chunk_bytes(blocks.len());
         let ranges = cache.chunk_ranges(blocks, len)?;
-        self.insert_publication(key, PubSource::Device { cache }, ranges, len, ttl, once);
+        self.insert_publication(
+            key,
+            PubSource::Device { cache },
+            ranges,
+            blocks.to_vec(),
+            len,
+            ttl,
+            once,
+        );
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn insert_publication(
         &self,
         key: ChunkKey,
         source: PubSource,
         ranges: Vec<(usize, usize)>,
+        blocks: Vec<u32>,
         len: usize,
         ttl: Duration,
         once: bool,
@@ -474,6 +495,7 @@ impl Producer {
             key,
             source,
             ranges,
+            blocks,
             len,
             Instant::now() + ttl,
             once,
@@ -567,18 +589,34 @@ impl Producer {
         ttl: Duration,
         owner: &str,
     ) -> Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError> {
-        self.stage_for(keys, ttl, &Holder::local(owner), None).await
+        let (lease, chunks, ttl, _) = self.stage_for(keys, ttl, &Holder::local(owner), None, None).await?;
+        Ok((lease, chunks, ttl))
+    }
+
+    /// [`stage`](Self::stage) of the selected part of published keys (see
+    /// [`super::selection`]): only the selected bytes are staged (device caches) or
+    /// pinned for sending (host caches). Returns the frames and the stream's shape.
+    pub async fn stage_selected(
+        &self,
+        keys: &[ChunkKey],
+        select: &WireSelection,
+        ttl: Duration,
+        owner: &str,
+    ) -> Result<(LeaseId, Vec<ChunkMeta>, u32, Option<SelectedShape>), PeerError> {
+        self.stage_for(keys, ttl, &Holder::local(owner), None, Some(select))
+            .await
     }
 
     /// [`stage`](Self::stage) for `holder`, the lease bound to `incarnation` too when
-    /// given (a claimed identity).
+    /// given (a claimed identity); only the `select`ed part when given.
     async fn stage_for(
         &self,
         keys: &[ChunkKey],
         ttl: Duration,
         holder: &Holder,
         incarnation: Option<u64>,
-    ) -> Result<(LeaseId, Vec<ChunkMeta>, u32), PeerError> {
+        select: Option<&WireSelection>,
+    ) -> StageResult {
         let owner = holder.identity.as_str();
         let inner = &self.inner;
         let ttl = self.clamp_ttl(ttl);
@@ -588,12 +626,19 @@ impl Producer {
                 "key {k} listed twice in one request"
             )));
         }
-        if let Some(r) = self.stage_published(keys, ttl, holder, incarnation).await {
+        if let Some(r) = self.stage_published(keys, ttl, holder, incarnation, select).await {
             return r;
+        }
+        if select.is_some() {
+            if inner.store.lookup(keys) > 0 {
+                let why = format!("key {} is a store chunk: selections apply to published blocks", keys[0]);
+                return Err(SelectionError::Unsupported(why).into());
+            }
+            return Ok((0, Vec::new(), ttl.as_millis() as u32, None));
         }
         let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
         if locs.is_empty() {
-            return Ok((0, Vec::new(), ttl.as_millis() as u32));
+            return Ok((0, Vec::new(), ttl.as_millis() as u32, None));
         }
         // Partial stage: as many leading chunks as fit in the free pages.
         let mut lease = None;
@@ -679,7 +724,7 @@ impl Producer {
                 publications: Vec::new(),
             },
         );
-        Ok((lease_id, chunks, ttl.as_millis() as u32))
+        Ok((lease_id, chunks, ttl.as_millis() as u32, None))
     }
 
     /// How many leading `keys` this producer would serve: the leading published ones
@@ -706,6 +751,7 @@ impl Producer {
         ttl: Duration,
         holder: &Holder,
         incarnation: Option<u64>,
+        select: Option<&WireSelection>,
     ) -> Option<StageResult> {
         let pubs: Vec<Arc<Publication>> = {
             let table = self.inner.published.lock();
@@ -715,6 +761,12 @@ impl Producer {
                 .collect()
         };
         let first = pubs.first()?;
+        if let Some(select) = select {
+            return Some(
+                self.stage_selected_pubs(keys, pubs, select, ttl, holder, incarnation)
+                    .await,
+            );
+        }
         let (chunks, data, pubs, charge) = match &first.source {
             PubSource::Host { .. } => {
                 let pubs: Vec<Arc<Publication>> = pubs
@@ -740,7 +792,8 @@ impl Producer {
                     .into_iter()
                     .take_while(|p| matches!(&p.source, PubSource::Device { cache: c } if Arc::ptr_eq(c, &cache)))
                     .collect();
-                match self.gather_device(&cache, &pubs, holder).await {
+                let frames = pubs.iter().map(|p| (p.key, p.len, p.ranges.clone())).collect();
+                match self.gather_device(&cache, frames, holder).await {
                     Ok((chunks, data, charge)) => (chunks, data, pubs, Some(charge)),
                     Err(e) => return Some(Err(e)),
                 }
@@ -761,20 +814,106 @@ impl Producer {
                 publications: pubs,
             },
         );
-        Some(Ok((lease_id, chunks, ttl.as_millis() as u32)))
+        Some(Ok((lease_id, chunks, ttl.as_millis() as u32, None)))
+    }
+
+    /// Stages the selected part of publications `pubs` (the leading published ones
+    /// of `keys`): all keys must be published, from one cache. A host cache's
+    /// selected bytes are checksummed in place and sent from the cache; a device
+    /// cache's are gathered into staging pages.
+    async fn stage_selected_pubs(
+        &self,
+        keys: &[ChunkKey],
+        pubs: Vec<Arc<Publication>>,
+        select: &WireSelection,
+        ttl: Duration,
+        holder: &Holder,
+        incarnation: Option<u64>,
+    ) -> StageResult {
+        let ttl_ms = ttl.as_millis() as u32;
+        if pubs.len() < keys.len() {
+            // Not everything is published (yet): a selection over missing blocks
+            // cannot be served, so the request is a miss.
+            return Ok((0, Vec::new(), ttl_ms, None));
+        }
+        let same_cache = |a: &PubSource, b: &PubSource| match (a, b) {
+            (PubSource::Host { cache: x, .. }, PubSource::Host { cache: y, .. }) => Arc::ptr_eq(x, y),
+            (PubSource::Device { cache: x }, PubSource::Device { cache: y }) => Arc::ptr_eq(x, y),
+            _ => false,
+        };
+        if let Some(p) = pubs.iter().find(|p| !same_cache(&p.source, &pubs[0].source)) {
+            let why = format!("keys {} and {} are published from different caches", pubs[0].key, p.key);
+            return Err(SelectionError::Unsupported(why).into());
+        }
+        let map = match &pubs[0].source {
+            PubSource::Host { cache, .. } => cache.map().clone(),
+            PubSource::Device { cache } => cache.map().clone(),
+        };
+        let lists: Vec<(ChunkKey, &[u32])> = pubs.iter().map(|p| (p.key, p.blocks.as_slice())).collect();
+        let limits = Limits::default();
+        let plan = plan_source(&lists, &map, select, limits.max_keys, limits.max_bulk_bytes)?;
+        let shape = plan.shape.clone();
+        let (chunks, data, charge) = match &pubs[0].source {
+            PubSource::Host { cache, .. } => {
+                let mut chunks = Vec::with_capacity(plan.frame_count());
+                for i in 0..plan.frame_count() {
+                    let (key, len) = plan.frame(i);
+                    let checksum = cache.checksum(&plan.frame_ranges(i))?;
+                    chunks.push(ChunkMeta {
+                        key,
+                        len: len as u64,
+                        checksum,
+                    });
+                }
+                let data = StagedData::Selected { plan: Arc::new(plan) };
+                (chunks, data, None)
+            }
+            PubSource::Device { cache } => {
+                let all = plan.all_ranges()?;
+                let frames = all
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| {
+                        let (key, len) = plan.frame(i);
+                        (key, len, r)
+                    })
+                    .collect();
+                let (chunks, data, charge) = self.gather_device(&cache.clone(), frames, holder).await?;
+                (chunks, data, Some(charge))
+            }
+        };
+        let lease_id = self.new_lease_id();
+        self.inner.counters.staged.fetch_add(1, Ordering::Relaxed);
+        self.inner.staged.lock().insert(
+            lease_id,
+            StagedLease {
+                data,
+                chunks: chunks.clone(),
+                expires: Instant::now() + ttl,
+                owner: holder.identity.clone(),
+                owner_incarnation: incarnation,
+                _charge: charge,
+                eager_conn: None,
+                publications: pubs,
+            },
+        );
+        Ok((lease_id, chunks, ttl_ms, Some(shape)))
     }
 
     /// Gathers device publications into fresh staging pages (device-to-host on the
     /// cache's copy stream, waited for at most the cache's op timeout) and checksums
     /// them. On timeout or cancel the pages are quarantined until the device confirms.
+    ///
+    /// `frames`: what to gather, one staged chunk each: its key, length and ranges in
+    /// the cache (a publication's, or a frame of a selection).
     async fn gather_device(
         &self,
         cache: &Arc<DeviceKvCache>,
-        pubs: &[Arc<Publication>],
+        frames: Vec<GatherFrame>,
         holder: &Holder,
     ) -> Result<(Vec<ChunkMeta>, StagedData, Charge), PeerError> {
         let inner = &self.inner;
-        let total: usize = pubs.iter().map(|p| p.len).sum();
+        let total: usize = frames.iter().map(|f| f.1).sum();
         let pages = inner.arena.pages_for(total);
         let lease = inner.arena.try_alloc(pages).map_err(|_| {
             inner.counters.busy.fetch_add(1, Ordering::Relaxed);
@@ -784,13 +923,15 @@ impl Producer {
             }
         })?;
         let charge = self.charge(holder, lease.page_count())?;
-        let mut offsets = Vec::with_capacity(pubs.len());
-        let mut plan = Vec::with_capacity(pubs.len());
+        let mut offsets = Vec::with_capacity(frames.len());
+        let mut plan = Vec::with_capacity(frames.len());
+        let mut metas = Vec::with_capacity(frames.len());
         let mut at = 0;
-        for p in pubs {
+        for (key, len, ranges) in frames {
             offsets.push(at);
-            plan.push((at, p.ranges.clone()));
-            at += p.len;
+            plan.push((at, ranges));
+            metas.push((key, len));
+            at += len;
         }
         let device_err = |error| PeerError::Device {
             cache: cache.name().to_string(),
@@ -811,15 +952,15 @@ impl Producer {
                 return Err(device_err(e));
             }
         };
-        let mut chunks = Vec::with_capacity(pubs.len());
-        for (p, &off) in pubs.iter().zip(&offsets) {
+        let mut chunks = Vec::with_capacity(metas.len());
+        for (&(key, len), &off) in metas.iter().zip(&offsets) {
             let mut crc = 0u32;
-            for s in lease.io_slices(off, p.len)? {
+            for s in lease.io_slices(off, len)? {
                 crc = crate::checksum::append(crc, s);
             }
             chunks.push(ChunkMeta {
-                key: p.key,
-                len: p.len as u64,
+                key,
+                len: len as u64,
                 checksum: crc,
             });
         }
@@ -914,6 +1055,11 @@ impl Producer {
                     PubSource::Host { cache, .. } => cache.io_slices(&entry.publications[i].ranges),
                     PubSource::Device { .. } => unreachable!("device publications are sent from pages"),
                 },
+                // A selection: frame `i`'s ranges of the (one) host cache.
+                StagedData::Selected { plan } => match &entry.publications[0].source {
+                    PubSource::Host { cache, .. } => cache.io_slices(&plan.frame_ranges(i)),
+                    PubSource::Device { .. } => unreachable!("device selections are sent from pages"),
+                },
             }
             .map_err(|e| NetError::Protocol(e.to_string()))?;
             let corrupt = self
@@ -995,6 +1141,36 @@ impl Producer {
             identity: holder.identity.clone(),
             incarnation: (!holder.proven).then_some(peer.incarnation),
         };
+        // A selected get or stage is served as the plain one, with its selection.
+        let (msg, select) = match msg {
+            Message::GetSelected { keys, ttl_ms, select } => (Message::Get { keys, ttl_ms }, Some(select)),
+            Message::StageSelected { keys, ttl_ms, select } => (Message::Stage { keys, ttl_ms }, Some(select)),
+            other => (other, None),
+        };
+        // A selected request's reply is `StagedSelected`, a miss included.
+        let selected = select.is_some();
+        let staged = |lease_id, chunks, ttl_ms, shape: Option<SelectedShape>| match shape {
+            Some(shape) => Message::StagedSelected {
+                lease_id,
+                incarnation: self.inner.incarnation,
+                chunks,
+                ttl_ms,
+                shape,
+            },
+            None if selected => Message::StagedSelected {
+                lease_id,
+                incarnation: self.inner.incarnation,
+                chunks,
+                ttl_ms,
+                shape: SelectedShape::default(),
+            },
+            None => Message::Staged {
+                lease_id,
+                incarnation: self.inner.incarnation,
+                chunks,
+                ttl_ms,
+            },
+        };
         if self.inner.refusing.load(Ordering::Acquire) && matches!(msg, Message::Stage { .. } | Message::Get { .. }) {
             self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
             let why = "not registered in the peer directory (its lease was lost; registering again)";
@@ -1016,19 +1192,14 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
+                let ttl = Duration::from_millis(ttl_ms as u64);
                 match self
-                    .stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation)
+                    .stage_for(&keys, ttl, &holder, who.incarnation, select.as_ref())
                     .await
                 {
-                    Ok((lease_id, chunks, ttl_ms)) => {
+                    Ok((lease_id, chunks, ttl_ms, shape)) => {
                         accounting::note_found(!chunks.is_empty());
-                        let m = Message::Staged {
-                            lease_id,
-                            incarnation: self.inner.incarnation,
-                            chunks,
-                            ttl_ms,
-                        };
-                        conn.send(id, &m).await
+                        conn.send(id, &staged(lease_id, chunks, ttl_ms, shape)).await
                     }
                     Err(e) => refuse(conn, id, kind_of(&e), e.to_string()).await,
                 }
@@ -1038,21 +1209,16 @@ impl Producer {
                     self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
-                let (lease_id, chunks, ttl_ms) = match self
-                    .stage_for(&keys, Duration::from_millis(ttl_ms as u64), &holder, who.incarnation)
+                let ttl = Duration::from_millis(ttl_ms as u64);
+                let (lease_id, chunks, ttl_ms, shape) = match self
+                    .stage_for(&keys, ttl, &holder, who.incarnation, select.as_ref())
                     .await
                 {
                     Ok(s) => s,
                     Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
                 };
                 accounting::note_found(!chunks.is_empty());
-                let m = Message::Staged {
-                    lease_id,
-                    incarnation: self.inner.incarnation,
-                    chunks,
-                    ttl_ms,
-                };
-                conn.send(id, &m).await?;
+                conn.send(id, &staged(lease_id, chunks, ttl_ms, shape)).await?;
                 if lease_id == 0 {
                     return Ok(()); // miss: nothing staged, nothing follows
                 }
@@ -1221,6 +1387,7 @@ fn kind_of(e: &PeerError) -> ErrorKind {
             ErrorKind::Busy
         }
         PeerError::InvalidArgument(_) => ErrorKind::BadRequest,
+        PeerError::Selection(_) => ErrorKind::BadSelection,
         PeerError::ShuttingDown => ErrorKind::ShuttingDown,
         _ => ErrorKind::Internal,
     }

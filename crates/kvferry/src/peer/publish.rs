@@ -94,6 +94,8 @@ pub(crate) struct Publication {
     pub source: PubSource,
     /// The chunk's ranges in its cache's address space.
     pub ranges: Vec<(usize, usize)>,
+    /// The published block ids, in order (what a selection's positions index).
+    pub blocks: Vec<u32>,
     pub len: usize,
     pub expires: Instant,
     /// Leaves the table on the first `Done` of a transfer that sent it.
@@ -109,10 +111,12 @@ impl std::fmt::Debug for Publication {
 }
 
 impl Publication {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         key: ChunkKey,
         source: PubSource,
         ranges: Vec<(usize, usize)>,
+        blocks: Vec<u32>,
         len: usize,
         expires: Instant,
         once: bool,
@@ -122,6 +126,7 @@ impl Publication {
             key,
             source,
             ranges,
+            blocks,
             len,
             expires,
             once,

@@ -10,6 +10,9 @@
 //! - Delayed pull: `Stage` → `Staged`; later `Pull` → one bulk frame per staged chunk →
 //!   `PullDone`; finally `Done` → `DoneAck`.
 //! - Eager get: `Get` → `Staged` → bulk frames → `PullDone`; then `Done` → `DoneAck`.
+//! - Partial (selected) get or stage: `GetSelected` / `StageSelected` →
+//!   `StagedSelected` (then as above); see [`super::selection`]. A selection that does
+//!   not fit is answered `Error { kind: BadSelection }`, the connection kept.
 //! - Push: `Put` + one bulk frame → `PutAck`.
 //! - Liveness: `Ping` → `Pong`.
 //!
@@ -24,6 +27,7 @@
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncRead;
 
+use super::selection::{SelectedShape, SelectionError, WireSelection};
 use super::{read_control, ChunkKey, Limits, WireError};
 
 /// Longest accepted `peer_id`, in bytes.
@@ -72,6 +76,9 @@ pub enum ErrorKind {
     NotFound,
     /// The replying side is shutting down and accepts no new work.
     ShuttingDown,
+    /// A selection (`GetSelected`, `StageSelected`) does not fit the publication; the
+    /// message names the mismatch.
+    BadSelection,
 }
 
 /// A control message.
@@ -196,6 +203,44 @@ pub enum Message {
         /// The server's proof.
         proof: [u8; 32],
     },
+    /// Eager get of part of the keys' published blocks (see [`super::selection`]).
+    /// Replies are `StagedSelected`, one bulk frame per announced frame, then
+    /// `PullDone`. A producer that cannot serve the selection answers `Error` with
+    /// [`ErrorKind::BadSelection`].
+    GetSelected {
+        /// Keys, in prefix order; all must be published.
+        keys: Vec<ChunkKey>,
+        /// TTL of the lease, should the consumer not send `Done`.
+        ttl_ms: u32,
+        /// What to send.
+        select: WireSelection,
+    },
+    /// Stages part of the keys' published blocks for a later pull (only the selected
+    /// bytes are staged). Reply: `StagedSelected`.
+    StageSelected {
+        /// Keys, in prefix order; all must be published.
+        keys: Vec<ChunkKey>,
+        /// How long the producer keeps them staged without a pull or `Done`.
+        ttl_ms: u32,
+        /// What to stage.
+        select: WireSelection,
+    },
+    /// Reply to `GetSelected` and `StageSelected`: as [`Message::Staged`], but
+    /// `chunks` are the frames of the selected stream (cut at block boundaries, each
+    /// named by the key of its first block), and `shape` says what the stream holds.
+    /// Empty `chunks` (lease 0) is a miss.
+    StagedSelected {
+        /// The lease holding the staged bytes.
+        lease_id: LeaseId,
+        /// The producer incarnation the lease belongs to.
+        incarnation: u64,
+        /// The frames, in stream order.
+        chunks: Vec<ChunkMeta>,
+        /// The lease's TTL as granted by the producer.
+        ttl_ms: u32,
+        /// Selected blocks and per-piece bytes of the stream.
+        shape: SelectedShape,
+    },
 }
 
 impl Message {
@@ -209,6 +254,17 @@ impl Message {
             }
             Message::Lookup { keys } | Message::Stage { keys, .. } | Message::Get { keys, .. } => {
                 check("key list", keys.len(), limits.max_keys)
+            }
+            Message::GetSelected { keys, select, .. } | Message::StageSelected { keys, select, .. } => {
+                check("key list", keys.len(), limits.max_keys)?;
+                select.check_bounds().map_err(selection_oversize)
+            }
+            Message::StagedSelected { chunks, shape, .. } => {
+                shape.validate().map_err(selection_oversize)?;
+                check("chunk list", chunks.len(), limits.max_keys)?;
+                chunks
+                    .iter()
+                    .try_for_each(|c| check_u64("chunk", c.len, limits.max_bulk_bytes))
             }
             Message::Staged { chunks, .. } => {
                 check("chunk list", chunks.len(), limits.max_keys)?;
@@ -254,6 +310,9 @@ impl Message {
             Message::Ping => "Ping",
             Message::Pong => "Pong",
             Message::WelcomeAuth { .. } => "WelcomeAuth",
+            Message::GetSelected { .. } => "GetSelected",
+            Message::StageSelected { .. } => "StageSelected",
+            Message::StagedSelected { .. } => "StagedSelected",
         }
     }
 }
@@ -267,6 +326,21 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R, limits: &Limits) -> R
     let (request_id, msg) = read_control::<R, Message>(r, limits).await?;
     msg.validate(limits)?;
     Ok((request_id, msg))
+}
+
+/// A selection over its bounds, as the wire reports oversize input (the connection
+/// is then refused with `TooLarge` and closed). Only list lengths are checked here;
+/// other defects (an empty or overflowing range, a position past the end) are refused
+/// by the producer with [`ErrorKind::BadSelection`], the connection kept.
+fn selection_oversize(e: SelectionError) -> WireError {
+    match e {
+        SelectionError::TooMany { what, len, limit } => WireError::Oversize {
+            what,
+            len: len as u64,
+            limit: limit as u64,
+        },
+        other => WireError::Decode(other.to_string()),
+    }
 }
 
 fn check(what: &'static str, len: usize, limit: usize) -> Result<(), WireError> {

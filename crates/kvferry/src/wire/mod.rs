@@ -15,6 +15,7 @@
 //! - [`bulk`] — gather-write and scatter-read of bulk payloads.
 //! - [`key`] — [`ChunkKey`], the content key of a chunk.
 //! - [`message`] — the P2P control protocol, [`Message`].
+//! - [`selection`] — partial gets: [`WireSelection`], [`SelectedShape`], [`SelectionError`].
 //! - [`auth`] — HMAC challenge-response helpers for the handshake.
 //! - [`error`] — [`WireError`].
 
@@ -26,6 +27,7 @@ pub mod frame;
 pub mod key;
 pub mod limits;
 pub mod message;
+pub mod selection;
 
 pub use bulk::{read_bulk_body, read_bulk_body_tcp, write_bulk, write_bulk_with_checksum};
 pub use codec::{read_control, read_control_body, read_frame_header, skip_body, write_control};
@@ -34,3 +36,4 @@ pub use frame::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, VERSION};
 pub use key::ChunkKey;
 pub use limits::Limits;
 pub use message::{read_message, ChunkMeta, ErrorKind, LeaseId, Message};
+pub use selection::{SelectedShape, SelectionError, WireSelection};

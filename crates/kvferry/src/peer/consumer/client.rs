@@ -7,15 +7,18 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::super::selection::{LandingPlan, Selection};
 use super::super::PeerError;
 use super::peer_watch::PeerWatch;
 use super::transfer::{unexpected, TaskError};
-use super::types::{ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Transfer};
+use super::types::{
+    ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, StagedSelection, Transfer,
+};
 use crate::copy::{CopyEngine, DrainFence, DrainSignal};
 use crate::mem::Arena;
 use crate::net::{NetError, Pool, PoolStats};
 use crate::stats::{Histogram, HistogramSnapshot};
-use crate::wire::{ChunkKey, Message};
+use crate::wire::{ChunkKey, Message, SelectionError, WireSelection};
 
 /// How much later than its deadline [`Consumer::get_blocking`] gives up waiting for a
 /// transfer's own answer (which normally arrives at the deadline).
@@ -62,8 +65,15 @@ pub struct Consumer {
 }
 
 pub(super) enum Request {
-    Get { keys: Vec<ChunkKey> },
-    Pull { handle: StagedHandle },
+    /// An eager get; with a selection, its wire form (checked against the
+    /// destination).
+    Get {
+        keys: Vec<ChunkKey>,
+        select: Option<WireSelection>,
+    },
+    Pull {
+        handle: StagedHandle,
+    },
 }
 
 impl Consumer {
@@ -141,7 +151,7 @@ impl Consumer {
     pub(super) fn transfer_span(&self, peer: &str, req: &Request) -> tracing::Span {
         let id = self.inner.next_transfer.fetch_add(1, Ordering::Relaxed);
         let (kind, chunks) = match req {
-            Request::Get { keys } => ("get", keys.len()),
+            Request::Get { keys, .. } => ("get", keys.len()),
             Request::Pull { handle } => ("pull", handle.chunks.len()),
         };
         tracing::info_span!(target: "kvferry::peer", "transfer", request = id, peer = %peer, kind, chunks,
@@ -262,26 +272,86 @@ impl Consumer {
 
     /// Delayed pull, step one: asks `peer` to stage `keys` and returns a handle.
     pub async fn stage(&self, peer: &str, keys: &[ChunkKey], deadline: Instant) -> Result<StagedHandle, PeerError> {
+        self.stage_with(peer, keys, None, deadline).await
+    }
+
+    /// [`stage`](Self::stage) of the `select`ed part of published keys: the producer
+    /// stages (device caches) or pins (host caches) only the selected bytes. The
+    /// handle records the selection and the stream's shape; [`resolve`](Self::resolve)
+    /// lands it by the selection's destination ranges, or by those of its
+    /// destination's own selection (same blocks and source ranges). A miss (not every
+    /// key published) is a handle with no chunks.
+    pub async fn stage_selected(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        select: &Selection,
+        deadline: Instant,
+    ) -> Result<StagedHandle, PeerError> {
+        self.stage_with(peer, keys, Some((select.clone(), select.wire(None, None))), deadline)
+            .await
+    }
+
+    async fn stage_with(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        select: Option<(Selection, WireSelection)>,
+        deadline: Instant,
+    ) -> Result<StagedHandle, PeerError> {
         check_keys(keys, self.max_keys())?;
         let sent = Instant::now();
-        let msg = Message::Stage {
-            keys: keys.to_vec(),
-            ttl_ms: self.inner.cfg.lease_ttl.as_millis() as u32,
-        };
-        match self.simple_request(peer, &msg, deadline).await? {
-            Message::Staged {
-                lease_id,
-                incarnation,
-                chunks,
+        let ttl_ms = self.inner.cfg.lease_ttl.as_millis() as u32;
+        let keys_v = keys.to_vec();
+        let msg = match &select {
+            None => Message::Stage { keys: keys_v, ttl_ms },
+            Some((_, wire)) => Message::StageSelected {
+                keys: keys_v,
                 ttl_ms,
-            } => Ok(StagedHandle {
-                peer: peer.to_string(),
-                lease_id,
-                incarnation,
-                chunks,
-                expires: sent + Duration::from_millis(ttl_ms as u64),
-            }),
-            other => Err(unexpected("Staged", &other)),
+                select: wire.clone(),
+            },
+        };
+        let handle = |lease_id, incarnation, chunks, ttl_ms: u32, selection| StagedHandle {
+            peer: peer.to_string(),
+            lease_id,
+            incarnation,
+            chunks,
+            expires: sent + Duration::from_millis(ttl_ms as u64),
+            selection,
+        };
+        match (self.simple_request(peer, &msg, deadline).await?, select) {
+            (
+                Message::Staged {
+                    lease_id,
+                    incarnation,
+                    chunks,
+                    ttl_ms,
+                },
+                None,
+            ) => Ok(handle(lease_id, incarnation, chunks, ttl_ms, None)),
+            (
+                Message::StagedSelected {
+                    lease_id,
+                    incarnation,
+                    chunks,
+                    ttl_ms,
+                    shape,
+                },
+                Some((select, _)),
+            ) => {
+                if chunks.is_empty() {
+                    return Ok(handle(lease_id, incarnation, chunks, ttl_ms, None));
+                }
+                check_frames(&chunks, shape.total())?;
+                let selection = StagedSelection {
+                    select,
+                    shape,
+                    keys: keys.len(),
+                };
+                Ok(handle(lease_id, incarnation, chunks, ttl_ms, Some(selection)))
+            }
+            (other, None) => Err(unexpected("Staged", &other)),
+            (other, Some(_)) => Err(unexpected("StagedSelected", &other)),
         }
     }
 
@@ -324,13 +394,22 @@ impl Consumer {
     /// chunks into `dst` under the same `deadline`, as one [`Transfer`] with one fence
     /// (it fires once nothing writes `dst`, whichever step a cancel interrupts). A
     /// stage that fails, or a transfer dropped while staging, wrote nothing; the
-    /// producer's lease then ends by its TTL.
+    /// producer's lease then ends by its TTL. With a selection on `dst`, only the
+    /// selected bytes are staged (the destination's expectation travels with the
+    /// stage, so a mismatch is refused before anything is staged).
     pub fn start_pull(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
+        let select = match &dst.select {
+            None => None,
+            Some(sel) => match dst.check_selected(sel) {
+                Ok(wire) => Some((sel.clone(), wire)),
+                Err(error) => return Transfer::failed(error),
+            },
+        };
         let (signal, fence) = DrainFence::pair();
         let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
         let fut = async move {
             let started = Instant::now();
-            match this.stage(&peer, &keys, deadline).await {
+            match this.stage_with(&peer, &keys, select, deadline).await {
                 Ok(handle) => this.resolve_fenced(handle, dst, deadline, started, signal, f).await,
                 Err(error) => {
                     drop(signal);
@@ -378,9 +457,8 @@ impl Consumer {
             drop(signal);
             return Ok(Landed { chunks: 0, bytes: 0 });
         }
-        // The destination is checked as for `get`: the staged chunks land in its
-        // leading chunks (fewer destination chunks pull a prefix).
-        if let Err(error) = dst.check(handle.chunks.len().min(dst.chunks.len()).max(1)) {
+        let mut dst = dst;
+        if let Err(error) = check_resolve(&handle, &mut dst) {
             return refuse(error, signal, fence);
         }
         let peer = handle.peer.clone();
@@ -469,19 +547,26 @@ impl Consumer {
     /// before reusing the destination blocks.
     pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
         let (signal, fence) = DrainFence::pair();
-        if let Err(error) = check_keys(keys, self.max_keys()).and_then(|_| dst.check(keys.len())) {
-            drop(signal);
-            let f = fence.clone();
-            return Transfer {
-                fence,
-                fut: Box::pin(async move { Err(GetFailure::clean(error, f)) }),
-            };
-        }
+        let checked = check_keys(keys, self.max_keys()).and_then(|_| match &dst.select {
+            None => dst.check(keys.len()).map(|_| None),
+            Some(sel) => dst.check_selected(sel).map(Some),
+        });
+        let select = match checked {
+            Ok(s) => s,
+            Err(error) => {
+                drop(signal);
+                let f = fence.clone();
+                return Transfer {
+                    fence,
+                    fut: Box::pin(async move { Err(GetFailure::clean(error, f)) }),
+                };
+            }
+        };
         let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
         // Dropped before its first poll, the future drops `signal` and the fence fires.
         let fut = async move {
             let started = Instant::now();
-            this.run_fenced(&peer, Request::Get { keys }, dst, deadline, started, signal, f)
+            this.run_fenced(&peer, Request::Get { keys, select }, dst, deadline, started, signal, f)
                 .await
         };
         Transfer {
@@ -563,6 +648,48 @@ impl Consumer {
             }
         }
     }
+}
+
+/// The frames a producer announced for a selected stream: their lengths add up to
+/// the stream's shape.
+pub(super) fn check_frames(chunks: &[crate::wire::ChunkMeta], total: u64) -> Result<(), SelectionError> {
+    let sum = chunks.iter().fold(0u64, |a, c| a.saturating_add(c.len));
+    if sum != total {
+        return Err(SelectionError::Stream(format!(
+            "frames of {sum} bytes announced for a stream of {total}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a destination for resolving `handle`: without a selection as for `get`
+/// (the staged chunks land in the leading destination chunks); with one, the
+/// destination lands the staged stream by its own selection (same blocks and source
+/// ranges as staged) or by the staged one's destination ranges, and must fit the
+/// stream's shape.
+fn check_resolve(handle: &StagedHandle, dst: &mut Destination) -> Result<(), PeerError> {
+    let Some(staged) = &handle.selection else {
+        if dst.select.is_some() {
+            let why = "the handle was staged without a selection; stage with one to resolve with one";
+            return Err(SelectionError::Unsupported(why.into()).into());
+        }
+        return dst.check(handle.chunks.len().min(dst.chunks.len()).max(1));
+    };
+    let select = match dst.select.take() {
+        None => staged.select.clone(),
+        Some(s) if s.blocks() == staged.select.blocks() && s.src_ranges() == staged.select.src_ranges() => s,
+        Some(_) => {
+            let why = "the resolve's selection names other blocks or source ranges than were staged";
+            return Err(SelectionError::Unsupported(why.into()).into());
+        }
+    };
+    let blocks = dst.flat_blocks();
+    dst.map()
+        .check_blocks(&blocks)
+        .map_err(|e| PeerError::InvalidArgument(format!("destination blocks: {e}")))?;
+    LandingPlan::new(dst.map(), &blocks, &select, &staged.shape)?;
+    dst.select = Some(select);
+    Ok(())
 }
 
 /// A request's keys: at least one, and no more than a peer accepts in one request

@@ -38,5 +38,6 @@ pub mod types;
 pub use client::Consumer;
 pub use peer_watch::PeerGone;
 pub use types::{
-    ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, Target, Transfer, TransferPath,
+    ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, StagedSelection, Target, Transfer,
+    TransferPath,
 };

@@ -14,14 +14,15 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::super::selection::LandingPlan;
 use super::super::PeerError;
-use super::client::{Consumer, Request, OUTCOMES};
+use super::client::{check_frames, Consumer, Request, OUTCOMES};
 use super::types::{Destination, GetFailure, Landed, Target, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
 use crate::device::{DeviceError, DeviceKvCache};
 use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
-use crate::wire::{ChunkMeta, Message};
+use crate::wire::{ChunkMeta, Message, SelectedShape, SelectionError};
 
 /// How long a transfer's drain waits for a device to settle a landing copy that
 /// outlived the transfer before declaring it unconfirmed.
@@ -50,6 +51,9 @@ impl TaskError {
     }
 }
 
+/// A host-to-device scatter: `(offset in the staging lease, destination ranges)`.
+type ScatterPlan = Vec<(usize, Vec<(usize, usize)>)>;
+
 /// Where a chunk's received bytes go.
 enum Sink {
     /// Receiver staging pages, chunk `i` at `offsets[i]`.
@@ -73,6 +77,8 @@ struct TransferCtx<'a> {
     /// ended: the fence waits for it.
     unconfirmed: Option<crate::device::Event>,
     started: Instant,
+    /// A selected transfer's landing (set once the producer announced its stream).
+    landing: Option<LandingPlan>,
 }
 
 impl Consumer {
@@ -108,6 +114,7 @@ impl Consumer {
             dirty: false,
             unconfirmed: None,
             started,
+            landing: None,
         };
         let result = ctx.run(req).await;
         let outcome = match &result {
@@ -206,11 +213,21 @@ impl TransferCtx<'_> {
 
     async fn run(&mut self, req: Request) -> Result<Landed, PeerError> {
         let inner = &self.consumer.inner;
+        // A selected transfer is one stream into the destination's selected ranges:
+        // `caps` is then that stream's size, and `keys` what a success reports.
+        let selected = match &req {
+            Request::Get { keys, select: Some(w) } => Some((self.dst.selected_bytes(w), keys.len())),
+            Request::Pull { handle } => handle.selection.as_ref().map(|s| (s.shape.total() as usize, s.keys)),
+            Request::Get { select: None, .. } => None,
+        };
         let nchunks = match &req {
-            Request::Get { keys } => keys.len(),
+            Request::Get { keys, .. } => keys.len(),
             Request::Pull { handle } => handle.chunks.len().min(self.dst.chunks.len()),
         };
-        let caps: Vec<usize> = (0..nchunks).map(|i| self.dst.capacity(i)).collect();
+        let caps: Vec<usize> = match selected {
+            Some((total, _)) => vec![total],
+            None => (0..nchunks).map(|i| self.dst.capacity(i)).collect(),
+        };
         // 1. Staged path: receiver staging for every chunk first, or the request is a miss.
         let mut sink = match self.dst.effective_path() {
             TransferPath::Direct => Sink::Direct,
@@ -238,7 +255,10 @@ impl TransferCtx<'_> {
         };
         let bytes: usize = chunks.iter().map(|m| m.len as usize).sum();
         let landed = Landed {
-            chunks: chunks.len(),
+            chunks: match selected {
+                Some((_, keys)) if !chunks.is_empty() => keys,
+                _ => chunks.len(),
+            },
             bytes,
         };
         let Sink::Staging { lease, offsets } = sink else {
@@ -248,22 +268,42 @@ impl TransferCtx<'_> {
             return Ok(landed);
         }
 
-        // 3. Land: scatter each chunk into its destination blocks.
+        // 3. Land: scatter each chunk into its destination blocks (a selected
+        // stream: into the destination's selected ranges, in order).
+        let selected_ranges = match &self.landing {
+            Some(l) => Some(l.all_ranges()?),
+            None => None,
+        };
         let cache = match &self.dst.target {
             Target::Host(c) => c.clone(),
             Target::Device(c) => {
                 let c = c.clone();
-                return self.land_on_device(&c, lease, &offsets, &chunks, landed).await;
+                let plan = match selected_ranges {
+                    Some(r) => vec![(0, r)],
+                    None => self.device_plan(&c, &offsets, &chunks)?,
+                };
+                return self.land_on_device(&c, lease, plan, landed).await;
             }
         };
         let memory: std::sync::Arc<dyn HostMemory> = cache.memory().clone();
         let mut plan = CopyPlan::new(lease, Endpoint::Memory(memory));
-        for (i, meta) in chunks.iter().enumerate() {
-            let ranges = cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
-            let mut at = offsets[i];
-            for (off, n) in ranges {
-                plan.push(at, off, n);
-                at += n;
+        match selected_ranges {
+            Some(ranges) => {
+                let mut at = 0;
+                for (off, n) in ranges {
+                    plan.push(at, off, n);
+                    at += n;
+                }
+            }
+            None => {
+                for (i, meta) in chunks.iter().enumerate() {
+                    let ranges = cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
+                    let mut at = offsets[i];
+                    for (off, n) in ranges {
+                        plan.push(at, off, n);
+                        at += n;
+                    }
+                }
             }
         }
         self.dirty = true;
@@ -289,18 +329,27 @@ impl TransferCtx<'_> {
     /// failure), the pages stay quarantined until the device confirms, and this task
     /// keeps waiting for that confirmation (bounded) before it lets the caller's fence
     /// fire: destination blocks are reported quiet only after the scatter drained.
-    async fn land_on_device(
-        &mut self,
-        cache: &std::sync::Arc<DeviceKvCache>,
-        lease: Lease,
+    /// The scatter plan of whole chunks: chunk `i` from `offsets[i]` into its blocks.
+    fn device_plan(
+        &self,
+        cache: &DeviceKvCache,
         offsets: &[usize],
         chunks: &[ChunkMeta],
-        landed: Landed,
-    ) -> Result<Landed, PeerError> {
+    ) -> Result<ScatterPlan, PeerError> {
         let mut plan = Vec::with_capacity(chunks.len());
         for (i, meta) in chunks.iter().enumerate() {
             plan.push((offsets[i], cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?));
         }
+        Ok(plan)
+    }
+
+    async fn land_on_device(
+        &mut self,
+        cache: &std::sync::Arc<DeviceKvCache>,
+        lease: Lease,
+        plan: ScatterPlan,
+        landed: Landed,
+    ) -> Result<Landed, PeerError> {
         let device_err = |error| PeerError::Device {
             cache: cache.name().to_string(),
             error,
@@ -343,7 +392,7 @@ impl TransferCtx<'_> {
         let mut conn: PooledConnection = self.pool.checkout(self.deadline).await?;
         let id = conn.next_request_id();
         let chunks = match req {
-            Request::Get { keys } => {
+            Request::Get { keys, select } => {
                 // A connection's handshake names the incarnation it reached: a restarted
                 // peer is refused before anything is staged on it.
                 let current = conn.peer().incarnation;
@@ -355,16 +404,35 @@ impl TransferCtx<'_> {
                     });
                 }
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
-                conn.send(
-                    id,
-                    &Message::Get {
+                let selected = select.is_some();
+                let msg = match select {
+                    None => Message::Get {
                         keys: keys.clone(),
                         ttl_ms,
                     },
-                )
-                .await?;
+                    Some(select) => Message::GetSelected {
+                        keys: keys.clone(),
+                        ttl_ms,
+                        select,
+                    },
+                };
+                conn.send(id, &msg).await?;
                 match conn.recv_reply(id).await? {
-                    Message::Staged { lease_id, chunks, .. } => {
+                    Message::StagedSelected {
+                        lease_id,
+                        chunks,
+                        shape,
+                        ..
+                    } if selected => {
+                        if lease_id != 0 {
+                            self.lease_to_release = Some(lease_id);
+                        }
+                        if !chunks.is_empty() {
+                            self.plan_landing(&chunks, &shape)?;
+                        }
+                        chunks
+                    }
+                    Message::Staged { lease_id, chunks, .. } if !selected => {
                         if lease_id != 0 {
                             self.lease_to_release = Some(lease_id);
                         }
@@ -375,11 +443,17 @@ impl TransferCtx<'_> {
                         }
                         chunks
                     }
-                    other => return Err(unexpected("Staged", &other)),
+                    other => {
+                        let expected = if selected { "StagedSelected" } else { "Staged" };
+                        return Err(unexpected(expected, &other));
+                    }
                 }
             }
             Request::Pull { handle } => {
                 self.lease_to_release = Some(handle.lease_id);
+                if let Some(s) = &handle.selection {
+                    self.plan_landing(&handle.chunks, &s.shape)?;
+                }
                 conn.send(
                     id,
                     &Message::Pull {
@@ -388,14 +462,49 @@ impl TransferCtx<'_> {
                     },
                 )
                 .await?;
-                handle.chunks.into_iter().take(caps.len()).collect()
+                if handle.selection.is_some() {
+                    handle.chunks
+                } else {
+                    handle.chunks.into_iter().take(caps.len()).collect()
+                }
             }
         };
         if chunks.is_empty() {
             conn.finish();
             return Ok(chunks);
         }
+        let landing = self.landing.take();
+        let mut cursor = landing.as_ref().map(|l| l.cursor());
+        let mut at = 0; // a selected stream's offset in the staging lease
         for (i, meta) in chunks.iter().enumerate() {
+            if let Some(cur) = cursor.as_mut() {
+                // A selected stream: frame `i` fills the next `len` bytes.
+                let len = meta.len as usize;
+                let received = match sink {
+                    Sink::Staging { lease, .. } => {
+                        let mut parts = lease.io_slices_mut(at, len)?;
+                        at += len;
+                        conn.recv_bulk(id, &mut parts).await
+                    }
+                    Sink::Direct => {
+                        let Target::Host(cache) = &self.dst.target else {
+                            unreachable!("device targets are always staged");
+                        };
+                        let ranges = cur.take(len)?;
+                        self.dirty = true;
+                        // SAFETY: the destination's blocks were checked distinct and
+                        // the selection's destination ranges disjoint and inside each
+                        // piece (`Destination::check_selected`, `LandingPlan::new`),
+                        // so the slices do not overlap; the task owns `dst` until it
+                        // has stopped, and the engine leaves the blocks alone until
+                        // the fence fires.
+                        let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
+                        conn.recv_bulk(id, &mut parts).await
+                    }
+                };
+                self.verify(meta, received)?;
+                continue;
+            }
             if meta.len as usize > caps[i] {
                 return Err(PeerError::InvalidArgument(format!(
                     "chunk {} is {} bytes but its destination blocks hold {}",
@@ -423,24 +532,10 @@ impl TransferCtx<'_> {
                     conn.recv_bulk(id, &mut parts).await
                 }
             };
-            let actual = match received {
-                Ok(crc) => crc,
-                // The frame's checksum is the one computed at staging: a mismatch
-                // means the bytes changed between staging and here.
-                Err(NetError::Wire(crate::wire::WireError::ChecksumMismatch { actual, .. })) => actual,
-                Err(e) => return Err(e.into()),
-            };
-            let counters = &self.consumer.inner.counters;
-            counters.bytes_received.fetch_add(meta.len, Ordering::Relaxed);
-            counters.chunks_received.fetch_add(1, Ordering::Relaxed);
-            if actual != meta.checksum {
-                return Err(PeerError::ChecksumMismatch {
-                    key: meta.key,
-                    expected: meta.checksum,
-                    actual,
-                });
-            }
+            self.verify(meta, received)?;
         }
+        // Kept for the landing copy of a staged selected stream.
+        self.landing = landing;
         match conn.recv_reply(id).await? {
             Message::PullDone { .. } => {}
             other => return Err(unexpected("PullDone", &other)),
@@ -461,6 +556,43 @@ impl TransferCtx<'_> {
         }
         conn.finish();
         Ok(chunks)
+    }
+}
+
+impl TransferCtx<'_> {
+    /// Counts a received frame and checks its checksum against the announced one.
+    fn verify(&self, meta: &ChunkMeta, received: Result<u32, NetError>) -> Result<(), PeerError> {
+        let actual = match received {
+            Ok(crc) => crc,
+            // The frame's checksum is the one computed at staging: a mismatch
+            // means the bytes changed between staging and here.
+            Err(NetError::Wire(crate::wire::WireError::ChecksumMismatch { actual, .. })) => actual,
+            Err(e) => return Err(e.into()),
+        };
+        let counters = &self.consumer.inner.counters;
+        counters.bytes_received.fetch_add(meta.len, Ordering::Relaxed);
+        counters.chunks_received.fetch_add(1, Ordering::Relaxed);
+        if actual != meta.checksum {
+            return Err(PeerError::ChecksumMismatch {
+                key: meta.key,
+                expected: meta.checksum,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks a selected stream the producer announced against the destination and
+    /// its selection, and keeps the landing plan.
+    fn plan_landing(&mut self, chunks: &[ChunkMeta], shape: &SelectedShape) -> Result<(), PeerError> {
+        let select =
+            self.dst.select.as_ref().ok_or_else(|| {
+                SelectionError::Stream("a selected stream for a destination without a selection".into())
+            })?;
+        let plan = LandingPlan::new(self.dst.map(), &self.dst.flat_blocks(), select, shape)?;
+        check_frames(chunks, plan.total() as u64)?;
+        self.landing = Some(plan);
+        Ok(())
     }
 }
 

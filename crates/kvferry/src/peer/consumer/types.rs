@@ -6,13 +6,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::super::selection::Selection;
 use super::super::PeerError;
 use crate::copy::DrainFence;
 use crate::device::DeviceKvCache;
 use crate::layout::{BlockMap, KvCache, KvLayout};
 use crate::mem::Region;
 use crate::net::NetConfig;
-use crate::wire::ChunkMeta;
+use crate::wire::{ChunkMeta, SelectedShape, WireSelection};
 
 /// Consumer settings.
 #[derive(Clone, Debug)]
@@ -96,6 +97,11 @@ pub struct Destination {
     /// incarnation (the peer restarted) fails with `StaleIncarnation` before anything
     /// is staged or sent. `None` accepts any.
     pub incarnation: Option<u64>,
+    /// Part of the publication to move (a partial get; see
+    /// [`selection`](crate::peer::selection)). With a selection, the destination
+    /// blocks are `chunks` concatenated (one list is enough): the selected blocks land
+    /// into them in order. `None`: every chunk whole, chunk `i` into `chunks[i]`.
+    pub select: Option<Selection>,
 }
 
 impl Destination {
@@ -106,6 +112,7 @@ impl Destination {
             chunks,
             path: TransferPath::Direct,
             incarnation: None,
+            select: None,
         }
     }
 
@@ -116,6 +123,7 @@ impl Destination {
             chunks,
             path: TransferPath::Staged,
             incarnation: None,
+            select: None,
         }
     }
 
@@ -148,6 +156,7 @@ impl Destination {
             chunks,
             path: TransferPath::Staged,
             incarnation: None,
+            select: None,
         })
     }
 
@@ -162,6 +171,36 @@ impl Destination {
     pub fn with_incarnation(mut self, incarnation: Option<u64>) -> Destination {
         self.incarnation = incarnation;
         self
+    }
+
+    /// The same destination, moving only `select`ed bytes (see
+    /// [`Destination::select`]).
+    pub fn with_selection(mut self, select: Option<Selection>) -> Destination {
+        self.select = select;
+        self
+    }
+
+    /// The destination blocks as one list (`chunks` concatenated).
+    pub(super) fn flat_blocks(&self) -> Vec<u32> {
+        self.chunks.iter().flatten().copied().collect()
+    }
+
+    /// Checks a selected destination: distinct valid blocks, and the selection
+    /// against the destination's pieces. Returns the wire form of the selection, with
+    /// what this destination will land.
+    pub(super) fn check_selected(&self, select: &Selection) -> Result<WireSelection, PeerError> {
+        let all = self.flat_blocks();
+        self.map()
+            .check_blocks(&all)
+            .map_err(|e| PeerError::InvalidArgument(format!("destination blocks: {e}")))?;
+        Ok(select.check_destination(self.map(), &all)?)
+    }
+
+    /// Bytes a selected destination lands (its blocks times its pieces' selected
+    /// bytes); 0 when the selection does not fit (checked elsewhere).
+    pub(super) fn selected_bytes(&self, wire: &WireSelection) -> usize {
+        let per_block: u64 = wire.expect_pieces.iter().flatten().sum();
+        (per_block as usize).saturating_mul(wire.expect_blocks.unwrap_or(0) as usize)
     }
 
     pub(super) fn capacity(&self, i: usize) -> usize {
@@ -292,6 +331,21 @@ pub struct StagedHandle {
     /// When the lease expires, by this side's clock (conservative: measured from
     /// when the request was sent).
     pub expires: Instant,
+    /// For a stage of a selection: what was selected (then `chunks` are the frames of
+    /// the selected stream, not one per key).
+    pub selection: Option<StagedSelection>,
+}
+
+/// What a staged selection holds (see [`StagedHandle::selection`]).
+#[derive(Clone, Debug)]
+pub struct StagedSelection {
+    /// The selection staged (its destination ranges are the default landing of a
+    /// resolve that names none).
+    pub select: Selection,
+    /// The selected stream's shape, as the producer announced it.
+    pub shape: SelectedShape,
+    /// Keys staged (all of those asked for).
+    pub keys: usize,
 }
 
 /// Consumer counters.
