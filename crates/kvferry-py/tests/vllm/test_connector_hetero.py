@@ -21,8 +21,6 @@ from typing import Any
 import pytest
 from test_connector import LAYERS, MODEL_DIR, need_vllm, prompts  # noqa: F401
 
-from kvferry.integrations.vllm_reads import has_selection
-
 HEAD_SIZE = 16
 HEAD_BYTES = HEAD_SIZE * 2  # float16
 HERE = Path(__file__).parent
@@ -361,12 +359,9 @@ def test_every_decode_rank_holds_its_heads(made, case):
     p_kw, d_kw = CASES[case]
     p, d, reqs, need, wire = _transfer(made, p_kw, d_kw)
     assert _pulled(d)[0] == need  # the bytes the connector reports pulled: what the decode needs
-    assert wire >= need
-    if has_selection():  # partial gets: the wire carries exactly those bytes
-        assert wire == need, (wire, need)
+    assert wire == need, (wire, need)  # partial gets: the wire carries exactly those bytes
 
 
-@pytest.mark.xfail(not has_selection(), strict=True, reason="needs partial gets on the wire (kvferry.Selection)")
 @pytest.mark.parametrize("case", ["tp2-to-tp4", "bs32-to-bs16-tp2-to-tp4"])
 def test_wire_carries_only_the_head_slices(made, case):
     p_kw, d_kw = CASES[case]
@@ -393,8 +388,7 @@ def test_prefix_hit_reads_only_the_missing_blocks(made):
     assert nblocks == d.tp * 2, nblocks
     # Bytes the decode needs: 2 blocks x (2 layers x K,V) x its heads' slice, per rank.
     assert nbytes == d.tp * 2 * 4 * (16 * d.hpr * HEAD_BYTES) == _needed(p, d, len(prompt), 48), nbytes
-    if has_selection():  # only the missing blocks' head slices crossed the wire
-        assert _wire(d) - wire0 == nbytes
+    assert _wire(d) - wire0 == nbytes  # only the missing blocks' head slices crossed the wire
     for rank in range(d.tp):
         for pos in range(48, len(prompt)):
             assert d.landed[rid][rank][pos] == d.expected(prompt, rank, pos), (rank, pos)

@@ -13,8 +13,6 @@ import pytest
 from test_connector import LAYERS, need_vllm, prompts  # noqa: F401
 from test_connector_hetero import KV4, HInstance, _pattern, _prefill, _wire, heads_of
 
-from kvferry.integrations.vllm_reads import has_selection
-
 WINDOW = 32
 
 
@@ -90,10 +88,8 @@ def test_sliding_window_moves_only_the_window(need_vllm):  # noqa: F811
                             for hh in range(d.hpr):
                                 got = bytes(d.raw(rank, LAYERS[layer], kvi, b, off, hh).reshape(-1).numpy())
                                 assert got == bytes(_pattern(prompt[pos], pos, layer, kvi, a + hh).numpy()), (rid, rank, layer, pos)
-        # Only the window crossed for the sliding group. Without partial gets a decode
-        # rank receives its prefill rank's whole blocks (both heads, it keeps one).
-        factor = 1 if has_selection() else p.hpr // d.hpr
-        assert _wire(d) - wire0 == need * factor, (_wire(d) - wire0, need, factor)
+        # Only the window crossed for the sliding group, and only each rank's heads.
+        assert _wire(d) - wire0 == need, (_wire(d) - wire0, need)
         d.run_until(lambda: all(r in d.final for r, _ in reqs), 10, "the decodes")
         p.run_until(lambda: not (p.held() & {r for r, _ in reqs}), 10, "the prefill to free the requests")
         assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
