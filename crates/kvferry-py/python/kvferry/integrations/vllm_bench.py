@@ -26,6 +26,7 @@ block and chunk.
 decode worker halves (each its own engine, ``kv_heads / TP`` heads per rank, HND
 layout), the decode's reads planned by ``vllm_mapping`` as the scheduler plans them;
 then the same requests (the same model, the same KV bytes) between P and P ranks.
+Each run starts with one untimed warm-up round (connections, first touch of memory).
 Printed: ``gbps`` (the hetero run), ``same_tp_gbps`` and ``ratio_to_same_tp``, and
 ``wire_bytes`` / ``needed_bytes`` (payload the decode ranks received / the bytes they
 need). Every decode rank's every head slice is compared with the prefill's.
@@ -286,9 +287,12 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
     rng = torch.Generator().manual_seed(1)
     round_s: list[float] = []
     corrupted = failed = 0
-    wire0 = sum(d.connector.connector_worker.engine.stats()["consumer"]["bytes_received"] for d in decode)
-    for rnd in range(a.rounds):
-        ids = {f"r{rnd}-{i}": list(range(1 + i * bpr, 1 + (i + 1) * bpr)) for i in range(nreq)}
+    wire0 = 0
+    for rnd in range(-1, a.rounds):  # round -1: a warm-up (connections, first touch), not counted
+        if rnd == 0:
+            round_s.clear()
+            wire0 = sum(d.connector.connector_worker.engine.stats()["consumer"]["bytes_received"] for d in decode)
+        ids = {f"r{rnd + 1}-{i}": list(range(1 + i * bpr, 1 + (i + 1) * bpr)) for i in range(nreq)}
         perm = (torch.randperm(nb, generator=rng) + 1).tolist()
         local = {r: perm[i * bpr : (i + 1) * bpr] for i, r in enumerate(ids)}
         for side in prefill:
