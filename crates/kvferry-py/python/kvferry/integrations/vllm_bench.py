@@ -27,7 +27,8 @@ decode worker halves (each its own engine, ``kv_heads / TP`` heads per rank, HND
 layout), the decode's reads planned by ``vllm_mapping`` as the scheduler plans them;
 then the same requests (the same model, the same KV bytes) between P and P ranks.
 Each run starts with one untimed warm-up round (connections, first touch of memory).
-Printed: ``gbps`` (the hetero run), ``same_tp_gbps`` and ``ratio_to_same_tp``, and
+Printed: ``gbps`` (the hetero run), ``same_tp_gbps`` and ``ratio_to_same_tp`` (also
+from per-round medians: ``ratio_to_same_tp_p50``), and
 ``wire_bytes`` / ``needed_bytes`` (payload the decode ranks received / the bytes they
 need). Every decode rank's every head slice is compared with the prefill's.
 """
@@ -369,6 +370,9 @@ def run_hetero(a: argparse.Namespace) -> dict[str, Any]:
     het["same_tp_gbps"] = same["gbps"]
     het["same_tp_wire_bytes"] = same["wire_bytes"]
     het["ratio_to_same_tp"] = het["gbps"] / same["gbps"] if same["gbps"] > 0 else None
+    # Per-round medians: one round stalled by a busy machine weighs less.
+    het["same_tp_p50_ms"] = same["p50_ms"]
+    het["ratio_to_same_tp_p50"] = same["p50_ms"] / het["p50_ms"] if het["p50_ms"] > 0 else None
     het["corrupted_blocks"] += same["corrupted_blocks"]
     het["failed"] += same["failed"]
     return het
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(
                 f"TP {a.prefill_tp}->{a.decode_tp}: {res['gbps']:.2f} GB/s; same TP {a.prefill_tp}->{a.prefill_tp}: "
-                f"{res['same_tp_gbps']:.2f} GB/s; ratio_to_same_tp {res['ratio_to_same_tp']:.2f}; "
+                f"{res['same_tp_gbps']:.2f} GB/s; ratio_to_same_tp {res['ratio_to_same_tp']:.2f} "
+                f"(per-round medians {res['p50_ms']:.0f} vs {res['same_tp_p50_ms']:.0f} ms: {res['ratio_to_same_tp_p50']:.2f}); "
                 f"wire {res['wire_bytes']} B for {res['needed_bytes']} B needed; corrupted {res['corrupted_blocks']}, failed {res['failed']}"
             )
         return 1 if res["corrupted_blocks"] or res["failed"] else 0
