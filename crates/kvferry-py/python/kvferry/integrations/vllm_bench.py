@@ -25,7 +25,8 @@ block and chunk.
 ``--prefill-tp P --decode-tp D`` (heterogeneous tensor parallelism): P prefill and D
 decode worker halves (each its own engine, ``kv_heads / TP`` heads per rank, HND
 layout), the decode's reads planned by ``vllm_mapping`` as the scheduler plans them;
-then the same requests (the same model, the same KV bytes) between P and P ranks.
+then the same requests (the same model, the same KV bytes) between P and P ranks
+(``--same-tp T``: T and T ranks).
 Each run starts with one untimed warm-up round (connections, first touch of memory).
 Printed: ``gbps`` (the hetero run), ``same_tp_gbps`` and ``ratio_to_same_tp`` (also
 from per-round medians: ``ratio_to_same_tp_p50``), and
@@ -366,7 +367,9 @@ def run_hetero(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
         model = _model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
         het = _tp_round_trip(a, model, a.prefill_tp, a.decode_tp)
-        same = _tp_round_trip(a, model, a.prefill_tp, a.prefill_tp)
+        st = a.same_tp or a.prefill_tp
+        same = _tp_round_trip(a, model, st, st)
+    het["same_tp"] = a.same_tp or a.prefill_tp
     het["same_tp_gbps"] = same["gbps"]
     het["same_tp_wire_bytes"] = same["wire_bytes"]
     het["ratio_to_same_tp"] = het["gbps"] / same["gbps"] if same["gbps"] > 0 else None
@@ -401,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prefill-tp", type=_positive, default=None, help="heterogeneous TP: prefill ranks (with --decode-tp)")
     p.add_argument("--decode-tp", type=_positive, default=None, help="heterogeneous TP: decode ranks (with --prefill-tp)")
+    p.add_argument("--same-tp", type=_positive, default=None, help="heterogeneous TP: the TP of the same-TP run compared with (default: --prefill-tp)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.prefill_tp is not None or a.decode_tp is not None:
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(res))
         else:
             print(
-                f"TP {a.prefill_tp}->{a.decode_tp}: {res['gbps']:.2f} GB/s; same TP {a.prefill_tp}->{a.prefill_tp}: "
+                f"TP {a.prefill_tp}->{a.decode_tp}: {res['gbps']:.2f} GB/s; same TP {res['same_tp']}->{res['same_tp']}: "
                 f"{res['same_tp_gbps']:.2f} GB/s; ratio_to_same_tp {res['ratio_to_same_tp']:.2f} "
                 f"(per-round medians {res['p50_ms']:.0f} vs {res['same_tp_p50_ms']:.0f} ms: {res['ratio_to_same_tp_p50']:.2f}); "
                 f"wire {res['wire_bytes']} B for {res['needed_bytes']} B needed; corrupted {res['corrupted_blocks']}, failed {res['failed']}"
