@@ -618,6 +618,14 @@ async fn malformed_selections_are_typed_errors_and_the_engines_keep_serving() {
         bad_selection(&f).contains("piece counts differ: the source has 4 pieces per block, the destination 2"),
         "{f}"
     );
+    // Keys published from different caches cannot be selected from together.
+    let other = Kv::new(&p.prefill, "other", 8, piece, Some(11));
+    p.prefill
+        .publish(key("o"), &other.reg, &[0], Duration::ZERO, false)
+        .unwrap();
+    let d = dst.dst(vec![0, 1], TransferPath::Direct, sel(Some(vec![0, 4]), None, None));
+    let f = failure(p.decode.get(&p.addr, &[key("r"), key("o")], d, soon()).await);
+    assert!(bad_selection(&f).contains("published from different caches"), "{f}");
     // A store chunk cannot be selected from; an unpublished key is a miss.
     let d = dst.dst(vec![0], TransferPath::Direct, sel(Some(vec![0]), None, None));
     let f = failure(p.decode.get(&p.addr, &[key("stored")], d, soon()).await);
@@ -817,4 +825,86 @@ async fn a_cancelled_selected_get_reports_quiet_only_after_the_drain() {
     .await;
     close_clean(&p.decode).await;
     close_clean(&p.prefill).await;
+}
+
+/// A producer that lies about its selected stream: `StagedSelected` with a shape or
+/// frames that do not match what the consumer asked for, then garbage frames.
+struct Liar {
+    /// Announce pieces of this many bytes (instead of what was asked).
+    pieces: u64,
+    /// Announce frames adding up to this many bytes more than the shape says.
+    extra: u64,
+}
+
+impl kvferry::net::Handler for Liar {
+    fn handle<'a>(
+        &'a self,
+        conn: &'a mut kvferry::net::Connection,
+        id: u64,
+        msg: Message,
+    ) -> futures::future::BoxFuture<'a, Result<(), NetError>> {
+        Box::pin(async move {
+            match msg {
+                Message::GetSelected { keys, select, .. } => {
+                    let blocks = select.expect_blocks.unwrap_or(1);
+                    let shape = kvferry::wire::SelectedShape {
+                        blocks,
+                        pieces: vec![self.pieces; PIECES],
+                    };
+                    let len = shape.total() + self.extra;
+                    let frame = kvferry::wire::ChunkMeta {
+                        key: keys[0],
+                        len,
+                        checksum: 0,
+                    };
+                    let reply = Message::StagedSelected {
+                        lease_id: 7,
+                        incarnation: conn.peer().incarnation,
+                        chunks: vec![frame],
+                        ttl_ms: 1000,
+                        shape,
+                    };
+                    conn.send(id, &reply).await?;
+                    conn.send_bulk(id, &[&vec![0xEE; len as usize]]).await?;
+                    conn.send(id, &Message::PullDone { lease_id: 7 }).await
+                }
+                Message::Done { .. } => conn.send(id, &Message::DoneAck).await,
+                other => {
+                    let m = Message::Error {
+                        kind: ErrorKind::BadRequest,
+                        message: format!("unexpected {}", other.name()),
+                    };
+                    conn.send(id, &m).await
+                }
+            }
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_lying_about_its_selected_stream_lands_nothing() {
+    let decode = Engine::start(config("decode")).await.unwrap();
+    let piece = 1024;
+    let dst = Kv::new(&decode, "dst", 8, piece, None);
+    for (pieces, extra, want) in [
+        (512u64, 0u64, "totals differ in piece 0"),
+        (piece as u64, 64, "frames of"),
+    ] {
+        let server =
+            kvferry::net::Server::bind("127.0.0.1:0", NetConfig::new("liar"), Arc::new(Liar { pieces, extra }))
+                .await
+                .unwrap();
+        let addr = server.local_addr().to_string();
+        for path in [TransferPath::Direct, TransferPath::Staged] {
+            let d = dst.dst(vec![2, 3], path, Selection::all());
+            let f = failure(decode.get(&addr, &[key("r")], d, soon()).await);
+            assert!(matches!(f.error, PeerError::Selection(_)), "{path}: {f}");
+            assert!(f.error.to_string().contains(want), "{path}: {f}");
+            assert!(!f.dirty, "{path}: refused before a byte was received");
+            f.fence.wait().await;
+            assert!(dst.snapshot().iter().all(|b| *b == 0), "{path}: nothing landed");
+        }
+    }
+    assert_eq!(decode.arena().stats().leased_pages, 0);
+    close_clean(&decode).await;
 }

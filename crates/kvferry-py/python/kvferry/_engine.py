@@ -448,7 +448,9 @@ class Engine:
         ``runtime``: ``shared`` (the process's shared runtime or its own),
         ``threads``, ``engines`` (how many engines run on it) and ``linger_polls``
         (I/O polls a worker made lingering after short waits, see ``wait_spin_us``);
-        absent once closed."""
+        absent once closed. ``consumer.bytes_received`` and ``producer.bytes_sent``
+        count payload bytes on the wire (frame headers not counted): a selected get
+        (:class:`Selection`) adds exactly its selected bytes to both."""
         stats: dict[str, Any] = json.loads(self._e.stats_json())
         device = json.loads(self._e.device_stats_json())
         if device:
