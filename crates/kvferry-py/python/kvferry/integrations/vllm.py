@@ -68,6 +68,15 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     released, for a pull in flight to land, instead of returning at once. vLLM's engine
     loop otherwise steps back to back while it waits, and that loop's CPU is taken from
     the transfers. ``0`` turns it off; steps that run a forward pass never wait.
+``reader_slots`` (int, default ``1``, at most 64; prefill side)
+    Keys each finished request is published under on each rank (the same blocks,
+    zero copy): every get of a request's blocks uses one, and the blocks are freed
+    once every slot was read or released. One suffices when each decode rank reads one
+    prefill rank once (same TP, block size and layout); a decode that reads a prefill
+    rank more often — ``D_TP / P_TP`` ranks reading each, times the block-size ratio —
+    refuses the pair at the handshake naming this key. The decode releases slots it
+    does not read at once (on a device cache a release stages, so keep it no larger
+    than needed). See docs/vllm.md, "Heterogeneous prefill and decode".
 ``device_timeout`` (float seconds, default: ``timeout``)
     Bound on each device copy; a copy that has not completed by then fails its transfer
     (a load error on the decode side) and its staging pages stay quarantined until the
@@ -78,8 +87,12 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``remote_request_id`` (the publication's key), ``remote_host``, ``remote_port``,
 ``remote_num_tokens``, ``tp_size``, ``kvferry_peer_id``, ``kvferry_incarnation``
 (rank 0's; a restarted instance has a new incarnation), ``kvferry_peers`` (one
-``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank) and
-``kvferry_expires_at`` (wall-clock time the lease ends).
+``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank),
+``kvferry_expires_at`` (wall-clock time the lease ends) and ``kvferry_desc`` (the
+instance's KV geometry, for the compatibility handshake: see
+``vllm_mapping.KvDescriptor``); with several KV cache groups (or a sliding window's
+null blocks) ``remote_block_ids`` is one list per group, ``0`` where a group holds no
+block.
 
 The worker publishes one engine step after the scheduler returned the params, so a
 decode instance may ask first: a miss is retried (2-50 ms backoff) until the lease's
@@ -118,7 +131,6 @@ blocks are published only once the step that computed them has completed on the 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -131,6 +143,7 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorTransferResults,
+        SupportsHMA,
     )
     from vllm.logger import init_logger
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
@@ -141,6 +154,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 
 from .. import errors
 from .._engine import Engine, Region, Transfer
+from . import vllm_hetero
 from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics
 
 if TYPE_CHECKING:
@@ -173,6 +187,7 @@ _DEFAULTS: dict[str, Any] = {
     "device": None,
     "device_timeout": None,
     "idle_wait": 0.001,
+    "reader_slots": 1,
 }
 
 
@@ -195,6 +210,7 @@ class KvferryConfig:
     device: str | None = None
     device_timeout: float | None = None
     idle_wait: float = 0.001
+    reader_slots: int = 1
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
@@ -218,7 +234,10 @@ class KvferryConfig:
             device=extra.get("device"),
             device_timeout=None if extra.get("device_timeout") is None else float(extra["device_timeout"]),
             idle_wait=float(extra.get("idle_wait", _DEFAULTS["idle_wait"])),
+            reader_slots=int(extra.get("reader_slots", _DEFAULTS["reader_slots"])),
         )
+        if not 1 <= cfg.reader_slots <= 64:
+            raise ValueError(f"KvferryConnector: reader_slots must be between 1 and 64, got {cfg.reader_slots!r}")
         for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
             if not getattr(cfg, name) > 0:
                 raise ValueError(f"KvferryConnector: {name} must be > 0, got {getattr(cfg, name)!r}")
@@ -249,6 +268,13 @@ class KvferryHandshakeMetadata(KVConnectorHandshakeMetadata):
     tp_rank: int
     num_blocks: int
     block_bytes: int
+    # The rank's KV geometry (vllm_hetero.py): for the compatibility handshake.
+    layout: str = "NHD"
+    heads_per_rank: int = 0
+    pieces: int = 0
+    piece_bytes: int = 0
+    dtype: str = ""
+    elem_size: int = 0
 
 
 @dataclass
@@ -262,10 +288,18 @@ class RecvSpec:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     skip_blocks: int = 0
+    # Set when the prefill advertised a descriptor (vllm_hetero.py): every decode
+    # rank's reads and releases, or why the pair was refused.
+    plans: list[Any] | None = None
+    refused: str | None = None
+    npub: int = 0
+    src_piece_bytes: int = 0
 
     @property
     def load_block_ids(self) -> list[int]:
         """Local blocks this pull writes (reported on failure)."""
+        if self.plans is not None:
+            return sorted({b for plan in self.plans for rd in plan.reads for b in rd.dst_blocks}) or list(self.local_block_ids)
         n = min(len(self.local_block_ids), len(self.remote_block_ids))
         return self.local_block_ids[self.skip_blocks : n]
 
@@ -279,6 +313,9 @@ class ReleaseSpec:
     key: str
     peers: list[dict[str, Any]]
     expires_at: float | None = None  # wall clock: the lease's advertised end
+    # Reader slots (vllm_hetero.py): per decode rank, the (prefill rank, key) pairs it
+    # releases; None: each rank releases ``key`` on its own prefill rank.
+    per_rank: list[list[tuple[int, str]]] | None = None
 
 
 @dataclass
@@ -317,6 +354,11 @@ class KvferryConnectorScheduler:
         self.block_size: int = vllm_config.cache_config.block_size
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
         self.peers: dict[int, KvferryHandshakeMetadata] = {}
+        self.vllm_config = vllm_config
+        # Refuses, at start-up, KV cache groups kvferry cannot move (Mamba state...).
+        self.groups = vllm_hetero.groups_of(kv_cache_config)
+        self.verdicts: dict[str, Any] = {}  # remote engine id -> Mapping | IncompatibleError
+        self.log_error = logger.error
         self._need_recv: dict[str, RecvSpec] = {}
         self._need_send: dict[str, list[int]] = {}
         self._need_expiry: dict[str, float] = {}
@@ -402,7 +444,15 @@ class KvferryConnectorScheduler:
                 key=str(params["remote_request_id"]),
                 peers=list(params["kvferry_peers"]),
                 expires_at=None if exp is None else float(exp),
+                per_rank=vllm_hetero.release_all(self, params),
             )
+            return
+        if isinstance(params.get("kvferry_desc"), dict):
+            # The prefill advertised its KV geometry: a planned pull (vllm_hetero.py).
+            expires = params.get("kvferry_expires_at")
+            if expires is not None:
+                self._need_expiry[request.request_id] = float(expires)
+            self._need_recv[request.request_id] = vllm_hetero.plan(self, request, blocks, params, RecvSpec)
             return
         if len(blocks.blocks) != 1:
             raise ValueError("KvferryConnector supports one KV cache group")
@@ -457,15 +507,15 @@ class KvferryConnectorScheduler:
                 request.request_id,
             )
             return False, None
-        n = math.ceil(request.num_prompt_tokens / self.block_size)
-        ids = _flat_block_ids(block_ids)[:n]
+        groups = vllm_hetero.group_block_ids(block_ids, request.num_prompt_tokens, self.block_size, self.groups)
+        ids = [b for g in groups for b in g if b]  # what is published: every held block
         if not ids:
             return False, None
         self._need_send[request.request_id] = ids
         ranks = [self.peers[r] for r in sorted(self.peers)]
         first = ranks[0]
         host, _, port = (first.address or ":0").rpartition(":")
-        return True, {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": ids,
@@ -482,6 +532,8 @@ class KvferryConnectorScheduler:
             ],
             "kvferry_expires_at": time.time() + self.config.lease_ttl,
         }
+        vllm_hetero.advertise(self, params, groups)
+        return True, params
 
     def _release_unpulled(self, req_id: str, params: dict[str, Any] | None) -> None:
         """A decode request finished before its pull began (aborted while waiting,
@@ -490,7 +542,9 @@ class KvferryConnectorScheduler:
         planned = self._need_recv.pop(req_id, None)
         expires = self._need_expiry.pop(req_id, None)
         if planned is not None:
-            self._need_release[req_id] = ReleaseSpec(key=planned.key, peers=planned.peers, expires_at=expires)
+            self._need_release[req_id] = ReleaseSpec(
+                key=planned.key, peers=planned.peers, expires_at=expires, per_rank=vllm_hetero.release_planned(planned)
+            )
         elif params and params.get("do_remote_prefill") and self._valid_remote(params):
             params["do_remote_prefill"] = False
             exp = params.get("kvferry_expires_at")
@@ -498,6 +552,7 @@ class KvferryConnectorScheduler:
                 key=str(params["remote_request_id"]),
                 peers=list(params["kvferry_peers"]),
                 expires_at=None if exp is None else float(exp),
+                per_rank=vllm_hetero.release_all(self, params),
             )
 
     def _advertised(self, address: str | None) -> str | None:
@@ -575,6 +630,10 @@ class KvferryConnectorWorker:
         self._step_done: Any = None  # CUDA: event recorded after the step's forward
         self._to_publish: dict[str, tuple[list[int], float]] = {}  # CUDA: waiting for _step_done
         self._idle = False  # the current step runs no forward pass
+        self._pieces: list[Any] = []  # raw per-layer pieces [num_blocks, piece_bytes] (vllm_hetero)
+        self._geo: dict[str, Any] = {}
+        self._slot_owner: dict[str, str] = {}  # published reader-slot key -> request
+        self._slots_left: dict[str, int] = {}  # request -> slots not yet released
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -612,7 +671,9 @@ class KvferryConnectorWorker:
             device_timeout=cfg.device_timeout or cfg.timeout,
         )
         self.caches = caches
-        self.region = self._register(caches, nb, "vllm-kv")
+        phys, self._geo = vllm_hetero.geometry(self, caches)
+        self._pieces = self._geo.pop("pieces")
+        self.region = self._register(phys, nb, "vllm-kv")
         logger.info(
             "KvferryConnector worker tp%d: %s, %d blocks of %d bytes in %s memory, incarnation %#x",
             self.tp_rank,
@@ -656,6 +717,12 @@ class KvferryConnectorWorker:
             tp_rank=self.tp_rank,
             num_blocks=self.region.num_blocks,
             block_bytes=self.region.block_bytes,
+            layout=self._geo.get("layout", "NHD"),
+            heads_per_rank=self._geo.get("heads_per_rank", 0),
+            pieces=len(self._pieces),
+            piece_bytes=int(self._pieces[0].shape[1]) if self._pieces else 0,
+            dtype=self._geo.get("dtype", ""),
+            elem_size=self._geo.get("elem_size", 0),
         )
 
     # per step
@@ -671,6 +738,9 @@ class KvferryConnectorWorker:
         for req_id, spec in meta.reqs_to_recv.items():
             self._start_pull(req_id, spec, meta.expires_at.get(req_id))
         for req_id, rel in meta.reqs_to_release.items():
+            if rel.per_rank is not None:
+                vllm_hetero.release_keys(self, req_id, rel)
+                continue
             peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
             inc = peer.get("incarnation")
             self._release_remote(req_id, rel.key, peer.get("address"), rel.expires_at, inc if isinstance(inc, int) else None)
@@ -743,7 +813,7 @@ class KvferryConnectorWorker:
     def _publish_now(self, req_id: str, block_ids: list[int]) -> None:
         assert self.engine is not None and self.region is not None
         try:
-            self.engine.publish(req_id, self.region, block_ids, ttl=self.config.lease_ttl, once=True)
+            vllm_hetero.publish_slots(self, req_id, block_ids)
         except errors.Error as e:
             # Nothing pins the blocks: free them now; the decode side gets a miss.
             logger.error("KvferryConnector: publishing %s failed: %s", req_id, e)
@@ -762,6 +832,9 @@ class KvferryConnectorWorker:
         pull = _Pull(req_id, spec, deadline=deadline, retry_until=retry_until, expires_at=expires_at)
         self._pulls[req_id] = pull
         try:
+            if spec.plans is not None:
+                vllm_hetero.start_reads(self, pull)
+                return
             if len(spec.peers) <= self.tp_rank:
                 raise errors.InvalidArgumentError(
                     f"prefill instance has {len(spec.peers)} tensor-parallel ranks; this is rank {self.tp_rank}"
@@ -860,6 +933,7 @@ class KvferryConnectorWorker:
                     # Aborted before the bytes landed: the prefill instance may free
                     # the blocks now (a landed pull already sent Done).
                     self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
+                    vllm_hetero.give_up(self, pull)
                 self._draining[req_id] = pull
             if req_id in self._sending or req_id in self._released or req_id in self._to_publish:
                 self._finished_seen.add(req_id)
@@ -914,6 +988,8 @@ class KvferryConnectorWorker:
             self._drop_scratch(pull)
             del self._pulls[req_id]
             res.finished_recving.add(req_id)
+            if pull.error is None and pull.dst is None and pull.transfer is not None and hasattr(pull.transfer, "bytes_needed"):
+                self.stats.record_pull(time.monotonic() - pull.started, pull.transfer.bytes_needed, len(pull.spec.load_block_ids))
             if pull.error is None and pull.dst is not None:
                 self.stats.record_pull(time.monotonic() - pull.started, len(pull.dst_ids) * pull.dst.block_bytes, len(pull.dst_ids))
             if pull.error is not None:
@@ -927,6 +1003,7 @@ class KvferryConnectorWorker:
                     # the prefill may free them now. A restarted prefill no longer holds
                     # them.
                     self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
+                    vllm_hetero.give_up(self, pull)
         self._reap_releases()
         # Publications released (decode's Done, abort, lease expiry, shutdown): the
         # blocks are free once the request was reported finished to this worker.
@@ -934,8 +1011,11 @@ class KvferryConnectorWorker:
             for key, reason in self.engine.released():
                 if reason == "replaced":
                     continue
-                self.stats.record_publication_released(reason)
                 req_id = key if isinstance(key, str) else bytes(key).decode(errors="replace")
+                req_id = vllm_hetero.slot_released(self, req_id)
+                if req_id is None:
+                    continue  # other reader slots of the request are still out
+                self.stats.record_publication_released(reason)
                 if req_id in self._sending:
                     self._sending.discard(req_id)
                     self._released.add(req_id)
@@ -967,7 +1047,7 @@ class KvferryConnectorWorker:
 # -- the connector ---------------------------------------------------------------------
 
 
-class KvferryConnector(KVConnectorBase_V1):
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector moving prefill KV to decode instances with kvferry.
 
     One class, two roles (vLLM creates it once in the scheduler and once per worker);
@@ -1015,6 +1095,10 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # Hybrid allocator: one block list per KV cache group (vllm_hetero.py).
+        return self._s().request_finished(request, [list(g) for g in block_ids])  # type: ignore[arg-type]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._s().update_connector_output(connector_output)

@@ -21,6 +21,17 @@ bytes at the defaults — and 4 in flight over 4 connections, run right after) a
 ``ratio_to_rust``. The defaults (10 layers x 2 x 16 tokens x 8 heads x 128 x fp16)
 make a block 640 KiB and a request of 4 blocks 2.5 MiB, the Rust bench's default
 block and chunk.
+
+``--prefill-tp P --decode-tp D`` (heterogeneous tensor parallelism): P prefill and D
+decode worker halves (each its own engine, ``kv_heads / TP`` heads per rank, HND
+layout), the decode's reads planned by ``vllm_mapping`` as the scheduler plans them;
+then the same requests (the same model, the same KV bytes) between P and P ranks
+(``--same-tp T``: T and T ranks).
+Each run starts with one untimed warm-up round (connections, first touch of memory).
+Printed: ``gbps`` (the hetero run), ``same_tp_gbps`` and ``ratio_to_same_tp`` (also
+from per-round medians: ``ratio_to_same_tp_p50``), and
+``wire_bytes`` / ``needed_bytes`` (payload the decode ranks received / the bytes they
+need). Every decode rank's every head slice is compared with the prefill's.
 """
 
 from __future__ import annotations
@@ -204,6 +215,172 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class _Rank(_Side):
+    """One TP rank of a hetero run: ``heads`` KV heads, HND layout."""
+
+    def __init__(self, a: argparse.Namespace, model: str, role: str, num_blocks: int, tp: int, rank: int, slots: int) -> None:
+        import torch
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
+        self.heads = max(1, a.kv_heads // tp)
+        cfg = VllmConfig(
+            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0),
+            cache_config=CacheConfig(block_size=a.block_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvferryConnector",
+                kv_connector_module_path="kvferry.integrations.vllm",
+                kv_role=role,
+                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0, "reader_slots": slots},
+                engine_id=f"bench-{role}-{tp}",
+            ),
+        )
+        cfg.parallel_config.rank = rank
+        spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=self.heads, head_size=a.head_dim, dtype=torch.float16)
+        page = 2 * a.block_size * self.heads * a.head_dim * 2
+        kcc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in self.layers],
+            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
+        )
+        self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+        self.phys = {n: torch.zeros((2, num_blocks, self.heads, a.block_size, a.head_dim), dtype=torch.float16) for n in self.layers}
+        self.kv = {n: t.permute(0, 1, 3, 2, 4) for n, t in self.phys.items()}  # HND behind vLLM's logical shape
+        self.connector.register_kv_caches(self.kv)
+        self.block_bytes = page * a.layers
+
+
+def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dict[str, Any]:
+    """Rounds of ``--requests`` requests from ``ptp`` prefill ranks to ``dtp`` decode
+    ranks, through the connector; every head slice checked."""
+    import torch
+
+    from .vllm import KvferryConnectorMetadata, RecvSpec
+    from .vllm_mapping import KvDescriptor, check, heads_of, plan_request
+
+    bpr, nreq = a.blocks_per_request, a.requests
+    nb = nreq * bpr
+    slots = max(1, -(-dtp // ptp))
+    # Block 0 is vLLM's null block (never a request's): blocks 1..nb are used.
+    prefill = [_Rank(a, model, "kv_producer", nb + 1, ptp, r, slots) for r in range(ptp)]
+    decode = [_Rank(a, model, "kv_consumer", nb + 1, dtp, r, slots) for r in range(dtp)]
+    gen = torch.Generator().manual_seed(0)
+    for side in prefill:
+        for t in side.phys.values():
+            raw = t.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+    def desc(tp: int) -> KvDescriptor:
+        return KvDescriptor(
+            model="bench", dtype="float16", attention="MHA", num_kv_heads=a.kv_heads, head_size=a.head_dim,
+            block_size=a.block_size, tp_size=tp, layout="HND", pieces=2 * a.layers, elem_size=2, slots=slots,
+        )
+
+    mapping = check(desc(ptp), desc(dtp))
+    peers = []
+    for side in prefill:
+        e = side.connector.connector_worker.engine
+        peers.append({"address": e.address, "peer_id": e.peer_id, "incarnation": e.incarnation})
+    rng = torch.Generator().manual_seed(1)
+    round_s: list[float] = []
+    corrupted = failed = 0
+    wire0 = 0
+    for rnd in range(-1, a.rounds):  # round -1: a warm-up (connections, first touch), not counted
+        if rnd == 0:
+            round_s.clear()
+            wire0 = sum(d.connector.connector_worker.engine.stats()["consumer"]["bytes_received"] for d in decode)
+        ids = {f"r{rnd + 1}-{i}": list(range(1 + i * bpr, 1 + (i + 1) * bpr)) for i in range(nreq)}
+        perm = (torch.randperm(nb, generator=rng) + 1).tolist()
+        local = {r: perm[i * bpr : (i + 1) * bpr] for i, r in enumerate(ids)}
+        for side in prefill:
+            side.step(KvferryConnectorMetadata(reqs_to_send=ids), set())
+            side.step(KvferryConnectorMetadata(), set(ids))
+        expires = time.time() + 60.0
+        specs = {}
+        for r in ids:
+            plans = plan_request(mapping, r, bpr * a.block_size, [ids[r]], [local[r]])
+            specs[r] = RecvSpec(
+                key=r, peers=peers, remote_block_ids=ids[r], local_block_ids=local[r], plans=plans,
+                npub=bpr, src_piece_bytes=mapping.prefill.piece_bytes,
+            )
+        meta = KvferryConnectorMetadata(reqs_to_recv=specs, expires_at=dict.fromkeys(ids, expires))
+        t0 = time.perf_counter()
+        done = [set() for _ in decode]
+        for i, side in enumerate(decode):
+            done[i] |= side.step(meta, set())[1]
+        while any(len(x) < nreq for x in done):
+            for i, side in enumerate(decode):
+                if len(done[i]) < nreq:
+                    done[i] |= side.step(KvferryConnectorMetadata(idle=True), set())[1]
+            if time.perf_counter() - t0 > 120:
+                raise RuntimeError(f"round {rnd}: pulls did not finish in 120 s")
+        round_s.append(time.perf_counter() - t0)
+        for side in decode:
+            failed += len(side.connector.get_block_ids_with_load_errors())
+        for r in ids:  # every decode rank's every head slice against its prefill rank's
+            src = torch.tensor(ids[r], dtype=torch.long)
+            dst = torch.tensor(local[r], dtype=torch.long)
+            for di, dside in enumerate(decode):
+                da, db = heads_of(di, dtp, a.kv_heads)
+                for h in range(da, db):
+                    q = h // max(1, a.kv_heads // ptp) if ptp <= a.kv_heads else h * (ptp // a.kv_heads)
+                    qa, _ = heads_of(q, ptp, a.kv_heads)
+                    for n in dside.layers:
+                        s_ = prefill[q].phys[n][:, src, h - qa].contiguous().view(torch.uint8)  # bytes: random fp16 holds NaNs
+                        d_ = dside.phys[n][:, dst, h - da].contiguous().view(torch.uint8)
+                        if not torch.equal(s_, d_):
+                            corrupted += 1
+        sent = [set() for _ in prefill]
+        deadline = time.monotonic() + 30
+        while any(len(x) < nreq for x in sent) and time.monotonic() < deadline:
+            for i, side in enumerate(prefill):
+                sent[i] |= side.step(KvferryConnectorMetadata(), set())[0]
+            time.sleep(0.001)
+        if any(len(x) < nreq for x in sent):
+            raise RuntimeError(f"round {rnd}: prefill did not see every release")
+    wire = sum(d.connector.connector_worker.engine.stats()["consumer"]["bytes_received"] for d in decode) - wire0
+    for side in prefill + decode:
+        side.connector.shutdown()
+    total = sum(round_s)
+    moved = nb * a.rounds * prefill[0].block_bytes * ptp  # every head of every block: the same bytes for any TP
+    return {
+        "prefill_tp": ptp,
+        "decode_tp": dtp,
+        "bytes": moved,
+        "elapsed_s": total,
+        "gbps": moved / total / 1e9,
+        "p50_ms": percentile(round_s, 0.5) * 1e3,
+        "p99_ms": percentile(round_s, 0.99) * 1e3,
+        "wire_bytes": wire,
+        "needed_bytes": nb * a.rounds * decode[0].block_bytes * dtp,
+        "corrupted_blocks": corrupted,
+        "failed": failed,
+    }
+
+
+def run_hetero(a: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
+        model = _model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
+        het = _tp_round_trip(a, model, a.prefill_tp, a.decode_tp)
+        st = a.same_tp or a.prefill_tp
+        same = _tp_round_trip(a, model, st, st)
+    het["same_tp"] = a.same_tp or a.prefill_tp
+    het["same_tp_gbps"] = same["gbps"]
+    het["same_tp_wire_bytes"] = same["wire_bytes"]
+    het["ratio_to_same_tp"] = het["gbps"] / same["gbps"] if same["gbps"] > 0 else None
+    # Per-round medians: one round stalled by a busy machine weighs less.
+    het["same_tp_p50_ms"] = same["p50_ms"]
+    het["ratio_to_same_tp_p50"] = same["p50_ms"] / het["p50_ms"] if het["p50_ms"] > 0 else None
+    het["corrupted_blocks"] += same["corrupted_blocks"]
+    het["failed"] += same["failed"]
+    return het
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m kvferry.integrations.vllm_bench",
@@ -225,8 +402,24 @@ def main(argv: list[str] | None = None) -> int:
         help="host: the CPU tensors move zero copy (default); sim: both sides adopt them as kvferry's sim device "
         "memory, so every block goes through the device path (gather into staging, socket, scatter)",
     )
+    p.add_argument("--prefill-tp", type=_positive, default=None, help="heterogeneous TP: prefill ranks (with --decode-tp)")
+    p.add_argument("--decode-tp", type=_positive, default=None, help="heterogeneous TP: decode ranks (with --prefill-tp)")
+    p.add_argument("--same-tp", type=_positive, default=None, help="heterogeneous TP: the TP of the same-TP run compared with (default: --prefill-tp)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.prefill_tp is not None or a.decode_tp is not None:
+        a.prefill_tp, a.decode_tp = a.prefill_tp or 1, a.decode_tp or 1
+        res = run_hetero(a)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            print(
+                f"TP {a.prefill_tp}->{a.decode_tp}: {res['gbps']:.2f} GB/s; same TP {res['same_tp']}->{res['same_tp']}: "
+                f"{res['same_tp_gbps']:.2f} GB/s; ratio_to_same_tp {res['ratio_to_same_tp']:.2f} "
+                f"(per-round medians {res['p50_ms']:.0f} vs {res['same_tp_p50_ms']:.0f} ms: {res['ratio_to_same_tp_p50']:.2f}); "
+                f"wire {res['wire_bytes']} B for {res['needed_bytes']} B needed; corrupted {res['corrupted_blocks']}, failed {res['failed']}"
+            )
+        return 1 if res["corrupted_blocks"] or res["failed"] else 0
     res = run_connector(a)
     res["device"] = a.device
     binary, note = _rust_binary(a.rust_bench)

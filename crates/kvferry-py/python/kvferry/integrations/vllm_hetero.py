@@ -1,0 +1,358 @@
+"""``KvferryConnector``'s side of the compatibility handshake and of heterogeneous
+transfers: descriptors from vLLM's configs, per-request plans on the decode scheduler,
+reader slots on the prefill worker, :class:`~.vllm_reads.RankReads` on the decode worker.
+
+Semantics
+---------
+- Start-up: :func:`groups_of` reads the KV cache groups and refuses (``ValueError``,
+  naming the group) a kind kvferry cannot move: anything but full attention, MLA,
+  sliding window and chunked local attention (Mamba state, cross attention, ...).
+- Prefill scheduler: :func:`advertise` adds ``kvferry_desc`` (the instance's
+  :class:`~.vllm_mapping.KvDescriptor`) to the ``kv_transfer_params`` it returns, and
+  ``remote_block_ids`` become one list per KV cache group (absolute block positions;
+  ``0``, vLLM's null block, where the group holds none, as a sliding window does).
+- Decode scheduler: :func:`plan` compares the prefill's descriptor with its own the
+  first time it meets that prefill engine (one verdict per ``remote_engine_id``, kept;
+  an impossible pair is logged once with every difference) and returns a
+  :class:`RecvSpec` carrying every decode rank's reads and releases — or, refused,
+  the reason: the workers then report the request as a load error (vLLM recomputes or
+  fails it per ``kv_load_failure_policy``) and release every slot of the prefill's
+  publication so its blocks are freed at once. Nothing waits on an incompatible peer.
+- Prefill worker: :func:`publish_slots` publishes each finished request under
+  ``reader_slots`` keys (zero copy, the same blocks); :func:`slot_released` counts the
+  releases; the request's blocks are free once every slot is released (every reader's
+  ``Done``, the decode's releases of unused slots, lease expiry or shutdown).
+- Decode worker: :func:`start_reads` starts the rank's releases and reads;
+  :func:`give_up` releases the slots whose reads did not land.
+
+Cancellation
+------------
+Aborting a decode request cancels its :class:`~.vllm_reads.RankReads` (each get drains
+before its memory is reused) and releases the unread slots; see ``vllm_reads``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import errors
+from .vllm_mapping import GroupDesc, IncompatibleError, KvDescriptor, RankPlan, check, plan_request
+from .vllm_reads import RankReads, _Geometry
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["groups_of", "advertise", "plan", "publish_slots", "slot_released", "start_reads", "give_up", "geometry"]
+
+
+# -- start-up ------------------------------------------------------------------------
+
+
+def groups_of(kv_cache_config: Any) -> tuple[GroupDesc, ...]:
+    """The KV cache groups kvferry moves, or ``ValueError`` naming what it cannot."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    if kv_cache_config is None:
+        return (GroupDesc(),)
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(GroupDesc("sliding_window", int(spec.sliding_window)))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(GroupDesc("chunked_local", int(getattr(spec, "attention_chunk_size", 0))))
+        elif isinstance(spec, FullAttentionSpec) and type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec"):
+            out.append(GroupDesc("full"))
+        else:
+            raise ValueError(
+                f"KvferryConnector: KV cache group {i} ({type(spec).__name__}, layers {list(g.layer_names)[:3]}...) "
+                "cannot be transferred: kvferry moves full attention, MLA, sliding-window and chunked-local "
+                "attention KV caches, not Mamba/SSM state, cross-attention or other kinds"
+            )
+    return tuple(out)
+
+
+def descriptor(sched: Any) -> KvDescriptor | None:
+    """The scheduler's own descriptor, once rank 0's handshake metadata is in."""
+    meta = sched.peers.get(0)
+    if meta is None or not getattr(meta, "pieces", 0):
+        return None
+    mc = sched.vllm_config.model_config
+    mla = bool(getattr(mc, "use_mla", False))
+    return KvDescriptor(
+        model=str(mc.model),
+        dtype=str(meta.dtype),
+        attention="MLA" if mla else "MHA",
+        num_kv_heads=1 if mla else int(mc.get_total_num_kv_heads()),
+        head_size=int(mc.get_head_size()),
+        block_size=int(sched.block_size),
+        tp_size=int(sched.tp_size),
+        layout=str(meta.layout),
+        pieces=int(meta.pieces),
+        elem_size=int(meta.elem_size),
+        groups=sched.groups,
+        slots=int(sched.config.reader_slots),
+    )
+
+
+# -- prefill scheduler ---------------------------------------------------------------
+
+
+def group_block_ids(
+    block_ids: Any, num_tokens: int, block_size: int, kinds: tuple[GroupDesc, ...] = ()
+) -> list[list[int]]:
+    """``block_ids`` (one list, or one per group) → per group, the prompt's blocks by
+    position; a sliding-window group's blocks wholly before the window that the next
+    token attends to become ``0`` (not published, not moved)."""
+    ids = list(block_ids or [])
+    groups = [list(g) for g in ids] if ids and isinstance(ids[0], (list, tuple)) else [ids]
+    n = math.ceil(num_tokens / block_size)
+    out = []
+    for gi, g in enumerate(groups):
+        row = [int(b) for b in g[:n]]
+        kind = kinds[gi] if gi < len(kinds) else GroupDesc()
+        if kind.kind == "sliding_window" and kind.window > 0:
+            first = max(0, num_tokens - kind.window) // block_size  # first block the window touches
+            row = [0 if i < first else b for i, b in enumerate(row)]
+        out.append(row)
+    return out
+
+
+def advertise(sched: Any, params: dict[str, Any], groups: list[list[int]]) -> None:
+    d = descriptor(sched)
+    if d is not None:
+        params["kvferry_desc"] = d.to_params()
+        if len(groups) > 1 or any(b == 0 for g in groups for b in g):
+            params["remote_block_ids"] = groups
+
+
+# -- decode scheduler ----------------------------------------------------------------
+
+
+def _verdict(sched: Any, params: dict[str, Any]) -> Any:
+    """The cached mapping, or the :class:`IncompatibleError`, for this prefill."""
+    engine = str(params.get("remote_engine_id"))
+    v = sched.verdicts.get(engine)
+    if v is not None:
+        return v
+    mine = descriptor(sched)
+    try:
+        if mine is None:
+            raise IncompatibleError(["the decode's own KV geometry is unknown (no handshake from rank 0)"])
+        v = check(KvDescriptor.from_params(params["kvferry_desc"]), mine)
+    except IncompatibleError as e:
+        v = e
+        sched.log_error("KvferryConnector: refusing prefill engine %s: %s", engine, e)
+    sched.verdicts[engine] = v
+    return v
+
+
+def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls: Any) -> Any:
+    """The decode's :class:`RecvSpec` for a prefill that advertised a descriptor."""
+    v = _verdict(sched, params)
+    key = str(params["remote_request_id"])
+    peers = list(params["kvferry_peers"])
+    ntok = min(len(request.prompt_token_ids or ()), int(params.get("remote_num_tokens") or 1 << 60))
+    raw = params["remote_block_ids"]
+    remote = [list(g) for g in raw] if raw and isinstance(raw[0], (list, tuple)) else [list(raw)]
+    local: list[list[int | None]] = []
+    for g in blocks.blocks:
+        local.append([None if (getattr(b, "is_null", False) or b.block_hash is not None) else b.block_id for b in g])
+    flat_local = [b for g in local for b in g if b is not None]
+    npub = sum(1 for g in remote for b in g if b)
+    if isinstance(v, IncompatibleError):
+        pd = KvDescriptor.from_params(params["kvferry_desc"]) if isinstance(params.get("kvferry_desc"), dict) else None
+        slots = pd.slots if pd is not None else 1
+        d_tp = int(sched.tp_size)
+        plans = [RankPlan() for _ in range(d_tp)]
+        from .vllm_mapping import slot_key
+
+        for q in range(len(peers)):
+            for s in range(slots):
+                plans[q % d_tp].releases.append((q, slot_key(key, s)))
+        return spec_cls(key=key, peers=peers, remote_block_ids=[], local_block_ids=flat_local, plans=plans, refused=str(v))
+    plans = plan_request(v, key, ntok, remote, local)
+    first = list(blocks.blocks[0]) if blocks.blocks else []
+    return spec_cls(
+        key=key,
+        peers=peers,
+        remote_block_ids=[b for g in remote for b in g if b],
+        local_block_ids=[b.block_id for b in first if not getattr(b, "is_null", False)],
+        skip_blocks=sum(1 for b in first if b.block_hash is not None and not getattr(b, "is_null", False)),
+        plans=plans,
+        npub=npub,
+        src_piece_bytes=v.prefill.piece_bytes,
+    )
+
+
+# -- prefill worker ------------------------------------------------------------------
+
+
+def publish_slots(worker: Any, req_id: str, block_ids: list[int]) -> None:
+    """Publishes ``block_ids`` under every reader slot of ``req_id`` (raises what
+    the first publish raises; later failures count as released slots)."""
+    from .vllm_mapping import slot_key
+
+    n = worker.config.reader_slots
+    worker.engine.publish(req_id, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
+    left = n
+    worker._slot_owner[req_id] = req_id
+    for s in range(1, n):
+        k = slot_key(req_id, s)
+        try:
+            worker.engine.publish(k, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
+            worker._slot_owner[k] = req_id
+        except errors.Error:
+            left -= 1
+    worker._slots_left[req_id] = left
+
+
+def slot_released(worker: Any, key: str) -> str | None:
+    """A slot's publication was released: the request id once it was the last."""
+    req_id = worker._slot_owner.pop(key, None)
+    if req_id is None:
+        return key  # published before slots existed: the key is the request
+    left = worker._slots_left.get(req_id, 1) - 1
+    if left > 0:
+        worker._slots_left[req_id] = left
+        return None
+    worker._slots_left.pop(req_id, None)
+    return req_id
+
+
+# -- decode worker -------------------------------------------------------------------
+
+
+def geometry(worker: Any, caches: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Physical (contiguous) views of vLLM's KV tensors for registration, and this
+    rank's geometry: layout (``HND`` when the heads dimension is outside the tokens
+    dimension in memory), heads per rank, raw pieces ``[num_blocks, piece_bytes]``."""
+    import torch
+
+    phys: dict[str, torch.Tensor] = {}
+    pieces: list[torch.Tensor] = []
+    layout, heads, dtype, elem = "NHD", 1, "", 0
+    nb = worker.num_blocks
+    for name, t in caches.items():
+        perm = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+        p = t.permute(perm)
+        if not p.is_contiguous():
+            raise ValueError(f"KvferryConnector: KV cache {name} is not a permutation of a contiguous tensor (strides {t.stride()})")
+        kv_first = t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == nb
+        if kv_first and t.dim() == 5:  # [2, blocks, block_size, heads, head_size]
+            heads = int(t.shape[3])
+            layout = "HND" if perm.index(3) < perm.index(2) else "NHD"
+        phys[name] = p
+        raw = p.reshape(-1).view(torch.uint8)
+        if kv_first:
+            raw = raw.reshape(2, nb, -1)
+            pieces += [raw[0], raw[1]]
+        else:
+            pieces.append(raw.reshape(nb, -1))
+        dtype, elem = str(t.dtype).removeprefix("torch."), t.element_size()
+    info = {"layout": layout, "heads_per_rank": heads, "pieces": pieces, "dtype": dtype, "elem_size": elem}
+    return phys, info
+
+
+def start_reads(worker: Any, pull: Any) -> None:
+    """Starts this rank's releases and reads of ``pull.spec`` (a planned RecvSpec)."""
+    spec = pull.spec
+    r = worker.tp_rank
+    mine: RankPlan = spec.plans[r] if r < len(spec.plans) else RankPlan()
+    by_rank: dict[int, list[str]] = {}
+    for q, k in mine.releases:
+        by_rank.setdefault(q, []).append(k)
+    for q, keys in by_rank.items():
+        _release(worker, pull.req_id, spec.peers, pull.expires_at, q, keys)
+    if spec.refused is not None:
+        raise IncompatibleError([spec.refused])
+    geo = _Geometry(pieces=worker._pieces, src_piece_bytes=spec.src_piece_bytes, npub=spec.npub)
+    pull.transfer = RankReads(
+        worker.engine,
+        worker.region,
+        geo,
+        mine.reads,
+        spec.peers,
+        deadline=pull.deadline,
+        retry_until=pull.retry_until,
+        path=worker.config.path,
+        timeout=worker.config.timeout,
+        register=worker._register,
+    )
+
+
+def _release(worker: Any, req_id: str, peers: list[dict[str, Any]], expires_at: float | None, q: int, keys: list[str]) -> None:
+    """Tells prefill rank ``q`` that ``keys`` will not be read (in the background; a
+    miss is retried until the lease's advertised end)."""
+    address = peers[q].get("address") if q < len(peers) else None
+    if worker.engine is None or not address or not keys:
+        return
+    timeout = worker.config.timeout
+    retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
+    try:
+        worker._releases[f"{req_id}@{q}#{len(worker._releases)}"] = worker.engine.release_remote(
+            address, keys, timeout=retry + timeout, retry_miss=retry
+        )
+        worker.stats.record_release()
+    except errors.Error:
+        pass  # the lease's expiry frees them
+
+
+def give_up(worker: Any, pull: Any) -> None:
+    """The pull will not complete (failed, aborted): release the slots not read."""
+    t = pull.transfer
+    if not isinstance(t, RankReads):
+        return
+    by_addr: dict[str, list[str]] = {}
+    for addr, key in t.unread():
+        by_addr.setdefault(addr, []).append(key)
+    peers = pull.spec.peers
+    for addr, keys in by_addr.items():
+        q = next((i for i, p in enumerate(peers) if p.get("address") == addr), None)
+        if q is not None:
+            _release(worker, pull.req_id, peers, pull.expires_at, q, keys)
+
+
+# -- releases without a pull -----------------------------------------------------------
+
+
+def release_all(sched: Any, params: dict[str, Any]) -> list[list[tuple[int, str]]] | None:
+    """Every slot of every prefill rank, spread over the decode ranks (``q % D_TP``);
+    None when the prefill advertised no descriptor (one key per rank)."""
+    from .vllm_mapping import slot_key
+
+    raw = params.get("kvferry_desc")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        slots = max(1, int(raw.get("slots", 1)))
+    except (TypeError, ValueError):
+        slots = 1
+    key = str(params["remote_request_id"])
+    d_tp = max(1, int(sched.tp_size))
+    out: list[list[tuple[int, str]]] = [[] for _ in range(d_tp)]
+    for q in range(len(params.get("kvferry_peers") or ())):
+        for s in range(slots):
+            out[q % d_tp].append((q, slot_key(key, s)))
+    return out
+
+
+def release_planned(spec: Any) -> list[list[tuple[int, str]]] | None:
+    """A planned pull that will not start: each decode rank releases its reads' slots
+    and the slots it was to release anyway."""
+    if spec.plans is None:
+        return None
+    return [list(p.releases) + [(rd.rank, rd.key) for rd in p.reads] for p in spec.plans]
+
+
+def release_keys(worker: Any, req_id: str, rel: Any) -> None:
+    """The worker's share of a :class:`ReleaseSpec` with ``per_rank``."""
+    r = worker.tp_rank
+    mine = rel.per_rank[r] if r < len(rel.per_rank) else []
+    by_rank: dict[int, list[str]] = {}
+    for q, k in mine:
+        by_rank.setdefault(q, []).append(k)
+    for q, keys in by_rank.items():
+        _release(worker, req_id, rel.peers, rel.expires_at, q, keys)

@@ -1,0 +1,381 @@
+"""Which bytes a decode rank reads from which prefill rank: the pure mapping behind
+``KvferryConnector``'s heterogeneous tensor parallelism, block-size and layout
+mismatches, MLA and prefix hits. No vLLM, no torch, no I/O: descriptors in, a plan out.
+
+Semantics
+---------
+A :class:`KvDescriptor` says how one vLLM instance lays out its KV cache: model, cache
+dtype, attention kind (``MHA``, which covers GQA/MQA, or ``MLA``), the *total* number of
+KV heads, head size, tokens per block, tensor-parallel size, per-rank layout (``NHD``:
+a block's K (or V) piece of one layer is ``[block_size][heads][head_size]``; ``HND``:
+``[heads][block_size][head_size]``), number of per-layer pieces per block, and the KV
+cache groups (kind and sliding window). A prefill instance advertises its descriptor in
+``kv_transfer_params["kvferry_desc"]``; the decode instance calls :func:`check` the
+first time it meets that prefill (one verdict per remote engine): an impossible pair
+raises :class:`IncompatibleError` listing *every* difference at once; a possible one
+yields a :class:`Mapping`.
+
+Heads: with TP size ``t <= H`` KV heads, rank ``r`` holds heads ``[r*H/t, (r+1)*H/t)``
+(``H % t == 0``, as vLLM requires); with ``t > H`` the heads are replicated and rank
+``r`` holds head ``r*H // t``. A decode rank reads each of its heads from the prefill
+rank that holds it; where several prefill ranks hold a replicated head, decode ranks
+spread over them. MLA caches are replicated on every rank: decode rank ``r`` reads
+prefill rank ``r % P_TP`` whole. Prefill ranks nobody reads are released at once.
+
+Blocks: prefill and decode block sizes must divide one another. With
+``D_bs = m * P_bs`` decode block ``j`` takes prefill blocks ``j*m .. j*m+m-1`` (one
+read per phase ``k``: prefill block ``j*m+k`` → tokens ``[k*P_bs, (k+1)*P_bs)`` of
+decode block ``j``); with ``P_bs = m * D_bs`` prefill block ``i`` feeds decode blocks
+``i*m .. i*m+m-1``. Blocks a local prefix hit already holds are not read.
+
+A read is one kvferry get: a publication key (a *reader slot* of the prefill rank, see
+below), the positions it takes from the publication's block list, the local blocks
+they land in, and byte ranges inside every per-layer piece (``src_ranges`` on the
+prefill piece, ``dst_ranges`` on the decode piece; the bytes are the concatenation of
+``src_ranges`` in order, filled into ``dst_ranges`` in order). Every range is computed
+from the token/head geometry of both layouts, so HND↔NHD permutes by selection.
+
+Reader slots: a prefill rank publishes each request's blocks under ``slots`` keys
+(``key`` itself and ``key#s1`` … ``key#s{slots-1}``), each released by the first
+``Done`` of a get that read it. Every read of a request uses its own slot; the slots no
+read uses are released by the decode at once (:attr:`Mapping.releases`), so a prefill
+rank's blocks are freed exactly when every read of them has finished — or been given
+up. A plan needing more reads of one prefill rank than it has slots is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "IncompatibleError",
+    "KvDescriptor",
+    "GroupDesc",
+    "Read",
+    "RankPlan",
+    "Mapping",
+    "check",
+    "heads_of",
+    "slot_key",
+    "plan_request",
+]
+
+
+class IncompatibleError(ValueError):
+    """A prefill/decode pair that cannot exchange KV: ``differences`` lists each
+    reason (the message names them all)."""
+
+    def __init__(self, differences: list[str], prefill: str = "prefill", decode: str = "decode") -> None:
+        self.differences = list(differences)
+        super().__init__(
+            f"KvferryConnector: {prefill} and {decode} KV caches are incompatible: " + "; ".join(self.differences)
+        )
+
+
+@dataclass(frozen=True)
+class GroupDesc:
+    """One KV cache group: ``kind`` ``"full"``, ``"sliding_window"`` or ``"chunked_local"``
+    (others are refused at start-up), ``window`` tokens (0 for full attention)."""
+
+    kind: str = "full"
+    window: int = 0
+
+
+@dataclass(frozen=True)
+class KvDescriptor:
+    """How one instance lays out its KV cache (see the module docs)."""
+
+    model: str
+    dtype: str
+    attention: str  # "MHA" or "MLA"
+    num_kv_heads: int  # total, over all ranks (1 for MLA)
+    head_size: int
+    block_size: int
+    tp_size: int
+    layout: str = "NHD"  # per-rank piece layout: "NHD" or "HND"
+    pieces: int = 0  # per-layer pieces per block (2 x layers for MHA, layers for MLA); 0 = unknown
+    elem_size: int = 2
+    groups: tuple[GroupDesc, ...] = (GroupDesc(),)
+    slots: int = 1  # reader slots per request and rank (prefill side)
+
+    def to_params(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["groups"] = [asdict(g) for g in self.groups]
+        return d
+
+    @classmethod
+    def from_params(cls, d: Any) -> KvDescriptor:
+        if not isinstance(d, dict):
+            raise IncompatibleError([f"the prefill's kvferry_desc is not a mapping ({type(d).__name__})"])
+        try:
+            groups = tuple(GroupDesc(str(g["kind"]), int(g.get("window", 0))) for g in d.get("groups") or [{}])
+            return cls(
+                model=str(d["model"]),
+                dtype=str(d["dtype"]),
+                attention=str(d["attention"]),
+                num_kv_heads=int(d["num_kv_heads"]),
+                head_size=int(d["head_size"]),
+                block_size=int(d["block_size"]),
+                tp_size=int(d["tp_size"]),
+                layout=str(d.get("layout", "NHD")),
+                pieces=int(d.get("pieces", 0)),
+                elem_size=int(d.get("elem_size", 2)),
+                groups=groups,
+                slots=int(d.get("slots", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise IncompatibleError([f"the prefill's kvferry_desc is malformed ({e!r})"]) from None
+
+    @property
+    def heads_per_rank(self) -> int:
+        if self.attention == "MLA":
+            return 1
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one per-layer piece of one block on one rank."""
+        return self.block_size * self.heads_per_rank * self.head_size * self.elem_size
+
+
+def heads_of(rank: int, tp: int, heads: int) -> tuple[int, int]:
+    """The global KV heads ``[a, b)`` rank ``rank`` of ``tp`` holds (replicated when
+    ``tp > heads``)."""
+    if tp <= heads:
+        per = heads // tp
+        return rank * per, (rank + 1) * per
+    h = rank * heads // tp
+    return h, h + 1
+
+
+def slot_key(key: str, slot: int) -> str:
+    """The publication key of reader slot ``slot`` of ``key``."""
+    return key if slot == 0 else f"{key}#s{slot}"
+
+
+def _self_check(d: KvDescriptor, who: str) -> list[str]:
+    out = []
+    if d.attention not in ("MHA", "MLA"):
+        out.append(f"{who} attention kind {d.attention!r} is neither MHA nor MLA")
+    if d.layout not in ("NHD", "HND"):
+        out.append(f"{who} layout {d.layout!r} is neither NHD nor HND")
+    for n in ("num_kv_heads", "head_size", "block_size", "tp_size", "elem_size", "slots"):
+        if getattr(d, n) <= 0:
+            out.append(f"{who} {n} must be > 0, got {getattr(d, n)}")
+    if d.attention == "MHA" and d.tp_size <= d.num_kv_heads and d.num_kv_heads % max(1, d.tp_size):
+        out.append(f"{who} {d.num_kv_heads} KV heads do not split over TP {d.tp_size}")
+    if d.attention == "MHA" and d.tp_size > d.num_kv_heads and d.tp_size % max(1, d.num_kv_heads):
+        out.append(f"{who} TP {d.tp_size} is not a multiple of its {d.num_kv_heads} KV heads")
+    return out
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """A possible pair's verdict: the two descriptors (see :func:`plan_request`)."""
+
+    prefill: KvDescriptor
+    decode: KvDescriptor
+
+
+def check(prefill: KvDescriptor, decode: KvDescriptor) -> Mapping:
+    """Compares a prefill and a decode descriptor; raises :class:`IncompatibleError`
+    naming every difference that makes the pair impossible."""
+    diffs = _self_check(prefill, "prefill") + _self_check(decode, "decode")
+    p, d = prefill, decode
+    for name in ("model", "dtype", "attention", "head_size", "elem_size"):
+        if getattr(p, name) != getattr(d, name):
+            diffs.append(f"{name} differs (prefill {getattr(p, name)!r}, decode {getattr(d, name)!r})")
+    if p.attention == d.attention and p.num_kv_heads != d.num_kv_heads:
+        diffs.append(f"num_kv_heads differs (prefill {p.num_kv_heads}, decode {d.num_kv_heads})")
+    if p.pieces and d.pieces and p.pieces != d.pieces:
+        diffs.append(f"per-layer pieces per block differ (prefill {p.pieces}, decode {d.pieces}: another layer count)")
+    if p.block_size > 0 and d.block_size > 0 and max(p.block_size, d.block_size) % min(p.block_size, d.block_size):
+        diffs.append(f"block sizes {p.block_size} (prefill) and {d.block_size} (decode) do not divide one another")
+    if p.groups != d.groups:
+        diffs.append(
+            "KV cache groups differ (prefill "
+            + ", ".join(f"{g.kind}/{g.window}" for g in p.groups)
+            + "; decode "
+            + ", ".join(f"{g.kind}/{g.window}" for g in d.groups)
+            + ")"
+        )
+    if not diffs:
+        need = _reads_per_prefill_rank(p, d)
+        if need > p.slots:
+            diffs.append(
+                f"the decode reads one prefill rank {need} times per request but the prefill publishes "
+                f"{p.slots} reader slot(s) (raise reader_slots on the prefill)"
+            )
+    if diffs:
+        raise IncompatibleError(diffs)
+    return Mapping(prefill, decode)
+
+
+def _sources(p: KvDescriptor, d: KvDescriptor, rank: int) -> list[tuple[int, int, int]]:
+    """``[(prefill rank, first global head, last+1)]`` decode rank ``rank`` reads."""
+    if d.attention == "MLA":
+        return [(rank % p.tp_size, 0, 1)]
+    a, b = heads_of(rank, d.tp_size, d.num_kv_heads)
+    out: list[tuple[int, int, int]] = []
+    H = p.num_kv_heads
+    for h in range(a, b):
+        if p.tp_size <= H:
+            q = h // (H // p.tp_size)
+        else:
+            rep = p.tp_size // H  # prefill ranks holding head h: h*rep .. h*rep+rep-1
+            q = h * rep + rank % rep
+        if out and out[-1][0] == q and out[-1][2] == h:
+            out[-1] = (q, out[-1][1], h + 1)
+        else:
+            out.append((q, h, h + 1))
+    return out
+
+
+def _phases(p: KvDescriptor, d: KvDescriptor) -> int:
+    return max(p.block_size, d.block_size) // min(p.block_size, d.block_size)
+
+
+def _reads_per_prefill_rank(p: KvDescriptor, d: KvDescriptor) -> int:
+    count: dict[int, int] = {}
+    for r in range(d.tp_size):
+        for q, _, _ in _sources(p, d, r):
+            count[q] = count.get(q, 0) + _phases(p, d)
+    return max(count.values(), default=1)
+
+
+def _offset(desc: KvDescriptor, tok: int, head: int) -> int:
+    """Byte offset of (token, rank-local head) inside one piece of ``desc``."""
+    hs = desc.head_size * desc.elem_size
+    if desc.layout == "HND":
+        return (head * desc.block_size + tok) * hs
+    return (tok * desc.heads_per_rank + head) * hs
+
+
+def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for off, n in runs:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
+def piece_ranges(
+    p: KvDescriptor, d: KvDescriptor, src_tok0: int, dst_tok0: int, ntok: int, src_head0: int, dst_head0: int, nheads: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(src_ranges, dst_ranges)`` moving tokens ``src_tok0..+ntok`` × rank-local heads
+    ``src_head0..+nheads`` of a prefill piece to tokens ``dst_tok0..`` × heads
+    ``dst_head0..`` of a decode piece, in the decode piece's byte order."""
+    hs = p.head_size * p.elem_size
+    atoms = []
+    for t in range(ntok):
+        for h in range(nheads):
+            atoms.append((_offset(d, dst_tok0 + t, dst_head0 + h), _offset(p, src_tok0 + t, src_head0 + h)))
+    atoms.sort()
+    return _coalesce([(s, hs) for _, s in atoms]), _coalesce([(o, hs) for o, _ in atoms])
+
+
+@dataclass
+class Read:
+    """One get: ``key`` from prefill rank ``rank``; publication positions ``blocks``
+    land in local ``dst_blocks`` (same length), each per-layer piece's ``src_ranges``
+    into its ``dst_ranges`` (``None``: the whole piece)."""
+
+    rank: int
+    key: str
+    blocks: list[int]
+    dst_blocks: list[int]
+    src_ranges: list[tuple[int, int]] | None
+    dst_ranges: list[tuple[int, int]] | None
+
+    @property
+    def nbytes_per_piece(self) -> int:
+        return sum(n for _, n in self.src_ranges) if self.src_ranges is not None else -1
+
+
+@dataclass
+class RankPlan:
+    """What one decode rank does for one request: its reads, and the ``(prefill rank,
+    key)`` publications it releases at once (slots nobody reads)."""
+
+    reads: list[Read] = field(default_factory=list)
+    releases: list[tuple[int, str]] = field(default_factory=list)
+
+
+def plan_request(
+    m: Mapping,
+    key: str,
+    num_tokens: int,
+    remote_blocks: list[list[int | None]],
+    local_blocks: list[list[int | None]],
+) -> list[RankPlan]:
+    """Every decode rank's plan for one request of ``num_tokens`` prompt tokens.
+
+    ``remote_blocks[g][i]``: the prefill's block holding block *i* (from the prompt's
+    start) of KV cache group *g*, or ``None``/``0`` where it holds none (vLLM's null
+    block: a sliding window's skipped blocks). The publication's block list is every
+    held block, group by group, in order. ``local_blocks[g][j]``: the decode's block
+    for block *j* of group *g*, or ``None`` where nothing is to be read (a local prefix
+    hit, or outside a sliding window)."""
+    p, d = m.prefill, m.decode
+    plans = [RankPlan() for _ in range(d.tp_size)]
+    used: dict[int, int] = {}  # prefill rank -> slots taken
+    ph = _phases(p, d)
+    pairs_by_phase: list[list[tuple[int, int]]] = [[] for _ in range(ph)]
+    base = 0  # publication position of this group's first held block
+    for g, rb in enumerate(remote_blocks):
+        pos: dict[int, int] = {}
+        for i, blk in enumerate(rb):
+            if blk:
+                pos[i] = base + len(pos)
+        base += len(pos)
+        lb = local_blocks[g] if g < len(local_blocks) else []
+        for jj, lblock in enumerate(lb):
+            if lblock is None:
+                continue
+            for k in range(ph):
+                if d.block_size >= p.block_size:
+                    ii = jj * ph + k  # the prefill block feeding phase k
+                    tok0 = ii * p.block_size
+                else:
+                    ii = jj // ph
+                    if jj % ph != k:
+                        continue
+                    tok0 = jj * d.block_size
+                if tok0 >= num_tokens or ii not in pos:
+                    continue
+                pairs_by_phase[k].append((pos[ii], int(lblock)))
+    for r in range(d.tp_size):
+        dst_a, _ = heads_of(r, d.tp_size, d.num_kv_heads) if d.attention == "MHA" else (0, 1)
+        for q, ha, hb in _sources(p, d, r):
+            src_a, _ = heads_of(q, p.tp_size, p.num_kv_heads) if p.attention == "MHA" else (0, 1)
+            for k in range(ph):
+                pairs = pairs_by_phase[k]
+                if not pairs:
+                    continue
+                if d.block_size >= p.block_size:
+                    ntok, s0, d0 = p.block_size, 0, k * p.block_size
+                else:
+                    ntok, s0, d0 = d.block_size, k * d.block_size, 0
+                src, dst = piece_ranges(p, d, s0, d0, ntok, ha - src_a, ha - dst_a, hb - ha)
+                whole = len(src) == 1 and src[0] == (0, p.piece_bytes) and len(dst) == 1 and dst[0] == (0, d.piece_bytes)
+                slot = used.get(q, 0)
+                used[q] = slot + 1
+                plans[r].reads.append(
+                    Read(
+                        rank=q,
+                        key=slot_key(key, slot),
+                        blocks=[i for i, _ in pairs],
+                        dst_blocks=[b for _, b in pairs],
+                        src_ranges=None if whole else src,
+                        dst_ranges=None if whole else dst,
+                    )
+                )
+    # Slots no read takes (and prefill ranks nobody reads): released at once, each
+    # prefill rank's by decode rank q % D_TP.
+    for q in range(p.tp_size):
+        for s in range(used.get(q, 0), p.slots):
+            plans[q % d.tp_size].releases.append((q, slot_key(key, s)))
+    return plans
