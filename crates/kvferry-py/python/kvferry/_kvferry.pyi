@@ -31,6 +31,8 @@ __all__ = [
     "crc32c",
     "dlpack_info",
     "bounded_wait",
+    "CompletionEvent",
+    "_bounded_wait_stats",
     "__version__",
     "HAS_ETCD",
     "HAS_CUDA",
@@ -431,10 +433,11 @@ def _bounded_wait_stats() -> dict[str, int]:
     """Counts of bounded waits by path (``notify``, ``cuda_notify``, ``cuda_poll``,
     ``query``), ``polls``, and (cuda builds) the CUDA watch streams."""
 
+@final
 class CompletionEvent:
     """An event completed with ``set()``; ``bounded_wait`` sleeps on it without polling."""
 
-    def __init__(self, *, device: str = "host") -> None: ...
+    def __new__(cls, *, device: str = ...) -> CompletionEvent: ...
     def set(self) -> bool: ...
     def query(self) -> bool: ...
     def is_set(self) -> bool: ...
