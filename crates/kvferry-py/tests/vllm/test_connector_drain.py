@@ -65,7 +65,9 @@ def prefill(need_vllm):
 
 def _record_outcomes(d: Instance) -> dict[str, float]:
     """Per request, when its (last) transfer's outcome became known to Python
-    (monotonic), from a done-callback on every transfer the worker starts."""
+    (monotonic): from a done-callback on a single transfer the worker starts, and for a
+    pull made of several gets (``vllm_reads.RankReads``) when a step first sees it done
+    (so those figures include up to one step of latency: an over-estimate)."""
     at: dict[str, float] = {}
     w = d.worker
     real = w._launch
@@ -76,6 +78,23 @@ def _record_outcomes(d: Instance) -> dict[str, float]:
         pull.transfer._t.add_done_callback(lambda: at.__setitem__(rid, time.monotonic()))
 
     w._launch = launch
+    real_step = d.step
+
+    def seen_done() -> None:
+        now = time.monotonic()
+        for rid, pull in list(w._pulls.items()):
+            t = pull.transfer
+            if t is not None and not hasattr(t, "_t") and rid not in at and t.done():
+                at[rid] = now
+
+    def step():
+        seen_done()
+        real_step()
+        seen_done()
+        for rid in d.finished_recving:  # landed and handed back within that step
+            at.setdefault(rid, time.monotonic())
+
+    d.step = step
     return at
 
 

@@ -214,7 +214,7 @@ class RankReads:
         self._error = e
         for s in self.subs:
             if s.transfer is not None and not s.transfer.done():
-                s.transfer.cancel()
+                s.transfer.cancel(timeout=0)  # asked, not waited: drained() tells when
             self._drop_scratch(s)
 
     def done(self) -> bool:
@@ -226,11 +226,17 @@ class RankReads:
         self._poll()
         return self._error
 
-    def cancel(self) -> bool:
+    def drained(self) -> bool:
+        """True once no get of this rank writes the destination blocks (never blocks)."""
+        return all(s.transfer is None or s.transfer.drained() for s in self.subs)
+
+    def cancel(self, timeout: float | None = None) -> bool:
+        """Cancels every get still running; as ``Transfer.cancel``: returns after their
+        drain (up to ``timeout``; ``0``: at once, then poll :meth:`drained`)."""
         any_ = False
         for s in self.subs:
             if s.transfer is not None and not s.transfer.done():
-                any_ = s.transfer.cancel() or any_
+                any_ = s.transfer.cancel(timeout) or any_
             self._drop_scratch(s)
         if self._error is None and not all(s.landed for s in self.subs):
             self._error = errors.CancelledError("cancelled")
