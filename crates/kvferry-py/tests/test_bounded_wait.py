@@ -169,8 +169,9 @@ def test_backoff_adapts_to_the_usual_completion_time():
     # 20 µs, 80 µs, 320 µs, ... (fewer when the machine is loaded: wake-ups run late).
     assert len(early_cold) >= 3, len(early_cold)
     assert early_cold[1] - early_cold[0] < 0.03  # 20 µs asked; a loaded host runs late
-    # And it resumed soon after the event completed.
-    assert warm.queries[-1] - warm.at < 0.010
+    # And it resumed soon after the event completed (a loaded host wakes late; a missed
+    # completion would be the next back-off step, hundreds of ms away).
+    assert warm.queries[-1] - warm.at < 0.05
 
 
 def test_history_ignores_waits_that_found_the_event_complete():
@@ -565,4 +566,6 @@ def test_benchmark_prints_targets_beside_the_figures(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "target < 0.1 % of a core" in out and "p50 <= 50 us, p99 <= 200 us" in out
     assert "CompletionEvent" in out and "query()" in out and "cuda" in out
-    assert out.count("met") >= 4
+    # Every row carries its verdict beside the figure (whether a target is met depends on
+    # the machine's load: a benchmark's finding, not this test's).
+    assert out.count(" met") + out.count("MISSED") >= 4

@@ -129,13 +129,13 @@ def test_cuda_events_are_notified_by_a_host_function_not_polled(tmp_path):
     assert (late["cuda_notify"], late["cuda_poll"], late["polls"]) == (1, 0, 0), late
     assert (late["cuda_watch_fired"], late["cuda_watch_busy"], late["cuda_watch_idle"]) == (1, 0, 1)
     assert out["depth_after_late"] == 0  # the context pushed was popped
-    assert out["late_cpu"] < 0.01
+    assert out["late_cpu"] < 0.02  # one wake-up; a poll loop would cost far more
 
     # Never completing: raises on time, its stream is held (the host function owns it).
     assert out["stuck_error"] is not None and "stuck on cuda:0" in out["stuck_error"]
     assert 1.0 <= out["stuck_elapsed"] <= 1.02, out["stuck_elapsed"]
     assert out["stuck"]["cuda_watch_busy"] == 1 and out["stuck"]["polls"] == 0
-    assert out["stuck_cpu"] < 0.005
+    assert out["stuck_cpu"] < 0.02  # one wake-up and a few queries; a spin would be ~1 s
 
     # Another event meanwhile: a fresh stream, not queued behind the stuck one.
     assert out["other_waited"] < 1.0

@@ -163,7 +163,7 @@ def test_timeout_is_bounded_and_nothing_leaks(pair):
         d.get_blocking(p.address, "slow", dst, [0, 1], timeout=0.2)
     took = time.monotonic() - t0
     assert isinstance(ei.value, TimeoutError)  # the builtin too
-    assert 0.2 <= took < 0.2 + 0.02, took
+    assert 0.2 <= took < 0.2 + 0.1, took  # bounded: the 2 s send is not waited for
     assert ei.value.waited is not None and ei.value.waited >= 0.2
     deadline = time.monotonic() + 5
     while d.stats()["consumer"]["draining"] and time.monotonic() < deadline:
