@@ -660,8 +660,10 @@ impl Consumer {
 
     /// Runs a transfer task and awaits it under `deadline`; cancels it (drain in the
     /// background, `signal` moves into the task) when the deadline passes or this
-    /// future is dropped. `started` is when the caller's operation began: every
-    /// `Timeout` it returns reports the time waited since then, one clock for all.
+    /// future is dropped. This is the one place a transfer's deadline is enforced: the
+    /// task itself only obeys its cancellation token (see `transfer`'s "Deadlines").
+    /// `started` is when the caller's operation began: every `Timeout` it returns
+    /// reports the time waited since then, one clock for all.
     #[allow(clippy::too_many_arguments)]
     async fn run_fenced(
         &self,

@@ -8,6 +8,15 @@
 //! a receive in progress is dropped (the connection closes, nothing writes any more), a
 //! landing copy is cancelled and awaited until its started slices stopped; only then
 //! does the task drop its [`DrainSignal`], firing the caller's fence.
+//!
+//! # Deadlines
+//!
+//! The task watches no clock of its own for the transfer's deadline: `run_fenced`
+//! (in `client`) is the one place that enforces it, by cancelling this task's token
+//! when the deadline passes and answering the caller `Timeout` at once. The deadline
+//! reaches the task only as `connect_bound`, the bound the connection pool's checkout
+//! needs (the same instant, so it never outlives the transfer). Device landings are
+//! bounded by the cache's own op timeout as well as by cancellation.
 
 use std::sync::atomic::Ordering;
 
@@ -67,7 +76,9 @@ struct TransferCtx<'a> {
     consumer: &'a Consumer,
     pool: Pool,
     dst: Destination,
-    deadline: Instant,
+    /// Upper bound for the connection pool's checkout (the transfer's deadline, which
+    /// `run_fenced` enforces by cancelling `cancel`).
+    connect_bound: Instant,
     cancel: CancellationToken,
     /// The producer lease to release with `Done` if the transfer did not already.
     lease_to_release: Option<crate::wire::LeaseId>,
@@ -76,7 +87,6 @@ struct TransferCtx<'a> {
     /// A device copy into the destination that had not settled when the transfer
     /// ended: the fence waits for it.
     unconfirmed: Option<crate::device::Event>,
-    started: Instant,
     /// A selected transfer's landing (set once the producer announced its stream).
     landing: Option<LandingPlan>,
 }
@@ -108,12 +118,11 @@ impl Consumer {
             consumer: self,
             pool,
             dst,
-            deadline,
+            connect_bound: deadline,
             cancel,
             lease_to_release: None,
             dirty: false,
             unconfirmed: None,
-            started,
             landing: None,
         };
         let result = ctx.run(req).await;
@@ -204,13 +213,6 @@ impl Consumer {
 }
 
 impl TransferCtx<'_> {
-    fn timeout(&self, op: &'static str) -> PeerError {
-        PeerError::Timeout {
-            op,
-            waited: self.started.elapsed(),
-        }
-    }
-
     async fn run(&mut self, req: Request) -> Result<Landed, PeerError> {
         let inner = &self.consumer.inner;
         // A selected transfer is one stream into the destination's selected ranges:
@@ -245,13 +247,12 @@ impl TransferCtx<'_> {
             }
         };
 
-        // 2. Receive (cancel or deadline drops the connection: nothing writes after).
+        // 2. Receive (a cancel — the caller's, or `run_fenced` at the deadline — drops
+        // the connection: nothing writes after).
         let cancel = self.cancel.clone();
-        let deadline = self.deadline;
         let chunks = tokio::select! {
             r = self.receive(req, &mut sink, &caps) => r?,
             _ = cancel.cancelled() => return Err(PeerError::Cancelled),
-            _ = tokio::time::sleep_until(deadline) => return Err(self.timeout("receive")),
         };
         let bytes: usize = chunks.iter().map(|m| m.len as usize).sum();
         let landed = Landed {
@@ -324,8 +325,8 @@ impl TransferCtx<'_> {
     }
 
     /// Lands verified chunks from staging pages into a device cache: one host-to-device
-    /// scatter on the cache's copy stream, waited for until the transfer's deadline
-    /// (and at most the cache's op timeout). If the wait ends early (deadline, cancel,
+    /// scatter on the cache's copy stream, waited for until the transfer is cancelled
+    /// (the caller, or its deadline) or the cache's op timeout. If the wait ends early (cancel,
     /// failure), the pages stay quarantined until the device confirms, and this task
     /// keeps waiting for that confirmation (bounded) before it lets the caller's fence
     /// fire: destination blocks are reported quiet only after the scatter drained.
@@ -359,7 +360,7 @@ impl TransferCtx<'_> {
             .scatter(lease, &plan, "land: host-to-device scatter")
             .map_err(device_err)?;
         let event = pending.event().clone();
-        let deadline = self.deadline.min(event.meta().submitted() + cache.op_timeout());
+        let deadline = event.meta().submitted() + cache.op_timeout();
         let cancel = self.cancel.clone();
         let waited = tokio::select! {
             r = pending.wait(deadline) => r.map(drop),
@@ -389,7 +390,7 @@ impl TransferCtx<'_> {
     /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
     /// metadata (a prefix of what was asked; empty on a miss).
     async fn receive(&mut self, req: Request, sink: &mut Sink, caps: &[usize]) -> Result<Vec<ChunkMeta>, PeerError> {
-        let mut conn: PooledConnection = self.pool.checkout(self.deadline).await?;
+        let mut conn: PooledConnection = self.pool.checkout(self.connect_bound).await?;
         let id = conn.next_request_id();
         let chunks = match req {
             Request::Get { keys, select } => {
