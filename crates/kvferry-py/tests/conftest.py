@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Protocol
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import kvferry
 BLOCK = 4096
 
 
-def producer_main(conn, listen: str, secret: bytes | None, nblocks: int, send_delay_us: int) -> None:
+def producer_main(conn: Connection, listen: str, secret: bytes | None, nblocks: int, send_delay_us: int) -> None:
     """Runs in a spawned process: publishes chunks on request and reports back."""
     eng = kvferry.Engine(listen=listen, secret=secret, max_ttl=60.0, ttl=60.0)
     eng._e._inject_faults(send_delay_us=send_delay_us)
@@ -45,11 +47,15 @@ class RemoteProducer:
         self.proc.start()
         if not self.conn.poll(30):
             raise RuntimeError("producer process did not start")
-        self.address, self.incarnation = self.conn.recv()
+        address, incarnation = self.conn.recv()
+        assert isinstance(address, str) and isinstance(incarnation, int), (address, incarnation)
+        self.address = address
+        self.incarnation = incarnation
 
     def publish(self, key: str, blocks: list[int]) -> bytes:
         self.conn.send(("publish", key, blocks))
         _, data = self.conn.recv()
+        assert isinstance(data, bytes), data
         return data
 
     def kill(self) -> None:
@@ -63,16 +69,26 @@ class RemoteProducer:
             self.proc.join(10)
 
 
+class MakeProducer(Protocol):
+    """What the ``remote_producer`` fixture gives: starts a :class:`RemoteProducer`."""
+
+    def __call__(
+        self, *, listen: str = ..., secret: bytes | None = ..., nblocks: int = ..., send_delay_us: int = ...
+    ) -> RemoteProducer: ...
+
+
 @pytest.fixture
-def remote_producer() -> Iterator[type[RemoteProducer]]:
+def remote_producer() -> Iterator[MakeProducer]:
     made: list[RemoteProducer] = []
 
-    def make(**kw) -> RemoteProducer:
-        p = RemoteProducer(**kw)
+    def make(
+        *, listen: str = "127.0.0.1:0", secret: bytes | None = None, nblocks: int = 64, send_delay_us: int = 0
+    ) -> RemoteProducer:
+        p = RemoteProducer(listen=listen, secret=secret, nblocks=nblocks, send_delay_us=send_delay_us)
         made.append(p)
         return p
 
-    yield make  # type: ignore[misc]
+    yield make
     for p in made:
         if p.proc.is_alive():
             p.kill()

@@ -7,12 +7,15 @@ without a driver. The real-GPU part is ``scripts/gpu-check.sh``."""
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import math
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from types import FrameType
 
 import pytest
 
@@ -48,12 +51,21 @@ class At:
         return now >= self.at
 
 
+def _device(e: kvferry.TimeoutError) -> str:
+    """The ``device`` a ``bounded_wait`` timeout names. ``bounded_wait`` sets it on the
+    instance it raises (other ``TimeoutError`` instances have none), so the stubs do
+    not declare it on the class."""
+    device = getattr(e, "device", None)
+    assert isinstance(device, str), device
+    return device
+
+
 def _name() -> str:
     """A fresh ``what``: each test gets its own backoff history."""
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
-def test_completed_event_returns_at_once_after_one_query():
+def test_completed_event_returns_at_once_after_one_query() -> None:
     ev = Flag(done=True)
     waited = kvferry.bounded_wait(ev, 5.0, what=_name())
     assert isinstance(waited, float)
@@ -61,7 +73,7 @@ def test_completed_event_returns_at_once_after_one_query():
     assert len(ev.queries) == 1
 
 
-def test_event_completed_late_by_another_thread():
+def test_event_completed_late_by_another_thread() -> None:
     ev = Flag()
     setter = threading.Timer(0.2, ev.set)
     t0 = time.monotonic()
@@ -75,7 +87,7 @@ def test_event_completed_late_by_another_thread():
 
 
 @pytest.mark.parametrize("timeout", [0.05, 0.3])
-def test_never_completing_event_raises_within_timeout_plus_20ms(timeout):
+def test_never_completing_event_raises_within_timeout_plus_20ms(timeout: float) -> None:
     what = _name()
     ev = Flag(device="npu:3")
     t0 = time.monotonic()
@@ -86,23 +98,23 @@ def test_never_completing_event_raises_within_timeout_plus_20ms(timeout):
     e = info.value
     assert isinstance(e, kvferry.Error) and isinstance(e, TimeoutError)
     assert e.op == what
-    assert e.device == "npu:3"
-    assert timeout <= e.waited <= elapsed
+    assert _device(e) == "npu:3"
+    assert e.waited is not None and timeout <= e.waited <= elapsed
     msg = str(e)
     assert what in msg and "npu:3" in msg and "waited" in msg
 
 
-def test_timeout_names_the_event_type_when_what_is_omitted():
+def test_timeout_names_the_event_type_when_what_is_omitted() -> None:
     with pytest.raises(kvferry.TimeoutError) as info:
         kvferry.bounded_wait(Flag(device=None), 0.01)
-    assert "Flag" in str(info.value) and "Flag" in info.value.op
+    assert "Flag" in str(info.value) and info.value.op is not None and "Flag" in info.value.op
 
 
-def test_query_that_raises_propagates_unchanged():
+def test_query_that_raises_propagates_unchanged() -> None:
     class Broken:
         calls = 0
 
-        def query(self):
+        def query(self) -> bool:
             Broken.calls += 1
             if Broken.calls >= 3:
                 raise RuntimeError("device lost")
@@ -113,20 +125,20 @@ def test_query_that_raises_propagates_unchanged():
     assert Broken.calls == 3
 
 
-def test_object_without_query_is_an_attribute_error():
+def test_object_without_query_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError):
-        kvferry.bounded_wait(object(), 1.0)
+        kvferry.bounded_wait(object(), 1.0)  # type: ignore[arg-type]  # no query(), on purpose
 
 
 @pytest.mark.parametrize("bad", [-1.0, -1e-9, math.nan, math.inf])
-def test_bad_timeouts_are_refused(bad):
+def test_bad_timeouts_are_refused(bad: float) -> None:
     ev = Flag(done=True)
     with pytest.raises(kvferry.InvalidArgumentError, match="timeout"):
         kvferry.bounded_wait(ev, bad)
     assert ev.queries == []
 
 
-def test_zero_timeout_queries_once():
+def test_zero_timeout_queries_once() -> None:
     assert kvferry.bounded_wait(Flag(done=True), 0) < 0.05
     ev = Flag()
     with pytest.raises(kvferry.TimeoutError):
@@ -134,7 +146,7 @@ def test_zero_timeout_queries_once():
     assert len(ev.queries) == 1
 
 
-def test_waiting_a_second_is_not_a_busy_spin():
+def test_waiting_a_second_is_not_a_busy_spin() -> None:
     """A second on a never-completing event: about ten queries and little CPU."""
     ev = Flag()
     cpu0 = time.thread_time()
@@ -151,7 +163,7 @@ def test_waiting_a_second_is_not_a_busy_spin():
     assert 0.2 < max(gaps) < 0.400 + 0.05
 
 
-def test_backoff_adapts_to_the_usual_completion_time():
+def test_backoff_adapts_to_the_usual_completion_time() -> None:
     """After waits that took ~60 ms, a wait sleeps until just before 60 ms instead of
     polling from the start; a wait without history polls from 20 µs on, backing off."""
     what = _name()
@@ -174,7 +186,7 @@ def test_backoff_adapts_to_the_usual_completion_time():
     assert warm.queries[-1] - warm.at < 0.05
 
 
-def test_history_ignores_waits_that_found_the_event_complete():
+def test_history_ignores_waits_that_found_the_event_complete() -> None:
     what = _name()
     for _ in range(5):
         kvferry.bounded_wait(Flag(done=True), 1.0, what=what)
@@ -193,7 +205,7 @@ def _stats() -> dict[str, int]:
     return kvferry._kvferry._bounded_wait_stats()
 
 
-def test_completion_event_set_before_the_wait_returns_at_once():
+def test_completion_event_set_before_the_wait_returns_at_once() -> None:
     ev = kvferry.CompletionEvent(device="worker:1")
     assert not ev.query() and not ev.is_set() and ev.device == "worker:1"
     assert ev.set() is True
@@ -202,7 +214,7 @@ def test_completion_event_set_before_the_wait_returns_at_once():
     assert kvferry.bounded_wait(ev, 5.0, what=_name()) < 0.05
 
 
-def test_completion_event_set_late_wakes_the_waiter_without_polling():
+def test_completion_event_set_late_wakes_the_waiter_without_polling() -> None:
     ev = kvferry.CompletionEvent()
     stamp: list[float] = []
 
@@ -229,7 +241,7 @@ def test_completion_event_set_late_wakes_the_waiter_without_polling():
 
 
 @pytest.mark.parametrize("timeout", [0.05, 0.3])
-def test_completion_event_never_set_raises_within_timeout_plus_20ms(timeout):
+def test_completion_event_never_set_raises_within_timeout_plus_20ms(timeout: float) -> None:
     what = _name()
     ev = kvferry.CompletionEvent(device="npu:2")
     before = _stats()
@@ -239,7 +251,7 @@ def test_completion_event_never_set_raises_within_timeout_plus_20ms(timeout):
     elapsed = time.monotonic() - t0
     assert timeout <= elapsed <= timeout + 0.020, elapsed
     e = info.value
-    assert e.op == what and e.device == "npu:2" and timeout <= e.waited <= elapsed
+    assert e.op == what and _device(e) == "npu:2" and e.waited is not None and timeout <= e.waited <= elapsed
     assert what in str(e) and "npu:2" in str(e)
     assert _stats()["polls"] == before["polls"]
     # Still usable afterwards: a late set completes it for the next waiter.
@@ -247,7 +259,7 @@ def test_completion_event_never_set_raises_within_timeout_plus_20ms(timeout):
     assert kvferry.bounded_wait(ev, 1.0, what=what) < 0.05
 
 
-def test_completion_event_zero_timeout_looks_once():
+def test_completion_event_zero_timeout_looks_once() -> None:
     ev = kvferry.CompletionEvent()
     with pytest.raises(kvferry.TimeoutError):
         kvferry.bounded_wait(ev, 0, what=_name())
@@ -255,7 +267,7 @@ def test_completion_event_zero_timeout_looks_once():
     assert kvferry.bounded_wait(ev, 0) < 0.05
 
 
-def test_a_second_on_a_completion_event_costs_one_wake_up():
+def test_a_second_on_a_completion_event_costs_one_wake_up() -> None:
     ev = kvferry.CompletionEvent()
     cpu0 = time.thread_time()
     with pytest.raises(kvferry.TimeoutError):
@@ -265,7 +277,7 @@ def test_a_second_on_a_completion_event_costs_one_wake_up():
     assert cpu < 0.005, cpu
 
 
-def test_many_waiters_on_one_completion_event_all_wake():
+def test_many_waiters_on_one_completion_event_all_wake() -> None:
     ev = kvferry.CompletionEvent()
     results: list[float] = []
 
@@ -289,18 +301,19 @@ class _Interrupted(Exception):
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
 @pytest.mark.parametrize("kind", ["notify", "query"])
-def test_a_signal_whose_handler_raises_ends_the_wait_promptly(kind):
+def test_a_signal_whose_handler_raises_ends_the_wait_promptly(kind: str) -> None:
     """As Ctrl-C does: the handler runs during the sleep (interrupted with EINTR) and its
     exception ends the wait, even in the middle of a long sleep."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run on the main thread")
-    ev = kvferry.CompletionEvent() if kind == "notify" else Flag()
+    ev: kvferry.CompletionEvent | Flag = kvferry.CompletionEvent() if kind == "notify" else Flag()
 
-    def handler(signum, frame):
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise _Interrupted()
 
     old = signal.signal(signal.SIGUSR1, handler)
     main = threading.main_thread().ident
+    assert main is not None
     sent: list[float] = []
 
     def send() -> None:
@@ -320,13 +333,14 @@ def test_a_signal_whose_handler_raises_ends_the_wait_promptly(kind):
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
-def test_a_signal_whose_handler_returns_does_not_end_the_wait():
+def test_a_signal_whose_handler_returns_does_not_end_the_wait() -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers run on the main thread")
     ev = kvferry.CompletionEvent()
     seen: list[int] = []
     old = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     main = threading.main_thread().ident
+    assert main is not None
     kick = threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1))
     done = threading.Timer(0.3, ev.set)
     try:
@@ -353,29 +367,30 @@ class FakeCudaEvent:
 
 
 @pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
-def test_never_recorded_cuda_event_is_complete():
+def test_never_recorded_cuda_event_is_complete() -> None:
     # torch creates the CUevent lazily at the first record(); until then query() is True.
     assert kvferry.bounded_wait(FakeCudaEvent(0), 1.0) < 0.05
 
 
 @pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is present (scripts/gpu-check.sh)")
-def test_cuda_event_without_a_driver_is_a_device_error():
+def test_cuda_event_without_a_driver_is_a_device_error() -> None:
     with pytest.raises(kvferry.DeviceError, match="no device") as info:
         kvferry.bounded_wait(FakeCudaEvent(0xDEAD), 1.0, what="copy_event")
     assert "copy_event" in str(info.value)
 
 
-def _torch():
+def _need_torch() -> None:
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         pytest.skip("torch is not installed")
-    return torch
 
 
-def test_torch_event_of_another_device_goes_through_query():
-    torch = _torch()
+def test_torch_event_of_another_device_goes_through_query() -> None:
+    _need_torch()
+    import torch
+
     # The CPU backend cannot record events; an unrecorded one is complete (query()).
     ev = torch.Event(device="cpu")
     assert ev.query()
@@ -383,10 +398,12 @@ def test_torch_event_of_another_device_goes_through_query():
 
 
 @pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build has no cuda feature")
-def test_real_torch_cuda_event_never_recorded_is_complete():
+def test_real_torch_cuda_event_never_recorded_is_complete() -> None:
     # torch.cuda.Event creates its CUevent at the first record(): cuda_event is 0 and
     # query() is True until then; no driver call is made (none is needed here).
-    torch = _torch()
+    _need_torch()
+    import torch
+
     ev = torch.cuda.Event(blocking=True)
     assert ev.cuda_event == 0
     assert kvferry.bounded_wait(ev, 1.0, what="copy_event") < 0.05
@@ -412,23 +429,25 @@ WHY_NO_GPU = _why_no_gpu()
 gpu = pytest.mark.skipif(WHY_NO_GPU is not None, reason=f"GPU part skipped: {WHY_NO_GPU}")
 
 
-def _cycles_per_ms(torch) -> float:
+def _cycles_per_ms() -> float:
     """GPU clock cycles per millisecond, for ``torch.cuda._sleep`` (a spinning kernel)."""
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(1000)  # warm up
     start.record()
     torch.cuda._sleep(20_000_000)
     end.record()
     end.synchronize()
-    return 20_000_000 / start.elapsed_time(end)
+    return 20_000_000 / float(start.elapsed_time(end))
 
 
 @gpu
-def test_cuda_event_behind_a_two_second_kernel_completes():
+def test_cuda_event_behind_a_two_second_kernel_completes() -> None:
     import torch
 
     torch.cuda.init()
-    per_ms = _cycles_per_ms(torch)
+    per_ms = _cycles_per_ms()
     ev = torch.cuda.Event(blocking=True)
     torch.cuda._sleep(int(2000 * per_ms))
     ev.record()
@@ -454,9 +473,8 @@ def test_cuda_event_behind_a_two_second_kernel_completes():
         assert kvferry.bounded_wait(gev, 30.0, what="torch.Event") >= 0.1
 
 
-def _driver(torch):
-    import ctypes
-
+def _driver() -> tuple[Callable[..., int], Callable[..., int]]:
+    """The driver's ``cuStreamWaitValue32`` and ``cuMemHostGetDevicePointer``."""
     lib = ctypes.CDLL("libcuda.so.1")
     wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
     wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
@@ -468,16 +486,14 @@ def _driver(torch):
 
 
 @gpu
-def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean():
+def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean() -> None:
     """The stream waits until the host sets a flag in pinned memory (the GPU front end
     polls it: ``cuStreamWaitValue32``); with a 1 s deadline the wait raises on time,
     then the flag is set and the work behind it runs, and the device is usable."""
-    import ctypes
-
     import torch
 
     torch.cuda.init()
-    wait_value, host_devptr = _driver(torch)
+    wait_value, host_devptr = _driver()
     flag = torch.zeros(1, dtype=torch.int32).pin_memory()
     dptr = ctypes.c_uint64(0)
     r = host_devptr(ctypes.byref(dptr), ctypes.c_void_p(flag.data_ptr()), 0)
@@ -500,7 +516,7 @@ def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean(
     cpu = time.thread_time() - cpu0
     elapsed = time.monotonic() - t0
     assert 1.0 <= elapsed <= 1.0 + 0.02, elapsed
-    assert info.value.device.startswith("cuda")
+    assert _device(info.value).startswith("cuda")
     assert not ev.query()
     # A second on a stuck event: the notifier plus four queries (target < 0.1 %).
     assert cpu < 0.003, cpu
@@ -528,7 +544,7 @@ def test_cuda_event_stuck_behind_a_host_flag_times_out_then_the_device_is_clean(
     assert z.item() == 1024.0
 
 
-def test_benchmark_runs_and_reports_every_figure():
+def test_benchmark_runs_and_reports_every_figure() -> None:
     from kvferry import bench_bounded_wait
 
     res = bench_bounded_wait.run(samples=5, cpu_runs=1)
@@ -557,7 +573,9 @@ def test_benchmark_runs_and_reports_every_figure():
     assert floor["samples"] == 5
 
 
-def test_benchmark_prints_targets_beside_the_figures(capsys, monkeypatch):
+def test_benchmark_prints_targets_beside_the_figures(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvferry import bench_bounded_wait
 
     real = bench_bounded_wait.run

@@ -106,7 +106,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not kvferry.HAS_CUDA, reason="this build of kvferry has no cuda feature")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in driver is built for Linux")
-def test_cuda_events_are_notified_by_a_host_function_not_polled(tmp_path):
+def test_cuda_events_are_notified_by_a_host_function_not_polled(tmp_path: Path) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the stand-in driver")

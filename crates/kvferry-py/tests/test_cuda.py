@@ -12,12 +12,17 @@ DLPack reader is checked against numpy's own exports."""
 from __future__ import annotations
 
 import gc
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 import kvferry
 from kvferry import _kvferry
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import CapsuleType
 
 BLOCK = 4096
 
@@ -35,7 +40,7 @@ class FakeCudaTensor:
 # -- runs anywhere --------------------------------------------------------------
 
 
-def test_cuda_engine_opens_or_says_why():
+def test_cuda_engine_opens_or_says_why() -> None:
     try:
         eng = kvferry.Engine(device="cuda:0")
     except (kvferry.DeviceError, kvferry.InvalidArgumentError) as e:
@@ -57,14 +62,14 @@ def test_cuda_engine_opens_or_says_why():
 
 
 @pytest.mark.parametrize("device", ["cuda:x", "cuda:", "cuda0", "cuda:-1", "cuda:1.5", "tpu", "", "gpu:0"])
-def test_bad_device_names_are_refused(device):
+def test_bad_device_names_are_refused(device: str) -> None:
     with pytest.raises(kvferry.InvalidArgumentError) as e:
         kvferry.Engine(device=device)
     assert repr(device) in str(e.value) or device in str(e.value)
 
 
 @pytest.mark.parametrize("device", ["host", "sim"])
-def test_cuda_tensors_are_refused_by_host_and_sim_engines(device):
+def test_cuda_tensors_are_refused_by_host_and_sim_engines(device: str) -> None:
     with kvferry.Engine(device=device) as eng:
         t = FakeCudaTensor()
         with pytest.raises(kvferry.InvalidArgumentError, match="CUDA device memory"):
@@ -81,7 +86,7 @@ def test_cuda_tensors_are_refused_by_host_and_sim_engines(device):
         assert eng.close()["clean"]
 
 
-def test_dlpack_reader_matches_numpy_exports():
+def test_dlpack_reader_matches_numpy_exports() -> None:
     a = np.arange(64 * 1024, dtype=np.uint16).reshape(64, 1024)
     ptr, nbytes, dev_type, dev_id, shape = _kvferry.dlpack_info(a)
     assert (ptr, nbytes, dev_type, dev_id, shape) == (a.ctypes.data, a.nbytes, 1, 0, [64, 1024])
@@ -102,13 +107,13 @@ def test_dlpack_reader_matches_numpy_exports():
             _kvferry.dlpack_info(bad)
 
 
-def test_dlpack_reader_refuses_what_is_not_a_dltensor_capsule():
+def test_dlpack_reader_refuses_what_is_not_a_dltensor_capsule() -> None:
     class NotACapsule:
-        def __dlpack__(self):
+        def __dlpack__(self) -> bytes:
             return b"not a capsule"
 
     class Broken:
-        def __dlpack__(self):
+        def __dlpack__(self) -> object:
             raise RuntimeError("export failed")
 
     with pytest.raises(kvferry.InvalidArgumentError, match="did not return a capsule"):
@@ -118,10 +123,10 @@ def test_dlpack_reader_refuses_what_is_not_a_dltensor_capsule():
     capsule = np.arange(8, dtype=np.uint8).__dlpack__()
 
     class Consumed:
-        def __dlpack_device__(self):
+        def __dlpack_device__(self) -> tuple[int, int]:
             return (1, 0)
 
-        def __dlpack__(self, *args, **kwargs):
+        def __dlpack__(self, *args: object, **kwargs: object) -> CapsuleType:
             return capsule
 
     np.from_dlpack(Consumed())  # numpy consumes (renames) the capsule
@@ -132,7 +137,8 @@ def test_dlpack_reader_refuses_what_is_not_a_dltensor_capsule():
 # -- needs a CUDA GPU, torch with CUDA and a cuda build ---------------------------
 
 
-def _torch():
+def _need_gpu() -> None:
+    """Skips, saying why, unless a CUDA GPU, torch with CUDA and a cuda build are here."""
     if not kvferry.HAS_CUDA:
         pytest.skip("no CUDA GPU: this build of kvferry has no CUDA support (--features cuda)")
     try:
@@ -141,19 +147,23 @@ def _torch():
         pytest.skip("no CUDA GPU: torch is not installed")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU: torch.cuda.is_available() is False")
-    return torch
 
 
-def _pattern(torch, nblocks: int, seed: int):
+def _pattern(nblocks: int, seed: int) -> torch.Tensor:
+    import torch
+
     g = torch.Generator(device="cpu").manual_seed(seed)
     host = torch.randint(0, 256, (nblocks, BLOCK), dtype=torch.uint8, generator=g)
     return host.to("cuda:0")
 
 
-def test_torch_cuda_tensor_round_trip():
-    torch = _torch()
+def test_torch_cuda_tensor_round_trip() -> None:
+    _need_gpu()
+    import torch
+
     with kvferry.Engine(device="cuda:0") as prefill, kvferry.Engine(device="cuda:0") as decode:
-        kv = _pattern(torch, 64, 1)
+        assert prefill.address is not None and decode.address is not None
+        kv = _pattern(64, 1)
         src = prefill.register_kv_cache(kv, block_bytes=BLOCK)
         assert src.device == "cuda" and src.num_blocks == 64 and src.block_bytes == BLOCK
         torch.cuda.synchronize()  # kv's writes are done before kvferry reads it
@@ -178,9 +188,12 @@ def test_torch_cuda_tensor_round_trip():
         assert prefill.close()["clean"] and decode.close()["clean"]
 
 
-def test_raw_device_pointer_and_layered_caches():
-    torch = _torch()
+def test_raw_device_pointer_and_layered_caches() -> None:
+    _need_gpu()
+    import torch
+
     with kvferry.Engine(device="cuda:0") as prefill, kvferry.Engine(device="cuda:0") as decode:
+        assert prefill.address is not None and decode.address is not None
         # vLLM's per-layer layout: [2, num_blocks, block_size, heads, head_dim], fp16.
         shape = (2, 16, 16, 4, 32)  # 4 KiB per K or V block
         layers = {f"layer.{i}": torch.randn(shape, dtype=torch.float16, device="cuda:0") for i in range(3)}
@@ -204,10 +217,13 @@ def test_raw_device_pointer_and_layered_caches():
         assert prefill.close()["clean"] and decode.close()["clean"]
 
 
-def test_cuda_memory_is_checked_and_kept_alive():
-    torch = _torch()
+def test_cuda_memory_is_checked_and_kept_alive() -> None:
+    _need_gpu()
+    import torch
+
     with kvferry.Engine(device="cuda:0") as prefill, kvferry.Engine(device="cuda:0") as decode:
-        kv = _pattern(torch, 32, 3)
+        assert prefill.address is not None and decode.address is not None
+        kv = _pattern(32, 3)
         src = prefill.register_kv_cache(kv, block_bytes=BLOCK)
         torch.cuda.synchronize()
         prefill.publish("k", src, [0, 1])
@@ -238,7 +254,7 @@ def test_cuda_memory_is_checked_and_kept_alive():
         mem = decode.alloc_device(4 * BLOCK)
         assert mem.device == "cuda"
         data = np.random.default_rng(4).integers(0, 255, 4 * BLOCK, dtype=np.uint8)
-        mem.write(data)
+        mem.write(data.data)  # its buffer: numpy types an array as a Buffer only on Python >= 3.12
         assert mem.read() == data.tobytes()
         decode.deregister(dst)
         assert prefill.close()["clean"] and decode.close()["clean"]

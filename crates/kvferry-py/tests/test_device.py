@@ -9,29 +9,33 @@ import time
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 import kvferry
 
 BLOCK = 4096
 
 
-def _pattern(nblocks: int, seed: int) -> np.ndarray:
+def _pattern(nblocks: int, seed: int) -> NDArray[np.uint8]:
     return np.random.default_rng(seed).integers(0, 255, (nblocks, BLOCK), dtype=np.uint8)
 
 
-def _device_cache(eng: kvferry.Engine, nblocks: int, data: np.ndarray | None = None):
+def _device_cache(
+    eng: kvferry.Engine, nblocks: int, data: NDArray[np.uint8] | None = None
+) -> tuple[kvferry.DeviceMemory, kvferry.Region]:
     mem = eng.alloc_device(nblocks * BLOCK)
     if data is not None:
-        mem.write(data)
+        mem.write(data.data)  # its buffer: numpy types an array as a Buffer only on Python >= 3.12
     return mem, eng.register_kv_cache(mem, block_bytes=BLOCK)
 
 
-def _blocks(mem, first: int, n: int) -> np.ndarray:
+def _blocks(mem: kvferry.DeviceMemory, first: int, n: int) -> NDArray[np.uint8]:
     return np.frombuffer(mem.read(first * BLOCK, n * BLOCK), dtype=np.uint8).reshape(n, BLOCK)
 
 
-def test_sim_device_round_trip_is_byte_exact():
+def test_sim_device_round_trip_is_byte_exact() -> None:
     with kvferry.Engine(device="sim", device_latency_us=100) as p, kvferry.Engine(device="sim") as d:
+        assert p.address is not None and d.address is not None
         data = _pattern(64, 1)
         src_mem, src = _device_cache(p, 64, data)
         assert src.device == "sim" and src.num_blocks == 64 and src.block_bytes == BLOCK
@@ -57,8 +61,9 @@ def test_sim_device_round_trip_is_byte_exact():
         assert p.close()["clean"] and d.close()["clean"]
 
 
-def test_sim_device_fault_is_typed_and_leaks_nothing():
+def test_sim_device_fault_is_typed_and_leaks_nothing() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim", device_timeout=0.3) as d:
+        assert p.address is not None
         data = _pattern(16, 2)
         _, src = _device_cache(p, 16, data)
         p.publish("k", src, [1, 2], once=False)
@@ -100,15 +105,16 @@ def test_sim_device_fault_is_typed_and_leaks_nothing():
         assert d.close()["clean"] and p.close()["clean"]
 
 
-def test_sim_device_layers_and_deregister():
+def test_sim_device_layers_and_deregister() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim") as d:
+        assert p.address is not None
         nb, half = 8, 512  # per layer: [2, nb, 512 bytes]
         layers = {}
         raw = {}
         for i in range(2):
             arr = np.random.default_rng(10 + i).integers(0, 255, (2, nb, half), dtype=np.uint8)
             mem = p.alloc_device(arr.nbytes, shape=arr.shape)
-            mem.write(arr)
+            mem.write(arr.data)
             layers[f"l{i}"], raw[f"l{i}"] = mem, arr
         src = p.register_kv_caches(layers)
         assert src.num_blocks == nb and src.block_bytes == 2 * 2 * half
@@ -130,7 +136,7 @@ def test_sim_device_layers_and_deregister():
             p.publish("again", src, [0])
 
 
-def test_device_memory_arguments():
+def test_device_memory_arguments() -> None:
     with kvferry.Engine(device="sim") as e, kvferry.Engine() as host, kvferry.Engine(device="sim") as other:
         mem = e.alloc_device(BLOCK * 4)
         with pytest.raises(kvferry.InvalidArgumentError):
@@ -145,8 +151,9 @@ def test_device_memory_arguments():
         kvferry.Engine(device="tpu")
 
 
-def test_release_remote_frees_a_publication_at_once():
+def test_release_remote_frees_a_publication_at_once() -> None:
     with kvferry.Engine(ttl=60.0) as p, kvferry.Engine(listen=None) as d:
+        assert p.address is not None
         data = _pattern(8, 3)
         src = p.register_kv_cache(data, block_bytes=BLOCK)
         # Not published yet: misses are retried, then it lands once published.
@@ -158,7 +165,7 @@ def test_release_remote_frees_a_publication_at_once():
         t0 = time.monotonic()
         assert d.release_remote(p.address, ["now"]).wait(5.0) == 1
         deadline = time.monotonic() + 2
-        released: list = []
+        released: list[tuple[str | bytes, str]] = []
         while time.monotonic() < deadline and len(released) < 2:
             released += p.released()
             time.sleep(0.005)
@@ -168,7 +175,7 @@ def test_release_remote_frees_a_publication_at_once():
             d.release_remote(p.address, "never").wait(5.0)
 
 
-def test_cuda_engine():
+def test_cuda_engine() -> None:
     try:
         import torch
     except ImportError:

@@ -13,6 +13,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def _start_etcd(d: str, attempt: int) -> tuple[subprocess.Popen[bytes] | None, i
         time.sleep(0.05)
 
 
-def _wait_listed(eng: kvferry.Engine, ids: set[str], timeout: float = 5.0) -> dict:
+def _wait_listed(eng: kvferry.Engine, ids: set[str], timeout: float = 5.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         view = eng.peers()

@@ -7,27 +7,32 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 import kvferry
 
 BLOCK = 4096
 
+Pair = tuple[kvferry.Engine, kvferry.Engine]
+
 
 @pytest.fixture
-def pair():
+def pair() -> Iterator[Pair]:
     with kvferry.Engine(peer_id="prefill") as p, kvferry.Engine(peer_id="decode") as d:
         yield p, d
 
 
-def kv(n=64, seed=0):
+def kv(n: int = 64, seed: int = 0) -> NDArray[np.uint8]:
     return np.random.default_rng(seed).integers(0, 255, (n, BLOCK), dtype=np.uint8)
 
 
-def test_identity_stats_and_clean_close():
+def test_identity_stats_and_clean_close() -> None:
     e = kvferry.Engine(peer_id="me")
+    assert e.address is not None
     host, port = e.address.rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0
     assert e.peer_id == "me" and e.incarnation != 0
@@ -40,8 +45,9 @@ def test_identity_stats_and_clean_close():
         e.put("k", b"x")
 
 
-def test_batched_get_with_numpy_keys_and_ids(pair):
+def test_batched_get_with_numpy_keys_and_ids(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     src_arr = kv()
     src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
     for i in range(4):
@@ -57,8 +63,9 @@ def test_batched_get_with_numpy_keys_and_ids(pair):
     assert released == [(f"k{i}", "done") for i in range(4)]
 
 
-def test_partial_hit_and_miss(pair):
+def test_partial_hit_and_miss(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     src_arr = kv()
     src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
     p.publish("a", src, [1], once=False)
@@ -71,8 +78,9 @@ def test_partial_hit_and_miss(pair):
     assert ei.value.peer == p.address
 
 
-def test_staged_path_and_copy_in_store(pair):
+def test_staged_path_and_copy_in_store(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     data = np.random.default_rng(1).integers(0, 255, 3 * BLOCK, dtype=np.uint8)
     p.put("stored", data)
     data[:] = 0  # copy in: the caller may reuse its buffer at once
@@ -82,8 +90,9 @@ def test_staged_path_and_copy_in_store(pair):
     assert out[2:5].tobytes() == np.random.default_rng(1).integers(0, 255, 3 * BLOCK, dtype=np.uint8).tobytes()
 
 
-def test_push_lookup_and_pull(pair):
+def test_push_lookup_and_pull(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     payload = bytes(range(256)) * 64  # 16 KiB
     d.push(p.address, "pushed", payload)
     assert d.lookup(p.address, ["pushed", "other"]) == 1
@@ -97,8 +106,9 @@ def test_push_lookup_and_pull(pair):
     assert bytes(out[8 * BLOCK : 12 * BLOCK]) == payload
 
 
-def test_per_layer_caches_vllm_layout(pair):
+def test_per_layer_caches_vllm_layout(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     layers, nb, piece = 3, 16, 256
     src = {f"layer.{i}": np.random.default_rng(i).integers(0, 255, (2, nb, piece), dtype=np.uint8) for i in range(layers)}
     dst_arrays = {f"layer.{i}": np.zeros((2, nb, piece), dtype=np.uint8) for i in range(layers)}
@@ -114,8 +124,9 @@ def test_per_layer_caches_vllm_layout(pair):
             assert not dst_arrays[name][kvh, 8].any()
 
 
-def test_bad_input_is_typed_and_named(pair):
+def test_bad_input_is_typed_and_named(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     arr = kv()
     dst = d.register_kv_cache(arr, block_bytes=BLOCK)
     with pytest.raises(kvferry.InvalidArgumentError, match="out of range"):
@@ -139,21 +150,24 @@ def test_bad_input_is_typed_and_named(pair):
     assert d.stats()["consumer"]["failed"] == 0  # refused before any transfer
 
 
-def test_wrong_secret_is_auth_error():
+def test_wrong_secret_is_auth_error() -> None:
     with kvferry.Engine(secret="s" * 32) as p, kvferry.Engine(secret="t" * 32) as d:
+        assert p.address is not None
         out = np.zeros((4, BLOCK), dtype=np.uint8)
         dst = d.register_kv_cache(out, block_bytes=BLOCK)
         with pytest.raises(kvferry.AuthError):
             d.get_blocking(p.address, "k", dst, [0], timeout=5.0)
     with kvferry.Engine(secret="s" * 32) as p, kvferry.Engine(secret="s" * 32) as d:
+        assert p.address is not None
         src = p.register_kv_cache(kv(4), block_bytes=BLOCK)
         p.publish("k", src, [0])
         dst = d.register_kv_cache(np.zeros((4, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
         assert d.get_blocking(p.address, "k", dst, [0]) == 1
 
 
-def test_timeout_is_bounded_and_nothing_leaks(pair):
+def test_timeout_is_bounded_and_nothing_leaks(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     p._e._inject_faults(send_delay_us=2_000_000)
     src = p.register_kv_cache(kv(), block_bytes=BLOCK)
     p.publish("slow", src, [0, 1], once=False)
@@ -172,8 +186,9 @@ def test_timeout_is_bounded_and_nothing_leaks(pair):
     assert a["free_pages"] == a["total_pages"], a
 
 
-def test_other_thread_runs_while_waiting_and_ctrl_c_cancels(pair):
+def test_other_thread_runs_while_waiting_and_ctrl_c_cancels(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     p._e._inject_faults(send_delay_us=3_000_000)
     src = p.register_kv_cache(kv(), block_bytes=BLOCK)
     p.publish("slow", src, [0], once=False)
@@ -181,11 +196,11 @@ def test_other_thread_runs_while_waiting_and_ctrl_c_cancels(pair):
     stop = threading.Event()
     count = [0]
 
-    def spin():
+    def spin() -> None:
         while not stop.is_set():
             count[0] += 1
 
-    def interrupt():
+    def interrupt() -> None:
         time.sleep(0.3)
         sent[0] = time.monotonic()
         import _thread
@@ -207,8 +222,9 @@ def test_other_thread_runs_while_waiting_and_ctrl_c_cancels(pair):
     assert s["arena"]["free_pages"] == s["arena"]["total_pages"], s["arena"]
 
 
-def test_registered_memory_outlives_python_references(pair):
+def test_registered_memory_outlives_python_references(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     p._e._inject_faults(send_delay_us=300_000)
     src_arr = kv()
     src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
@@ -234,8 +250,9 @@ def test_registered_memory_outlives_python_references(pair):
     assert alive() is None, "deregistered and drained: the array is freed"
 
 
-def test_asyncio_await_and_cancel(pair):
+def test_asyncio_await_and_cancel(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     src_arr = kv()
     src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
     for i in range(8):
@@ -243,8 +260,10 @@ def test_asyncio_await_and_cancel(pair):
     out = np.zeros((64, BLOCK), dtype=np.uint8)
     dst = d.register_kv_cache(out, block_bytes=BLOCK)
 
-    async def main():
-        ts = [d.get(p.address, f"a{i}", dst, [10 + i]) for i in range(8)]
+    peer = p.address
+
+    async def main() -> list[int]:
+        ts = [d.get(peer, f"a{i}", dst, [10 + i]) for i in range(8)]
         return await asyncio.gather(*ts)
 
     assert asyncio.run(main()) == [1] * 8
@@ -258,8 +277,9 @@ def test_asyncio_await_and_cancel(pair):
     assert d.stats()["consumer"]["draining"] == 0
 
 
-def test_publication_released_by_ttl_and_explicitly(pair):
+def test_publication_released_by_ttl_and_explicitly(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     src = p.register_kv_cache(kv(), block_bytes=BLOCK)
     p.publish("short", src, [0], ttl=0.2)
     p.publish("manual", src, [1])
@@ -271,8 +291,9 @@ def test_publication_released_by_ttl_and_explicitly(pair):
         d.get_blocking(p.address, "short", dst, [0])
 
 
-def test_corruption_is_detected_and_reported_dirty(pair):
+def test_corruption_is_detected_and_reported_dirty(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     src = p.register_kv_cache(kv(), block_bytes=BLOCK)
     p.publish("c", src, [0, 1], once=False)
     p._e._inject_faults(corrupt_next_sends=1)
@@ -283,12 +304,13 @@ def test_corruption_is_detected_and_reported_dirty(pair):
     assert d.get_blocking(p.address, "c", dst, [0, 1]) == 1  # the next one is clean
 
 
-def test_engines_share_the_process_runtime_unless_asked_not_to():
+def test_engines_share_the_process_runtime_unless_asked_not_to() -> None:
     # A thread count no other test uses, so engines other tests leave to the garbage
     # collector do not count here.
     a = kvferry.Engine(runtime_threads=5)
     b = kvferry.Engine(runtime_threads=5, listen=None)
     own = kvferry.Engine(runtime_threads=5, shared_runtime=False)
+    assert a.address is not None
     try:
         rt = {k: v for k, v in a.stats()["runtime"].items() if k != "linger_polls"}
         assert rt == {"shared": True, "threads": 5, "engines": 2}
@@ -315,20 +337,23 @@ def test_engines_share_the_process_runtime_unless_asked_not_to():
             assert e.close()["clean"]
 
 
-def test_wait_spin_and_runtime_options_are_checked():
+def test_wait_spin_and_runtime_options_are_checked() -> None:
+    # Wrong values and wrong types on purpose: the constructor's runtime check is what
+    # is tested, so the type checker is told these calls are meant to be ill-typed.
     for bad in (-1, 1_000_001, 1.5, True, "10"):
         with pytest.raises(kvferry.InvalidArgumentError, match="wait_spin_us"):
-            kvferry.Engine(wait_spin_us=bad)
-    for bad in (0, -2, 1.0):
+            kvferry.Engine(wait_spin_us=bad)  # type: ignore[arg-type]
+    for bad_threads in (0, -2, 1.0):
         with pytest.raises(kvferry.InvalidArgumentError, match="runtime_threads"):
-            kvferry.Engine(runtime_threads=bad)
+            kvferry.Engine(runtime_threads=bad_threads)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("spin_us", [0, 200])
-def test_waits_return_the_same_outcomes_spinning_or_not(spin_us):
+def test_waits_return_the_same_outcomes_spinning_or_not(spin_us: int) -> None:
     # Hits, misses and timeouts come out the same whether a waiter spins first or
     # sleeps at once; a wait that times out is bounded either way.
     with kvferry.Engine(wait_spin_us=spin_us) as p, kvferry.Engine(wait_spin_us=spin_us, listen=None) as d:
+        assert p.address is not None
         src_arr = kv(8)
         p.publish("hit", p.register_kv_cache(src_arr, block_bytes=BLOCK), [0], once=False)
         out = np.zeros_like(src_arr)
@@ -347,12 +372,13 @@ def test_waits_return_the_same_outcomes_spinning_or_not(spin_us):
         assert t.cancel()
 
 
-def test_short_waits_make_a_worker_linger_and_a_zero_spin_never_does():
+def test_short_waits_make_a_worker_linger_and_a_zero_spin_never_does() -> None:
     for spin_us, lingers in ((0, False), (500, True)):
         with (
             kvferry.Engine(wait_spin_us=spin_us, shared_runtime=False) as p,
             kvferry.Engine(wait_spin_us=spin_us, shared_runtime=False, listen=None) as d,
         ):
+            assert p.address is not None
             dst = d.register_kv_cache(np.zeros((4, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
             for i in range(50):
                 with pytest.raises(kvferry.NotFoundError):

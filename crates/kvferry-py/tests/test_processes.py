@@ -9,10 +9,10 @@ import pytest
 
 import kvferry
 
-from conftest import BLOCK, rss_bytes
+from conftest import BLOCK, MakeProducer, rss_bytes
 
 
-def test_producer_killed_mid_transfer_then_restarted(remote_producer):
+def test_producer_killed_mid_transfer_then_restarted(remote_producer: MakeProducer) -> None:
     prod = remote_producer(send_delay_us=150_000)  # 150 ms per chunk sent
     keys = [f"req/{i}" for i in range(20)]
     for i, k in enumerate(keys):
@@ -56,8 +56,10 @@ def test_producer_killed_mid_transfer_then_restarted(remote_producer):
         again.stop()
 
 
-def test_ten_thousand_small_gets_keep_rss_flat():
+def test_ten_thousand_small_gets_keep_rss_flat() -> None:
     with kvferry.Engine(ttl=600.0) as p, kvferry.Engine() as d:
+        peer = p.address
+        assert peer is not None
         src_arr = np.random.default_rng(3).integers(0, 255, (16, BLOCK), dtype=np.uint8)
         src = p.register_kv_cache(src_arr, block_bytes=BLOCK)
         for i in range(16):
@@ -65,9 +67,9 @@ def test_ten_thousand_small_gets_keep_rss_flat():
         out = np.zeros((16, BLOCK), dtype=np.uint8)
         dst = d.register_kv_cache(out, block_bytes=BLOCK)
 
-        def run(n):
+        def run(n: int) -> None:
             for j in range(n):
-                d.get_blocking(p.address, f"s{j % 16}", dst, [j % 16])
+                d.get_blocking(peer, f"s{j % 16}", dst, [j % 16])
 
         run(2000)  # warm up: pools, allocator arenas
         before = rss_bytes()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import _thread
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -25,7 +27,19 @@ BLOCK = 4096
 WINDOW = 0.5  # seconds during which both conditions must hold together
 
 
-def _setup(p: kvferry.Engine, d: kvferry.Engine):
+@dataclass
+class Seen:
+    """What the watcher thread observed around an interrupted call."""
+
+    samples: int = 0
+    violations: int = 0
+    stuck_at_interrupt: bool = False
+    released_at: float | None = None
+    error: BaseException | None = None
+    raised: float | None = None
+
+
+def _setup(p: kvferry.Engine, d: kvferry.Engine) -> kvferry.Region:
     src = p.register_kv_cache(np.random.default_rng(7).integers(0, 255, (8, BLOCK), dtype=np.uint8), block_bytes=BLOCK)
     p.publish("k", src, [1, 2], once=False)
     mem = d.alloc_device(8 * BLOCK)
@@ -33,13 +47,13 @@ def _setup(p: kvferry.Engine, d: kvferry.Engine):
     return dst
 
 
-def _interrupt_during_stalled_landing(d: kvferry.Engine, call) -> dict:
+def _interrupt_during_stalled_landing(d: kvferry.Engine, call: Callable[[], object]) -> Seen:
     """Runs ``call`` on the main thread while a watcher thread waits until its landing
     copy is stuck on the device, interrupts the main thread (Ctrl-C), samples both
     conditions for ``WINDOW`` seconds, then releases the device."""
     d._e._inject_device_fault("stall", "next")
     returned = threading.Event()
-    seen = {"samples": 0, "violations": 0, "stuck_at_interrupt": False, "released_at": None, "error": None}
+    seen = Seen()
 
     def watch() -> None:
         try:
@@ -47,20 +61,20 @@ def _interrupt_during_stalled_landing(d: kvferry.Engine, call) -> dict:
             while d.stats()["device"]["stuck"] == 0:
                 assert time.monotonic() < until, "the landing copy never reached the device"
                 time.sleep(0.005)
-            seen["stuck_at_interrupt"] = True
+            seen.stuck_at_interrupt = True
             _thread.interrupt_main()
             end = time.monotonic() + WINDOW
             while time.monotonic() < end:
                 still_writing = d.stats()["device"]["stuck"] > 0
                 not_returned = not returned.is_set()
-                seen["samples"] += 1
+                seen.samples += 1
                 if not (still_writing and not_returned):
-                    seen["violations"] += 1
+                    seen.violations += 1
                 time.sleep(0.01)
         except BaseException as e:  # reported by the test, not lost in the thread
-            seen["error"] = e
+            seen.error = e
         finally:
-            seen["released_at"] = time.monotonic()
+            seen.released_at = time.monotonic()
             d._e._release_device()
 
     t = threading.Thread(target=watch, daemon=True)
@@ -72,16 +86,16 @@ def _interrupt_during_stalled_landing(d: kvferry.Engine, call) -> dict:
             returned.set()
     raised = time.monotonic()
     t.join(10)
-    assert seen["error"] is None, seen["error"]
-    seen["raised"] = raised
+    assert seen.error is None, seen.error
+    seen.raised = raised
     return seen
 
 
-def _check(d: kvferry.Engine, seen: dict) -> None:
-    assert seen["stuck_at_interrupt"]
-    assert seen["samples"] >= 10, seen
-    assert seen["violations"] == 0, f"the call returned while its device copy still ran: {seen}"
-    assert seen["released_at"] is not None and seen["raised"] >= seen["released_at"], seen
+def _check(d: kvferry.Engine, seen: Seen) -> None:
+    assert seen.stuck_at_interrupt
+    assert seen.samples >= 10, seen
+    assert seen.violations == 0, f"the call returned while its device copy still ran: {seen}"
+    assert seen.released_at is not None and seen.raised is not None and seen.raised >= seen.released_at, seen
     deadline = time.monotonic() + 5
     while d.stats()["consumer"]["draining"] and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -91,20 +105,24 @@ def _check(d: kvferry.Engine, seen: dict) -> None:
     assert st["device"]["stuck"] == 0
 
 
-def test_ctrl_c_during_pull_returns_after_the_device_copy_stopped():
+def test_ctrl_c_during_pull_returns_after_the_device_copy_stopped() -> None:
     with kvferry.Engine() as p, kvferry.Engine(device="sim", device_timeout=30.0) as d:
+        peer = p.address
+        assert peer is not None
         dst = _setup(p, d)
-        seen = _interrupt_during_stalled_landing(d, lambda: d.pull(p.address, "k", dst, [4, 5], timeout=30.0))
+        seen = _interrupt_during_stalled_landing(d, lambda: d.pull(peer, "k", dst, [4, 5], timeout=30.0))
         _check(d, seen)
         # The engine still works after the interrupted pull.
-        assert d.pull(p.address, "k", dst, [6, 7], timeout=10.0) == 1
+        assert d.pull(peer, "k", dst, [6, 7], timeout=10.0) == 1
 
 
-def test_ctrl_c_during_resolve_returns_after_the_device_copy_stopped():
+def test_ctrl_c_during_resolve_returns_after_the_device_copy_stopped() -> None:
     with kvferry.Engine() as p, kvferry.Engine(device="sim", device_timeout=30.0) as d:
+        peer = p.address
+        assert peer is not None
         dst = _setup(p, d)
-        staged = d.stage(p.address, "k", timeout=10.0)
+        staged = d.stage(peer, "k", timeout=10.0)
         seen = _interrupt_during_stalled_landing(d, lambda: d.resolve(staged, dst, [4, 5], timeout=30.0))
         _check(d, seen)
-        staged = d.stage(p.address, "k", timeout=10.0)
+        staged = d.stage(peer, "k", timeout=10.0)
         assert d.resolve(staged, dst, [6, 7], timeout=10.0) == 1

@@ -1,7 +1,7 @@
 """The README's Python example, verbatim."""
 
 
-def test_readme_example():
+def test_readme_example() -> None:
     import numpy as np
     import kvferry
 
@@ -11,5 +11,6 @@ def test_readme_example():
         prefill.publish("req-1", src, block_ids=[3, 4, 5])        # pins blocks 3..5 until released
         out = np.zeros_like(kv)
         dst = decode.register_kv_cache(out, block_bytes=4096)
+        assert prefill.address is not None                          # "host:port" (None: a client-only engine)
         decode.get_blocking(prefill.address, "req-1", dst, block_ids=[10, 11, 12], timeout=5.0)
         assert (out[10:13] == kv[3:6]).all()

@@ -8,24 +8,29 @@ drain. Every landed byte is compared with a reference built with numpy."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 import kvferry
 
 D = 32  # bytes of one head of one token
 LAYERS = 2
 
+Pair = tuple[kvferry.Engine, kvferry.Engine]
+
 
 @pytest.fixture
-def pair():
+def pair() -> Iterator[Pair]:
     with kvferry.Engine(peer_id="prefill") as p, kvferry.Engine(peer_id="decode") as d:
         yield p, d
 
 
-def caches(shape: tuple[int, ...], seed: int | None) -> dict[str, np.ndarray]:
+def caches(shape: tuple[int, ...], seed: int | None) -> dict[str, NDArray[np.uint8]]:
     """Per-layer ``[2, num_blocks, *shape]`` uint8 caches (random, or zero)."""
-    out = {}
+    out: dict[str, NDArray[np.uint8]] = {}
     for i in range(LAYERS):
         full = (2,) + shape
         if seed is None:
@@ -39,14 +44,15 @@ def wire(p: kvferry.Engine, d: kvferry.Engine) -> tuple[int, int]:
     return d.stats()["consumer"]["bytes_received"], p.stats()["producer"]["bytes_sent"]
 
 
-def check_wire(p, d, before, nbytes):
+def check_wire(p: kvferry.Engine, d: kvferry.Engine, before: tuple[int, int], nbytes: int) -> None:
     rx, tx = wire(p, d)
     assert (rx - before[0], tx - before[1]) == (nbytes, nbytes), "the wire carried exactly the selected bytes"
 
 
 @pytest.mark.parametrize("path", ["direct", "staged"])
-def test_subset_of_blocks_and_head_slice(pair, path):
+def test_subset_of_blocks_and_head_slice(pair: Pair, path: str) -> None:
     p, d = pair
+    assert p.address is not None
     heads, tokens, nb = 4, 16, 8
     src = caches((nb, heads, tokens, D), seed=1)  # HND
     s = p.register_kv_caches(src)
@@ -68,8 +74,9 @@ def test_subset_of_blocks_and_head_slice(pair, path):
     check_wire(p, d, before, 2 * LAYERS * 2 * half)
 
 
-def test_hnd_to_nhd_permutation_by_source_ranges(pair):
+def test_hnd_to_nhd_permutation_by_source_ranges(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     heads, tokens, nb = 4, 16, 4
     src = caches((nb, heads, tokens, D), seed=2)  # HND
     s = p.register_kv_caches(src)
@@ -85,8 +92,9 @@ def test_hnd_to_nhd_permutation_by_source_ranges(pair):
             assert (dst[name][kv, 1] == src[name][kv, 3].transpose(1, 0, 2)).all()
 
 
-def test_block_16_to_32_and_32_to_16(pair):
+def test_block_16_to_32_and_32_to_16(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     heads = 2
     small = 16 * heads * D
     src16 = caches((8, 16, heads, D), seed=3)  # NHD, 16 tokens per block
@@ -114,8 +122,9 @@ def test_block_16_to_32_and_32_to_16(pair):
             assert (dst16[name][kv, 1] == src32[name][kv, 2, 16:]).all()
 
 
-def test_pull_and_stage_resolve_move_only_the_selection(pair):
+def test_pull_and_stage_resolve_move_only_the_selection(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     nb, piece = 8, 1024
     src = caches((nb, piece), seed=5)
     s = p.register_kv_caches(src)
@@ -142,15 +151,16 @@ def test_pull_and_stage_resolve_move_only_the_selection(pair):
         d.resolve(staged, t, [4, 5], select=kvferry.Selection(blocks=[0, 1], src_ranges=[(512, 256)]))
 
 
-def test_sim_device_selection():
+def test_sim_device_selection() -> None:
     with kvferry.Engine(device="sim", device_latency_us=100) as p, kvferry.Engine(device="sim") as d:
+        assert p.address is not None
         nb, piece = 8, 2048
         raw = {}
         layers = {}
         for i in range(LAYERS):
             arr = np.random.default_rng(20 + i).integers(0, 255, (2, nb, piece), dtype=np.uint8)
             mem = p.alloc_device(arr.nbytes, shape=arr.shape)
-            mem.write(arr)
+            mem.write(arr.data)  # its buffer: numpy types an array as a Buffer only on Python >= 3.12
             layers[f"l{i}"], raw[f"l{i}"] = mem, arr
         src = p.register_kv_caches(layers)
         p.publish("r", src, [1, 4, 6], once=False)
@@ -168,8 +178,9 @@ def test_sim_device_selection():
         check_wire(p, d, before, 2 * LAYERS * 2 * half)
 
 
-def test_malformed_selections_raise_selection_error(pair):
+def test_malformed_selections_raise_selection_error(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     nb, piece = 8, 512
     src = caches((nb, piece), seed=6)
     s = p.register_kv_caches(src)
@@ -187,7 +198,7 @@ def test_malformed_selections_raise_selection_error(pair):
     with pytest.raises(kvferry.SelectionError, match="totals differ"):
         kvferry.Selection(src_ranges=[(0, 64)], dst_ranges=[(0, 32)])
     with pytest.raises(kvferry.SelectionError):
-        d.get(p.address, "r", t, [1], select="everything")
+        d.get(p.address, "r", t, [1], select="everything")  # type: ignore[arg-type]  # wrong on purpose
     sel = kvferry.Selection(blocks=[0])
     with pytest.raises(AttributeError):
         sel.blocks = (1,)  # type: ignore[misc]
@@ -215,8 +226,9 @@ def test_malformed_selections_raise_selection_error(pair):
     assert p.stats()["producer"]["staged_now"] == 0
 
 
-def test_cancelled_selected_get_returns_after_the_drain(pair):
+def test_cancelled_selected_get_returns_after_the_drain(pair: Pair) -> None:
     p, d = pair
+    assert p.address is not None
     nb, piece = 16, 4096
     src = caches((nb, piece), seed=7)
     s = p.register_kv_caches(src)

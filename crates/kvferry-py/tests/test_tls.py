@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import pytest
@@ -25,7 +26,15 @@ def pki(tmp_path: Path) -> dict[str, Path]:
     return make_pki(tmp_path, {"prefill": "ca", "decode": "ca", "stranger": "other_ca"})
 
 
-def _tls(pki: dict[str, Path], who: str, ca: str = "ca") -> dict[str, os.PathLike[str]]:
+class Tls(TypedDict):
+    """An engine's TLS keyword arguments."""
+
+    tls_cert: os.PathLike[str]
+    tls_key: os.PathLike[str]
+    tls_ca: os.PathLike[str]
+
+
+def _tls(pki: dict[str, Path], who: str, ca: str = "ca") -> Tls:
     return {"tls_cert": pki[f"{who}_cert"], "tls_key": pki[f"{who}_key"], "tls_ca": pki[ca]}
 
 

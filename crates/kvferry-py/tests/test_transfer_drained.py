@@ -7,22 +7,26 @@ at once. Sim device engines (``Engine(device="sim")``), no GPU needed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
+from numpy.typing import NDArray
 
 import kvferry
 
 BLOCK = 4096
 
 
-def _cache(eng: kvferry.Engine, nblocks: int, data: np.ndarray | None = None):
+def _cache(
+    eng: kvferry.Engine, nblocks: int, data: NDArray[np.uint8] | None = None
+) -> tuple[kvferry.DeviceMemory, kvferry.Region]:
     mem = eng.alloc_device(nblocks * BLOCK)
     if data is not None:
-        mem.write(data)
+        mem.write(data.data)  # its buffer: numpy types an array as a Buffer only on Python >= 3.12
     return mem, eng.register_kv_cache(mem, block_bytes=BLOCK)
 
 
-def _until(cond, within: float) -> float:
+def _until(cond: Callable[[], bool], within: float) -> float:
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < within, "timed out"
@@ -30,8 +34,9 @@ def _until(cond, within: float) -> float:
     return time.monotonic() - t0
 
 
-def test_failed_transfer_is_done_before_it_drained():
+def test_failed_transfer_is_done_before_it_drained() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim", device_timeout=0.3) as d:
+        assert p.address is not None
         data = np.random.default_rng(3).integers(0, 255, (16, BLOCK), dtype=np.uint8)
         _, src = _cache(p, 16, data)
         dst_mem, dst = _cache(d, 16)
@@ -50,8 +55,9 @@ def test_failed_transfer_is_done_before_it_drained():
         assert d.close()["clean"] and p.close()["clean"]
 
 
-def test_success_is_drained_when_done_and_cancel_can_return_at_once():
+def test_success_is_drained_when_done_and_cancel_can_return_at_once() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim", device_timeout=5.0) as d:
+        assert p.address is not None
         _, src = _cache(p, 8, np.ones((8, BLOCK), dtype=np.uint8))
         _, dst = _cache(d, 8)
         p.publish("ok", src, [0])

@@ -9,11 +9,13 @@ import itertools
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 from kvferry.integrations.vllm_mapping import (
     GroupDesc,
     IncompatibleError,
     KvDescriptor,
+    RankPlan,
     check,
     heads_of,
     plan_request,
@@ -23,10 +25,18 @@ from kvferry.integrations.vllm_mapping import (
 HS, ES, PIECES = 4, 2, 4  # head size, element size, per-layer pieces per block (2 layers x K/V)
 
 
-def desc(tp: int, heads: int = 4, bs: int = 16, layout: str = "NHD", attention: str = "MHA", slots: int = 8, **kw) -> KvDescriptor:
+def desc(
+    tp: int,
+    heads: int = 4,
+    bs: int = 16,
+    layout: str = "NHD",
+    attention: str = "MHA",
+    slots: int = 8,
+    groups: tuple[GroupDesc, ...] = (GroupDesc(),),
+) -> KvDescriptor:
     return KvDescriptor(
         model="m", dtype="float16", attention=attention, num_kv_heads=1 if attention == "MLA" else heads, head_size=HS,
-        block_size=bs, tp_size=tp, layout=layout, pieces=PIECES, elem_size=ES, slots=slots, **kw,
+        block_size=bs, tp_size=tp, layout=layout, pieces=PIECES, elem_size=ES, slots=slots, groups=groups,
     )
 
 
@@ -36,7 +46,7 @@ def content(piece: int, tok: int, head: int) -> bytes:
     return bytes((piece * 31 + tok * 7 + head * 13 + i) % 251 for i in range(HS * ES))
 
 
-def build(dsc: KvDescriptor, rank: int, blocks: list[int], ntok: int, nblocks: int) -> np.ndarray:
+def build(dsc: KvDescriptor, rank: int, blocks: list[int], ntok: int, nblocks: int) -> NDArray[np.uint8]:
     """One rank's cache: [nblocks, pieces, piece_bytes], block blocks[j] holds tokens j*bs.."""
     a, b = heads_of(rank, dsc.tp_size, dsc.num_kv_heads)
     buf = np.zeros((nblocks, PIECES, dsc.piece_bytes), np.uint8)
@@ -54,7 +64,9 @@ def build(dsc: KvDescriptor, rank: int, blocks: list[int], ntok: int, nblocks: i
     return buf
 
 
-def execute(plans, p: KvDescriptor, d: KvDescriptor, remote: list[int], src: list[np.ndarray], nloc: int):
+def execute(
+    plans: list[RankPlan], p: KvDescriptor, d: KvDescriptor, remote: list[int], src: list[NDArray[np.uint8]], nloc: int
+) -> tuple[list[NDArray[np.uint8]], dict[int, list[str]]]:
     out = [np.zeros((nloc, PIECES, d.piece_bytes), np.uint8) for _ in range(d.tp_size)]
     keys_read: dict[int, list[str]] = {}
     for r, plan in enumerate(plans):
@@ -95,7 +107,9 @@ CASES = [
 @pytest.mark.parametrize("ptp,dtp,heads,pbs,dbs,play,dlay", CASES)
 @pytest.mark.parametrize("ntok", [1, 37, 64])
 @pytest.mark.parametrize("skip", [0, 1])
-def test_every_decode_block_matches_the_reference(ptp, dtp, heads, pbs, dbs, play, dlay, ntok, skip):
+def test_every_decode_block_matches_the_reference(
+    ptp: int, dtp: int, heads: int, pbs: int, dbs: int, play: str, dlay: str, ntok: int, skip: int
+) -> None:
     p = desc(ptp, heads, pbs, play)
     d = desc(dtp, heads, dbs, dlay)
     m = check(p, d)
@@ -104,7 +118,8 @@ def test_every_decode_block_matches_the_reference(ptp, dtp, heads, pbs, dbs, pla
     remote = [5 + 2 * i for i in range(nrem)]  # scattered prefill blocks
     local = [3 + 3 * j for j in range(nloc)]
     src = [build(p, q, remote, ntok, max(remote) + 1) for q in range(ptp)]
-    plans = plan_request(m, "req", ntok, [remote], [[None if j < skip else b for j, b in enumerate(local)]])
+    held: list[int | None] = list(remote)  # plan_request's blocks may be None (none held)
+    plans = plan_request(m, "req", ntok, [held], [[None if j < skip else b for j, b in enumerate(local)]])
     got, keys = execute(plans, p, d, remote, src, max(local) + 1)
     for r in range(dtp):
         want = build(d, r, local, ntok, max(local) + 1)
@@ -129,7 +144,7 @@ def test_every_decode_block_matches_the_reference(ptp, dtp, heads, pbs, dbs, pla
 
 
 @pytest.mark.parametrize("ptp,dtp", [(2, 1), (2, 4), (1, 2), (4, 4)])
-def test_mla_one_reader_per_decode_rank_unread_released(ptp, dtp):
+def test_mla_one_reader_per_decode_rank_unread_released(ptp: int, dtp: int) -> None:
     p, d = desc(ptp, attention="MLA"), desc(dtp, attention="MLA")
     plans = plan_request(check(p, d), "k", 40, [[1, 2, 3]], [[7, 8, 9]])
     for r, plan in enumerate(plans):
@@ -140,7 +155,7 @@ def test_mla_one_reader_per_decode_rank_unread_released(ptp, dtp):
         assert sorted(k for plan in plans for qq, k in plan.releases if qq == q) == sorted(slot_key("k", s) for s in range(p.slots))
 
 
-def test_head_slices_move_only_the_heads_read():
+def test_head_slices_move_only_the_heads_read() -> None:
     p, d = desc(2, 4, layout="HND"), desc(4, 4, layout="HND")
     plans = plan_request(check(p, d), "k", 16, [[1]], [[2]])
     for r, plan in enumerate(plans):
@@ -150,7 +165,7 @@ def test_head_slices_move_only_the_heads_read():
         assert rd.src_ranges == [((r % 2) * per_head, per_head)] and rd.dst_ranges == [(0, per_head)]
 
 
-def test_same_shape_reads_whole_pieces():
+def test_same_shape_reads_whole_pieces() -> None:
     plans = plan_request(check(desc(2), desc(2)), "k", 20, [[4, 5]], [[1, 2]])
     assert [(rd.rank, rd.src_ranges, rd.dst_ranges, rd.blocks) for pl in plans for rd in pl.reads] == [
         (0, None, None, [0, 1]),
@@ -158,7 +173,7 @@ def test_same_shape_reads_whole_pieces():
     ]
 
 
-def test_prefix_hit_reads_only_the_missing_blocks():
+def test_prefix_hit_reads_only_the_missing_blocks() -> None:
     plans = plan_request(check(desc(1), desc(1)), "k", 64, [[10, 11, 12, 13]], [[None, None, None, 4]])
     (rd,) = plans[0].reads
     assert rd.blocks == [3] and rd.dst_blocks == [4]
@@ -166,7 +181,7 @@ def test_prefix_hit_reads_only_the_missing_blocks():
     assert not all_hit[0].reads and ("k" in {k for _, k in all_hit[0].releases})
 
 
-def test_sliding_window_group_moves_only_the_window():
+def test_sliding_window_group_moves_only_the_window() -> None:
     g = (GroupDesc("full"), GroupDesc("sliding_window", 32))
     p, d = desc(1, groups=g), desc(1, groups=g)
     # 100 tokens: the full group has 7 blocks, the window group only its last 3.
@@ -178,7 +193,7 @@ def test_sliding_window_group_moves_only_the_window():
     assert rd.blocks == list(range(10)) and rd.dst_blocks == [31, 32, 33, 34, 35, 36, 37, 40, 41, 42]
 
 
-def test_incompatible_pair_names_every_difference():
+def test_incompatible_pair_names_every_difference() -> None:
     p = desc(2, 4)
     d = KvDescriptor(**{**p.__dict__, "head_size": 8, "dtype": "bfloat16", "tp_size": 4})
     with pytest.raises(IncompatibleError) as e:
@@ -196,12 +211,12 @@ def test_incompatible_pair_names_every_difference():
         KvDescriptor.from_params({"model": "m"})
 
 
-def test_descriptor_round_trips_through_params():
+def test_descriptor_round_trips_through_params() -> None:
     p = desc(2, groups=(GroupDesc(), GroupDesc("sliding_window", 128)))
     assert KvDescriptor.from_params(p.to_params()) == p
 
 
-def test_heads_of():
+def test_heads_of() -> None:
     assert [heads_of(r, 4, 8) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert [heads_of(r, 4, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert list(itertools.chain(*(range(*heads_of(r, 2, 2)) for r in range(2)))) == [0, 1]

@@ -670,7 +670,7 @@ class Engine:
     def get(
         self,
         peer: str,
-        key: Key | Sequence[Key],
+        key: Key | Iterable[Key],
         dst: Region,
         block_ids: Any,
         *,
@@ -700,7 +700,7 @@ class Engine:
     def get_blocking(
         self,
         peer: str,
-        key: Key | Sequence[Key],
+        key: Key | Iterable[Key],
         dst: Region,
         block_ids: Any,
         timeout: float = 5.0,
@@ -722,7 +722,7 @@ class Engine:
     def release_remote(
         self,
         peer: str,
-        keys: Key | Sequence[Key],
+        keys: Key | Iterable[Key],
         timeout: float = 5.0,
         *,
         retry_miss: float = 0.0,
@@ -744,7 +744,7 @@ class Engine:
     def pull(
         self,
         peer: str,
-        key: Key | Sequence[Key],
+        key: Key | Iterable[Key],
         dst: Region,
         block_ids: Any,
         timeout: float = 5.0,
@@ -760,7 +760,7 @@ class Engine:
         return self._e.pull(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), sel)
 
     def stage(
-        self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0, *, select: Selection | None = None
+        self, peer: str, keys: Key | Iterable[Key], timeout: float = 5.0, *, select: Selection | None = None
     ) -> _kvferry.Staged:
         """Delayed pull, step one: ``peer`` stages the keys under a lease (its TTL is
         this engine's ``lease_ttl``) and returns a handle for :meth:`resolve`. Raises
@@ -812,7 +812,7 @@ class Engine:
         out: dict[str, Any] = json.loads(text)
         return out
 
-    def locate(self, keys: Key | Sequence[Key], timeout: float = 2.0) -> list[tuple[str, str, int]]:
+    def locate(self, keys: Key | Iterable[Key], timeout: float = 2.0) -> list[tuple[str, str, int]]:
         """Which live peers of the etcd directory hold ``keys``: ``[(peer_id, address,
         hits)]``, most leading keys first (empty: nobody holds the first key). Asks
         every live peer at once under ``timeout``; a peer that does not answer in time
@@ -820,7 +820,7 @@ class Engine:
         ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
         return self._e.locate(ks, float(timeout))
 
-    def lookup(self, peer: str, keys: Key | Sequence[Key], timeout: float = 5.0) -> int:
+    def lookup(self, peer: str, keys: Key | Iterable[Key], timeout: float = 5.0) -> int:
         """How many leading ``keys`` ``peer`` holds."""
         ks = [keys] if isinstance(keys, (str, bytes)) else list(keys)
         return self._e.lookup(self._peer(peer), ks, float(timeout))
