@@ -90,7 +90,11 @@ fn zero_timeout_is_rejected_and_async_context_is_refused() {
         .get_blocking("127.0.0.1:1", &k, c.dst(0, 1, 1), Duration::ZERO)
         .unwrap_err();
     assert_eq!(e.error.code(), ErrorCode::InvalidArgument, "{}", e.error);
-    assert!(e.error.to_string().contains("timeout"), "the message names the argument: {}", e.error);
+    assert!(
+        e.error.to_string().contains("timeout"),
+        "the message names the argument: {}",
+        e.error
+    );
     let c2 = c.consumer.clone();
     let dst = c.dst(0, 1, 1);
     let e = rt

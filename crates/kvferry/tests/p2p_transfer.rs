@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use common::p2p::*;
 use kvferry::peer::PeerError;
-use kvferry::ErrorCode;
 use kvferry::wire::{ChunkKey, Limits};
+use kvferry::ErrorCode;
 use tokio::time::Instant;
 
 fn soon(ms: u64) -> Instant {
@@ -302,7 +302,11 @@ async fn bad_arguments_get_clear_errors() {
         .await
         .unwrap_err();
     assert_eq!(e.error.code(), ErrorCode::InvalidArgument, "{}", e.error);
-    assert!(e.error.to_string().contains("block 100"), "the message names the block: {}", e.error);
+    assert!(
+        e.error.to_string().contains("block 100"),
+        "the message names the block: {}",
+        e.error
+    );
     let e = c
         .consumer
         .lookup("127.0.0.1:1", &[ChunkKey::from_name("a")], soon(1000))
