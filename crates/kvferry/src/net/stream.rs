@@ -25,28 +25,15 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsStream;
 
-/// Bytes [`TlsTcp`] reads from the socket at once (a quarter of the socket's 4 MiB
-/// receive buffer; measured against 64 KiB and 1 MiB in docs/benchmarks.md).
+/// Bytes [`TlsTcp`] reads from the socket at once (a sixteenth of the socket's 4 MiB
+/// receive buffer; 4 KiB, rustls' own read size, and 1 MiB measured in
+/// docs/benchmarks.md).
 pub(crate) const TLS_READ_BUFFER: usize = 256 << 10;
 
-fn tls_read_buffer() -> usize {
-    std::env::var("KVFERRY_TLS_READ_BUFFER")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(TLS_READ_BUFFER)
-}
-
 /// Plaintext rustls takes per write before it must flush its records to the socket
-/// (rustls' default is 64 KiB: one vectored write per four records).
-pub(crate) const TLS_WRITE_BUFFER: usize = 1 << 20;
-
-/// [`TLS_WRITE_BUFFER`] (experiment: `KVFERRY_TLS_WRITE_BUFFER` overrides).
-pub(crate) fn tls_write_buffer() -> usize {
-    std::env::var("KVFERRY_TLS_WRITE_BUFFER")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(TLS_WRITE_BUFFER)
-}
+/// (rustls' default is 64 KiB: one vectored write per four records; 64 KiB and 1 MiB
+/// measured in docs/benchmarks.md).
+pub(crate) const TLS_WRITE_BUFFER: usize = 256 << 10;
 
 /// A TCP stream with a read buffer, under TLS (see the module docs). Writes are not
 /// buffered.
@@ -55,8 +42,6 @@ pub(crate) struct TlsTcp {
     tcp: TcpStream,
     /// Allocated on the first read that needs it (empty until then).
     buf: Box<[u8]>,
-    /// Size of `buf` once allocated.
-    cap: usize,
     /// Bytes `buf[start..end]` were read from the socket and not yet handed on.
     start: usize,
     end: usize,
@@ -67,7 +52,6 @@ impl TlsTcp {
         TlsTcp {
             tcp,
             buf: Box::default(),
-            cap: tls_read_buffer(),
             start: 0,
             end: 0,
         }
@@ -88,12 +72,12 @@ impl AsyncRead for TlsTcp {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let me = self.get_mut();
         if me.start == me.end {
-            if out.remaining() >= me.cap {
+            if out.remaining() >= TLS_READ_BUFFER {
                 // As large as the buffer: straight into the caller's.
                 return Pin::new(&mut me.tcp).poll_read(cx, out);
             }
             if me.buf.is_empty() {
-                me.buf = vec![0u8; me.cap].into_boxed_slice();
+                me.buf = vec![0u8; TLS_READ_BUFFER].into_boxed_slice();
             }
             let mut rb = ReadBuf::new(&mut me.buf);
             std::task::ready!(Pin::new(&mut me.tcp).poll_read(cx, &mut rb))?;
@@ -218,5 +202,61 @@ impl AsyncWrite for Stream {
             Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A pair of connected loopback sockets.
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (a.unwrap(), b.unwrap().0)
+    }
+
+    #[tokio::test]
+    async fn buffered_reads_hand_on_every_byte_in_order_and_count_as_stale() {
+        let (mut tx, rx) = pair().await;
+        let data: Vec<u8> = (0..3 * TLS_READ_BUFFER as u32 + 777)
+            .map(|i| (i * 31 + 7) as u8)
+            .collect();
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            tx.write_all(&send).await.unwrap();
+            tx
+        });
+        let mut r = TlsTcp::new(rx);
+        let mut got = Vec::with_capacity(data.len());
+        // rustls' reads are 4 KiB or less; a read as large as the buffer bypasses it.
+        let mut small = [0u8; 4096 - 5];
+        while got.len() < TLS_READ_BUFFER {
+            let n = r.read(&mut small).await.unwrap();
+            assert!(n > 0);
+            got.extend_from_slice(&small[..n]);
+        }
+        let mut big = vec![0u8; TLS_READ_BUFFER];
+        while got.len() < data.len() {
+            let n = r.read(&mut big).await.unwrap();
+            assert!(n > 0);
+            got.extend_from_slice(&big[..n]);
+        }
+        assert_eq!(got, data, "every byte, in order");
+        let mut tx = writer.await.unwrap();
+        assert_eq!(r.buffered(), 0);
+        // Two more bytes, one taken: the other waits in the buffer (which
+        // `Stream::is_stale` counts as an unread byte on an idle connection).
+        tx.write_all(&[1, 2]).await.unwrap();
+        let mut one = [0u8; 1];
+        r.read_exact(&mut one).await.unwrap();
+        assert_eq!(one, [1]);
+        assert_eq!(r.buffered(), 1);
+        r.read_exact(&mut one).await.unwrap();
+        assert_eq!((one, r.buffered()), ([2], 0));
+        drop(tx);
+        assert_eq!(r.read(&mut small).await.unwrap(), 0, "end of stream");
     }
 }

@@ -297,7 +297,7 @@ impl TlsConfig {
         stream
             .get_mut()
             .1
-            .set_buffer_limit(Some(super::stream::tls_write_buffer()));
+            .set_buffer_limit(Some(super::stream::TLS_WRITE_BUFFER));
         let identity = stream
             .get_ref()
             .1
@@ -336,7 +336,7 @@ impl TlsConfig {
         stream
             .get_mut()
             .1
-            .set_buffer_limit(Some(super::stream::tls_write_buffer()));
+            .set_buffer_limit(Some(super::stream::TLS_WRITE_BUFFER));
         Ok((stream, identity))
     }
 }
