@@ -95,9 +95,49 @@ fn bench_json_reports_cpu_per_gb_and_the_contended_point() {
             assert!(num(p, k) > 0.0, "{k} must be measured: {p}");
         }
         assert!((num(p, "cpu_ratio") - num(p, "cpu_s_per_gb") / num(p, "tcp_cpu_s_per_gb")).abs() < 1e-9);
+        // Wake-ups per chunk are counted (a transfer blocks somewhere: never zero in
+        // all), and the direct path verifies with the receive path's checksums.
+        assert!(num(p, "wakeups_per_chunk") >= 0.0 && num(p, "preemptions_per_chunk") >= 0.0);
+        assert!(num(p, "tcp_wakeups_per_chunk") >= 0.0);
+        assert_eq!(p["verify"], "receive", "{p}");
         assert_eq!(num(p, "corrupted_bytes"), 0.0);
         assert_eq!(num(p, "leaked_pages"), 0.0);
     }
     // The busy thread's CPU is not the benchmark's: CPU per GB stays of the same order.
     assert!(num(c, "cpu_s_per_gb") < 10.0 * num(&v, "cpu_s_per_gb") + 1.0, "{v}");
+}
+
+/// `--verify reread` checksums every landed chunk again; `receive` (the default) uses
+/// the receive path's checksums on the direct path and still re-reads on the staged
+/// path, whose receive checksums are taken in staging pages. Both find nothing wrong
+/// in a clean run.
+#[test]
+fn bench_verify_modes_are_reported_per_path() {
+    for (path, verify, want) in [("direct", "reread", "reread"), ("staged", "receive", "reread")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args([
+                "bench",
+                "--json",
+                "--quiet",
+                "--model",
+                "tiny",
+                "--blocks-per-chunk",
+                "64",
+                "--requests",
+                "4",
+                "--bytes",
+                "8MiB",
+                "--path",
+                path,
+                "--verify",
+                verify,
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["verify"], want, "--path {path} --verify {verify}: {v}");
+        assert_eq!(v["corrupted_bytes"], 0, "{v}");
+        assert_eq!(v["errors"], 0, "{v}");
+    }
 }

@@ -977,6 +977,7 @@ impl PyEngine {
                     return Ok(kvferry::engine::Landed {
                         chunks: released,
                         bytes: 0,
+                        checksum: 0,
                     });
                 }
                 tokio::time::sleep(backoff).await;

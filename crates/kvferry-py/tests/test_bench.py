@@ -32,6 +32,12 @@ def test_bench_json() -> None:
     assert r["miss_calls"] == 2000 and r["miss_errors"] == 0
     assert 0 < r["miss_p50_us"] <= r["miss_p99_us"]
     assert r["rust_gbps"] is None and r["ratio_to_rust"] is None and "none" in r["rust_note"]
+    # CPU per GB of the transfer loop: every thread counted, so at least the bytes'
+    # socket copies (far above zero) and below a core-second per 64 MiB.
+    assert 0 < r["cpu_s_per_gb"] < 1.0 / (BYTES / 1e9)
+    assert r["miss_cpu_us_per_call"] > 0
+    assert r["wakeups_per_chunk"] >= 0
+    assert r["cpu_ratio_to_rust"] is None
 
 
 def test_bench_help_explains_fields() -> None:
@@ -39,5 +45,6 @@ def test_bench_help_explains_fields() -> None:
         [sys.executable, "-m", "kvferry", "bench", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     for field in ("gbps", "p50_ms", "p99_ms", "errors", "corrupted_chunks", "leaked_pages",
-                  "miss_p50_us", "miss_p99_us", "rust_gbps", "ratio_to_rust", "--rust-bench", "--in-flight"):  # fmt: skip
+                  "miss_p50_us", "miss_p99_us", "rust_gbps", "ratio_to_rust", "--rust-bench", "--in-flight",
+                  "cpu_s_per_gb", "miss_cpu_us_per_call", "wakeups_per_chunk", "cpu_ratio_to_rust"):  # fmt: skip
         assert field in out, field

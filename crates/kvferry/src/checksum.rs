@@ -156,4 +156,22 @@ mod tests {
         }
         assert_eq!(acc, crc32c::crc32c(&data));
     }
+
+    /// What the benchmark's verification relies on: a checksum combined from the
+    /// pieces' checksums (as the receive path takes them) tells a chunk with one
+    /// damaged byte, wherever it is, from the intact one.
+    #[test]
+    fn a_combined_checksum_detects_one_corrupted_byte_in_any_piece() {
+        let data = sample(3 * 4096 + 100);
+        let want = checksum(&data);
+        let combined = |d: &[u8]| d.chunks(4096).fold(0, |acc, p| combine(acc, checksum(p), p.len()));
+        assert_eq!(combined(&data), want);
+        for at in [0, 1, 4095, 4096, 8191, 9000, data.len() - 1] {
+            for flip in [0x01u8, 0x80, 0xFF] {
+                let mut bad = data.clone();
+                bad[at] ^= flip;
+                assert_ne!(combined(&bad), want, "byte {at} xor {flip:#x} went unnoticed");
+            }
+        }
+    }
 }

@@ -119,6 +119,12 @@ fn assert_block(region: &Region, dst: u32, seed: u64, src: u32) {
     }
 }
 
+/// crc32c of destination blocks `blocks`, read back in order.
+fn crc_of_blocks(region: &Region, blocks: &[u32]) -> u32 {
+    let bytes: Vec<u8> = blocks.iter().flat_map(|&b| read_block(region, b)).collect();
+    kvferry::checksum::checksum(&bytes)
+}
+
 fn assert_zero(region: &Region, blocks: impl IntoIterator<Item = u32>) {
     for b in blocks {
         assert!(
@@ -207,6 +213,8 @@ async fn direct_get_of_published_blocks_lands_byte_exact() {
     for (dst_b, src_b) in [(10, 3), (11, 4), (12, 5), (0, 7)] {
         assert_block(&out, dst_b, 1, src_b);
     }
+    // The receive path's checksums, combined, are those of the landed bytes.
+    assert_eq!(landed.checksum, crc_of_blocks(&out, &[10, 11, 12, 0]));
     assert_zero(&out, (1..10).chain(13..BLOCKS));
     let s = p.decode.stats();
     assert_eq!(s.consumer.chunks_landed, 2);
@@ -226,6 +234,7 @@ async fn direct_get_of_published_blocks_lands_byte_exact() {
         .unwrap();
     assert_eq!((landed.chunks, landed.bytes), (1, BLOCK));
     assert_block(&out, 20, 1, 7);
+    assert_eq!(landed.checksum, crc_of_blocks(&out, &[20]), "only what landed");
     assert_zero(&out, [21, 22]);
 
     // Not `once`: both publications are still there, nothing was released.
@@ -260,6 +269,7 @@ async fn staged_get_of_published_blocks_lands_byte_exact_and_returns_its_pages()
     for (dst_b, src_b) in [(5, 31), (6, 0), (1, 16), (2, 17), (3, 18), (4, 19)] {
         assert_block(&out, dst_b, 2, src_b);
     }
+    assert_eq!(landed.checksum, crc_of_blocks(&out, &[5, 6, 1, 2, 3, 4]));
     assert_zero(&out, [0].into_iter().chain(7..BLOCKS));
     let s = p.decode.stats();
     assert_eq!(s.consumer.chunks_landed, 2);

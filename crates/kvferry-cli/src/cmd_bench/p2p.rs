@@ -23,7 +23,7 @@ use kvferry::wire::ChunkKey;
 use serde::Serialize;
 use tokio::sync::Semaphore;
 
-use super::cpu::{per_gb, Contention, CpuClock};
+use super::cpu::{per_chunk, per_gb, Contention, CpuClock};
 use super::limits::{memcpy_limit, pipeline_limit, tcp_limit};
 use crate::engine_args::EngineArgs;
 use crate::util::parse_model;
@@ -108,6 +108,14 @@ pub struct P2pBenchArgs {
     /// left out of the benchmark's CPU per GB. With --sweep, every point runs with them.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub contend: usize,
+    /// How every landed byte is verified against its request's pattern: `receive`
+    /// (direct path: the crc32c the receive path computed over the destination blocks
+    /// as each piece arrived, combined, compared with the pattern's — no second pass
+    /// over the bytes; staged and device-sim paths, whose receive checksums are taken
+    /// in staging pages, re-read the landed chunk as with `reread`) or `reread`
+    /// (checksum the landed chunk again after the transfer).
+    #[arg(long, default_value = "receive")]
+    pub verify: Verify,
     /// Print JSON (one object; an array with --sweep) instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -135,6 +143,7 @@ impl Default for P2pBenchArgs {
             plot: None,
             tls: false,
             contend: 0,
+            verify: Verify::Receive,
             json: false,
             quiet: false,
         }
@@ -196,6 +205,17 @@ pub struct Point {
     pub cpu_ratio: f64,
     /// Busy threads beside this point (`--contend`; 0: alone).
     pub contend: usize,
+    /// How landed bytes were verified (`--verify`; `receive` on the staged and
+    /// device-sim paths re-reads, see there).
+    pub verify: Verify,
+    /// Voluntary context switches (a benchmark thread blocked, then woken) per chunk
+    /// over the transfer phase: the wake-ups and thread hand-offs a transfer costs,
+    /// producer and consumer together.
+    pub wakeups_per_chunk: f64,
+    /// Involuntary context switches (a benchmark thread preempted) per chunk.
+    pub preemptions_per_chunk: f64,
+    /// Voluntary context switches of the raw-TCP phase per chunk-sized write.
+    pub tcp_wakeups_per_chunk: f64,
     /// With `--contend N`: the same point measured again with N busy threads beside it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub contended: Option<Box<Point>>,
@@ -401,6 +421,16 @@ fn print_table(points: &[Point]) {
     }
 }
 
+/// How the benchmark verifies landed bytes (`--verify`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verify {
+    /// The receive path's checksums (direct path), combined.
+    Receive,
+    /// Checksum the landed chunk again.
+    Reread,
+}
+
 /// How the benchmark's KV moves (`--path`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -505,6 +535,17 @@ fn print_one_point(p: &Point) {
     println!(
         "CPU {:.3} s per GB moved (raw TCP {:.3} s per GB: {:.2}x; user + system, every thread of the benchmark)",
         p.cpu_s_per_gb, p.tcp_cpu_s_per_gb, p.cpu_ratio
+    );
+    println!(
+        "wake-ups {:.1} per chunk (raw TCP {:.1} per chunk-sized write), preemptions {:.1} per chunk; \
+         landed bytes verified by {}",
+        p.wakeups_per_chunk,
+        p.tcp_wakeups_per_chunk,
+        p.preemptions_per_chunk,
+        match p.verify {
+            Verify::Receive => "the receive path's checksums of the destination blocks",
+            Verify::Reread => "re-reading every landed chunk",
+        }
     );
     println!(
         "staged-pipeline limit {:.2} GB/s (the staged design's copies alone in plain code, {:.2} of raw TCP); \
@@ -758,8 +799,12 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
     let corrupted = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(parking_lot::Mutex::new(Vec::with_capacity(total_chunks as usize)));
     let expected = Arc::new(expected);
+    super::cpu::perf_phase("transfer", true);
     let started = Instant::now();
-    let cpu_started = cpu.now();
+    let usage_started = cpu.usage();
+    // Direct path with `--verify receive`: the receive path's checksum of the landed
+    // bytes (taken over the destination blocks themselves) is compared as is.
+    let from_receive = args.verify == Verify::Receive && args.path == BenchPath::Direct;
     let mut tasks = tokio::task::JoinSet::new();
     let mut rss_warm = 0.0;
     for n in 0..total_chunks {
@@ -804,14 +849,19 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
                     // Verify every landed byte: crc of the landed chunk against the
                     // pattern's; exact count of bad bytes on mismatch.
                     let ranges = layout.chunk_ranges(&blocks).expect("valid blocks");
-                    let mut crc = 0u32;
-                    for (off, len) in &ranges {
-                        let piece = match &device_dst {
-                            Some(_) => kvferry::checksum::checksum(&read(*off, *len)),
-                            None => region.checksum(*off, *len).expect("in range"),
-                        };
-                        crc = kvferry::checksum::combine(crc, piece, *len);
-                    }
+                    let crc = if from_receive {
+                        l.checksum
+                    } else {
+                        let mut crc = 0u32;
+                        for (off, len) in &ranges {
+                            let piece = match &device_dst {
+                                Some(_) => kvferry::checksum::checksum(&read(*off, *len)),
+                                None => region.checksum(*off, *len).expect("in range"),
+                            };
+                            crc = kvferry::checksum::combine(crc, piece, *len);
+                        }
+                        crc
+                    };
                     if crc != expected[r][c] {
                         let want = pattern(r, c, chunk_bytes);
                         let mut at = 0;
@@ -846,7 +896,9 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         r?;
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let transfer_cpu = cpu.now() - cpu_started;
+    let transfer_usage = cpu.usage() - usage_started;
+    super::cpu::perf_phase("transfer", false);
+    let transfer_cpu = transfer_usage.cpu_s;
     let rss_end = rss_mib();
     bar.finish_and_clear();
     let moved = (total_chunks - errors.load(Ordering::Relaxed)) * chunk_bytes as u64;
@@ -898,14 +950,17 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
     let source: Arc<Vec<u8>> = Arc::new((0..src_layout.region_bytes()).map(|i| (i * 31 + 7) as u8).collect());
     let mut tcp = 0f64;
     let mut tcp_hot = 0f64;
-    let mut tcp_cpu = 0f64;
+    let mut tcp_usage = super::cpu::Usage::default();
     for _ in 0..3 {
-        let c0 = cpu.now();
+        let u0 = cpu.usage();
+        super::cpu::perf_phase("tcp", true);
         tcp = tcp.max(tcp_limit(conns, limit_bytes, Some((&source, chunk_bytes))).await?);
-        tcp_cpu += cpu.now() - c0;
+        super::cpu::perf_phase("tcp", false);
+        tcp_usage += cpu.usage() - u0;
         tcp_hot = tcp_hot.max(tcp_limit(conns, limit_bytes, None).await?);
     }
-    let tcp_cpu_s_per_gb = per_gb(tcp_cpu, 3 * limit_bytes);
+    let tcp_cpu_s_per_gb = per_gb(tcp_usage.cpu_s, 3 * limit_bytes);
+    let tcp_pieces = 3 * limit_bytes / chunk_bytes as u64;
     let memcpy = memcpy_limit(256 << 20);
     let pipeline = tokio::task::block_in_place(|| -> anyhow::Result<f64> {
         let mut best = 0f64;
@@ -963,6 +1018,10 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
             0.0
         },
         contend,
+        verify: if from_receive { Verify::Receive } else { Verify::Reread },
+        wakeups_per_chunk: per_chunk(transfer_usage.wakeups, total_chunks),
+        preemptions_per_chunk: per_chunk(transfer_usage.preemptions, total_chunks),
+        tcp_wakeups_per_chunk: per_chunk(tcp_usage.wakeups, tcp_pieces),
         contended: None,
         staging_backing: staging.0,
         staging_pinned: pinned,

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -70,12 +71,23 @@ wait_spin_us):
   miss_p50_us,        their latency, call to NotFoundError raised, in microseconds:
   miss_p99_us         the fixed per-call cost (Python layer, engine, one round trip)
   miss_errors         miss calls that did not raise NotFoundError
+  cpu_s_per_gb        CPU seconds (user + system, every thread of this process: the
+                      workers, the engines' runtime and copy threads) per GB over the
+                      transfer loop, as the Rust bench's `cpu_s_per_gb`
+  miss_cpu_us_per_call  the same over the miss loop, microseconds per call
+  wakeups_per_chunk   voluntary context switches of the process (a thread blocked,
+                      then woken) per chunk over the transfer loop, as the Rust
+                      bench's field
+  cpu_ratio_to_rust   cpu_s_per_gb / the Rust bench's cpu_s_per_gb (null without it)
   rust_gbps           the Rust `kvferry bench --path direct --json --quiet` on the same
                       bytes, chunk blocks, requests, in-flight and connections, run
                       right after (its `gbps` field); `rust` holds its gbps,
                       p50/p99, tcp_limit_gbps (raw loopback TCP moving the same
                       bytes, measured in its run), chunks, bytes, elapsed_s, errors,
-                      corrupted_bytes, leaked_pages, exit_status and binary
+                      corrupted_bytes, leaked_pages, cpu_s_per_gb, tcp_cpu_s_per_gb,
+                      wakeups_per_chunk, exit_status and binary. It runs with
+                      `--verify reread`: it checksums every landed chunk again, as
+                      this bench does, so both do the same work per byte
   ratio_to_rust       gbps / rust_gbps (null when the Rust bench was skipped;
                       rust_note says why, or notes a workload that differs). One
                       difference stays: the Rust producers hold a per-layer layout
@@ -206,7 +218,7 @@ def run_rust(binary: str, a: argparse.Namespace) -> dict[str, Any]:
         binary, "bench", "--path", "direct", "--bytes", str(a.bytes), "--json", "--quiet",
         "--blocks-per-chunk", str(a.chunk_blocks), "--in-flight", str(a.in_flight),
         "--connections", str(a.connections), "--requests", str(a.requests),
-        "--chunks-per-request", str(a.chunks_per_request),
+        "--chunks-per-request", str(a.chunks_per_request), "--verify", "reread",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUST_TIMEOUT_S)
     start = proc.stdout.find("{")
@@ -216,6 +228,13 @@ def run_rust(binary: str, a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(proc.stdout[start:])
     out["exit_status"] = proc.returncode
     return out
+
+
+def _usage() -> tuple[float, int]:
+    """CPU seconds (user + system) and voluntary context switches of this process so
+    far, every thread counted."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime, u.ru_nvcsw
 
 
 def run_python(a: argparse.Namespace) -> dict[str, Any]:
@@ -307,11 +326,13 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
 
         workers = [threading.Thread(target=worker, args=(s,), name=f"bench-{s}") for s in range(a.in_flight)]
         t0 = time.perf_counter()
+        cpu0, csw0 = _usage()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
         elapsed = time.perf_counter() - t0
+        cpu1, csw1 = _usage()
         if failures:
             raise failures[0]
         errors = counts["errors"]
@@ -322,6 +343,7 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
         miss_us: list[float] = []
         miss_errors = 0
         blocks = list(range(bpc))
+        miss_cpu0, _ = _usage()
         for n in range(a.miss_calls):
             key = f"bench/miss{n}"
             c0 = time.perf_counter()
@@ -332,6 +354,7 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
                 miss_us.append((time.perf_counter() - c0) * 1e6)
             except Error:
                 miss_errors += 1
+        miss_cpu = _usage()[0] - miss_cpu0
 
         # Every staging page back (free or quarantined) once the engines are quiet.
         deadline = time.monotonic() + 5.0
@@ -374,11 +397,15 @@ def run_python(a: argparse.Namespace) -> dict[str, Any]:
         "miss_p50_us": percentile(miss_us, 0.5),
         "miss_p99_us": percentile(miss_us, 0.99),
         "miss_errors": miss_errors,
+        "cpu_s_per_gb": (cpu1 - cpu0) / (moved / 1e9) if moved else 0.0,
+        "miss_cpu_us_per_call": miss_cpu / a.miss_calls * 1e6 if a.miss_calls else 0.0,
+        "wakeups_per_chunk": (csw1 - csw0) / total,
     }
 
 
 _RUST_FIELDS = ("gbps", "p50_ms", "p99_ms", "tcp_limit_gbps", "chunk_bytes", "chunks", "bytes", "elapsed_s",
-                "errors", "corrupted_bytes", "leaked_pages", "exit_status")  # fmt: skip
+                "errors", "corrupted_bytes", "leaked_pages", "cpu_s_per_gb", "tcp_cpu_s_per_gb",
+                "wakeups_per_chunk", "exit_status")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
@@ -412,6 +439,10 @@ def run(a: argparse.Namespace) -> int:
     res["rust_gbps"] = rust_gbps
     res["ratio_to_rust"] = res["gbps"] / rust_gbps if isinstance(rust_gbps, (int, float)) and rust_gbps > 0 else None
     res["rust"] = rust
+    rust_cpu = rust.get("cpu_s_per_gb") if rust else None
+    res["cpu_ratio_to_rust"] = (
+        res["cpu_s_per_gb"] / rust_cpu if isinstance(rust_cpu, (int, float)) and rust_cpu > 0 else None
+    )
     res["rust_note"] = note
 
     if a.json:
@@ -443,6 +474,9 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"  ({r['rust_note']})" if r["rust_note"] else "")
     if rust and rust.get("tcp_limit_gbps"):
         print(f"raw loopback TCP limit (Rust bench, same bytes): {rust['tcp_limit_gbps']:.2f} GB/s")
+    rust_cpu = f" (Rust {rust['cpu_s_per_gb']:.3f})" if rust and rust.get("cpu_s_per_gb") else ""
+    print(f"CPU {r['cpu_s_per_gb']:.3f} s per GB{rust_cpu}, {r['wakeups_per_chunk']:.1f} wake-ups per chunk; "
+          f"misses {r['miss_cpu_us_per_call']:.0f} us CPU per call")  # fmt: skip
     print(f"get_blocking miss: p50 {r['miss_p50_us']:.1f} us, p99 {r['miss_p99_us']:.1f} us "
           f"over {r['miss_calls']} calls ({r['miss_errors']} not NotFoundError)")  # fmt: skip
     print(f"moved {human(r['bytes'])} in {r['chunks']} chunks of {human(r['chunk_bytes'])} in {r['elapsed_s']:.2f} s; "

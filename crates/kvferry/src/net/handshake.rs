@@ -396,7 +396,7 @@ async fn tls_accept(
     tls: &super::TlsConfig,
     stream: TcpStream,
     cfg: &NetConfig,
-) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, String), Rejected> {
+) -> Result<(tokio_rustls::server::TlsStream<super::stream::TlsTcp>, String), Rejected> {
     let mut first = [0u8; 1];
     let n = stream
         .peek(&mut first)

@@ -44,6 +44,8 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
 use tokio_rustls::rustls::{ClientConfig, RootCertStore, ServerConfig};
 
+use super::stream::TlsTcp;
+
 /// Why TLS material could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -281,16 +283,21 @@ impl TlsConfig {
         &self,
         addr: &str,
         tcp: TcpStream,
-    ) -> Result<(tokio_rustls::client::TlsStream<TcpStream>, Option<String>), String> {
+    ) -> Result<(tokio_rustls::client::TlsStream<TlsTcp>, Option<String>), String> {
         let host = host_of(addr);
         let name = ServerName::try_from(host.to_string())
             .map_err(|e| format!("{host:?} is not a name a certificate can be checked against: {e}"))?;
         let stream = tokio_rustls::TlsConnector::from(self.client.clone())
-            .connect(name, tcp)
+            .connect(name, TlsTcp::new(tcp))
             .await
             .map_err(|e| {
                 format!("{e} (does the server run with TLS, and its certificate name {host} and come from our CA?)")
             })?;
+        let mut stream = stream;
+        stream
+            .get_mut()
+            .1
+            .set_buffer_limit(Some(super::stream::TLS_WRITE_BUFFER));
         let identity = stream
             .get_ref()
             .1
@@ -304,17 +311,20 @@ impl TlsConfig {
     pub(crate) async fn accept(
         &self,
         tcp: TcpStream,
-    ) -> Result<(tokio_rustls::server::TlsStream<TcpStream>, String), AcceptError> {
+    ) -> Result<(tokio_rustls::server::TlsStream<TlsTcp>, String), AcceptError> {
         let server = self.server.clone().ok_or(AcceptError::Other(
             "this TLS configuration has no certificate to serve with".into(),
         ))?;
-        let stream = tokio_rustls::TlsAcceptor::from(server).accept(tcp).await.map_err(|e| {
-            let tls = e.get_ref().is_some_and(|i| i.is::<rustls::Error>());
-            match tls {
-                true => AcceptError::Refused(e.to_string()),
-                false => AcceptError::Other(e.to_string()),
-            }
-        })?;
+        let stream = tokio_rustls::TlsAcceptor::from(server)
+            .accept(TlsTcp::new(tcp))
+            .await
+            .map_err(|e| {
+                let tls = e.get_ref().is_some_and(|i| i.is::<rustls::Error>());
+                match tls {
+                    true => AcceptError::Refused(e.to_string()),
+                    false => AcceptError::Other(e.to_string()),
+                }
+            })?;
         let identity = stream
             .get_ref()
             .1
@@ -322,6 +332,11 @@ impl TlsConfig {
             .and_then(|c| c.first())
             .and_then(identity_of)
             .ok_or_else(|| AcceptError::Refused("the client certificate names no identity".into()))?;
+        let mut stream = stream;
+        stream
+            .get_mut()
+            .1
+            .set_buffer_limit(Some(super::stream::TLS_WRITE_BUFFER));
         Ok((stream, identity))
     }
 }

@@ -484,7 +484,11 @@ impl Consumer {
         }
         if handle.chunks.is_empty() {
             drop(signal);
-            return Ok(Landed { chunks: 0, bytes: 0 });
+            return Ok(Landed {
+                chunks: 0,
+                bytes: 0,
+                checksum: 0,
+            });
         }
         let mut dst = dst;
         if let Err(error) = check_resolve(&handle, &mut dst) {

@@ -261,6 +261,10 @@ impl TransferCtx<'_> {
                 _ => chunks.len(),
             },
             bytes,
+            // Every frame's checksum was verified against what arrived (`verify`).
+            checksum: chunks
+                .iter()
+                .fold(0, |crc, m| crate::checksum::combine(crc, m.checksum, m.len as usize)),
         };
         let Sink::Staging { lease, offsets } = sink else {
             return Ok(landed); // direct: the bytes are already in place, verified

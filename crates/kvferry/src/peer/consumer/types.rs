@@ -233,6 +233,13 @@ pub struct Landed {
     pub chunks: usize,
     /// Bytes landed.
     pub bytes: usize,
+    /// crc32c of the bytes received, in stream order (the landed chunks one after
+    /// another), combined from the checksums the receive path computed and verified as
+    /// each piece arrived — on the direct path over the destination blocks themselves,
+    /// on the staged path over the staging pages before the landing copy. A caller
+    /// can check what landed against its own expectation without reading it again
+    /// (0 when nothing landed).
+    pub checksum: u32,
 }
 
 /// A failed transfer. The destination blocks are quiet only once `fence` fires (the
