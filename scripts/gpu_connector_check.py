@@ -49,7 +49,8 @@ def _half(a: argparse.Namespace, model: str, role: str, num_blocks: int, place: 
     from kvferry.integrations.vllm_bench import ConnectorHalf
 
     page = 2 * a.block_size * a.kv_heads * a.head_dim * 2
-    extra: dict[str, Any] = {"timeout": a.timeout, "lease_ttl": 4 * a.timeout}
+    # reader_slots 1: the pulls are same-shape specs without a plan (one get per request).
+    extra: dict[str, Any] = {"timeout": a.timeout, "lease_ttl": 4 * a.timeout, "reader_slots": 1}
     if a.device in ("sim", "cuda"):  # every byte is staged on both sides
         extra["arena_bytes"] = max(64 << 20, 2 * num_blocks * page * a.layers)
     if a.device == "sim":

@@ -159,6 +159,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 from .. import errors
 from .._engine import Engine, Region, Transfer
 from . import vllm_hetero
+from .vllm_mapping import slot_key
 from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics
 
 if TYPE_CHECKING:
@@ -311,6 +312,10 @@ class RecvSpec:
     refused: str | None = None
     npub: int = 0
     src_piece_bytes: int = 0
+    # Params without a descriptor (a proxy written for NIXL): the other reader slots
+    # the prefill published besides ``key`` (as many as this instance would publish),
+    # released when the pull starts, or with ``key`` when it never does.
+    release_also: list[str] = field(default_factory=list)
 
     @property
     def load_block_ids(self) -> list[int]:
@@ -486,6 +491,7 @@ class KvferryConnectorScheduler:
             remote_block_ids=_flat_block_ids(params["remote_block_ids"]),
             local_block_ids=local,
             skip_blocks=cached,
+            release_also=[slot_key(str(params["remote_request_id"]), s) for s in range(1, self.reader_slots)],
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
@@ -560,9 +566,11 @@ class KvferryConnectorScheduler:
         planned = self._need_recv.pop(req_id, None)
         expires = self._need_expiry.pop(req_id, None)
         if planned is not None:
-            self._need_release[req_id] = ReleaseSpec(
-                key=planned.key, peers=planned.peers, expires_at=expires, per_rank=vllm_hetero.release_planned(planned)
-            )
+            per_rank = vllm_hetero.release_planned(planned)
+            if per_rank is None and planned.release_also:
+                keys = [planned.key, *planned.release_also]
+                per_rank = [[(r, k) for k in keys] for r in range(len(planned.peers))]
+            self._need_release[req_id] = ReleaseSpec(key=planned.key, peers=planned.peers, expires_at=expires, per_rank=per_rank)
         elif params and params.get("do_remote_prefill") and self._valid_remote(params):
             params["do_remote_prefill"] = False
             exp = params.get("kvferry_expires_at")
@@ -881,6 +889,8 @@ class KvferryConnectorWorker:
                 pull.scratch_region = self._register(pull.scratch, n_remote, f"scratch-{req_id}")
                 pull.dst, pull.dst_ids = pull.scratch_region, list(range(n_remote))
             self._launch(pull)
+            if spec.release_also:  # the slots an auto prefill published besides key
+                vllm_hetero.release_slots(self, req_id, spec.peers, expires_at, self.tp_rank, spec.release_also)
         except Exception as e:  # noqa: BLE001 - bad params, no memory...: a load error, never a crash
             pull.error = e
 

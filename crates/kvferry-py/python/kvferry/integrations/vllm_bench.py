@@ -99,6 +99,9 @@ class ConnectorHalf:
             extra = {
                 "timeout": 60.0,
                 "lease_ttl": 120.0,
+                # The rounds hand the decode same-shape pulls without a plan (one get
+                # of ``key`` per request): one slot, as a same-shape pair reads.
+                "reader_slots": 1,
                 # The device path stages every byte on both sides: a round's worth of
                 # staging (64 requests x 2.5 MiB by default) on each.
                 **({"device": "sim", "arena_bytes": max(64 << 20, 2 * a.requests * a.blocks_per_request * 2 * a.block_size * a.kv_heads * a.head_dim * 2 * a.layers)} if a.device == "sim" else {}),

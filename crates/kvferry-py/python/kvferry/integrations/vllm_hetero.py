@@ -351,6 +351,9 @@ def _release(worker: Any, req_id: str, peers: list[dict[str, Any]], expires_at: 
     _send_release(worker, f"{req_id}@{q}", str(address), expires_at, keys)
 
 
+release_slots = _release  # for the worker's pulls without a plan (vllm.py)
+
+
 def _send_release(worker: Any, tag: str, address: str, expires_at: float | None, keys: list[str]) -> None:
     timeout = worker.config.timeout
     retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
@@ -403,16 +406,22 @@ def give_up(worker: Any, pull: Any) -> None:
 
 def release_all(sched: Any, params: dict[str, Any]) -> list[list[tuple[int, str]]] | None:
     """Every slot of every prefill rank, spread over the decode ranks (``q % D_TP``);
-    None when the prefill advertised no descriptor (one key per rank)."""
+    None when there is one key per rank (no descriptor, and this instance publishes
+    one slot)."""
     from .vllm_mapping import slot_key
 
     raw = params.get("kvferry_desc")
     if not isinstance(raw, dict):
-        return None
-    try:
-        slots = max(1, int(raw.get("slots", 1)))
-    except (TypeError, ValueError):
-        slots = 1
+        # No descriptor (a proxy written for NIXL): the prefill published as many
+        # slots as this instance would; one key per rank when that is one.
+        slots = int(sched.reader_slots)
+        if slots <= 1:
+            return None
+    else:
+        try:
+            slots = max(1, int(raw.get("slots", 1)))
+        except (TypeError, ValueError):
+            slots = 1
     key = str(params["remote_request_id"])
     d_tp = max(1, int(sched.tp_size))
     out: list[list[tuple[int, str]]] = [[] for _ in range(d_tp)]
