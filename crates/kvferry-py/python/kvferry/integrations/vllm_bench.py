@@ -330,9 +330,9 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
         expires = time.time() + 60.0
         specs = {}
         for r in ids:
-            remote: list[int | None] = list(ids[r])
-            dst: list[int | None] = list(local[r])
-            plans = plan_request(mapping, r, bpr * a.block_size, [remote], [dst])
+            held: list[int | None] = list(ids[r])
+            into: list[int | None] = list(local[r])
+            plans = plan_request(mapping, r, bpr * a.block_size, [held], [into])
             specs[r] = RecvSpec(
                 key=r, peers=peers, remote_block_ids=ids[r], local_block_ids=local[r], plans=plans,
                 npub=bpr, src_piece_bytes=mapping.prefill.piece_bytes,
