@@ -34,7 +34,6 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 
@@ -44,95 +43,19 @@ def _skip(why: str) -> int:
     return 0
 
 
-def _model_dir(tmp: str, a: argparse.Namespace) -> str:
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": a.kv_heads * a.head_dim,
-        "intermediate_size": 2 * a.kv_heads * a.head_dim,
-        "num_hidden_layers": a.layers,
-        "num_attention_heads": a.kv_heads,
-        "num_key_value_heads": a.kv_heads,
-        "head_dim": a.head_dim,
-        "vocab_size": 1024,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    d = Path(tmp) / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+def _half(a: argparse.Namespace, model: str, role: str, num_blocks: int, place: str) -> Any:
+    """One instance's worker-side connector: the benchmark's ``ConnectorHalf``
+    (``kvferry.integrations.vllm_bench``) with this check's settings."""
+    from kvferry.integrations.vllm_bench import ConnectorHalf
 
-
-class Half:
-    """One instance's worker-side connector over its own paged KV tensors."""
-
-    def __init__(self, a: argparse.Namespace, model: str, role: str, num_blocks: int, place: str) -> None:
-        import torch
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
-        page = 2 * a.block_size * a.kv_heads * a.head_dim * 2
-        extra: dict[str, Any] = {"timeout": a.timeout, "lease_ttl": 4 * a.timeout}
-        if a.device in ("sim", "cuda"):  # every byte is staged on both sides
-            extra["arena_bytes"] = max(64 << 20, 2 * num_blocks * page * a.layers)
-        if a.device == "sim":
-            extra["device"] = "sim"
-        cfg = VllmConfig(
-            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0),
-            cache_config=CacheConfig(block_size=a.block_size),
-            # The connector follows the KV tensors' device, not this.
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvferryConnector",
-                kv_connector_module_path="kvferry.integrations.vllm",
-                kv_role=role,
-                kv_connector_extra_config=extra,
-            ),
-        )
-        spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.kv_heads, head_size=a.head_dim, dtype=torch.float16)
-        kcc = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in self.layers],
-            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
-        )
-        self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
-        shape = (2, num_blocks, a.block_size, a.kv_heads, a.head_dim)
-        self.kv = {n: torch.zeros(shape, dtype=torch.float16, device=place) for n in self.layers}
-        self.connector.register_kv_caches(self.kv)
-        self.block_bytes = page * a.layers
-
-    @property
-    def worker(self):
-        return self.connector.connector_worker
-
-    def step(self, meta: Any, finished: set[str], forward=None) -> tuple[set[str], set[str]]:
-        """One engine step as vLLM's model runner makes it (``forward``: the step's
-        kernels, enqueued between ``start_load_kv`` and ``wait_for_save``)."""
-        c = self.connector
-        c.bind_connector_metadata(meta)
-        c.start_load_kv(None)
-        if forward is not None:
-            forward()
-        c.wait_for_save()
-        sending, recving = c.get_finished(finished)
-        c.clear_connector_metadata()
-        return set(sending or ()), set(recving or ())
-
-    def blocks(self, ids: list[int]) -> list[Any]:
-        import torch
-
-        idx = torch.tensor(ids, dtype=torch.long, device=next(iter(self.kv.values())).device)
-        return [t.view(torch.uint8)[:, idx] for t in self.kv.values()]
+    page = 2 * a.block_size * a.kv_heads * a.head_dim * 2
+    # reader_slots 1: the pulls are same-shape specs without a plan (one get per request).
+    extra: dict[str, Any] = {"timeout": a.timeout, "lease_ttl": 4 * a.timeout, "reader_slots": 1}
+    if a.device in ("sim", "cuda"):  # every byte is staged on both sides
+        extra["arena_bytes"] = max(64 << 20, 2 * num_blocks * page * a.layers)
+    if a.device == "sim":
+        extra["device"] = "sim"
+    return ConnectorHalf(a, model, role, num_blocks, place=place, extra=extra)
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -143,10 +66,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     place = "cuda:0" if a.device == "cuda" else "cpu"
     bpr, nreq = a.blocks_per_request, a.requests
     nb = nreq * bpr
+    from kvferry.integrations.vllm_bench import model_dir
+
     with tempfile.TemporaryDirectory(prefix="kvferry-gpu-connector-") as tmp:
-        model = _model_dir(tmp, a)
-        prefill = Half(a, model, "kv_producer", nb, place)
-        decode = Half(a, model, "kv_consumer", nb, place)
+        model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
+        prefill = _half(a, model, "kv_producer", nb, place)
+        decode = _half(a, model, "kv_consumer", nb, place)
     engines = {"prefill": prefill.worker.device or "host", "decode": decode.worker.device or "host"}
     pw = prefill.worker
     peer = {"address": pw.engine.address, "peer_id": pw.engine.peer_id, "incarnation": pw.engine.incarnation}

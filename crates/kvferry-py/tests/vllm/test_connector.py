@@ -15,10 +15,8 @@ the module is skipped, unless ``KVFERRY_REQUIRE_VLLM=1`` (then it fails).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -26,49 +24,21 @@ import pytest
 if TYPE_CHECKING:
     import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from vllm_harness import (  # noqa: F401 - shared with the other vLLM tests; need_vllm is a fixture
+    LAYERS,
+    MODEL_DIR,
+    NUM_LAYERS,
+    PINNED,
+    REQUIRED,
+    WHY_NOT,
+    need_vllm,
+    prompts,
+    scheduler_leaks,
+)
 
-PINNED = "0.33.0"
-_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry built in) and run pytest from that venv"
-
-
-def _find_vllm() -> str | None:
-    """Why the vLLM tests cannot run here, or None."""
-    try:
-        import vllm
-    except ImportError as e:
-        return f"vLLM is not installed ({e}); {_HOW}"
-    version = getattr(vllm, "__version__", None)
-    if version is None:
-        # Without vLLM, `import vllm` can find this very test folder as a namespace
-        # package (pytest puts tests/ on sys.path): that is "not installed".
-        return f"vLLM is not installed; {_HOW}"
-    if version != PINNED:
-        return f"KvferryConnector is pinned to vllm=={PINNED}, found {version}; {_HOW}"
-    return None
-
-
-WHY_NOT = _find_vllm()
-REQUIRED = os.environ.get("KVFERRY_REQUIRE_VLLM") == "1"
-
-
-@pytest.fixture(scope="module")
-def need_vllm() -> None:
-    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) when vLLM 0.33.0 is missing."""
-    if WHY_NOT is not None:
-        if REQUIRED:
-            pytest.fail(f"KVFERRY_REQUIRE_VLLM=1 but {WHY_NOT}", pytrace=False)
-        pytest.skip(WHY_NOT)
-
-
-MODEL_DIR = str(Path(__file__).with_name("tiny-llama"))
 BLOCK_SIZE = 16
-NUM_LAYERS = 2
 KV_HEADS = 2
 HEAD_SIZE = 16
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
 SLOT_BYTES = KV_HEADS * HEAD_SIZE * 2  # float16
 
 
@@ -265,34 +235,6 @@ class Instance:
         self.connector.shutdown()
         if kv_transfer_state._KV_CONNECTOR_AGENT is self.connector:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
-
-
-def scheduler_leaks(scheduler) -> list[str]:
-    """What vLLM's own ``assert_scheduler_empty`` (tests/v1/kv_connector/unit/utils.py)
-    checks, as a list of what is left over (empty: no leak): no request, nothing waiting
-    or running, no finished ids pending, the encoder cache empty, no request holding
-    blocks, every block but the null block free, and every block's ref_cnt 0."""
-    left = []
-    for name in ("requests", "waiting", "kv_holding_waiting", "running", "finished_req_ids", "finished_recving_kv_req_ids"):
-        n = len(getattr(scheduler, name))
-        if n:
-            left.append(f"{name}: {n}")
-    ecm = scheduler.encoder_cache_manager
-    for name in ("freed", "cached"):
-        if len(getattr(ecm, name)):
-            left.append(f"encoder_cache_manager.{name}: {len(getattr(ecm, name))}")
-    mgr = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    if mgr.req_to_blocks:
-        left.append(f"req_to_blocks: {sorted(mgr.req_to_blocks)}")
-    if mgr.num_cached_block:
-        left.append(f"num_cached_block: {sorted(mgr.num_cached_block)}")
-    pool = scheduler.kv_cache_manager.block_pool
-    if pool.free_block_queue.num_free_blocks != pool.num_gpu_blocks - 1:
-        left.append(f"free blocks {pool.free_block_queue.num_free_blocks} != {pool.num_gpu_blocks - 1}")
-    held = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
-    if held:
-        left.append(f"blocks with ref_cnt != 0: {held[:10]}")
-    return left
 
 
 def expected_bytes(prompt: list[int], pos: int, salt: int) -> list[bytes]:
@@ -509,11 +451,6 @@ def decode(need_vllm, kv_device):
     yield make
     for d in made:
         d.close()
-
-
-def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[tuple[str, list[int]]]:
-    rng = random.Random(seed)
-    return [(f"req-{seed}-{i}", [rng.randrange(3, 1000) for _ in range(rng.randrange(lo, hi))]) for i in range(n)]
 
 
 def check_landed(d: Instance, rid: str, prompt: list[int]) -> None:

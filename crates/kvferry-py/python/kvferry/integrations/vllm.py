@@ -68,15 +68,19 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     released, for a pull in flight to land, instead of returning at once. vLLM's engine
     loop otherwise steps back to back while it waits, and that loop's CPU is taken from
     the transfers. ``0`` turns it off; steps that run a forward pass never wait.
-``reader_slots`` (int, default ``1``, at most 64; prefill side)
+``reader_slots`` (int, or ``"auto"``, the default; at most 64; prefill side)
     Keys each finished request is published under on each rank (the same blocks,
     zero copy): every get of a request's blocks uses one, and the blocks are freed
-    once every slot was read or released. One suffices when each decode rank reads one
-    prefill rank once (same TP, block size and layout); a decode that reads a prefill
-    rank more often — ``D_TP / P_TP`` ranks reading each, times the block-size ratio —
-    refuses the pair at the handshake naming this key. The decode releases slots it
-    does not read at once (on a device cache a release stages, so keep it no larger
-    than needed). See docs/vllm.md, "Heterogeneous prefill and decode".
+    once every slot was read or released. ``"auto"`` publishes enough for every decode
+    instance whose TP splits the KV heads (``D_TP`` up to the model's KV heads, any
+    ``P_TP``; MLA: up to 8 decode ranks) with block sizes up to 2x apart:
+    ``2 x max(1, KV heads / P_TP)`` (MLA: ``2 x max(1, 8 / P_TP)``), see
+    :func:`~.vllm_hetero.auto_reader_slots`. The decode releases, in one message per
+    prefill rank and step, the slots it does not read. A decode that reads a prefill
+    rank more often than that (replicated heads on a wider decode, larger block-size
+    ratios) refuses the pair at the handshake naming this key: set it to
+    ``ceil(D_TP / P_TP)`` x the block-size ratio. See docs/vllm.md, "Heterogeneous
+    prefill and decode".
 ``device_timeout`` (float seconds, default: ``timeout``)
     Bound on each device copy; a copy that has not completed by then fails its transfer
     (a load error on the decode side) and its staging pages stay quarantined until the
@@ -155,6 +159,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 from .. import errors
 from .._engine import Engine, Region, Transfer
 from . import vllm_hetero
+from .vllm_mapping import slot_key
 from .vllm_stats import KvferryConnectorStats, KvferryPromMetrics
 
 if TYPE_CHECKING:
@@ -187,7 +192,7 @@ _DEFAULTS: dict[str, Any] = {
     "device": None,
     "device_timeout": None,
     "idle_wait": 0.001,
-    "reader_slots": 1,
+    "reader_slots": "auto",
 }
 
 
@@ -210,7 +215,7 @@ class KvferryConfig:
     device: str | None = None
     device_timeout: float | None = None
     idle_wait: float = 0.001
-    reader_slots: int = 1
+    reader_slots: int | None = None  # None: "auto" (vllm_hetero.auto_reader_slots)
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
@@ -234,10 +239,8 @@ class KvferryConfig:
             device=extra.get("device"),
             device_timeout=None if extra.get("device_timeout") is None else float(extra["device_timeout"]),
             idle_wait=float(extra.get("idle_wait", _DEFAULTS["idle_wait"])),
-            reader_slots=int(extra.get("reader_slots", _DEFAULTS["reader_slots"])),
+            reader_slots=_reader_slots(extra.get("reader_slots", _DEFAULTS["reader_slots"])),
         )
-        if not 1 <= cfg.reader_slots <= 64:
-            raise ValueError(f"KvferryConnector: reader_slots must be between 1 and 64, got {cfg.reader_slots!r}")
         for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
             if not getattr(cfg, name) > 0:
                 raise ValueError(f"KvferryConnector: {name} must be > 0, got {getattr(cfg, name)!r}")
@@ -252,6 +255,21 @@ class KvferryConfig:
         if not 0 <= cfg.port < 65536:
             raise ValueError(f"KvferryConnector: port out of range: {cfg.port}")
         return cfg
+
+
+def _reader_slots(v: Any) -> int | None:
+    """``reader_slots`` from the config: None for ``"auto"``, else an int in 1..64."""
+    if v is None or v == "auto":
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError(f"KvferryConnector: reader_slots must be 'auto' or an integer between 1 and 64, got {v!r}")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"KvferryConnector: reader_slots must be 'auto' or an integer between 1 and 64, got {v!r}") from None
+    if not 1 <= n <= 64:
+        raise ValueError(f"KvferryConnector: reader_slots must be 'auto' or an integer between 1 and 64, got {v!r}")
+    return n
 
 
 # -- messages between the two halves -----------------------------------------------
@@ -294,6 +312,10 @@ class RecvSpec:
     refused: str | None = None
     npub: int = 0
     src_piece_bytes: int = 0
+    # Params without a descriptor (a proxy written for NIXL): the other reader slots
+    # the prefill published besides ``key`` (as many as this instance would publish),
+    # released when the pull starts, or with ``key`` when it never does.
+    release_also: list[str] = field(default_factory=list)
 
     @property
     def load_block_ids(self) -> list[int]:
@@ -357,6 +379,7 @@ class KvferryConnectorScheduler:
         self.vllm_config = vllm_config
         # Refuses, at start-up, KV cache groups kvferry cannot move (Mamba state...).
         self.groups = vllm_hetero.groups_of(kv_cache_config)
+        self.reader_slots = vllm_hetero.reader_slots_for(self.config, vllm_config)
         self.verdicts: dict[str, Any] = {}  # remote engine id -> Mapping | IncompatibleError
         self.log_error = logger.error
         self._need_recv: dict[str, RecvSpec] = {}
@@ -468,6 +491,7 @@ class KvferryConnectorScheduler:
             remote_block_ids=_flat_block_ids(params["remote_block_ids"]),
             local_block_ids=local,
             skip_blocks=cached,
+            release_also=[slot_key(str(params["remote_request_id"]), s) for s in range(1, self.reader_slots)],
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
@@ -485,7 +509,7 @@ class KvferryConnectorScheduler:
         return meta
 
     # prefill side
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -542,9 +566,11 @@ class KvferryConnectorScheduler:
         planned = self._need_recv.pop(req_id, None)
         expires = self._need_expiry.pop(req_id, None)
         if planned is not None:
-            self._need_release[req_id] = ReleaseSpec(
-                key=planned.key, peers=planned.peers, expires_at=expires, per_rank=vllm_hetero.release_planned(planned)
-            )
+            per_rank = vllm_hetero.release_planned(planned)
+            if per_rank is None and planned.release_also:
+                keys = [planned.key, *planned.release_also]
+                per_rank = [[(r, k) for k in keys] for r in range(len(planned.peers))]
+            self._need_release[req_id] = ReleaseSpec(key=planned.key, peers=planned.peers, expires_at=expires, per_rank=per_rank)
         elif params and params.get("do_remote_prefill") and self._valid_remote(params):
             params["do_remote_prefill"] = False
             exp = params.get("kvferry_expires_at")
@@ -612,6 +638,7 @@ class KvferryConnectorWorker:
         self.engine_id = str(kvc.engine_id)
         self.listens = kvc.kv_role != "kv_consumer"
         self.tp_rank = _tp_rank(vllm_config)
+        self.reader_slots = vllm_hetero.reader_slots_for(self.config, vllm_config)  # published per request (prefill)
         self.num_blocks: int | None = kv_cache_config.num_blocks if kv_cache_config is not None else None
         self.engine: Engine | None = None
         self.region: Region | None = None
@@ -634,6 +661,8 @@ class KvferryConnectorWorker:
         self._geo: dict[str, Any] = {}
         self._slot_owner: dict[str, str] = {}  # published reader-slot key -> request
         self._slots_left: dict[str, int] = {}  # request -> slots not yet released
+        self._slot_reason: dict[str, str] = {}  # request -> reason reported once its last slot is released
+        self._release_batch: dict[str, tuple[list[float | None], list[str]]] | None = None  # vllm_hetero.batched_releases
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -735,11 +764,14 @@ class KvferryConnectorWorker:
         self._idle = meta.idle
         for req_id, block_ids in meta.reqs_to_send.items():
             self._publish(req_id, block_ids)
-        for req_id, spec in meta.reqs_to_recv.items():
-            self._start_pull(req_id, spec, meta.expires_at.get(req_id))
+        with vllm_hetero.batched_releases(self):  # one Release per prefill rank and step
+            for req_id, spec in meta.reqs_to_recv.items():
+                self._start_pull(req_id, spec, meta.expires_at.get(req_id))
+            for req_id, rel in meta.reqs_to_release.items():
+                if rel.per_rank is not None:
+                    vllm_hetero.release_keys(self, req_id, rel)
         for req_id, rel in meta.reqs_to_release.items():
             if rel.per_rank is not None:
-                vllm_hetero.release_keys(self, req_id, rel)
                 continue
             peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
             inc = peer.get("incarnation")
@@ -781,7 +813,8 @@ class KvferryConnectorWorker:
         cache, records an event on the current stream, so blocks are published only
         once the kernels that wrote them have completed."""
         if self.device is not None and self.device.startswith("cuda"):
-            ev = torch.cuda.Event()
+            event_cls: Any = torch.cuda.Event  # untyped in torch's stubs
+            ev = event_cls()
             ev.record()
             self._step_done = ev
 
@@ -856,6 +889,8 @@ class KvferryConnectorWorker:
                 pull.scratch_region = self._register(pull.scratch, n_remote, f"scratch-{req_id}")
                 pull.dst, pull.dst_ids = pull.scratch_region, list(range(n_remote))
             self._launch(pull)
+            if spec.release_also:  # the slots an auto prefill published besides key
+                vllm_hetero.release_slots(self, req_id, spec.peers, expires_at, self.tp_rank, spec.release_also)
         except Exception as e:  # noqa: BLE001 - bad params, no memory...: a load error, never a crash
             pull.error = e
 
@@ -1012,9 +1047,10 @@ class KvferryConnectorWorker:
                 if reason == "replaced":
                     continue
                 req_id = key if isinstance(key, str) else bytes(key).decode(errors="replace")
-                req_id = vllm_hetero.slot_released(self, req_id)
-                if req_id is None:
+                done = vllm_hetero.slot_released(self, req_id, str(reason))
+                if done is None:
                     continue  # other reader slots of the request are still out
+                req_id, reason = done
                 self.stats.record_publication_released(reason)
                 if req_id in self._sending:
                     self._sending.discard(req_id)
@@ -1098,7 +1134,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # Hybrid allocator: one block list per KV cache group (vllm_hetero.py).
-        return self._s().request_finished(request, [list(g) for g in block_ids])  # type: ignore[arg-type]
+        return self._s().request_finished(request, [list(g) for g in block_ids])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._s().update_connector_output(connector_output)

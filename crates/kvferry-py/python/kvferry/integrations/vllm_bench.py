@@ -42,12 +42,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from ..bench import _positive, _rust_binary, percentile, run_rust
 
 
-def _model_dir(tmp: str, layers: int, kv_heads: int, head_dim: int) -> str:
+KvRole = Literal["kv_producer", "kv_consumer"]
+
+
+def model_dir(tmp: str, layers: int, kv_heads: int, head_dim: int) -> str:
     """A model directory holding only a llama ``config.json`` of this shape."""
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -74,10 +78,16 @@ def _model_dir(tmp: str, layers: int, kv_heads: int, head_dim: int) -> str:
     return str(d)
 
 
-class _Side:
-    """One instance's worker-side connector over its own paged KV tensors."""
+class ConnectorHalf:
+    """One instance's worker-side connector over its own paged KV tensors (vLLM's
+    layout ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer) on ``place``
+    (``"cpu"``, ``"cuda:0"``...), made by vLLM's ``KVConnectorFactory`` from a real
+    ``VllmConfig``. ``extra``: ``kv_connector_extra_config`` (default: the benchmark's,
+    per ``a.device``). Also used by ``scripts/gpu_connector_check.py``."""
 
-    def __init__(self, a: argparse.Namespace, model: str, role: str, num_blocks: int) -> None:
+    def __init__(
+        self, a: argparse.Namespace, model: str, role: KvRole, num_blocks: int, place: str = "cpu", extra: dict[str, Any] | None = None
+    ) -> None:
         import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -85,21 +95,27 @@ class _Side:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
+        if extra is None:
+            extra = {
+                "timeout": 60.0,
+                "lease_ttl": 120.0,
+                # The rounds hand the decode same-shape pulls without a plan (one get
+                # of ``key`` per request): one slot, as a same-shape pair reads.
+                "reader_slots": 1,
+                # The device path stages every byte on both sides: a round's worth of
+                # staging (64 requests x 2.5 MiB by default) on each.
+                **({"device": "sim", "arena_bytes": max(64 << 20, 2 * a.requests * a.blocks_per_request * 2 * a.block_size * a.kv_heads * a.head_dim * 2 * a.layers)} if a.device == "sim" else {}),
+            }
         cfg = VllmConfig(
             model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0),
             cache_config=CacheConfig(block_size=a.block_size),
+            # The connector follows the KV tensors' device, not this.
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvferryConnector",
                 kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role,
-                kv_connector_extra_config={
-                    "timeout": 60.0,
-                    "lease_ttl": 120.0,
-                    # The device path stages every byte on both sides: a round's worth of
-                    # staging (64 requests x 2.5 MiB by default) on each.
-                    **({"device": "sim", "arena_bytes": max(64 << 20, 2 * a.requests * a.blocks_per_request * 2 * a.block_size * a.kv_heads * a.head_dim * 2 * a.layers)} if a.device == "sim" else {}),
-                },
+                kv_connector_extra_config=extra,
             ),
         )
         spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.kv_heads, head_size=a.head_dim, dtype=torch.float16)
@@ -109,26 +125,36 @@ class _Side:
             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in self.layers],
             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
         )
-        self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
+        self.connector: Any = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
         shape = (2, num_blocks, a.block_size, a.kv_heads, a.head_dim)
-        self.kv = {n: torch.zeros(shape, dtype=torch.float16) for n in self.layers}
+        self.kv: dict[str, Any] = {n: torch.zeros(shape, dtype=torch.float16, device=place) for n in self.layers}
         self.connector.register_kv_caches(self.kv)
         self.block_bytes = page * a.layers
 
-    def step(self, meta: Any, finished: set[str]) -> tuple[set[str], set[str]]:
-        """One engine step as vLLM's model runner makes it."""
+    @property
+    def worker(self) -> Any:
+        """The connector's worker half (``KvferryConnectorWorker``)."""
+        return self.connector.connector_worker
+
+    def step(self, meta: Any, finished: set[str], forward: Callable[[], None] | None = None) -> tuple[set[str], set[str]]:
+        """One engine step as vLLM's model runner makes it (``forward``: the step's
+        kernels, enqueued between ``start_load_kv`` and ``wait_for_save``)."""
         c = self.connector
         c.bind_connector_metadata(meta)
         c.start_load_kv(None)
+        if forward is not None:
+            forward()
         c.wait_for_save()
         sending, recving = c.get_finished(finished)
         c.clear_connector_metadata()
         return set(sending or ()), set(recving or ())
 
     def blocks(self, ids: list[int]) -> list[Any]:
+        """Each layer's bytes of blocks ``ids`` (``[2, len(ids), ...]`` uint8 views)."""
         import torch
 
-        idx = torch.tensor(ids, dtype=torch.long)
+        first = next(iter(self.kv.values()))
+        idx = torch.tensor(ids, dtype=torch.long, device=first.device)
         return [t.view(torch.uint8)[:, idx] for t in self.kv.values()]
 
 
@@ -141,9 +167,9 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
     bpr, nreq = a.blocks_per_request, a.requests
     nb = nreq * bpr
     with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
-        model = _model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
-        prefill = _Side(a, model, "kv_producer", nb)
-        decode = _Side(a, model, "kv_consumer", nb)
+        model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
+        prefill = ConnectorHalf(a, model, "kv_producer", nb)
+        decode = ConnectorHalf(a, model, "kv_consumer", nb)
     gen = torch.Generator().manual_seed(0)
     for t in prefill.kv.values():
         raw = t.view(torch.uint8)
@@ -215,10 +241,10 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-class _Rank(_Side):
+class _Rank(ConnectorHalf):
     """One TP rank of a hetero run: ``heads`` KV heads, HND layout."""
 
-    def __init__(self, a: argparse.Namespace, model: str, role: str, num_blocks: int, tp: int, rank: int, slots: int) -> None:
+    def __init__(self, a: argparse.Namespace, model: str, role: KvRole, num_blocks: int, tp: int, rank: int) -> None:
         import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -236,7 +262,8 @@ class _Rank(_Side):
                 kv_connector="KvferryConnector",
                 kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role,
-                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0, "reader_slots": slots},
+                # reader_slots: the connector's default ("auto"), as a user's config has it.
+                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0},
                 engine_id=f"bench-{role}-{tp}",
             ),
         )
@@ -265,10 +292,10 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
 
     bpr, nreq = a.blocks_per_request, a.requests
     nb = nreq * bpr
-    slots = max(1, -(-dtp // ptp))
     # Block 0 is vLLM's null block (never a request's): blocks 1..nb are used.
-    prefill = [_Rank(a, model, "kv_producer", nb + 1, ptp, r, slots) for r in range(ptp)]
-    decode = [_Rank(a, model, "kv_consumer", nb + 1, dtp, r, slots) for r in range(dtp)]
+    prefill = [_Rank(a, model, "kv_producer", nb + 1, ptp, r) for r in range(ptp)]
+    decode = [_Rank(a, model, "kv_consumer", nb + 1, dtp, r) for r in range(dtp)]
+    slots = prefill[0].worker.reader_slots  # what the prefill publishes (advertised in kvferry_desc)
     gen = torch.Generator().manual_seed(0)
     for side in prefill:
         for t in side.phys.values():
@@ -303,14 +330,16 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
         expires = time.time() + 60.0
         specs = {}
         for r in ids:
-            plans = plan_request(mapping, r, bpr * a.block_size, [ids[r]], [local[r]])
+            held: list[int | None] = list(ids[r])
+            into: list[int | None] = list(local[r])
+            plans = plan_request(mapping, r, bpr * a.block_size, [held], [into])
             specs[r] = RecvSpec(
                 key=r, peers=peers, remote_block_ids=ids[r], local_block_ids=local[r], plans=plans,
                 npub=bpr, src_piece_bytes=mapping.prefill.piece_bytes,
             )
         meta = KvferryConnectorMetadata(reqs_to_recv=specs, expires_at=dict.fromkeys(ids, expires))
         t0 = time.perf_counter()
-        done = [set() for _ in decode]
+        done: list[set[str]] = [set() for _ in decode]
         for i, side in enumerate(decode):
             done[i] |= side.step(meta, set())[1]
         while any(len(x) < nreq for x in done):
@@ -335,7 +364,7 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
                         d_ = dside.phys[n][:, dst, h - da].contiguous().view(torch.uint8)
                         if not torch.equal(s_, d_):
                             corrupted += 1
-        sent = [set() for _ in prefill]
+        sent: list[set[str]] = [set() for _ in prefill]
         deadline = time.monotonic() + 30
         while any(len(x) < nreq for x in sent) and time.monotonic() < deadline:
             for i, side in enumerate(prefill):
@@ -365,7 +394,7 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
 
 def run_hetero(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
-        model = _model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
+        model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
         het = _tp_round_trip(a, model, a.prefill_tp, a.decode_tp)
         st = a.same_tp or a.prefill_tp
         same = _tp_round_trip(a, model, st, st)

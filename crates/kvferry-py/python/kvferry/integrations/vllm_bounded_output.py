@@ -277,7 +277,8 @@ class _PatchingLoader(importlib.abc.Loader):
         self._inner = inner
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._inner.create_module(spec)
+        module: ModuleType | None = self._inner.create_module(spec)
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)

@@ -44,7 +44,19 @@ from .vllm_reads import RankReads, _Geometry
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["groups_of", "advertise", "plan", "publish_slots", "slot_released", "start_reads", "give_up", "geometry"]
+__all__ = [
+    "groups_of",
+    "auto_reader_slots",
+    "reader_slots_for",
+    "advertise",
+    "plan",
+    "publish_slots",
+    "slot_released",
+    "start_reads",
+    "give_up",
+    "geometry",
+    "batched_releases",
+]
 
 
 # -- start-up ------------------------------------------------------------------------
@@ -74,6 +86,33 @@ def groups_of(kv_cache_config: Any) -> tuple[GroupDesc, ...]:
     return tuple(out)
 
 
+def auto_reader_slots(attention: str, num_kv_heads: int, tp_size: int) -> int:
+    """``reader_slots`` ``"auto"``: the reads of one prefill rank per request by any
+    decode whose TP splits the KV heads (``D_TP <= KV heads``: at most ``KV heads /
+    P_TP`` decode ranks read one prefill rank; MLA: up to 8 decode ranks, ``8 / P_TP``),
+    times 2 for block sizes up to 2x apart (a decode block takes two prefill blocks, or
+    the reverse: one get per phase). At least 2, at most 64."""
+    tp = max(1, tp_size)
+    if attention == "MLA":
+        readers = max(1, 8 // tp)
+    elif tp <= num_kv_heads:
+        readers = max(1, num_kv_heads // tp)
+    else:  # replicated on the prefill: decode ranks spread over the replicas
+        readers = 1
+    return min(64, 2 * readers)
+
+
+def reader_slots_for(config: Any, vllm_config: Any) -> int:
+    """The reader slots this instance publishes: ``reader_slots`` when set, else
+    :func:`auto_reader_slots` of its model and TP size."""
+    if config.reader_slots is not None:
+        return int(config.reader_slots)
+    mc = vllm_config.model_config
+    mla = bool(getattr(mc, "use_mla", False))
+    heads = 1 if mla else int(mc.get_total_num_kv_heads())
+    return auto_reader_slots("MLA" if mla else "MHA", heads, int(vllm_config.parallel_config.tensor_parallel_size))
+
+
 def descriptor(sched: Any) -> KvDescriptor | None:
     """The scheduler's own descriptor, once rank 0's handshake metadata is in."""
     meta = sched.peers.get(0)
@@ -93,7 +132,7 @@ def descriptor(sched: Any) -> KvDescriptor | None:
         pieces=int(meta.pieces),
         elem_size=int(meta.elem_size),
         groups=sched.groups,
-        slots=int(sched.config.reader_slots),
+        slots=int(sched.reader_slots),
     )
 
 
@@ -195,7 +234,7 @@ def publish_slots(worker: Any, req_id: str, block_ids: list[int]) -> None:
     the first publish raises; later failures count as released slots)."""
     from .vllm_mapping import slot_key
 
-    n = worker.config.reader_slots
+    n = worker.reader_slots
     worker.engine.publish(req_id, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
     left = n
     worker._slot_owner[req_id] = req_id
@@ -209,17 +248,30 @@ def publish_slots(worker: Any, req_id: str, block_ids: list[int]) -> None:
     worker._slots_left[req_id] = left
 
 
-def slot_released(worker: Any, key: str) -> str | None:
-    """A slot's publication was released: the request id once it was the last."""
+# The reason a request's publication reports once all its slots are released: the most
+# telling of its slots' (a lease that ran out first, then a read, then the rest).
+_REASON_RANK = {"expired": 0, "done": 1, "declined": 2, "released": 3, "shutdown": 4}
+
+
+def slot_released(worker: Any, key: str, reason: str = "done") -> tuple[str, str] | None:
+    """A slot's publication was released: ``(request id, reason)`` once it was the
+    last, where the reason is the most telling of its slots' (``expired`` if any slot
+    ran out its lease, else ``done`` if any was read, else the last one's); None while
+    other slots are still out."""
     req_id = worker._slot_owner.pop(key, None)
     if req_id is None:
-        return key  # published before slots existed: the key is the request
+        return key, reason  # published before slots existed: the key is the request
+    best = worker._slot_reason.get(req_id)
+    if best is None or _REASON_RANK.get(reason, 9) < _REASON_RANK.get(best, 9):
+        best = reason
     left = worker._slots_left.get(req_id, 1) - 1
     if left > 0:
         worker._slots_left[req_id] = left
+        worker._slot_reason[req_id] = best
         return None
     worker._slots_left.pop(req_id, None)
-    return req_id
+    worker._slot_reason.pop(req_id, None)
+    return req_id, best
 
 
 # -- decode worker -------------------------------------------------------------------
@@ -236,7 +288,7 @@ def geometry(worker: Any, caches: dict[str, torch.Tensor]) -> tuple[dict[str, to
     layout, heads, dtype, elem = "NHD", 1, "", 0
     nb = worker.num_blocks
     for name, t in caches.items():
-        perm = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+        perm = sorted(range(t.dim()), key=lambda i: (-int(t.stride()[i]), i))
         p = t.permute(perm)
         if not p.is_contiguous():
             raise ValueError(f"KvferryConnector: KV cache {name} is not a permutation of a contiguous tensor (strides {t.stride()})")
@@ -285,19 +337,53 @@ def start_reads(worker: Any, pull: Any) -> None:
 
 def _release(worker: Any, req_id: str, peers: list[dict[str, Any]], expires_at: float | None, q: int, keys: list[str]) -> None:
     """Tells prefill rank ``q`` that ``keys`` will not be read (in the background; a
-    miss is retried until the lease's advertised end)."""
+    miss is retried until the lease's advertised end). Inside :func:`batched_releases`
+    the keys are collected, and sent in one message per prefill rank when it ends."""
     address = peers[q].get("address") if q < len(peers) else None
     if worker.engine is None or not address or not keys:
         return
+    batch = worker._release_batch
+    if batch is not None:
+        entry = batch.setdefault(str(address), ([], []))
+        entry[0].append(expires_at)
+        entry[1].extend(keys)
+        return
+    _send_release(worker, f"{req_id}@{q}", str(address), expires_at, keys)
+
+
+release_slots = _release  # for the worker's pulls without a plan (vllm.py)
+
+
+def _send_release(worker: Any, tag: str, address: str, expires_at: float | None, keys: list[str]) -> None:
     timeout = worker.config.timeout
     retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
     try:
-        worker._releases[f"{req_id}@{q}#{len(worker._releases)}"] = worker.engine.release_remote(
+        worker._releases[f"{tag}#{len(worker._releases)}"] = worker.engine.release_remote(
             address, keys, timeout=retry + timeout, retry_miss=retry
         )
         worker.stats.record_release()
     except errors.Error:
         pass  # the lease's expiry frees them
+
+
+class batched_releases:  # noqa: N801 - used as a statement: ``with batched_releases(worker):``
+    """Collects the :func:`_release` calls of one engine step (the slots each request's
+    plan does not read) and sends them as one ``Release`` per prefill rank on exit,
+    instead of one per request."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def __enter__(self) -> None:
+        self.worker._release_batch = {}
+
+    def __exit__(self, *exc: object) -> None:
+        batch, self.worker._release_batch = self.worker._release_batch, None
+        for address, (expiries, keys) in batch.items():
+            # Misses are retried until the latest advertised lease end of the batch
+            # (none advertised: ``timeout``).
+            exp = None if any(e is None for e in expiries) else max(e for e in expiries if e is not None)
+            _send_release(self.worker, "step", address, exp, keys)
 
 
 def give_up(worker: Any, pull: Any) -> None:
@@ -320,16 +406,22 @@ def give_up(worker: Any, pull: Any) -> None:
 
 def release_all(sched: Any, params: dict[str, Any]) -> list[list[tuple[int, str]]] | None:
     """Every slot of every prefill rank, spread over the decode ranks (``q % D_TP``);
-    None when the prefill advertised no descriptor (one key per rank)."""
+    None when there is one key per rank (no descriptor, and this instance publishes
+    one slot)."""
     from .vllm_mapping import slot_key
 
     raw = params.get("kvferry_desc")
     if not isinstance(raw, dict):
-        return None
-    try:
-        slots = max(1, int(raw.get("slots", 1)))
-    except (TypeError, ValueError):
-        slots = 1
+        # No descriptor (a proxy written for NIXL): the prefill published as many
+        # slots as this instance would; one key per rank when that is one.
+        slots = int(sched.reader_slots)
+        if slots <= 1:
+            return None
+    else:
+        try:
+            slots = max(1, int(raw.get("slots", 1)))
+        except (TypeError, ValueError):
+            slots = 1
     key = str(params["remote_request_id"])
     d_tp = max(1, int(sched.tp_size))
     out: list[list[tuple[int, str]]] = [[] for _ in range(d_tp)]

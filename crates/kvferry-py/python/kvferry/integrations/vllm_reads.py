@@ -129,8 +129,8 @@ class RankReads:
             )
             return
         if has_selection():
-            sel = kvferry.Selection(blocks=rd.blocks, src_ranges=rd.src_ranges, dst_ranges=rd.dst_ranges)  # type: ignore[attr-defined]
-            s.transfer = self.engine.get(  # type: ignore[call-arg]
+            sel = kvferry.Selection(blocks=rd.blocks, src_ranges=rd.src_ranges, dst_ranges=rd.dst_ranges)
+            s.transfer = self.engine.get(
                 s.address, rd.key, self.region, rd.dst_blocks, timeout=left, path=self.path, incarnation=s.incarnation, select=sel
             )
             return

@@ -181,11 +181,13 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+        histogram: Any = self._histogram_cls  # vLLM types it as any of its metric classes
+
         def per_engine(metric: Any) -> dict[int, Any]:
             return {i: metric.labels(*values) for i, values in per_engine_labelvalues.items()}
 
         self.pull_seconds = per_engine(
-            self._histogram_cls(
+            histogram(
                 name="vllm:kvferry_pull_seconds",
                 documentation="Time from a pull's first attempt until its bytes landed (kvferry).",
                 buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
@@ -193,7 +195,7 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             )
         )
         self.pull_bytes = per_engine(
-            self._histogram_cls(
+            histogram(
                 name="vllm:kvferry_pull_bytes",
                 documentation="Bytes landed per pull (kvferry).",
                 buckets=[2 ** (12 + 2 * i) for i in range(12)],

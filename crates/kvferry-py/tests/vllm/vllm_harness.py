@@ -1,0 +1,655 @@
+"""The shared harness of the vLLM connector tests: a vLLM instance minus the model.
+
+An :class:`Instance` is one real vLLM 0.33.0 ``Scheduler`` plus one worker-side
+``KvferryConnector`` per tensor-parallel rank (each its own kvferry engine, address and
+KV shard), made by vLLM's ``KVConnectorFactory`` and driven the way vLLM's executor
+drives its workers (``KVConnectorModelRunnerMixin._get_kv_connector_output`` around a
+"forward"); the ranks' outputs are combined by vLLM's ``KVOutputAggregator``. The
+"forward" writes, into every rank's cache, bytes that depend only on (token, position,
+layer, K/V, *global* KV head, salt): a decode rank's reference is assembled from its own
+heads, in its own layout and block size, so a read from the wrong rank, head, token
+range or layout cannot pass. The prefill writes salt 1 and the decode salt 2, so a
+position the decode computed itself never passes for one that was pulled.
+
+Variants: KV layout ``NHD``/``HND`` (a permuted view, as vLLM makes it), any block size,
+replicated heads (TP > KV heads), MLA (:class:`Instance` with ``mla=True``: one latent
+cache per layer, the same on every rank) and the hybrid allocator
+(:class:`HybridInstance`: a full-attention and a sliding-window group).
+
+:class:`RemoteInstance` runs an instance in a spawned process (its own engine loop,
+answering commands between steps), so a test can SIGKILL it.
+
+Needs vLLM: without it ``need_vllm`` skips, unless ``KVFERRY_REQUIRE_VLLM=1`` (then it
+fails).
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+PINNED = "0.33.0"
+_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry built in) and run pytest from that venv"
+
+
+def _find_vllm() -> str | None:
+    """Why the vLLM tests cannot run here, or None."""
+    try:
+        import vllm
+    except ImportError as e:
+        return f"vLLM is not installed ({e}); {_HOW}"
+    version = getattr(vllm, "__version__", None)
+    if version is None:
+        # Without vLLM, `import vllm` can find this very test folder as a namespace
+        # package (pytest puts tests/ on sys.path): that is "not installed".
+        return f"vLLM is not installed; {_HOW}"
+    if version != PINNED:
+        return f"KvferryConnector is pinned to vllm=={PINNED}, found {version}; {_HOW}"
+    return None
+
+
+WHY_NOT = _find_vllm()
+REQUIRED = os.environ.get("KVFERRY_REQUIRE_VLLM") == "1"
+
+
+@pytest.fixture(scope="module")
+def need_vllm() -> None:
+    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) when vLLM 0.33.0 is missing."""
+    if WHY_NOT is not None:
+        if REQUIRED:
+            pytest.fail(f"KVFERRY_REQUIRE_VLLM=1 but {WHY_NOT}", pytrace=False)
+        pytest.skip(WHY_NOT)
+
+
+HERE = Path(__file__).parent
+MODEL_DIR = str(HERE / "tiny-llama")  # 2 KV heads (4 query heads), head size 16, 2 layers
+KV4 = str(HERE / "tiny-llama-kv4")  # 4 KV heads (8 query heads)
+KV2 = MODEL_DIR
+HEAD32 = str(HERE / "head32" / "tiny-llama")  # as tiny-llama, head size 32
+MLA_MODEL = str(HERE / "tiny-deepseek")  # MLA: latent 32 + rope 16 = head size 48
+NUM_LAYERS = 2
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+HEAD_SIZE = 16
+PREFILL_SALT = 1
+DECODE_SALT = 2
+
+
+def prompts(n: int, seed: int, lo: int = 20, hi: int = 120) -> list[tuple[str, list[int]]]:
+    """``n`` requests ``(req_id, prompt)`` of ``lo..hi`` random tokens."""
+    rng = random.Random(seed)
+    return [(f"req-{seed}-{i}", [rng.randrange(3, 1000) for _ in range(rng.randrange(lo, hi))]) for i in range(n)]
+
+
+def pattern(token: int, pos: int, layer: int, kv: int, head: int, nbytes: int, salt: int = 0) -> Any:
+    """The bytes a "forward" writes for one token's K or V of one global head in one
+    layer (a ``uint8`` tensor of ``nbytes``)."""
+    import torch
+
+    base = (token * 7 + pos * 13 + layer * 29 + kv * 101 + head * 57 + salt * 53) % 256
+    return (torch.arange(nbytes, dtype=torch.int32) * 3 + base).remainder(256).to(torch.uint8)
+
+
+def heads_of(rank: int, tp: int, heads: int) -> tuple[int, int]:
+    """The global KV heads ``[a, b)`` rank ``rank`` of ``tp`` holds (replicated when
+    ``tp > heads``)."""
+    if tp <= heads:
+        return rank * heads // tp, (rank + 1) * heads // tp
+    h = rank * heads // tp
+    return h, h + 1
+
+
+def scheduler_leaks(scheduler: Any) -> list[str]:
+    """What vLLM's own ``assert_scheduler_empty`` (tests/v1/kv_connector/unit/utils.py)
+    checks, as a list of what is left over (empty: no leak): no request, nothing waiting
+    or running, no finished ids pending, the encoder cache empty, no request holding
+    blocks in any KV cache group, every block but the null block free, and every
+    block's ref_cnt 0."""
+    left = []
+    for name in ("requests", "waiting", "kv_holding_waiting", "running", "finished_req_ids", "finished_recving_kv_req_ids"):
+        n = len(getattr(scheduler, name))
+        if n:
+            left.append(f"{name}: {n}")
+    ecm = scheduler.encoder_cache_manager
+    for name in ("freed", "cached"):
+        if len(getattr(ecm, name)):
+            left.append(f"encoder_cache_manager.{name}: {len(getattr(ecm, name))}")
+    for gi, mgr in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers):
+        if mgr.req_to_blocks:
+            left.append(f"group {gi} req_to_blocks: {sorted(mgr.req_to_blocks)}")
+        if mgr.num_cached_block:
+            left.append(f"group {gi} num_cached_block: {sorted(mgr.num_cached_block)}")
+    pool = scheduler.kv_cache_manager.block_pool
+    if pool.free_block_queue.num_free_blocks != pool.num_gpu_blocks - 1:
+        left.append(f"free blocks {pool.free_block_queue.num_free_blocks} != {pool.num_gpu_blocks - 1}")
+    held = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
+    if held:
+        left.append(f"blocks with ref_cnt != 0: {held[:10]}")
+    return left
+
+
+class Instance:
+    """A real scheduler plus one worker-side connector per TP rank (module docs).
+
+    ``layout``: ``NHD`` or ``HND`` (heads outside tokens in memory). ``mla``: one latent
+    cache ``[blocks, block_size, head_size]`` per layer, identical on every rank.
+    ``extra``: ``kv_connector_extra_config`` (``timeout`` 10 s, ``lease_ttl`` 30 s and a
+    4 MiB arena unless given)."""
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        tp: int = 1,
+        model: str = KV4,
+        kv_heads: int = 4,
+        block_size: int = 16,
+        layout: str = "NHD",
+        head_size: int = HEAD_SIZE,
+        mla: bool = False,
+        extra: dict[str, Any] | None = None,
+        num_blocks: int = 96,
+        policy: str = "recompute",
+        salt: int | None = None,
+        tag: str = "",
+    ) -> None:
+        import torch
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.role = role
+        self.tp, self.bs, self.layout, self.hs, self.mla = tp, block_size, layout, head_size, mla
+        self.kv_heads = 1 if mla else kv_heads
+        self.hpr = 1 if mla else max(1, kv_heads // tp)
+        self.kvs = (0,) if mla else (0, 1)  # K and V pieces per layer (MLA: one latent)
+        self.salt = salt if salt is not None else (PREFILL_SALT if role == "kv_producer" else DECODE_SALT)
+        extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, **(extra or {})}
+
+        def config(rank: int) -> VllmConfig:
+            cfg = VllmConfig(
+                model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=1024, seed=0),
+                cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+                scheduler_config=SchedulerConfig(
+                    max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024, is_encoder_decoder=False
+                ),
+                parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                device_config=DeviceConfig("cpu"),
+                kv_transfer_config=KVTransferConfig(
+                    kv_connector="KvferryConnector",
+                    kv_connector_module_path="kvferry.integrations.vllm",
+                    kv_role=role,
+                    kv_connector_extra_config=extra,
+                    kv_load_failure_policy=policy,
+                    engine_id=f"h-{role}-{tp}-{block_size}-{layout}-{tag}-{os.getpid()}-{id(self)}",
+                ),
+            )
+            cfg.parallel_config.rank = rank  # as vLLM sets it in each worker process
+            return cfg
+
+        self.vllm_config = config(0)
+        if mla:
+            assert self.vllm_config.model_config.use_mla, "the MLA model config did not turn MLA on"
+        self.kv_cache_config = self.make_kv_cache_config(num_blocks)
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=block_size,
+            log_stats=False,
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(block_size, sha256)
+        self.ranks: list[Any] = []
+        self.kv: list[dict[str, torch.Tensor]] = []
+        for r in range(tp):
+            c = KVConnectorFactory.create_connector(config(r), KVConnectorRole.WORKER, self.kv_cache_config)
+            kv = self.make_caches(num_blocks)
+            c.register_kv_caches(kv)
+            assert c.connector_worker.tp_rank == r
+            self.ranks.append(c)
+            self.kv.append(kv)
+        hs = {(0, r): c.get_handshake_metadata() for r, c in enumerate(self.ranks)}
+        self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware(hs)
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        self.free_at_start = self.free_blocks()
+        self.final: dict[str, Any] = {}
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        # Per rank, before vLLM's aggregator: when each rank reported a request failed.
+        self.rank_failed: list[dict[str, float]] = [{} for _ in range(tp)]
+        self.rank_stats: list[list[dict[str, Any]]] = [[] for _ in range(tp)]  # per rank, per step
+        self.invalid: set[int] = set()
+        self.landed: dict[str, list[list[list[bytes]]]] = {}  # rid -> rank -> pos -> per (layer, kv, head)
+        self.landed_groups: dict[str, list[list[int]]] = {}  # rid -> its blocks per group when it landed
+        self.stats: list[dict[str, Any]] = []
+
+    # -- what a subclass may change -----------------------------------------------------
+
+    def spec(self) -> Any:
+        """The KV cache spec of the instance's one group."""
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+        if self.mla:
+            return MLAAttentionSpec(block_size=self.bs, num_kv_heads=1, head_size=self.hs, dtype=torch.float16)
+        return FullAttentionSpec(block_size=self.bs, num_kv_heads=self.hpr, head_size=self.hs, dtype=torch.float16)
+
+    def make_kv_cache_config(self, num_blocks: int) -> Any:
+        """One group over every layer, one tensor per layer (vLLM's plain layout)."""
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        page = len(self.kvs) * self.bs * self.hpr * self.hs * 2
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS],
+            kv_cache_groups=[KVCacheGroupSpec(LAYERS, self.spec())],
+        )
+
+    def make_caches(self, num_blocks: int) -> dict[str, Any]:
+        import torch
+
+        kv = {}
+        for n in LAYERS:
+            if self.mla:
+                kv[n] = torch.zeros((num_blocks, self.bs, self.hs), dtype=torch.float16)
+            elif self.layout == "HND":
+                phys = torch.zeros((2, num_blocks, self.hpr, self.bs, self.hs), dtype=torch.float16)
+                kv[n] = phys.permute(0, 1, 3, 2, 4)  # logical [2, blocks, tokens, heads, head_size]
+            else:
+                kv[n] = torch.zeros((2, num_blocks, self.bs, self.hpr, self.hs), dtype=torch.float16)
+        return kv
+
+    def layer_group(self, layer: int, ngroups: int) -> int:
+        """The KV cache group of layer ``layer``."""
+        return layer if ngroups > 1 else 0
+
+    # -- driving it ---------------------------------------------------------------------
+
+    def free_blocks(self) -> int:
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def leaks(self) -> list[str]:
+        """:func:`scheduler_leaks` after one more step (which hands the last finished
+        ids to the workers, as vLLM's tests step before ``assert_scheduler_empty``)."""
+        self.step()
+        return scheduler_leaks(self.scheduler)
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None)
+        self.scheduler.add_request(Request(req_id, list(prompt), sp, None, block_hasher=self.hasher))
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def raw(self, rank: int, layer: str, kvi: int, block: int, off: int, head: int) -> Any:
+        """The bytes of one token slot of one rank-local head (MLA: the latent)."""
+        import torch
+
+        if self.mla:
+            return self.kv[rank][layer][block, off].view(torch.uint8)
+        return self.kv[rank][layer][kvi, block, off, head].view(torch.uint8)
+
+    def first_head(self, rank: int) -> int:
+        return 0 if self.mla else heads_of(rank, self.tp, self.kv_heads)[0]
+
+    def step(self) -> None:
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        so = self.scheduler.schedule()
+        req_ids = list(so.num_scheduled_tokens)
+        outs = []
+        now = time.monotonic()
+        for rank, conn in enumerate(self.ranks):
+            kv_transfer_state._KV_CONNECTOR_AGENT = conn  # this "process"'s worker
+            sampled: list[list[int]] = []
+            a = self.first_head(rank)
+            with (
+                set_forward_context(None, self.vllm_config),
+                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
+            ):
+                for rid in req_ids:  # the "forward": KV for every scheduled token
+                    req = self.scheduler.requests[rid]
+                    n = so.num_scheduled_tokens[rid]
+                    end = req.num_computed_tokens  # already advanced by schedule()
+                    groups = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                    toks = req.all_token_ids
+                    for pos in range(end - n, end):
+                        for li, name in enumerate(LAYERS):
+                            blocks = groups[self.layer_group(li, len(groups))]
+                            b, off = blocks[pos // self.bs], pos % self.bs
+                            for kvi in self.kvs:
+                                for hh in range(self.hpr):
+                                    self.raw(rank, name, kvi, b, off, hh).view(-1)[:] = pattern(
+                                        toks[pos], pos, li, kvi, a + hh, self.hs * 2, self.salt
+                                    )
+                    sampled.append([3 + (end * 17) % 1000] if end >= req.num_tokens else [])
+            for rid in kvo.failed_recving or ():
+                self.rank_failed[rank].setdefault(rid, now)
+            if kvo.kv_connector_stats is not None:
+                # A copy: vLLM's aggregator adds the other ranks' into rank 0's in place.
+                self.rank_stats[rank].append(copy.deepcopy(kvo.kv_connector_stats.to_dict()))
+            outs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kvo,
+                )
+            )
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        mro = self.aggregator.aggregate(outs)
+        kvo = mro.kv_connector_output
+        if kvo.kv_connector_stats is not None:  # every rank's stats, combined by vLLM
+            self.stats.append(kvo.kv_connector_stats.to_dict())
+        self.finished_sending |= kvo.finished_sending or set()
+        self.finished_recving |= kvo.finished_recving or set()
+        self.failed_recving |= kvo.failed_recving or set()
+        self.invalid |= kvo.invalid_block_ids or set()
+        for outs_ in self.scheduler.update_from_output(so, mro).values():
+            for o in outs_.outputs:
+                if o.finish_reason is not None:
+                    self.final[o.request_id] = o
+        for rid in kvo.finished_recving or ():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and not req.is_finished() and rid not in (kvo.failed_recving or ()):
+                # Snapshot before the next step's forward touches the request.
+                groups = self.scheduler.kv_cache_manager.get_block_ids(rid)
+                self.landed_groups[rid] = [list(g) for g in groups]
+                if len(groups) > 1:
+                    continue
+                (blocks,) = groups
+                self.landed[rid] = [
+                    [self.slot(rank, blocks, pos) for pos in range(req.num_prompt_tokens)] for rank in range(self.tp)
+                ]
+
+    def slot(self, rank: int, blocks: list[int], pos: int) -> list[bytes]:
+        b, off = blocks[pos // self.bs], pos % self.bs
+        return [
+            bytes(self.raw(rank, n, kvi, b, off, hh).reshape(-1).numpy())
+            for n in LAYERS
+            for kvi in self.kvs
+            for hh in range(self.hpr)
+        ]
+
+    def expected(self, prompt: list[int], rank: int, pos: int, salt: int = PREFILL_SALT) -> list[bytes]:
+        """What rank ``rank`` holds at ``pos`` once the prefill's bytes landed."""
+        a = self.first_head(rank)
+        return [
+            bytes(pattern(prompt[pos], pos, li, kvi, a + hh, self.hs * 2, salt).numpy())
+            for li in range(len(LAYERS))
+            for kvi in self.kvs
+            for hh in range(self.hpr)
+        ]
+
+    def run_until(self, pred: Callable[[], bool], timeout: float, what: str) -> float:
+        t0 = time.monotonic()
+        while not pred():
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            self.step()
+            time.sleep(0.002)
+        return time.monotonic() - t0
+
+    def held(self) -> set[str]:
+        return set(self.scheduler.requests)
+
+    def workers(self) -> list[Any]:
+        return [c.connector_worker for c in self.ranks]
+
+    def close(self) -> None:
+        for c in self.ranks:
+            c.shutdown()
+
+
+class HybridInstance(Instance):
+    """An :class:`Instance` whose layer 0 is full attention and layer 1 a sliding window
+    of ``window`` tokens: two KV cache groups, one tensor per rank shared by both (vLLM's
+    layout for equal page sizes)."""
+
+    def __init__(self, role: str, *, window: int = 32, **kw: Any) -> None:
+        self.window = window
+        kw.setdefault("model", KV4)
+        kw.setdefault("kv_heads", 4)
+        super().__init__(role, **kw)
+
+    def make_kv_cache_config(self, num_blocks: int) -> Any:
+        import torch
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
+
+        swa = SlidingWindowSpec(
+            block_size=self.bs, num_kv_heads=self.hpr, head_size=self.hs, dtype=torch.float16, sliding_window=self.window
+        )
+        page = 2 * self.bs * self.hpr * self.hs * 2
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=list(LAYERS), layer_stride=0, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], self.spec()), KVCacheGroupSpec([LAYERS[1]], swa)],
+        )
+
+    def make_caches(self, num_blocks: int) -> dict[str, Any]:
+        one = super().make_caches(num_blocks)[LAYERS[0]]
+        return {n: one for n in LAYERS}  # one tensor, both layers (both groups)
+
+
+# -- in a process of its own -------------------------------------------------------------
+
+_KINDS: dict[str, type[Instance]] = {"Instance": Instance, "HybridInstance": HybridInstance}
+
+
+def _serve(conn: Any, kind: str, role: str, kw: dict[str, Any]) -> None:
+    """An instance's engine loop in its own process: steps while the scheduler holds
+    requests (as EngineCore does), answering commands between steps."""
+    inst = _KINDS[kind](role, **kw)
+    conn.send(("ready", [w.engine.address for w in inst.workers()], inst.free_at_start))
+    reported: set[str] = set()
+    while True:
+        has = inst.scheduler.has_requests()
+        busy = has or bool(inst.held())
+        while conn.poll(0 if busy else 0.005):
+            msg = conn.recv()
+            cmd = msg[0]
+            if cmd == "add":
+                for rid, prompt in msg[1]:
+                    inst.add(rid, prompt, 1, {"do_remote_decode": True})
+                conn.send(("ok",))
+            elif cmd == "faults":
+                for w in inst.workers():
+                    w.engine._e._inject_faults(send_delay_us=msg[1], corrupt_next_sends=None)
+                conn.send(("ok",))
+            elif cmd == "state":
+                st = {
+                    "held": sorted(inst.held()),
+                    "free": inst.free_blocks(),
+                    "free_at_start": inst.free_at_start,
+                    "finished_sending": sorted(inst.finished_sending),
+                    "leaks": inst.leaks(),
+                    "released": [dict(w.stats.data.get("published_released", {})) for w in inst.workers()],
+                    "publishing": [sorted(w._sending) for w in inst.workers()],
+                }
+                conn.send(("state", st))
+            elif cmd == "stop":
+                inst.close()
+                conn.send(("stopped",))
+                return
+        if busy:
+            inst.step()
+            new = {r: o.kv_transfer_params for r, o in inst.final.items() if r not in reported}
+            if new:
+                reported |= set(new)
+                conn.send(("finished", new))
+            if not has:
+                time.sleep(0.002)  # only waiting for releases: don't spin
+
+
+class RemoteInstance:
+    """An :class:`Instance` (or ``kind``) in a spawned process: a prefill that a test
+    can SIGKILL (:meth:`kill`)."""
+
+    def __init__(self, role: str = "kv_producer", kind: str = "Instance", **kw: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, kind, role, kw), daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 300
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"instance process did not start (exit code {self.proc.exitcode})")
+        _, self.addresses, self.free_at_start = self.conn.recv()
+        self.finished: dict[str, dict[str, Any]] = {}
+
+    def _poll(self, deadline: float) -> bool:
+        while not self.conn.poll(0.05):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                return False
+        return True
+
+    def _call(self, *msg: Any, timeout: float = 60.0) -> tuple[Any, ...]:
+        self.conn.send(msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._poll(deadline):
+                raise AssertionError(f"instance did not answer {msg[0]!r} (alive: {self.proc.is_alive()})")
+            r = self.conn.recv()
+            if r[0] == "finished":
+                self.finished.update(r[1])
+                continue
+            return tuple(r)
+
+    def prefill(self, reqs: list[tuple[str, list[int]]], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+        """Runs these requests' prefill; returns their kv_transfer_params."""
+        self._call("add", reqs)
+        deadline = time.monotonic() + timeout
+        want = {r for r, _ in reqs}
+        while not want <= set(self.finished):
+            if not self._poll(deadline):
+                raise AssertionError(f"prefill of {sorted(want - set(self.finished))} did not finish")
+            r = self.conn.recv()
+            assert r[0] == "finished", r
+            self.finished.update(r[1])
+        return {r: self.finished[r] for r in want}
+
+    def faults(self, send_delay_us: int) -> None:
+        """Delays every rank's sends by this much per chunk."""
+        self._call("faults", send_delay_us)
+
+    def state(self) -> dict[str, Any]:
+        return dict(self._call("state")[1])
+
+    def wait_freed(self, req_ids: set[str], timeout: float) -> dict[str, Any]:
+        """Waits until the instance freed these requests' blocks; returns its state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.state()
+            if not req_ids & set(st["held"]):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still held: {sorted(req_ids & set(st['held']))}; state {st}")
+            time.sleep(0.02)
+
+    def kill(self) -> int | None:
+        """SIGKILL, as a crashed or OOM-killed worker; returns the exit code (-9)."""
+        self.proc.kill()
+        self.proc.join(10)
+        return self.proc.exitcode
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._call("stop", timeout=30)
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+@pytest.fixture
+def made(need_vllm: None) -> Iterator[list[Any]]:
+    """A list the test appends its instances to; each is closed (or stopped) after it."""
+    out: list[Any] = []
+    yield out
+    for i in out:
+        if isinstance(i, RemoteInstance):
+            i.stop()
+        else:
+            i.close()
+
+
+def prefill(p: Instance, reqs: list[tuple[str, list[int]]]) -> dict[str, dict[str, Any]]:
+    """Runs ``reqs``' prefill on ``p`` and the step after (the workers publish);
+    returns their kv_transfer_params."""
+    for rid, prompt in reqs:
+        p.add(rid, prompt, 1, {"do_remote_decode": True})
+    p.run_until(lambda: all(r in p.final for r, _ in reqs), 30, "the prefills")
+    p.step()  # the step after: the workers publish
+    return {r: p.final[r].kv_transfer_params for r, _ in reqs}
+
+
+def pulled(d: Instance) -> tuple[int, int]:
+    """(bytes, blocks) the decode's ranks report pulled, over every step."""
+    return (
+        sum(sum(s.get("pull_bytes", [])) for s in d.stats),
+        sum(sum(s.get("pull_blocks", [])) for s in d.stats),
+    )
+
+
+def released_by_rank(p: Instance) -> list[dict[str, int]]:
+    """Per prefill rank: its publications (reader slots) released, by reason."""
+    out: list[dict[str, int]] = []
+    for steps in p.rank_stats:
+        acc: dict[str, int] = {}
+        for s in steps:
+            for reason, n in (s.get("published_released") or {}).items():
+                acc[reason] = acc.get(reason, 0) + int(n)
+        out.append(acc)
+    return out
+
+
+def wire(d: Instance) -> int:
+    """Payload bytes every decode rank's engine received."""
+    return sum(int(w.engine.stats()["consumer"]["bytes_received"]) for w in d.workers())
+
+
+def needed(p_bs: int, d: Instance, ntok: int, skip_tokens: int = 0) -> int:
+    """Bytes the decode needs for one prompt: every token slot of the finer block grid
+    from ``skip_tokens`` to the prompt's end, K and V (MLA: the latent) of every layer,
+    each rank's heads."""
+    g = min(p_bs, d.bs)
+    slots = (-(-ntok // g) - skip_tokens // g) * g
+    return d.tp * slots * len(d.kvs) * len(LAYERS) * d.hpr * d.hs * 2
