@@ -470,7 +470,10 @@ impl PyEngine {
             RegionKind::Device(reg) => py.detach(|| self.handle().block_on(e.deregister_device(reg, t))),
         }
         .map_err(py_err)?;
-        region.deregistered.store(true, Ordering::Release);
+        if matches!(region.kind, RegionKind::Device(_)) {
+            // A host region's later use is refused by the engine (`NotRegisteredError`).
+            region.deregistered.store(true, Ordering::Release);
+        }
         Ok(())
     }
 

@@ -31,7 +31,8 @@ pub struct PyRegion {
     pub(crate) engine_id: usize,
     /// That engine (its ledger counts the region's holders).
     engine: Engine,
-    /// Set by a successful `deregister`.
+    /// Set by a successful `deregister` of a device region (a host region's later
+    /// use is refused by the engine itself).
     pub(crate) deregistered: AtomicBool,
 }
 
