@@ -578,10 +578,11 @@ impl Engine {
             .find(|(_, r)| Arc::ptr_eq(r, cache))
             .map(|(id, _)| *id);
         let p = &self.inner.producer;
-        Ok(match reg {
+        match reg {
             Some(id) => p.publish_device_registered(key, cache.clone(), id, blocks, ttl, once)?,
             None => p.publish_device(key, cache.clone(), blocks, ttl, once)?,
-        })
+        }
+        Ok(())
     }
 
     /// Releases a publication (reported through `take_released` once its sends

@@ -160,6 +160,9 @@ pub struct ProducerStats {
 /// selection the shape of the selected stream.
 type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32, Option<SelectedShape>), PeerError>;
 
+/// A publication's ranges in its cache, length, and source.
+type PubParts = (Vec<(usize, usize)>, usize, PubSource);
+
 /// One staged chunk gathered from a device cache: its key, length and ranges.
 type GatherFrame = (ChunkKey, usize, Vec<(usize, usize)>);
 
@@ -439,12 +442,7 @@ impl Producer {
     }
 
     /// A host publication's ranges, length and source (checksum computed now).
-    fn host_source(
-        &self,
-        key: ChunkKey,
-        cache: Arc<KvCache>,
-        blocks: &[u32],
-    ) -> Result<(Vec<(usize, usize)>, usize, PubSource), PeerError> {
+    fn host_source(&self, key: ChunkKey, cache: Arc<KvCache>, blocks: &[u32]) -> Result<PubParts, PeerError> {
         cache
             .map()
             .check_blocks(blocks)
@@ -456,12 +454,7 @@ impl Producer {
     }
 
     /// A device publication's ranges, length and source.
-    fn device_source(
-        &self,
-        key: ChunkKey,
-        cache: Arc<DeviceKvCache>,
-        blocks: &[u32],
-    ) -> Result<(Vec<(usize, usize)>, usize, PubSource), PeerError> {
+    fn device_source(&self, key: ChunkKey, cache: Arc<DeviceKvCache>, blocks: &[u32]) -> Result<PubParts, PeerError> {
         cache
             .map()
             .check_blocks(blocks)
