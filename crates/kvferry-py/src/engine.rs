@@ -205,7 +205,7 @@ impl PyEngine {
         let dst = match &region.kind {
             RegionKind::Host(r) => Destination::new(r.cache.clone(), block_ids).with_path(path),
             // Device memory is always received through staging pages.
-            RegionKind::Device(c) => Destination::device(c.clone(), block_ids),
+            RegionKind::Device(r) => Destination::device(r.cache.clone(), block_ids),
         };
         Ok(dst.with_incarnation(incarnation).with_selection(select))
     }
@@ -230,38 +230,14 @@ impl PyEngine {
         keys.iter().map(|k| key_of(&k)).collect()
     }
 
-    /// Waits (bounded by `timeout`) until no transfer or publication holds a device
-    /// region, then marks it deregistered; raises `InUseError` otherwise.
-    fn deregister_device(&self, py: Python<'_>, region: &PyRegion, timeout: Duration) -> PyResult<()> {
-        let started = std::time::Instant::now();
-        loop {
-            let holders = region.holders();
-            if holders == 0 {
-                region.deregistered.store(true, Ordering::Release);
-                return Ok(());
-            }
-            let waited = started.elapsed();
-            if waited >= timeout {
-                let mut e = ErrInfo::new(
-                    ErrorCode::InUse,
-                    format!(
-                        "{} is still in use by {holders} transfer(s) or publication(s) after {waited:?}",
-                        region.cache_name()
-                    ),
-                );
-                e.waited = Some(waited);
-                return Err(e.into());
-            }
-            // Transfers end on their own deadlines: look again shortly (every 2 ms at
-            // most, bounded by `timeout`), with the GIL released.
-            py.detach(|| std::thread::sleep(Duration::from_millis(2).min(timeout - waited)));
-            py.check_signals()?;
-        }
-    }
-
     fn register_cache(&self, cache: KvCache, readonly: bool) -> PyResult<PyRegion> {
         let reg = self.engine.register(cache).map_err(py_err)?;
-        Ok(PyRegion::new(RegionKind::Host(reg), readonly, self.id))
+        Ok(PyRegion::new(
+            RegionKind::Host(reg),
+            readonly,
+            self.id,
+            self.engine.clone(),
+        ))
     }
 }
 
@@ -487,12 +463,18 @@ impl PyEngine {
     fn deregister(&self, py: Python<'_>, region: &PyRegion, timeout: f64) -> PyResult<()> {
         self.check_region(region)?;
         let t = required(timeout, "timeout")?;
-        let RegionKind::Host(reg) = &region.kind else {
-            return self.deregister_device(py, region, t);
-        };
         let e = &self.engine;
-        py.detach(|| self.handle().block_on(e.deregister(reg, t)))
-            .map_err(py_err)
+        // The engine's ledger wakes the wait when the last holder lets go.
+        match &region.kind {
+            RegionKind::Host(reg) => py.detach(|| self.handle().block_on(e.deregister(reg, t))),
+            RegionKind::Device(reg) => py.detach(|| self.handle().block_on(e.deregister_device(reg, t))),
+        }
+        .map_err(py_err)?;
+        if matches!(region.kind, RegionKind::Device(_)) {
+            // A host region's later use is refused by the engine (`NotRegisteredError`).
+            region.deregistered.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Publishes blocks of `region` under `key`, zero copy. The blocks must not be
@@ -513,7 +495,7 @@ impl PyEngine {
         let e = &self.engine;
         match &region.kind {
             RegionKind::Host(reg) => py.detach(|| e.publish(k, reg, &block_ids, ttl, once)),
-            RegionKind::Device(c) => py.detach(|| e.publish_device(k, c, &block_ids, ttl, once)),
+            RegionKind::Device(r) => py.detach(|| e.publish_device(k, &r.cache, &block_ids, ttl, once)),
         }
         .map_err(py_err)?;
         self.published.lock().insert(k, key.unbind());
@@ -930,7 +912,13 @@ impl PyEngine {
         }
         let cache = DeviceKvCache::new(name, dev.device.clone(), bufs, blocks, dev.op_timeout)
             .map_err(|e| PyErr::from(dev_err(&e)))?;
-        Ok(PyRegion::new(RegionKind::Device(Arc::new(cache)), false, self.id))
+        let reg = self.engine.register_device(Arc::new(cache)).map_err(py_err)?;
+        Ok(PyRegion::new(
+            RegionKind::Device(reg),
+            false,
+            self.id,
+            self.engine.clone(),
+        ))
     }
 
     /// Tells `peer` this engine will not fetch `keys` (a request was aborted): the peer

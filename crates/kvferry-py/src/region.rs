@@ -2,23 +2,24 @@
 //! the engine) or device memory (a [`DeviceKvCache`] on the engine's device). It holds
 //! the registration (and through it the Python objects or device buffers whose memory
 //! it uses): Python's garbage collector cannot free that memory while any transfer or
-//! publication still touches it.
+//! publication still touches it. Both kinds are registered with the engine, whose
+//! ledger counts their holders (publications, transfers) explicitly: `users` reads
+//! that count, and `deregister` waits on it (woken by the last holder, not polled).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 use kvferry::engine::BlockMap;
-use kvferry::engine::DeviceKvCache;
-use kvferry::engine::Registered;
+use kvferry::engine::Engine;
+use kvferry::engine::{Registered, RegisteredDevice};
 use pyo3::prelude::*;
 
 /// Where a region's memory lives.
 pub enum RegionKind {
     /// Host memory, registered with the engine.
     Host(Registered),
-    /// Device memory: gathered into staging pages when published, scattered from them
-    /// when received (always the staged path).
-    Device(Arc<DeviceKvCache>),
+    /// Device memory, registered with the engine: gathered into staging pages when
+    /// published, scattered from them when received (always the staged path).
+    Device(RegisteredDevice),
 }
 
 /// A registered KV cache (from `Engine.register_kv_cache` and friends).
@@ -28,18 +29,29 @@ pub struct PyRegion {
     pub(crate) readonly: bool,
     /// The engine it was registered with (its registration id space).
     pub(crate) engine_id: usize,
-    /// Set by a successful `deregister` of a device region (host regions are
-    /// tracked by the engine itself).
+    /// That engine (its ledger counts the region's holders).
+    engine: Engine,
+    /// Set by a successful `deregister` of a device region (a host region's later
+    /// use is refused by the engine itself).
     pub(crate) deregistered: AtomicBool,
 }
 
 impl PyRegion {
-    pub(crate) fn new(kind: RegionKind, readonly: bool, engine_id: usize) -> PyRegion {
+    pub(crate) fn new(kind: RegionKind, readonly: bool, engine_id: usize, engine: Engine) -> PyRegion {
         PyRegion {
             kind,
             readonly,
             engine_id,
+            engine,
             deregistered: AtomicBool::new(false),
+        }
+    }
+
+    /// The registration id.
+    pub(crate) fn id(&self) -> u64 {
+        match &self.kind {
+            RegionKind::Host(r) => r.id,
+            RegionKind::Device(r) => r.id,
         }
     }
 
@@ -50,23 +62,21 @@ impl PyRegion {
     fn map(&self) -> &BlockMap {
         match &self.kind {
             RegionKind::Host(r) => r.cache.map(),
-            RegionKind::Device(c) => c.map(),
+            RegionKind::Device(r) => r.cache.map(),
         }
     }
 
     pub(crate) fn cache_name(&self) -> &str {
         match &self.kind {
             RegionKind::Host(r) => r.cache.name(),
-            RegionKind::Device(c) => c.name(),
+            RegionKind::Device(r) => r.cache.name(),
         }
     }
 
-    /// Holders other than the engine's table and this object.
+    /// Transfers and publications holding it, as the engine's ledger counts them
+    /// (zero once deregistered).
     pub(crate) fn holders(&self) -> usize {
-        match &self.kind {
-            RegionKind::Host(r) => Arc::strong_count(&r.cache).saturating_sub(2),
-            RegionKind::Device(c) => Arc::strong_count(c).saturating_sub(1),
-        }
+        self.engine.holders(self.id()).unwrap_or(0)
     }
 }
 
@@ -101,7 +111,7 @@ impl PyRegion {
     fn device(&self) -> String {
         match &self.kind {
             RegionKind::Host(_) => "host".to_string(),
-            RegionKind::Device(c) => c.device().kind().to_string(),
+            RegionKind::Device(r) => r.cache.device().kind().to_string(),
         }
     }
 
@@ -119,7 +129,7 @@ impl PyRegion {
             self.map().block_bytes(),
             match &self.kind {
                 RegionKind::Host(_) => String::new(),
-                RegionKind::Device(c) => format!(", on {}", c.device().kind()),
+                RegionKind::Device(r) => format!(", on {}", r.cache.device().kind()),
             },
             if self.readonly { ", read-only" } else { "" }
         )

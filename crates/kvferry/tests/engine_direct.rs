@@ -1093,20 +1093,50 @@ async fn deregister_waits_for_the_transfers_and_publications_using_a_cache() {
     close_clean(&p.prefill).await;
 }
 
-/// `Registered` is what callers keep; make sure cloning it is visible as a holder
-/// (deregistration counts references), so embedders learn to keep one handle.
+/// Holders are counted explicitly by the ledger: a cloned `Registered` handle is not
+/// a holder (before the ledger, deregistration counted `Arc` references, so a clone
+/// held it up), a publication is, and the release of the last one wakes a waiting
+/// deregistration at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cloned_registration_counts_as_a_holder() {
+async fn holders_are_counted_and_the_last_one_wakes_deregistration() {
     let e = Engine::start(config("solo").listen(None)).await.unwrap();
     let (_r, cache) = contiguous_cache("kv", None);
     let reg: Registered = e.register(cache).unwrap();
     let extra = reg.clone();
+    assert_eq!(e.holders(reg.id), Some(0), "a handle is not a holder");
+    let k = key("held");
+    e.publish(k, &reg, &[1], Duration::ZERO, false).unwrap();
+    assert_eq!(e.holders(reg.id), Some(1));
     assert!(matches!(
         e.deregister(&reg, Duration::from_millis(10)).await,
         Err(EngineError::InUse { holders: 1, .. })
     ));
+    // Still registered after the failed wait: publishing works.
+    e.publish(key("held-2"), &reg, &[2], Duration::ZERO, false).unwrap();
+    assert!(e.unpublish(&key("held-2")));
+    let waiter = {
+        let (e, reg) = (e.clone(), reg.clone());
+        tokio::spawn(async move {
+            let r = e.deregister(&reg, Duration::from_secs(5)).await;
+            (r, Instant::now())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished(), "deregistered while a publication held it");
+    // While it waits, the cache takes no new holder.
+    assert!(e.publish(key("late"), &reg, &[3], Duration::ZERO, false).is_err());
+    let unpublished = Instant::now();
+    assert!(e.unpublish(&k));
+    let (r, done_at) = waiter.await.unwrap();
+    r.unwrap();
+    let woke = done_at - unpublished;
+    assert!(
+        woke < Duration::from_millis(50),
+        "deregistration woke {woke:?} after the last release"
+    );
+    eprintln!("deregistration completed {woke:?} after the last holder let go");
+    assert_eq!(e.holders(reg.id), None);
     drop(extra);
-    e.deregister(&reg, Duration::from_millis(100)).await.unwrap();
     close_clean(&e).await;
 }
 

@@ -6,8 +6,13 @@
 //! # What it offers
 //!
 //! - **Memory**: [`register`](Engine::register) a [`KvCache`] (one buffer of blocks, a
-//!   set of per-layer tensors, or a model layout); [`deregister`](Engine::deregister)
-//!   waits, bounded, until nothing uses it.
+//!   set of per-layer tensors, or a model layout), or
+//!   [`register_device`](Engine::register_device) a device cache;
+//!   [`deregister`](Engine::deregister) (and `deregister_device`) waits, bounded, until
+//!   nothing uses it. Who uses a cache is counted explicitly by the producer's ledger:
+//!   each publication of it, and each transfer landing into it (from its start until
+//!   its drain), holds its registration; the last one to let go wakes the
+//!   deregistration.
 //! - **Offering KV** (producer side): [`publish`](Engine::publish) pins blocks of a
 //!   registered cache under a key (zero copy: sent straight from the cache, released by
 //!   the consumer's `Done`, the TTL or [`unpublish`](Engine::unpublish), reported by
@@ -70,7 +75,8 @@ use crate::layout::{Arrangement, KvLayout, LayoutError};
 use crate::mem::{ArenaConfig, ArenaStats, MemError};
 use crate::net::{NetError, Server, ServerStats};
 use crate::peer::{
-    ChunkStore, Consumer, ConsumerConfig, ConsumerStats, Producer, ProducerStats, Released, StoreStats, Transfer,
+    ChunkStore, Consumer, ConsumerConfig, ConsumerStats, DeregisterError, Producer, ProducerStats, Released,
+    StoreStats, Target, Transfer,
 };
 
 /// Errors of the engine's own (non-transfer) operations.
@@ -184,6 +190,8 @@ struct Inner {
     /// Server counters, kept after the server stopped.
     last_server_stats: Mutex<ServerStats>,
     registered: Mutex<HashMap<u64, Arc<KvCache>>>,
+    /// Device caches registered, by registration id.
+    devices: Mutex<HashMap<u64, Arc<crate::device::DeviceKvCache>>>,
     next_region: AtomicU64,
     closed: AtomicBool,
     /// The directory side: event task stop token and the lookup miss cache.
@@ -212,6 +220,15 @@ pub struct Registered {
     pub id: u64,
     /// The cache.
     pub cache: Arc<KvCache>,
+}
+
+/// A registered device cache: the cache and its registration id.
+#[derive(Clone, Debug)]
+pub struct RegisteredDevice {
+    /// Registration id (unique within the engine; host and device share the space).
+    pub id: u64,
+    /// The cache.
+    pub cache: Arc<crate::device::DeviceKvCache>,
 }
 
 fn store_layout(cfg: &StoreConfig) -> Result<KvLayout, EngineError> {
@@ -323,6 +340,7 @@ impl Engine {
                 address,
                 last_server_stats: Mutex::new(ServerStats::default()),
                 registered: Mutex::new(HashMap::new()),
+                devices: Mutex::new(HashMap::new()),
                 next_region: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
                 fleet: fleet::FleetState::default(),
@@ -391,7 +409,7 @@ impl Engine {
             store: self.inner.producer.store().stats(),
             copy: self.inner.copy.stats(),
             server: self.server_stats(),
-            registered: self.inner.registered.lock().len(),
+            registered: self.inner.registered.lock().len() + self.inner.devices.lock().len(),
         }
     }
 
@@ -419,38 +437,100 @@ impl Engine {
     /// [`deregister`](Self::deregister) and every transfer touching it have finished.
     pub fn register(&self, cache: KvCache) -> Result<Registered, EngineError> {
         self.check_open()?;
-        let id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
+        let id = self.new_registration()?;
         let cache = Arc::new(cache);
         self.inner.registered.lock().insert(id, cache.clone());
         Ok(Registered { id, cache })
     }
 
+    /// Registers a device cache, as [`register`](Self::register): its publications
+    /// and the transfers landing into it hold it, and
+    /// [`deregister_device`](Self::deregister_device) waits for them.
+    pub fn register_device(&self, cache: Arc<crate::device::DeviceKvCache>) -> Result<RegisteredDevice, EngineError> {
+        self.check_open()?;
+        let id = self.new_registration()?;
+        self.inner.devices.lock().insert(id, cache.clone());
+        Ok(RegisteredDevice { id, cache })
+    }
+
+    fn new_registration(&self) -> Result<u64, EngineError> {
+        let id = self.inner.next_region.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .producer
+            .register(id)
+            .map_err(|e| EngineError::InvalidConfig(format!("registration {id}: {e}")))?;
+        Ok(id)
+    }
+
+    /// Transfers and publications holding registration `id` now (`None`: not
+    /// registered).
+    pub fn holders(&self, id: u64) -> Option<usize> {
+        self.inner.producer.holders(id)
+    }
+
     /// Deregisters a cache and waits until no transfer or publication holds it, or
     /// `timeout` passes: then it fails with [`EngineError::InUse`] and the cache stays
-    /// registered. Publications of the cache count as uses: unpublish them first.
+    /// registered. Publications of the cache count as uses: unpublish them first. The
+    /// last holder to let go wakes the wait (no polling).
     pub async fn deregister(&self, reg: &Registered, timeout: Duration) -> Result<(), EngineError> {
-        let started = Instant::now();
-        let deadline = started + timeout;
         if !self.inner.registered.lock().contains_key(&reg.id) {
             return Err(EngineError::NotRegistered(reg.cache.name().to_string()));
         }
-        loop {
-            // Holders: the table, the caller's `reg`, and any transfer or publication.
-            let holders = Arc::strong_count(&reg.cache).saturating_sub(2);
-            if holders == 0 {
-                self.inner.registered.lock().remove(&reg.id);
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(EngineError::InUse {
-                    name: reg.cache.name().to_string(),
-                    holders,
-                    waited: started.elapsed(),
-                });
-            }
-            // Transfers end on their own deadlines; check again shortly (not a spin:
-            // at most every 2 ms, bounded by `timeout`).
-            tokio::time::sleep(Duration::from_millis(2).min(deadline - Instant::now())).await;
+        self.deregister_id(reg.id, reg.cache.name(), timeout).await?;
+        self.inner.registered.lock().remove(&reg.id);
+        Ok(())
+    }
+
+    /// Deregisters a device cache, as [`deregister`](Self::deregister).
+    pub async fn deregister_device(&self, reg: &RegisteredDevice, timeout: Duration) -> Result<(), EngineError> {
+        if !self.inner.devices.lock().contains_key(&reg.id) {
+            return Err(EngineError::NotRegistered(reg.cache.name().to_string()));
+        }
+        self.deregister_id(reg.id, reg.cache.name(), timeout).await?;
+        self.inner.devices.lock().remove(&reg.id);
+        Ok(())
+    }
+
+    async fn deregister_id(&self, id: u64, name: &str, timeout: Duration) -> Result<(), EngineError> {
+        let started = Instant::now();
+        match self.inner.producer.deregister(id, started + timeout).await {
+            Ok(()) => Ok(()),
+            Err(DeregisterError::NotRegistered) => Err(EngineError::NotRegistered(name.to_string())),
+            Err(DeregisterError::InUse { holders }) => Err(EngineError::InUse {
+                name: name.to_string(),
+                holders,
+                waited: started.elapsed(),
+            }),
+        }
+    }
+
+    /// `dst` holding the registration of its cache for as long as the transfer uses
+    /// it (a cache not registered with this engine is taken as it is).
+    fn held(&self, dst: Destination) -> Result<Destination, GetFailure> {
+        let id = match &dst.target {
+            Target::Host(c) => self
+                .inner
+                .registered
+                .lock()
+                .iter()
+                .find(|(_, r)| Arc::ptr_eq(r, c))
+                .map(|(id, _)| *id),
+            Target::Device(c) => self
+                .inner
+                .devices
+                .lock()
+                .iter()
+                .find(|(_, r)| Arc::ptr_eq(r, c))
+                .map(|(id, _)| *id),
+        };
+        let Some(id) = id else { return Ok(dst) };
+        match self.inner.producer.hold(id) {
+            Ok(hold) => Ok(dst.with_hold(hold)),
+            Err(e) => Err(GetFailure {
+                error: PeerError::InvalidArgument(format!("destination cache is {e}")),
+                fence: crate::copy::DrainFence::ready(),
+                dirty: false,
+            }),
         }
     }
 
@@ -470,12 +550,17 @@ impl Engine {
         if !self.inner.registered.lock().contains_key(&reg.id) {
             return Err(EngineError::NotRegistered(reg.cache.name().to_string()));
         }
-        Ok(self.inner.producer.publish(key, reg.cache.clone(), blocks, ttl, once)?)
+        Ok(self
+            .inner
+            .producer
+            .publish_registered(key, reg.cache.clone(), reg.id, blocks, ttl, once)?)
     }
 
     /// Publishes `blocks` of a device cache under `key`: when a consumer asks, they are
     /// gathered into staging pages (device-to-host on the cache's copy stream, bounded
     /// by its op timeout) and sent from there. Release semantics as [`publish`](Self::publish).
+    /// A cache registered with [`register_device`](Self::register_device) is held by
+    /// the publication until it is released.
     pub fn publish_device(
         &self,
         key: ChunkKey,
@@ -485,10 +570,19 @@ impl Engine {
         once: bool,
     ) -> Result<(), EngineError> {
         self.check_open()?;
-        Ok(self
+        let reg = self
             .inner
-            .producer
-            .publish_device(key, cache.clone(), blocks, ttl, once)?)
+            .devices
+            .lock()
+            .iter()
+            .find(|(_, r)| Arc::ptr_eq(r, cache))
+            .map(|(id, _)| *id);
+        let p = &self.inner.producer;
+        match reg {
+            Some(id) => p.publish_device_registered(key, cache.clone(), id, blocks, ttl, once)?,
+            None => p.publish_device(key, cache.clone(), blocks, ttl, once)?,
+        }
+        Ok(())
     }
 
     /// Releases a publication (reported through `take_released` once its sends
@@ -548,6 +642,7 @@ impl Engine {
         if let Some(f) = self.closed_failure() {
             return Err(f);
         }
+        let dst = self.held(dst)?;
         self.inner
             .consumer
             .get(&self.resolve_peer(peer), keys, dst, deadline)
@@ -559,6 +654,10 @@ impl Engine {
         if self.check_open().is_err() {
             return Transfer::failed(PeerError::ShuttingDown);
         }
+        let dst = match self.held(dst) {
+            Ok(d) => d,
+            Err(f) => return Transfer::failed(f.error),
+        };
         self.inner
             .consumer
             .start_get(&self.resolve_peer(peer), keys, dst, deadline)
@@ -576,6 +675,7 @@ impl Engine {
         if let Some(f) = self.closed_failure() {
             return Err(f);
         }
+        let dst = self.held(dst)?;
         self.inner
             .consumer
             .get_blocking(&self.resolve_peer(peer), keys, dst, timeout)
@@ -619,6 +719,7 @@ impl Engine {
         if let Some(f) = self.closed_failure() {
             return Err(f);
         }
+        let dst = self.held(dst)?;
         self.inner.consumer.resolve(handle, dst, deadline).await
     }
 
@@ -629,6 +730,10 @@ impl Engine {
         if self.check_open().is_err() {
             return Transfer::failed(PeerError::ShuttingDown);
         }
+        let dst = match self.held(dst) {
+            Ok(d) => d,
+            Err(f) => return Transfer::failed(f.error),
+        };
         self.inner.consumer.start_resolve(handle, dst, deadline)
     }
 
@@ -639,6 +744,10 @@ impl Engine {
         if self.check_open().is_err() {
             return Transfer::failed(PeerError::ShuttingDown);
         }
+        let dst = match self.held(dst) {
+            Ok(d) => d,
+            Err(f) => return Transfer::failed(f.error),
+        };
         self.inner
             .consumer
             .start_pull(&self.resolve_peer(peer), keys, dst, deadline)

@@ -19,6 +19,8 @@
 
 mod accounting;
 mod consumer;
+mod fault_hooks;
+mod ledger;
 mod producer;
 pub mod publish;
 mod quota;
@@ -29,7 +31,10 @@ pub use consumer::{
     Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerGone, StagedHandle, StagedSelection,
     Target, Transfer, TransferPath,
 };
-pub use producer::{LeaseRefusal, Producer, ProducerConfig, ProducerFaults, ProducerStats};
+pub use fault_hooks::ProducerFaults;
+pub use ledger::LeaseRefusal;
+pub(crate) use producer::DeregisterError;
+pub use producer::{Hold, Producer, ProducerConfig, ProducerStats};
 pub use publish::{ReleaseReason, Released};
 pub use selection::Selection;
 pub use store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};

@@ -2,11 +2,16 @@
 //! request (copy before advertise), serves lookups, pulls, eager gets and pushes, and
 //! releases staged pages on `Done` or when their TTL expires.
 //!
-//! A staged lease lives in the `staged` table while it waits; while its bytes are being
-//! written to a socket it is *checked out* of the table and owned by that write, so the
-//! TTL sweeper cannot release pages a socket is still sending. Concurrent staging
-//! requests are capped: over the cap, the reply is an immediate `Busy` miss, not a
-//! queue.
+//! This file does the I/O; who holds what until when is decided by the producer's
+//! [ledger](super::ledger), asked under one lock, and the producer acts on what it
+//! answers (drops lease payloads, reports released publications). A staged lease
+//! waits in the ledger; while its bytes are written to a socket it is *checked out*
+//! and owned by that write (a [`Sending`] guard that checks it back in, or reports its
+//! drop), so nothing — TTL, `Done`, `Release`, shutdown — releases pages or blocks a
+//! socket is still sending: such an end is accepted at once and takes effect when the
+//! send ends. Concurrent staging requests are capped: over the cap, the reply is an
+//! immediate `Busy` miss, not a queue. Fault injection lives in
+//! [`super::fault_hooks`].
 //!
 //! Two kinds of chunks are served: chunks of the store (copied into staging pages
 //! before they are advertised), and **published** blocks of an engine's own
@@ -16,7 +21,8 @@
 //! A consumer that will not pull sends `Release`: the `once` publications it names
 //! leave the table at once (reason `Declined`), with nothing staged, so it works while
 //! staging is full. A key is the capability (whoever may pull a `once` publication may
-//! end it); other publications and store chunks are never touched.
+//! end it); other publications and store chunks are never touched. A key whose
+//! publication was retired recently (by a `Done` included) answers released again.
 //!
 //! Leases are bound to the peer they were granted to: ids are random, and a `Done` (or
 //! pull) from another peer is refused and counted. A request listing a key twice is
@@ -32,10 +38,11 @@
 //! # Cancellation
 //!
 //! A handler future dropped mid-request (connection torn down, server stopped) drops
-//! the staging copy job (its pages return after the drain) or the checked-out lease
-//! (after the socket write stopped, since the write borrows it).
+//! the staging copy job (its pages return after the drain; its [`Staging`] guard ends
+//! the lease in the ledger) or the checked-out lease (after the socket write stopped,
+//! since the write borrows it; its [`Sending`] guard tells the ledger, which ends the
+//! lease and releases what only it held).
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -49,7 +56,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::accounting;
-use super::publish::{PubSource, Publication, ReleaseQueue, ReleaseReason, Released};
+use super::fault_hooks::{corrupted, ProducerFaults};
+use super::ledger::{
+    CheckOut, Deregistration, EndReason, LeaseRefusal, LeaseTerms, Ledger, LedgerLimits, Outcome, PubId, RegError,
+    RegId, Who,
+};
+use super::publish::{PubSource, Publication, ReleaseQueue, Released};
 use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::selection::{plan_source, SourcePlan};
 use super::store::{truncate_ranges, ChunkStore};
@@ -109,38 +121,6 @@ impl Default for ProducerConfig {
     }
 }
 
-/// Faults a producer can inject (for chaos and tests).
-#[derive(Debug, Default)]
-pub struct ProducerFaults {
-    /// Corrupt one byte of the next N bulk frames sent (on the wire only; staged
-    /// pages stay intact).
-    pub corrupt_next_sends: AtomicU64,
-    /// Delay before each bulk frame, in microseconds (a slow peer).
-    pub send_delay_us: AtomicU64,
-    /// Corrupt one byte of each bulk frame sent with this probability, in parts per
-    /// million (on the wire only, as `corrupt_next_sends`).
-    pub corrupt_ppm: AtomicU64,
-    /// Delay a bulk frame by `slow_delay_us` with this probability, in parts per million.
-    pub slow_ppm: AtomicU64,
-    /// The delay of a frame picked by `slow_ppm`, in microseconds.
-    pub slow_delay_us: AtomicU64,
-    /// Drop the connection before a bulk frame with this probability, in parts per
-    /// million (a connection reset in the middle of a transfer).
-    pub reset_ppm: AtomicU64,
-}
-
-impl ProducerFaults {
-    /// True with probability `ppm` parts per million; logs the fault when it fires.
-    fn roll(ppm: &AtomicU64, what: &'static str) -> bool {
-        let ppm = ppm.load(Ordering::Relaxed);
-        let hit = ppm > 0 && rand::random::<u64>() % 1_000_000 < ppm;
-        if hit {
-            tracing::warn!(target: "kvferry::fault", "injected fault: {what}");
-        }
-        hit
-    }
-}
-
 /// Producer counters.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct ProducerStats {
@@ -180,17 +160,11 @@ pub struct ProducerStats {
 /// selection the shape of the selected stream.
 type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32, Option<SelectedShape>), PeerError>;
 
+/// A publication's ranges in its cache, length, and source.
+type PubParts = (Vec<(usize, usize)>, usize, PubSource);
+
 /// One staged chunk gathered from a device cache: its key, length and ranges.
 type GatherFrame = (ChunkKey, usize, Vec<(usize, usize)>);
-
-/// Why a `Done` changed nothing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LeaseRefusal {
-    /// No such lease (already released, expired, or never granted).
-    Unknown,
-    /// The lease was granted to another peer.
-    Foreign,
-}
 
 /// What a staged lease sends from.
 enum StagedData {
@@ -204,52 +178,30 @@ enum StagedData {
     Selected { plan: Arc<SourcePlan> },
 }
 
+/// A staged lease's payload: what it sends from and the quota charge of its pages.
+/// Who owns it and until when is the ledger's.
 struct StagedLease {
     data: StagedData,
     chunks: Vec<ChunkMeta>,
-    expires: Instant,
-    /// The peer it was granted to.
-    owner: String,
-    /// Without TLS, the incarnation of the peer it was granted to: a `Done` or `Pull`
-    /// must come from the same process, not merely claim the same peer id (`None`:
-    /// bound to a certificate identity, or granted locally).
-    owner_incarnation: Option<u64>,
-    /// Its staging pages' quota charge (uncharged when the lease drops, on every path).
+    /// Its staging pages' quota charge (uncharged when the payload drops, on every
+    /// path: `Done`, expiry, release, a failed or aborted send, shutdown).
     _charge: Option<Charge>,
-    /// The connection of the eager get that holds it (`None`: a lease staged for a
-    /// later pull, which outlives its connection).
-    eager_conn: Option<u64>,
-    /// The publications it serves (pinned until the lease ends; empty for store chunks).
+    /// The publications it sends (what `data` reads from for pinned and selected
+    /// leases; empty for store chunks).
     publications: Vec<Arc<Publication>>,
 }
 
-impl StagedLease {
-    /// True if `who` may pull or release it.
-    fn belongs_to(&self, who: &Requester) -> bool {
-        self.owner == who.identity && self.owner_incarnation.is_none_or(|i| Some(i) == who.incarnation)
-    }
-}
-
-/// Who asks, as far as lease binding goes.
-struct Requester {
-    identity: String,
-    /// Its incarnation, when its identity is only claimed (no TLS).
-    incarnation: Option<u64>,
-}
+/// The ledger of a producer.
+type ProducerLedger = Ledger<StagedLease, Arc<Publication>>;
 
 #[derive(Default)]
 struct Counters {
-    staged: AtomicU64,
-    done: AtomicU64,
-    expired: AtomicU64,
     busy: AtomicU64,
     bytes_sent: AtomicU64,
     chunks_sent: AtomicU64,
     pushed: AtomicU64,
     bytes_received: AtomicU64,
-    foreign_lease_refused: AtomicU64,
     quota_refused: AtomicU64,
-    orphaned: AtomicU64,
 }
 
 struct Inner {
@@ -258,10 +210,11 @@ struct Inner {
     engine: CopyEngine,
     cfg: ProducerConfig,
     incarnation: u64,
-    staged: Mutex<HashMap<LeaseId, StagedLease>>,
-    recently_expired: Mutex<VecDeque<LeaseId>>,
-    published: Mutex<HashMap<ChunkKey, Arc<Publication>>>,
-    releases: Arc<ReleaseQueue>,
+    /// Who holds what until when: leases, publications, registrations.
+    ledger: Mutex<ProducerLedger>,
+    releases: ReleaseQueue,
+    /// Woken when a deregistration completes (the last holder let go).
+    deregistered: tokio::sync::Notify,
     /// Staging pages charged per peer, connection and source (staged and checked-out
     /// leases, puts being received).
     quotas: Arc<Quotas>,
@@ -334,10 +287,9 @@ impl Producer {
             refusing: std::sync::atomic::AtomicBool::new(false),
             cfg,
             incarnation,
-            staged: Mutex::new(HashMap::new()),
-            recently_expired: Mutex::new(VecDeque::new()),
-            published: Mutex::new(HashMap::new()),
-            releases: Arc::new(ReleaseQueue::default()),
+            ledger: Mutex::new(Ledger::new(LedgerLimits::default())),
+            releases: ReleaseQueue::default(),
+            deregistered: tokio::sync::Notify::new(),
             counters: Counters::default(),
             requests: RequestStats::default(),
             faults: ProducerFaults::default(),
@@ -375,20 +327,24 @@ impl Producer {
     /// Counters.
     pub fn stats(&self) -> ProducerStats {
         let c = &self.inner.counters;
+        let (counts, staged_now, published_now) = {
+            let l = self.inner.ledger.lock();
+            (l.counts(), l.staged_now(), l.published_now())
+        };
         ProducerStats {
-            staged: c.staged.load(Ordering::Relaxed),
-            staged_now: self.inner.staged.lock().len(),
-            done: c.done.load(Ordering::Relaxed),
-            expired: c.expired.load(Ordering::Relaxed),
+            staged: counts.granted,
+            staged_now,
+            done: counts.done,
+            expired: counts.expired,
             busy: c.busy.load(Ordering::Relaxed),
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             chunks_sent: c.chunks_sent.load(Ordering::Relaxed),
             pushed: c.pushed.load(Ordering::Relaxed),
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
-            published_now: self.inner.published.lock().len(),
-            foreign_lease_refused: c.foreign_lease_refused.load(Ordering::Relaxed),
+            published_now,
+            foreign_lease_refused: counts.foreign_refused,
             quota_refused: c.quota_refused.load(Ordering::Relaxed),
-            orphaned: c.orphaned.load(Ordering::Relaxed),
+            orphaned: counts.orphaned,
             quota_pages_charged: self.inner.quotas.charged(),
         }
     }
@@ -405,26 +361,49 @@ impl Producer {
         self.inner.refusing.store(refusing, Ordering::Release);
     }
 
-    /// Releases every lease staged for peer `owner` that is still waiting for its
-    /// pull (e.g. when the directory says the peer is gone); returns how many. Leases
-    /// being sent are released when their send ends.
+    /// Releases every lease of peer `owner` (e.g. when the directory says the peer
+    /// is gone); returns how many. Leases waiting for a pull end now; leases being
+    /// staged or sent end when their staging or send ends.
     pub fn release_peer(&self, owner: &str) -> usize {
-        let drained: Vec<StagedLease> = {
-            let mut st = self.inner.staged.lock();
-            let ids: Vec<LeaseId> = st.iter().filter(|(_, e)| e.owner == owner).map(|(id, _)| *id).collect();
-            ids.into_iter().filter_map(|id| st.remove(&id)).collect()
-        };
-        // Their quota charges drop with them.
-        drained.len()
+        let (n, out) = self.inner.ledger.lock().release_peer(owner, Instant::now());
+        self.act(out); // their pages and quota charges return here
+        n
     }
 
-    /// Releases every staged lease and publication now (e.g. at shutdown).
+    /// Releases every staged lease and publication now (e.g. at shutdown); leases
+    /// being sent are released when their send ends.
     pub fn release_all(&self) {
-        let drained: Vec<_> = self.inner.staged.lock().drain().collect();
-        drop(drained); // pages and quota charges return here
-        let published: Vec<_> = self.inner.published.lock().drain().collect();
-        for (_, p) in &published {
-            p.retire(ReleaseReason::Shutdown);
+        let out = self.inner.ledger.lock().release_all(Instant::now());
+        self.act(out);
+    }
+
+    /// Acts on what the ledger let go of: lease payloads drop first (staging pages and
+    /// quota charges return), then released publications are reported and completed
+    /// deregistrations woken. Called with the ledger unlocked.
+    fn act(&self, out: Outcome<StagedLease, Arc<Publication>>) {
+        if out.is_empty() {
+            return;
+        }
+        let Outcome {
+            ended,
+            released,
+            deregistered,
+        } = out;
+        let expired = ended.iter().filter(|e| e.reason == EndReason::Expired).count();
+        if expired > 0 {
+            tracing::debug!(target: "kvferry::peer", n = expired, "released expired staged leases");
+        }
+        for e in ended {
+            tracing::trace!(target: "kvferry::peer", lease = e.id, reason = ?e.reason, pages = e.pages,
+                with_payload = e.payload.is_some(), "lease ended");
+            drop(e.payload); // pages and quota charge return here
+        }
+        for (r, publication) in released {
+            drop(publication);
+            self.inner.releases.push(r);
+        }
+        if !deregistered.is_empty() {
+            self.inner.deregistered.notify_waiters();
         }
     }
 
@@ -442,16 +421,8 @@ impl Producer {
         ttl: Duration,
         once: bool,
     ) -> Result<(), PeerError> {
-        cache
-            .map()
-            .check_blocks(blocks)
-            .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
-        let len = cache.map().chunk_bytes(blocks.len());
-        let ranges = cache.chunk_ranges(blocks, len)?;
-        let checksum = cache.checksum(&ranges)?;
-        let source = PubSource::Host { cache, checksum };
-        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once);
-        Ok(())
+        let (ranges, len, source) = self.host_source(key, cache, blocks)?;
+        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, None)
     }
 
     /// Publishes `blocks` of a device cache under `key`: as [`publish`](Self::publish),
@@ -466,22 +437,31 @@ impl Producer {
         ttl: Duration,
         once: bool,
     ) -> Result<(), PeerError> {
+        let (ranges, len, source) = self.device_source(key, cache, blocks)?;
+        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, None)
+    }
+
+    /// A host publication's ranges, length and source (checksum computed now).
+    fn host_source(&self, key: ChunkKey, cache: Arc<KvCache>, blocks: &[u32]) -> Result<PubParts, PeerError> {
         cache
             .map()
             .check_blocks(blocks)
             .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
         let len = cache.map().chunk_bytes(blocks.len());
         let ranges = cache.chunk_ranges(blocks, len)?;
-        self.insert_publication(
-            key,
-            PubSource::Device { cache },
-            ranges,
-            blocks.to_vec(),
-            len,
-            ttl,
-            once,
-        );
-        Ok(())
+        let checksum = cache.checksum(&ranges)?;
+        Ok((ranges, len, PubSource::Host { cache, checksum }))
+    }
+
+    /// A device publication's ranges, length and source.
+    fn device_source(&self, key: ChunkKey, cache: Arc<DeviceKvCache>, blocks: &[u32]) -> Result<PubParts, PeerError> {
+        cache
+            .map()
+            .check_blocks(blocks)
+            .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
+        let len = cache.map().chunk_bytes(blocks.len());
+        let ranges = cache.chunk_ranges(blocks, len)?;
+        Ok((ranges, len, PubSource::Device { cache }))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -494,31 +474,34 @@ impl Producer {
         len: usize,
         ttl: Duration,
         once: bool,
-    ) {
+        reg: Option<RegId>,
+    ) -> Result<(), PeerError> {
         let ttl = self.clamp_ttl(ttl);
-        let p = Arc::new(Publication::new(
+        let p = Arc::new(Publication {
             key,
             source,
             ranges,
             blocks,
             len,
-            Instant::now() + ttl,
-            once,
-            self.inner.releases.clone(),
-        ));
-        let old = self.inner.published.lock().insert(key, p);
-        if let Some(old) = old {
-            old.retire(ReleaseReason::Replaced);
+        });
+        let now = Instant::now();
+        let published = self.inner.ledger.lock().publish(key, p, once, now + ttl, reg, now);
+        match published {
+            Ok((_, out)) => {
+                self.act(out);
+                Ok(())
+            }
+            Err(e) => Err(PeerError::InvalidArgument(format!("publish {key}: the cache is {e}"))),
         }
     }
 
     /// Releases a publication now (the engine's own release). False if unknown. The
     /// release is reported once every transfer sending it has stopped.
     pub fn unpublish(&self, key: &ChunkKey) -> bool {
-        let p = self.inner.published.lock().remove(key);
-        match p {
-            Some(p) => {
-                p.retire(ReleaseReason::Released);
+        let out = self.inner.ledger.lock().unpublish(key, Instant::now());
+        match out {
+            Some(out) => {
+                self.act(out);
                 true
             }
             None => false,
@@ -548,6 +531,13 @@ impl Producer {
         self.inner.quotas.charged_to(identity)
     }
 
+    /// Staging pages of the leases granted to `identity` (waiting or being sent), as
+    /// the ledger records them; puts being received are not leases (see
+    /// [`quota_charged_to`](Self::quota_charged_to), which counts them too).
+    pub fn lease_pages_held_by(&self, identity: &str) -> usize {
+        self.inner.ledger.lock().pages_held_by(identity)
+    }
+
     /// The staging quotas in effect, in pages.
     pub fn quota_limits(&self) -> QuotaLimits {
         self.inner.quotas.limits()
@@ -561,12 +551,19 @@ impl Producer {
         })
     }
 
-    fn new_lease_id(&self) -> LeaseId {
-        loop {
-            let id = rand::random::<LeaseId>();
-            if id != 0 && !self.inner.staged.lock().contains_key(&id) {
-                return id;
-            }
+    /// Starts a lease for `holder` serving publications `pubs` (held by it from now
+    /// on); the guard ends it unless it is granted.
+    fn begin(&self, holder: &Holder, incarnation: Option<u64>, pubs: Vec<PubId>) -> Staging<'_> {
+        let terms = LeaseTerms {
+            owner: holder.identity.clone(),
+            owner_incarnation: incarnation,
+            publications: pubs,
+        };
+        let id = self.inner.ledger.lock().begin(terms, rand::random::<LeaseId>);
+        Staging {
+            producer: self,
+            id,
+            armed: true,
         }
     }
 
@@ -714,31 +711,21 @@ impl Producer {
                 checksum: crc,
             });
         }
-        let lease_id = self.new_lease_id();
-        inner.counters.staged.fetch_add(1, Ordering::Relaxed);
-        inner.staged.lock().insert(
-            lease_id,
-            StagedLease {
-                data: StagedData::Pages { lease, offsets },
-                chunks: chunks.clone(),
-                expires: Instant::now() + ttl,
-                owner: owner.to_string(),
-                owner_incarnation: incarnation,
-                _charge: Some(charge),
-                eager_conn: None,
-                publications: Vec::new(),
-            },
-        );
+        let pages = lease.page_count();
+        let payload = StagedLease {
+            data: StagedData::Pages { lease, offsets },
+            chunks: chunks.clone(),
+            _charge: Some(charge),
+            publications: Vec::new(),
+        };
+        let lease_id = self.begin(holder, incarnation, Vec::new()).grant(payload, pages, ttl)?;
         Ok((lease_id, chunks, ttl.as_millis() as u32, None))
     }
 
     /// How many leading `keys` this producer would serve: the leading published ones
     /// when the first is published (what a stage would send), else those in the store.
     fn lookup_hits(&self, keys: &[ChunkKey]) -> usize {
-        let published = {
-            let table = self.inner.published.lock();
-            keys.iter().take_while(|k| table.contains_key(*k)).count()
-        };
+        let published = self.inner.ledger.lock().lookup(keys, Instant::now()).len();
         if published > 0 {
             published
         } else {
@@ -758,26 +745,46 @@ impl Producer {
         incarnation: Option<u64>,
         select: Option<&WireSelection>,
     ) -> Option<StageResult> {
-        let pubs: Vec<Arc<Publication>> = {
-            let table = self.inner.published.lock();
-            let now = Instant::now();
-            keys.iter()
-                .map_while(|k| table.get(k).filter(|p| p.expires > now).cloned())
-                .collect()
+        // The leading live publications, held by a new lease from the same instant
+        // (under one lock): none can be released while this stage reads them.
+        let (pubs, staging) = {
+            let mut ledger = self.inner.ledger.lock();
+            let found = ledger.lookup(keys, Instant::now());
+            let first = found.first()?;
+            let pubs: Vec<(PubId, Arc<Publication>)> = match (&first.1.source, select) {
+                // A selection takes every key (it checks they share one cache).
+                (_, Some(_)) => found.iter().map(|(id, p)| (*id, Arc::clone(p))).collect(),
+                (PubSource::Host { .. }, None) => found
+                    .iter()
+                    .take_while(|(_, p)| matches!(p.source, PubSource::Host { .. }))
+                    .map(|(id, p)| (*id, Arc::clone(p)))
+                    .collect(),
+                (PubSource::Device { cache }, None) => found
+                    .iter()
+                    .take_while(|(_, p)| matches!(&p.source, PubSource::Device { cache: c } if Arc::ptr_eq(c, cache)))
+                    .map(|(id, p)| (*id, Arc::clone(p)))
+                    .collect(),
+            };
+            let terms = LeaseTerms {
+                owner: holder.identity.clone(),
+                owner_incarnation: incarnation,
+                publications: pubs.iter().map(|(id, _)| *id).collect(),
+            };
+            let id = ledger.begin(terms, rand::random::<LeaseId>);
+            (
+                pubs.into_iter().map(|(_, p)| p).collect::<Vec<_>>(),
+                Staging {
+                    producer: self,
+                    id,
+                    armed: true,
+                },
+            )
         };
-        let first = pubs.first()?;
         if let Some(select) = select {
-            return Some(
-                self.stage_selected_pubs(keys, pubs, select, ttl, holder, incarnation)
-                    .await,
-            );
+            return Some(self.stage_selected_pubs(staging, keys, pubs, select, ttl, holder).await);
         }
-        let (chunks, data, pubs, charge) = match &first.source {
+        let (chunks, data, charge) = match &pubs[0].source {
             PubSource::Host { .. } => {
-                let pubs: Vec<Arc<Publication>> = pubs
-                    .into_iter()
-                    .take_while(|p| matches!(p.source, PubSource::Host { .. }))
-                    .collect();
                 let chunks = pubs
                     .iter()
                     .map(|p| ChunkMeta {
@@ -789,37 +796,29 @@ impl Producer {
                         },
                     })
                     .collect();
-                (chunks, StagedData::Pinned, pubs, None)
+                (chunks, StagedData::Pinned, None)
             }
             PubSource::Device { cache } => {
                 let cache = cache.clone();
-                let pubs: Vec<Arc<Publication>> = pubs
-                    .into_iter()
-                    .take_while(|p| matches!(&p.source, PubSource::Device { cache: c } if Arc::ptr_eq(c, &cache)))
-                    .collect();
                 let frames = pubs.iter().map(|p| (p.key, p.len, p.ranges.clone())).collect();
                 match self.gather_device(&cache, frames, holder).await {
-                    Ok((chunks, data, charge)) => (chunks, data, pubs, Some(charge)),
+                    Ok((chunks, data, charge)) => (chunks, data, Some(charge)),
                     Err(e) => return Some(Err(e)),
                 }
             }
         };
-        let lease_id = self.new_lease_id();
-        self.inner.counters.staged.fetch_add(1, Ordering::Relaxed);
-        self.inner.staged.lock().insert(
-            lease_id,
-            StagedLease {
-                data,
-                chunks: chunks.clone(),
-                expires: Instant::now() + ttl,
-                owner: holder.identity.clone(),
-                owner_incarnation: incarnation,
-                _charge: charge,
-                eager_conn: None,
-                publications: pubs,
-            },
-        );
-        Some(Ok((lease_id, chunks, ttl.as_millis() as u32, None)))
+        let pages = charge.as_ref().map_or(0, Charge::pages);
+        let payload = StagedLease {
+            data,
+            chunks: chunks.clone(),
+            _charge: charge,
+            publications: pubs,
+        };
+        Some(
+            staging
+                .grant(payload, pages, ttl)
+                .map(|lease_id| (lease_id, chunks, ttl.as_millis() as u32, None)),
+        )
     }
 
     /// Stages the selected part of publications `pubs` (the leading published ones
@@ -828,12 +827,12 @@ impl Producer {
     /// cache's are gathered into staging pages.
     async fn stage_selected_pubs(
         &self,
+        staging: Staging<'_>,
         keys: &[ChunkKey],
         pubs: Vec<Arc<Publication>>,
         select: &WireSelection,
         ttl: Duration,
         holder: &Holder,
-        incarnation: Option<u64>,
     ) -> StageResult {
         let ttl_ms = ttl.as_millis() as u32;
         if pubs.len() < keys.len() {
@@ -887,21 +886,14 @@ impl Producer {
                 (chunks, data, Some(charge))
             }
         };
-        let lease_id = self.new_lease_id();
-        self.inner.counters.staged.fetch_add(1, Ordering::Relaxed);
-        self.inner.staged.lock().insert(
-            lease_id,
-            StagedLease {
-                data,
-                chunks: chunks.clone(),
-                expires: Instant::now() + ttl,
-                owner: holder.identity.clone(),
-                owner_incarnation: incarnation,
-                _charge: charge,
-                eager_conn: None,
-                publications: pubs,
-            },
-        );
+        let pages = charge.as_ref().map_or(0, Charge::pages);
+        let payload = StagedLease {
+            data,
+            chunks: chunks.clone(),
+            _charge: charge,
+            publications: pubs,
+        };
+        let lease_id = staging.grant(payload, pages, ttl)?;
         Ok((lease_id, chunks, ttl_ms, Some(shape)))
     }
 
@@ -974,104 +966,36 @@ impl Producer {
 
     /// Releases a staged lease on `owner`'s `Done`: published chunks it sent that
     /// were published `once` leave the table. Unknown leases, and leases of another
-    /// peer (refused and counted), change nothing.
+    /// peer (refused and counted), change nothing. A lease being sent is released when
+    /// its send ends (the `Done` is accepted now).
     pub fn release(&self, lease_id: LeaseId, owner: &str) -> Result<(), LeaseRefusal> {
-        self.release_for(
-            lease_id,
-            &Requester {
-                identity: owner.to_string(),
-                incarnation: None,
-            },
-        )
+        self.done_for(lease_id, &Who::Local(owner.to_string()))
     }
 
-    /// Releases a lease for a remote requester: its identity, and without TLS its
+    /// A `Done` from `who`: for a remote requester its identity, and without TLS its
     /// incarnation, must be the ones the lease was granted to.
-    fn release_for(&self, lease_id: LeaseId, who: &Requester) -> Result<(), LeaseRefusal> {
-        let local = who.incarnation.is_none();
-        let removed = {
-            let mut st = self.inner.staged.lock();
-            match st.get(&lease_id) {
-                Some(e)
-                    if !(if local {
-                        e.owner == who.identity
-                    } else {
-                        e.belongs_to(who)
-                    }) =>
-                {
-                    self.inner
-                        .counters
-                        .foreign_lease_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    return Err(LeaseRefusal::Foreign);
-                }
-                Some(_) => st.remove(&lease_id),
-                None => None,
-            }
-        };
-        let Some(entry) = removed else {
-            return Err(LeaseRefusal::Unknown);
-        };
-        self.inner.counters.done.fetch_add(1, Ordering::Relaxed);
-        self.retire_sent(&entry);
-        Ok(()) // the entry, its pages and its charge drop here
-    }
-
-    /// After a `Done`: publications made `once` that this lease sent leave the table
-    /// (if still the same publication); the release is reported when the last
-    /// holder drops them.
-    fn retire_sent(&self, entry: &StagedLease) {
-        if entry.publications.is_empty() {
-            return;
-        }
-        let mut table = self.inner.published.lock();
-        for p in entry.publications.iter().filter(|p| p.once) {
-            if table.get(&p.key).is_some_and(|t| Arc::ptr_eq(t, p)) {
-                table.remove(&p.key);
-                p.retire(ReleaseReason::Done);
-            }
-        }
+    fn done_for(&self, lease_id: LeaseId, who: &Who) -> Result<(), LeaseRefusal> {
+        let out = self.inner.ledger.lock().done(lease_id, who, Instant::now())?;
+        self.act(out); // the lease's pages and charge drop here, unless it is being sent
+        Ok(())
     }
 
     /// A consumer's `Release`: each key that is a `once` publication leaves the table
-    /// (reason `Declined`; reported once every transfer still sending it stopped).
-    /// Whoever may pull a `once` publication may release it (it could stage it and
-    /// send `Done`): a key is the capability. Publications many may read and store
-    /// chunks are never touched. Nothing is staged.
+    /// (reason `Declined`; reported once every transfer still sending it stopped), and
+    /// a key retired recently answers released again. Whoever may pull a `once`
+    /// publication may release it (it could stage it and send `Done`): a key is the
+    /// capability. Publications many may read and store chunks are never touched.
+    /// Nothing is staged.
     fn decline(&self, keys: &[ChunkKey]) -> Vec<bool> {
-        let mut table = self.inner.published.lock();
-        keys.iter()
-            .map(|k| match table.get(k) {
-                Some(p) if p.once => {
-                    if let Some(p) = table.remove(k) {
-                        p.retire(ReleaseReason::Declined);
-                    }
-                    true
-                }
-                _ => false,
-            })
-            .collect()
+        let (answers, out) = self.inner.ledger.lock().decline(keys, Instant::now());
+        self.act(out);
+        answers
     }
 
     async fn send_lease(&self, conn: &mut Connection, request_id: u64, entry: &StagedLease) -> Result<(), NetError> {
+        let faults = &self.inner.faults;
         for (i, meta) in entry.chunks.iter().enumerate() {
-            let delay = self.inner.faults.send_delay_us.load(Ordering::Relaxed);
-            if delay > 0 {
-                tokio::time::sleep(Duration::from_micros(delay)).await;
-            }
-            let faults = &self.inner.faults;
-            if ProducerFaults::roll(&faults.slow_ppm, "slow send") {
-                let us = faults.slow_delay_us.load(Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_micros(us)).await;
-            }
-            if ProducerFaults::roll(&faults.reset_ppm, "connection reset") {
-                // Dropping the connection mid-transfer is what a reset looks like to the
-                // consumer; the staged pages stay owned as on any failed send.
-                return Err(NetError::Lost {
-                    peer: conn.peer().to_string(),
-                    reason: "injected connection reset".into(),
-                });
-            }
+            faults.before_frame(conn.peer()).await?;
             let parts = match &entry.data {
                 StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], meta.len as usize),
                 // Published blocks: straight from the engine's cache (the lease holds
@@ -1087,20 +1011,8 @@ impl Producer {
                 },
             }
             .map_err(|e| NetError::Protocol(e.to_string()))?;
-            let corrupt = self
-                .inner
-                .faults
-                .corrupt_next_sends
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                .is_ok()
-                || ProducerFaults::roll(&faults.corrupt_ppm, "wire corruption");
-            if corrupt && meta.len > 0 {
-                // Corrupt on the wire: send a damaged copy so the frame checksum (computed
-                // over what is sent) is consistent but the staging checksum is not.
-                let mut bad: Vec<u8> = parts.concat();
-                let i = bad.len() / 2;
-                bad[i] ^= 0x5A;
-                conn.send_bulk(request_id, &[&bad]).await?;
+            if meta.len > 0 && faults.corrupt_frame() {
+                conn.send_bulk(request_id, &[&corrupted(&parts)]).await?;
             } else {
                 conn.send_bulk_with_checksum(request_id, &parts, meta.checksum).await?;
             }
@@ -1110,44 +1022,34 @@ impl Producer {
         Ok(())
     }
 
-    fn check_out(&self, lease_id: LeaseId, who: &Requester) -> Result<StagedLease, (ErrorKind, String)> {
-        let entry = {
-            let mut st = self.inner.staged.lock();
-            match st.get(&lease_id) {
-                Some(e) if !e.belongs_to(who) => {
-                    self.inner
-                        .counters
-                        .foreign_lease_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    return Err((ErrorKind::UnknownLease, format!("no lease {lease_id} for this peer")));
-                }
-                _ => st.remove(&lease_id),
-            }
-        };
-        match entry {
-            Some(e) if e.expires > Instant::now() => Ok(e),
-            Some(e) => {
-                drop(e); // pages and charge back
-                self.note_expired(lease_id);
+    /// Checks lease `lease_id` out for a send to `who` (tied to `eager_conn` for an
+    /// eager get), or the refusal to answer.
+    fn check_out(
+        &self,
+        lease_id: LeaseId,
+        who: &Who,
+        eager_conn: Option<u64>,
+    ) -> Result<Sending<'_>, (ErrorKind, String)> {
+        let r = self
+            .inner
+            .ledger
+            .lock()
+            .check_out(lease_id, who, eager_conn, Instant::now());
+        match r {
+            CheckOut::Out(lease) => Ok(Sending {
+                producer: self,
+                id: lease_id,
+                lease: Some(lease),
+            }),
+            CheckOut::Expired(out) => {
+                self.act(out); // pages and charge back
                 Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired")))
             }
-            None if self.inner.recently_expired.lock().contains(&lease_id) => {
-                Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired")))
+            CheckOut::ExpiredEarlier => Err((ErrorKind::LeaseExpired, format!("lease {lease_id} expired"))),
+            CheckOut::Refused(LeaseRefusal::Foreign) => {
+                Err((ErrorKind::UnknownLease, format!("no lease {lease_id} for this peer")))
             }
-            None => Err((ErrorKind::UnknownLease, format!("no lease {lease_id}"))),
-        }
-    }
-
-    fn check_in(&self, lease_id: LeaseId, entry: StagedLease) {
-        self.inner.staged.lock().insert(lease_id, entry);
-    }
-
-    fn note_expired(&self, lease_id: LeaseId) {
-        self.inner.counters.expired.fetch_add(1, Ordering::Relaxed);
-        let mut r = self.inner.recently_expired.lock();
-        r.push_back(lease_id);
-        if r.len() > 4096 {
-            r.pop_front();
+            CheckOut::Refused(LeaseRefusal::Unknown) => Err((ErrorKind::UnknownLease, format!("no lease {lease_id}"))),
         }
     }
 
@@ -1162,9 +1064,10 @@ impl Producer {
             source: peer.addr.map(|a| a.ip()),
             proven: peer.tls_identity.is_some(),
         };
-        let who = Requester {
+        let incarnation = (!holder.proven).then_some(peer.incarnation);
+        let who = Who::Remote {
             identity: holder.identity.clone(),
-            incarnation: (!holder.proven).then_some(peer.incarnation),
+            incarnation,
         };
         // A selected get or stage is served as the plain one, with its selection.
         let (msg, select) = match msg {
@@ -1218,10 +1121,7 @@ impl Producer {
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
                 let ttl = Duration::from_millis(ttl_ms as u64);
-                match self
-                    .stage_for(&keys, ttl, &holder, who.incarnation, select.as_ref())
-                    .await
-                {
+                match self.stage_for(&keys, ttl, &holder, incarnation, select.as_ref()).await {
                     Ok((lease_id, chunks, ttl_ms, shape)) => {
                         accounting::note_found(!chunks.is_empty());
                         conn.send(id, &staged(lease_id, chunks, ttl_ms, shape)).await
@@ -1235,30 +1135,27 @@ impl Producer {
                     return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
                 };
                 let ttl = Duration::from_millis(ttl_ms as u64);
-                let (lease_id, chunks, ttl_ms, shape) = match self
-                    .stage_for(&keys, ttl, &holder, who.incarnation, select.as_ref())
-                    .await
-                {
-                    Ok(s) => s,
-                    Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
-                };
+                let (lease_id, chunks, ttl_ms, shape) =
+                    match self.stage_for(&keys, ttl, &holder, incarnation, select.as_ref()).await {
+                        Ok(s) => s,
+                        Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
+                    };
                 accounting::note_found(!chunks.is_empty());
                 conn.send(id, &staged(lease_id, chunks, ttl_ms, shape)).await?;
                 if lease_id == 0 {
                     return Ok(()); // miss: nothing staged, nothing follows
                 }
-                let mut entry = match self.check_out(lease_id, &who) {
-                    Ok(e) => e,
-                    Err((kind, message)) => return refuse(conn, id, kind, message).await,
-                };
                 // Tied to this connection: released after the grace if it closes
                 // without `Done`.
-                entry.eager_conn = Some(conn.id());
-                // On a failed (or aborted) send the entry, its pages and its quota
-                // charge drop here: the eager consumer is gone.
-                self.send_lease(conn, id, &entry).await?;
+                let sending = match self.check_out(lease_id, &who, Some(conn.id())) {
+                    Ok(s) => s,
+                    Err((kind, message)) => return refuse(conn, id, kind, message).await,
+                };
+                // On a failed (or aborted) send the guard drops: the lease ends, its
+                // pages and its quota charge return (the eager consumer is gone).
+                self.send_lease(conn, id, sending.lease()).await?;
                 conn.send(id, &Message::PullDone { lease_id }).await?;
-                self.check_in(lease_id, entry);
+                sending.check_in();
                 Ok(())
             }
             Message::Pull { lease_id, incarnation } => {
@@ -1269,20 +1166,21 @@ impl Producer {
                     );
                     return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
                 }
-                let entry = match self.check_out(lease_id, &who) {
-                    Ok(e) => e,
+                let sending = match self.check_out(lease_id, &who, None) {
+                    Ok(s) => s,
                     Err((kind, message)) => return refuse(conn, id, kind, message).await,
                 };
-                let r = self.send_lease(conn, id, &entry).await;
-                // A delayed pull may be retried: keep the lease until Done or TTL.
-                self.check_in(lease_id, entry);
+                let r = self.send_lease(conn, id, sending.lease()).await;
+                // A delayed pull may be retried: keep the lease until Done or TTL
+                // (or end it now, if a Done arrived while it was being sent).
+                sending.check_in();
                 r?;
                 conn.send(id, &Message::PullDone { lease_id }).await
             }
             Message::Done { lease_id } => {
                 // Duplicate or unknown Dones change nothing and are acknowledged (a
                 // Done may race the TTL); a foreign one is refused.
-                match self.release_for(lease_id, &who) {
+                match self.done_for(lease_id, &who) {
                     Err(LeaseRefusal::Foreign) => {
                         let m = format!("lease {lease_id} was not granted to this peer");
                         refuse(conn, id, ErrorKind::UnknownLease, m).await
@@ -1435,21 +1333,217 @@ async fn refuse(conn: &mut Connection, id: u64, kind: ErrorKind, message: String
     conn.send(id, &Message::Error { kind, message }).await
 }
 
+/// A holder of a registration (a transfer using its cache): the ledger counts it
+/// until this drops; the last drop of a cache being deregistered completes the
+/// deregistration.
+pub struct Hold {
+    producer: Producer,
+    id: RegId,
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hold({})", self.id.0)
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let done = self.producer.inner.ledger.lock().unhold(self.id);
+        if done.is_some() {
+            self.producer.inner.deregistered.notify_waiters();
+        }
+    }
+}
+
+/// Registrations: each registered cache (host or device) counted in the ledger.
+impl Producer {
+    /// Records registration `id` (no holders).
+    pub(crate) fn register(&self, id: u64) -> Result<(), RegError> {
+        self.inner.ledger.lock().register(RegId(id))
+    }
+
+    /// One more holder of registration `id`, until the [`Hold`] drops; refused if it
+    /// is not registered or is being deregistered.
+    pub(crate) fn hold(&self, id: u64) -> Result<Hold, RegError> {
+        self.inner.ledger.lock().hold(RegId(id))?;
+        Ok(Hold {
+            producer: self.clone(),
+            id: RegId(id),
+        })
+    }
+
+    /// Holders of registration `id` now (`None`: not registered).
+    pub(crate) fn holders(&self, id: u64) -> Option<usize> {
+        self.inner.ledger.lock().holders(RegId(id))
+    }
+
+    /// Deregisters `id`: at once without holders, else when the last holder lets go
+    /// (woken by it, not polled), or at `deadline`: then it stays registered and the
+    /// holders left are the error.
+    pub(crate) async fn deregister(&self, id: u64, deadline: Instant) -> Result<(), DeregisterError> {
+        let id = RegId(id);
+        let notified = self.inner.deregistered.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        match self.inner.ledger.lock().deregister(id) {
+            Err(_) => return Err(DeregisterError::NotRegistered),
+            Ok(Deregistration::Done) => return Ok(()),
+            Ok(Deregistration::Pending(_)) => {}
+        }
+        loop {
+            let woken = tokio::time::timeout_at(deadline, notified.as_mut()).await.is_ok();
+            // Armed before the check: a completion after it wakes the next wait.
+            notified.set(self.inner.deregistered.notified());
+            notified.as_mut().enable();
+            let mut ledger = self.inner.ledger.lock();
+            if ledger.holders(id).is_none() {
+                return Ok(());
+            }
+            if !woken {
+                let holders = ledger.abandon_deregister(id).unwrap_or(0);
+                return Err(DeregisterError::InUse { holders });
+            }
+        }
+    }
+
+    /// Publishes `blocks` of host cache `cache`, registration `reg` (held by the
+    /// publication until it is released). As [`publish`](Self::publish) otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn publish_registered(
+        &self,
+        key: ChunkKey,
+        cache: Arc<KvCache>,
+        reg: u64,
+        blocks: &[u32],
+        ttl: Duration,
+        once: bool,
+    ) -> Result<(), PeerError> {
+        let (ranges, len, source) = self.host_source(key, cache, blocks)?;
+        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, Some(RegId(reg)))
+    }
+
+    /// Publishes `blocks` of device cache `cache`, registration `reg`. As
+    /// [`publish_device`](Self::publish_device) otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn publish_device_registered(
+        &self,
+        key: ChunkKey,
+        cache: Arc<DeviceKvCache>,
+        reg: u64,
+        blocks: &[u32],
+        ttl: Duration,
+        once: bool,
+    ) -> Result<(), PeerError> {
+        let (ranges, len, source) = self.device_source(key, cache, blocks)?;
+        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, Some(RegId(reg)))
+    }
+}
+
+/// Why a deregistration failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DeregisterError {
+    /// Not registered (or already deregistered).
+    NotRegistered,
+    /// Still held at the deadline by this many holders.
+    InUse {
+        /// Holders left.
+        holders: usize,
+    },
+}
+
 impl Producer {
     /// An eager get's connection closed: its leases not yet released by `Done` are
     /// released `lease_grace` from now (sooner if their TTL says so). Returns how many.
     fn orphan_eager(&self, conn_id: u64) -> usize {
-        let until = Instant::now() + self.inner.cfg.lease_grace;
-        let mut n = 0;
-        for e in self.inner.staged.lock().values_mut() {
-            if e.eager_conn == Some(conn_id) {
-                e.eager_conn = None;
-                e.expires = e.expires.min(until);
-                n += 1;
+        self.inner
+            .ledger
+            .lock()
+            .orphan(conn_id, self.inner.cfg.lease_grace, Instant::now())
+    }
+}
+
+/// A lease being staged (its pages filled, its publications held): granted with
+/// [`grant`](Self::grant); dropped on any other path (a failed or cancelled stage), it
+/// ends the lease in the ledger.
+struct Staging<'a> {
+    producer: &'a Producer,
+    id: LeaseId,
+    armed: bool,
+}
+
+impl Staging<'_> {
+    /// Grants the lease its payload (charged for `pages`) for `ttl`; refused (with
+    /// the payload dropped) when the producer shut down or the owner left meanwhile.
+    fn grant(mut self, payload: StagedLease, pages: usize, ttl: Duration) -> Result<LeaseId, PeerError> {
+        self.armed = false;
+        let granted = self
+            .producer
+            .inner
+            .ledger
+            .lock()
+            .grant(self.id, payload, pages, Instant::now(), ttl);
+        match granted {
+            Ok(()) => Ok(self.id),
+            Err(out) => {
+                self.producer.act(out);
+                Err(PeerError::ShuttingDown)
             }
         }
-        self.inner.counters.orphaned.fetch_add(n as u64, Ordering::Relaxed);
-        n
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let out = self
+                .producer
+                .inner
+                .ledger
+                .lock()
+                .staging_failed(self.id, Instant::now());
+            self.producer.act(out);
+        }
+    }
+}
+
+/// A lease checked out for a send: the send reads [`lease`](Self::lease), then
+/// [`check_in`](Self::check_in)s it. Dropped instead (a failed or aborted send, after
+/// the socket write stopped, since the write borrows it), it drops the payload and
+/// tells the ledger, which ends the lease.
+struct Sending<'a> {
+    producer: &'a Producer,
+    id: LeaseId,
+    lease: Option<StagedLease>,
+}
+
+impl Sending<'_> {
+    fn lease(&self) -> &StagedLease {
+        self.lease.as_ref().expect("held until checked in or dropped")
+    }
+
+    /// Gives the lease back to the ledger (it waits again, or ends now if an end was
+    /// accepted while it was out).
+    fn check_in(mut self) {
+        if let Some(lease) = self.lease.take() {
+            let out = self
+                .producer
+                .inner
+                .ledger
+                .lock()
+                .check_in(self.id, lease, Instant::now());
+            self.producer.act(out);
+        }
+    }
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            drop(lease); // pages and charge back
+            let out = self.producer.inner.ledger.lock().send_dropped(self.id, Instant::now());
+            self.producer.act(out);
+        }
     }
 }
 
@@ -1484,7 +1578,8 @@ impl Handler for Producer {
     }
 }
 
-/// Releases expired leases. Holds only a weak reference, so it ends with the producer.
+/// Releases expired leases and publications. Holds only a weak reference, so it ends
+/// with the producer.
 async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
     loop {
         let period = match inner.upgrade() {
@@ -1496,34 +1591,7 @@ async fn sweeper(inner: Weak<Inner>, stop: CancellationToken) {
             _ = tokio::time::sleep(period) => {}
         }
         let Some(inner) = inner.upgrade() else { return };
-        let now = Instant::now();
-        let expired: Vec<(LeaseId, StagedLease)> = {
-            let mut st = inner.staged.lock();
-            let ids: Vec<LeaseId> = st.iter().filter(|(_, e)| e.expires <= now).map(|(id, _)| *id).collect();
-            ids.into_iter()
-                .filter_map(|id| st.remove(&id).map(|e| (id, e)))
-                .collect()
-        };
-        let p = Producer { inner: inner.clone() };
-        let expired_pubs: Vec<Arc<Publication>> = {
-            let mut table = inner.published.lock();
-            let keys: Vec<ChunkKey> = table
-                .iter()
-                .filter(|(_, v)| v.expires <= now)
-                .map(|(k, _)| *k)
-                .collect();
-            keys.iter().filter_map(|k| table.remove(k)).collect()
-        };
-        for pubn in &expired_pubs {
-            pubn.retire(ReleaseReason::Expired);
-        }
-        drop(expired_pubs);
-        if !expired.is_empty() {
-            for (id, _) in &expired {
-                p.note_expired(*id);
-            }
-            tracing::debug!(target: "kvferry::peer", n = expired.len(), "released expired staged leases");
-        }
-        drop(expired); // pages return here
+        let out = inner.ledger.lock().expire(Instant::now());
+        Producer { inner }.act(out);
     }
 }

@@ -11,19 +11,18 @@
 //! consumer asks, they are gathered into staging pages on the cache's copy stream (a
 //! device-to-host copy with a bounded wait) and sent from there.
 //!
-//! A publication is held by the producer's table and by every transfer sending it (an
-//! `Arc`). It is **released** — reported once through the producer's release queue —
-//! when the last holder lets go after it left the table: by the consumer's `Done`
-//! (when published `once`), by TTL expiry, by an explicit release, or by being
-//! replaced. A send in progress therefore always finishes from live, unreleased
-//! blocks: the engine hears "released" only after the last socket write stopped.
+//! Who holds a publication, and when it is released, is decided by the producer's
+//! [ledger](super::ledger): it is retired (leaves the key table) by the consumer's
+//! `Done` (when published `once`), a consumer's `Release`, TTL expiry, the engine's
+//! unpublish, replacement or shutdown, and *released* — reported once through the
+//! [`ReleaseQueue`] — when no staged lease holds it any more. A send in progress holds
+//! its lease checked out, so it always finishes from live, unreleased blocks: the
+//! engine hears "released" only after the last socket write stopped.
 //!
 //! # Cancellation
 //!
 //! The only future here, the release queue's `wait`, holds a `Notified` and nothing
-//! else: dropping it loses no release (the queue keeps them until `take`). A send that
-//! holds a publication's `Arc` and is dropped mid-write lets go of it like any other
-//! holder, so the release is reported once that drop has happened, never before.
+//! else: dropping it loses no release (the queue keeps them until `take`).
 
 use std::sync::Arc;
 
@@ -69,7 +68,7 @@ pub(crate) struct ReleaseQueue {
 }
 
 impl ReleaseQueue {
-    fn push(&self, r: Released) {
+    pub(crate) fn push(&self, r: Released) {
         self.queue.lock().push(r);
         self.notify.notify_waiters();
     }
@@ -97,7 +96,8 @@ pub(crate) enum PubSource {
     Device { cache: Arc<DeviceKvCache> },
 }
 
-/// One published chunk: blocks of a cache, pinned until released.
+/// One published chunk: blocks of a cache, pinned until the ledger releases it. Its
+/// key table entry, expiry and `once` flag live in the ledger.
 pub(crate) struct Publication {
     pub key: ChunkKey,
     pub source: PubSource,
@@ -106,55 +106,10 @@ pub(crate) struct Publication {
     /// The published block ids, in order (what a selection's positions index).
     pub blocks: Vec<u32>,
     pub len: usize,
-    pub expires: Instant,
-    /// Leaves the table on the first `Done` of a transfer that sent it.
-    pub once: bool,
-    reason: Mutex<ReleaseReason>,
-    queue: Arc<ReleaseQueue>,
 }
 
 impl std::fmt::Debug for Publication {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Publication({}, {} bytes)", self.key, self.len)
-    }
-}
-
-impl Publication {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        key: ChunkKey,
-        source: PubSource,
-        ranges: Vec<(usize, usize)>,
-        blocks: Vec<u32>,
-        len: usize,
-        expires: Instant,
-        once: bool,
-        queue: Arc<ReleaseQueue>,
-    ) -> Publication {
-        Publication {
-            key,
-            source,
-            ranges,
-            blocks,
-            len,
-            expires,
-            once,
-            reason: Mutex::new(ReleaseReason::Shutdown),
-            queue,
-        }
-    }
-
-    /// Records why it leaves the table (reported when the last holder drops it).
-    pub(crate) fn retire(&self, reason: ReleaseReason) {
-        *self.reason.lock() = reason;
-    }
-}
-
-impl Drop for Publication {
-    fn drop(&mut self) {
-        self.queue.push(Released {
-            key: self.key,
-            reason: *self.reason.lock(),
-        });
     }
 }

@@ -245,6 +245,13 @@ impl std::fmt::Debug for Charge {
     }
 }
 
+impl Charge {
+    /// Pages it charges.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+}
+
 impl Drop for Charge {
     fn drop(&mut self) {
         let mut held = self.quotas.held.lock();

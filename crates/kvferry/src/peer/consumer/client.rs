@@ -515,8 +515,9 @@ impl Consumer {
 
     /// Tells `peer` that `keys` will not be pulled: it frees those of them that are
     /// `once` publications at once, staging nothing (so it works when its staging is
-    /// full). Returns, per key, whether it was released by this call (false: not
-    /// published (yet), already released, or not a `once` publication). With
+    /// full). Returns, per key, whether it is released — by this call, or recently
+    /// (by a `Done` or an earlier release: a retry answers true again); false: not
+    /// published (yet), not a `once` publication, or released long ago. With
     /// `incarnation`, a peer that is another incarnation (it restarted) is refused
     /// with `StaleIncarnation`; without, the incarnation the connection reached.
     pub async fn release_keys(

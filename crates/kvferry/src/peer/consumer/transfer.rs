@@ -164,6 +164,8 @@ impl Consumer {
             }
         }
         let (dirty, lease_to_release, unconfirmed) = (ctx.dirty, ctx.lease_to_release.take(), ctx.unconfirmed.take());
+        // The destination's registration stays held until the fence fires.
+        let hold = ctx.dst.hold.take();
         // Everything that touched the destination or the staging pages has finished:
         // the connection, the staging lease and the landing job are gone with `ctx`.
         drop(ctx);
@@ -182,10 +184,12 @@ impl Consumer {
                         "device never confirmed a landing copy: its destination blocks stay reported busy");
                     inner.counters.draining.fetch_sub(1, Ordering::Relaxed);
                     std::mem::forget(signal);
+                    std::mem::forget(hold);
                 } else {
                     // Counted out before the fence fires: whoever waited on the fence
                     // then sees nothing draining.
                     inner.counters.draining.fetch_sub(1, Ordering::Relaxed);
+                    drop(hold);
                     drop(signal);
                 }
             });
@@ -200,6 +204,7 @@ impl Consumer {
         // Counted out before the fence fires: whoever waited on the fence then sees
         // nothing draining.
         counters.draining.fetch_sub(1, Ordering::Relaxed);
+        drop(hold);
         drop(signal);
         // Tell the producer to release its pages (best effort, bounded).
         if let Some(lease_id) = lease_to_release {

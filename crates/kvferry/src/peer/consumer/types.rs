@@ -102,6 +102,9 @@ pub struct Destination {
     /// blocks are `chunks` concatenated (one list is enough): the selected blocks land
     /// into them in order. `None`: every chunk whole, chunk `i` into `chunks[i]`.
     pub select: Option<Selection>,
+    /// The registration hold the engine took for this transfer: released with the
+    /// transfer's drain signal, once nothing writes the blocks.
+    pub(crate) hold: Option<Arc<crate::peer::Hold>>,
 }
 
 impl Destination {
@@ -113,6 +116,7 @@ impl Destination {
             path: TransferPath::Direct,
             incarnation: None,
             select: None,
+            hold: None,
         }
     }
 
@@ -124,6 +128,7 @@ impl Destination {
             path: TransferPath::Staged,
             incarnation: None,
             select: None,
+            hold: None,
         }
     }
 
@@ -157,6 +162,7 @@ impl Destination {
             path: TransferPath::Staged,
             incarnation: None,
             select: None,
+            hold: None,
         })
     }
 
@@ -170,6 +176,12 @@ impl Destination {
     /// (eager gets; a delayed pull checks its handle's incarnation anyway).
     pub fn with_incarnation(mut self, incarnation: Option<u64>) -> Destination {
         self.incarnation = incarnation;
+        self
+    }
+
+    /// The same destination, holding the registration of its cache (the engine's).
+    pub(crate) fn with_hold(mut self, hold: crate::peer::Hold) -> Destination {
+        self.hold = Some(Arc::new(hold));
         self
     }
 
