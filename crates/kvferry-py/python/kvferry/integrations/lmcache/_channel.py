@@ -1,3 +1,6 @@
+# mypy: disable-error-code="import-untyped"
+# mypy: allow-subclassing-any
+# (lmcache ships no type information: its classes are Any here.)
 """LMCache's P2P/PD transfer channel over kvferry: :class:`KvferryTransferChannel`, and
 :func:`install`, which makes it LMCache's channel type ``"kvferry"``.
 
@@ -323,7 +326,7 @@ class KvferryTransferChannel(BaseTransferChannel):
             out.append(off // self.align_bytes)
         return out
 
-    async def async_batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         """Writes ``objects`` into pages ``remote_indexes`` of ``receiver_id``: publishes
         them, has the receiver pull, and returns after every publication was released."""
         assert transfer_spec is not None
@@ -358,7 +361,7 @@ class KvferryTransferChannel(BaseTransferChannel):
                 if not ok:
                     logger.error("kvferry channel: publications not released within %.1f s", self.timeout + _GRACE)
 
-    async def async_batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         """Reads pages ``remote_indexes`` of ``sender_id`` into ``buffers`` (up to
         :data:`PIECES` concurrent transfers); returns after every transfer stopped."""
         assert transfer_spec is not None
@@ -426,22 +429,22 @@ class KvferryTransferChannel(BaseTransferChannel):
             if not t.done() or t.error is not None:
                 t.cancel()
 
-    def batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         return asyncio.run(self.async_batched_write(objects, transfer_spec))
 
-    def batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         return asyncio.run(self.async_batched_read(buffers, transfer_spec))
 
-    def batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported; LMCache's P2P and PD backends use write/read")
 
-    def batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported; LMCache's P2P and PD backends use write/read")
 
-    async def async_batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported")
 
-    async def async_batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported")
 
     def close(self) -> None:
@@ -489,13 +492,13 @@ def install() -> None:
             f"kvferry.integrations.lmcache.install() is pinned to lmcache=={LMCACHE_VERSION} (it replaces "
             f"LMCache's channel factory where its backends imported it); found lmcache {have}"
         )
-    import lmcache.v1.transfer_channel as tc
+    tc: Any = importlib.import_module("lmcache.v1.transfer_channel")
 
     if _installed:
         return
     original = tc.CreateTransferChannel
 
-    def create(channel_type: str, async_mode: bool, role: str, buffer_ptr: int, buffer_size: int, align_bytes: int, tp_rank: int, peer_init_url: str, device: Optional[str] = None, **kwargs: Any) -> BaseTransferChannel:
+    def create(channel_type: str, async_mode: bool, role: str, buffer_ptr: int, buffer_size: int, align_bytes: int, tp_rank: int, peer_init_url: Optional[str], device: Optional[str] = None, **kwargs: Any) -> BaseTransferChannel:
         if channel_type != "kvferry":
             return original(channel_type, async_mode, role, buffer_ptr, buffer_size, align_bytes, tp_rank, peer_init_url, device=device, **kwargs)
         if device not in (None, "cpu"):
@@ -507,4 +510,4 @@ def install() -> None:
     for name in _TARGETS:
         mod = importlib.import_module(name)
         if getattr(mod, "CreateTransferChannel", None) is original:
-            mod.CreateTransferChannel = create
+            setattr(mod, "CreateTransferChannel", create)  # noqa: B010 - a module attribute mypy cannot see
