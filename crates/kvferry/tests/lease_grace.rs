@@ -49,7 +49,7 @@ fn deadline() -> Instant {
 }
 
 fn leased(e: &Engine) -> usize {
-    e.arena().stats().leased_pages
+    e.producer().stats().quota_pages_charged
 }
 
 /// Waits until `e` holds no staging page, or `limit` passes; returns how long it took.

@@ -70,7 +70,7 @@ fn sync_get_timing_out_during_landing_copy_returns_on_time_and_drains_before_rel
         assert_eq!(c.consumer.stats().cancelled, 1);
         // Done reaches the producer: its staging is released without waiting for TTL.
         eventually("producer pages back", || {
-            node.producer.arena().stats().free_pages == 256
+            node.producer.arena().stats().free_pages == 256 && node.producer.stats().quota_pages_charged == 0
         })
         .await;
     });
@@ -126,7 +126,7 @@ async fn timeout_during_receive_drops_the_connection_and_releases_both_sides() {
     assert_eq!(c.consumer.arena().stats().free_pages, 64);
     node.producer.faults().send_delay_us.store(0, Ordering::SeqCst);
     eventually("producer pages back", || {
-        node.producer.arena().stats().free_pages == 256
+        node.producer.arena().stats().free_pages == 256 && node.producer.stats().quota_pages_charged == 0
     })
     .await;
 }
@@ -182,7 +182,7 @@ async fn cancel_storm_leaks_nothing_and_corrupts_nothing() {
     .await;
     eventually("no transfer still draining", || c.consumer.stats().draining == 0).await;
     eventually("producer staging all back", || {
-        node.producer.arena().stats().free_pages == 128
+        node.producer.arena().stats().free_pages == 128 && node.producer.stats().quota_pages_charged == 0
     })
     .await;
     // After the storm, transfers are intact.

@@ -13,8 +13,8 @@
 //! immediate `Busy` miss, not a queue. Fault injection lives in
 //! [`super::fault_hooks`].
 //!
-//! Two kinds of chunks are served: chunks of the store (copied into staging pages
-//! before they are advertised), and **published** blocks of an engine's own
+//! Two kinds of chunks are served: chunks of the store (pinned in the store and sent
+//! straight from its blocks with the checksum they were stored with), and **published** blocks of an engine's own
 //! [`KvCache`] (see [`super::publish`]), which are sent straight from the cache with
 //! vectored writes — zero copies on this side.
 //!
@@ -64,9 +64,9 @@ use super::ledger::{
 use super::publish::{PubSource, Publication, ReleaseQueue, Released};
 use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::selection::{plan_source, SourcePlan};
-use super::store::{truncate_ranges, ChunkStore};
+use super::store::{truncate_ranges, ChunkStore, PinnedChunks};
 use super::PeerError;
-use crate::copy::{CopyEngine, CopyPlan, Endpoint};
+use crate::copy::CopyEngine;
 use crate::device::DeviceKvCache;
 use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
@@ -168,6 +168,8 @@ type GatherFrame = (ChunkKey, usize, Vec<(usize, usize)>);
 
 /// What a staged lease sends from.
 enum StagedData {
+    /// Store chunks, pinned in the store until the lease ends and sent from its blocks.
+    Store { chunks: PinnedChunks },
     /// Staging pages holding copies of store chunks, chunk `i` at `offsets[i]`.
     Pages { lease: Lease, offsets: Vec<usize> },
     /// Published host blocks (the lease's `publications`), sent straight from the
@@ -579,7 +581,8 @@ impl Producer {
             self.inner.store.region().write(off, &data[at..at + len])?;
             at += len;
         }
-        self.inner.store.insert_blocks(key, blocks, data.len())
+        let checksum = crate::checksum::checksum(data);
+        self.inner.store.insert_checked(key, blocks, data.len(), checksum)
     }
 
     /// Stages the leading held chunks of `keys` (as many as fit in free arena pages)
@@ -638,82 +641,39 @@ impl Producer {
             }
             return Ok((0, Vec::new(), ttl.as_millis() as u32, None));
         }
-        let (locs, pins) = inner.store.pin_prefix(keys, keys.len());
-        if locs.is_empty() {
-            return Ok((0, Vec::new(), ttl.as_millis() as u32, None));
-        }
-        // Partial stage: as many leading chunks as fit in the free pages.
-        let mut lease = None;
-        let mut k = locs.len();
+        // Store chunks are served in place: pinned until the lease ends, sent from the
+        // store's blocks with the checksum they were stored with (no staging copy, no
+        // pass over the bytes). The pages a copy would take are still charged to the
+        // requester's quotas, so what one peer can hold pinned stays bounded as before.
         let room = inner.quotas.room(holder);
-        while k > 0 {
-            let bytes: usize = locs[..k].iter().map(|l| l.len).sum();
-            let pages = inner.arena.pages_for(bytes);
-            if pages <= inner.arena.stats().free_pages && pages <= room {
-                if let Ok(l) = inner.arena.try_alloc(pages) {
-                    lease = Some(l);
-                    break;
-                }
-            }
-            k -= 1;
+        let arena = &inner.arena;
+        let pinned = inner.store.pin_for_send(keys, |bytes| arena.pages_for(bytes) <= room)?;
+        if pinned.is_empty() {
+            let Some(len) = pinned.unfit_len() else {
+                return Ok((0, Vec::new(), ttl.as_millis() as u32, None));
+            };
+            let pages = inner.arena.pages_for(len);
+            // Names the scope that is full.
+            return Err(self.charge(holder, pages).err().unwrap_or(PeerError::QuotaExceeded {
+                peer: owner.to_string(),
+                held: 0,
+                asked: pages,
+                quota: room,
+            }));
         }
-        let Some(lease) = lease else {
-            let pages = inner.arena.pages_for(locs[0].len);
-            if pages > room {
-                // Names the scope that is full.
-                return Err(self.charge(holder, pages).err().unwrap_or(PeerError::QuotaExceeded {
-                    peer: owner.to_string(),
-                    held: 0,
-                    asked: pages,
-                    quota: room,
-                }));
-            }
-            inner.counters.busy.fetch_add(1, Ordering::Relaxed);
-            return Err(PeerError::StagingExhausted {
-                needed: inner.arena.pages_for(locs[0].len),
-                free: inner.arena.stats().free_pages,
-            });
-        };
-        // Charged before the copy (so that concurrent requests cannot overshoot), and
-        // owned by the lease from here on: any failure below uncharges it.
-        let charge = self.charge(holder, lease.page_count())?;
-        let locs = &locs[..k];
-        let mut offsets = Vec::with_capacity(k);
-        let mut at = 0;
-        let mut segments = Vec::new();
-        let mut chunk_segs = Vec::with_capacity(k); // segment index range per chunk
-        for loc in locs {
-            offsets.push(at);
-            let first = segments.len();
-            for (off, len) in inner.store.ranges(loc)? {
-                segments.push((off, at, len));
-                at += len;
-            }
-            chunk_segs.push(first..segments.len());
-        }
-        // The plan owns the pins: chunk blocks stay pinned until the gather drained.
-        let src: Arc<dyn crate::mem::HostMemory> = Arc::new(inner.store.pinned_source(pins));
-        // Checksums are computed by the copy threads right after each piece is copied.
-        let ends: Vec<usize> = chunk_segs.iter().map(|r| r.end).collect();
-        let mut plan = CopyPlan::new(Endpoint::Memory(src), lease).with_checksum_groups(ends);
-        for &(s, d, n) in &segments {
-            plan.push(s, d, n);
-        }
-        let plan = inner.engine.copy(plan).await.map_err(|f| PeerError::Copy(f.error))?;
-        let chunk_crcs = plan.group_checksums().expect("requested").to_vec();
-        let (_src, dst) = plan.into_parts();
-        let lease = dst.into_lease().expect("destination is the staging lease");
-        let mut chunks = Vec::with_capacity(k);
-        for (loc, &crc) in locs.iter().zip(&chunk_crcs) {
+        let bytes: usize = pinned.locations().iter().map(|l| l.len).sum();
+        let charge = self.charge(holder, inner.arena.pages_for(bytes))?; // owned by the lease's payload
+        let mut chunks = Vec::with_capacity(pinned.len());
+        for (i, loc) in pinned.locations().iter().enumerate() {
             chunks.push(ChunkMeta {
                 key: loc.key,
                 len: loc.len as u64,
-                checksum: crc,
+                checksum: pinned.checksum(i)?,
             });
         }
-        let pages = lease.page_count();
+        let pages = inner.arena.pages_for(bytes);
         let payload = StagedLease {
-            data: StagedData::Pages { lease, offsets },
+            data: StagedData::Store { chunks: pinned },
             chunks: chunks.clone(),
             _charge: Some(charge),
             publications: Vec::new(),
@@ -997,6 +957,7 @@ impl Producer {
         for (i, meta) in entry.chunks.iter().enumerate() {
             faults.before_frame(conn.peer()).await?;
             let parts = match &entry.data {
+                StagedData::Store { chunks } => chunks.io_slices(i),
                 StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], meta.len as usize),
                 // Published blocks: straight from the engine's cache (the lease holds
                 // the publication, and so the cache, until this write stopped).
@@ -1207,7 +1168,8 @@ impl Producer {
         }
     }
 
-    /// Push: bytes arrive into staging pages this side allocates, then land in the store.
+    /// Push: bytes land straight into fresh store blocks (their quota charged like
+    /// staging pages), registered under the key with their verified wire checksum.
     async fn receive_put(
         &self,
         conn: &mut Connection,
@@ -1249,53 +1211,25 @@ impl Producer {
                 return refuse(conn, id, ErrorKind::Busy, e.to_string()).await;
             }
         };
-        let mut lease = match inner.arena.try_alloc(pages) {
-            Ok(l) => l,
+        // Straight into fresh store blocks (no staging copy); they return to the free
+        // list if the read fails, and hold the chunk only once its checksum matched.
+        let mut blocks = match inner.store.alloc_put(len) {
+            Ok(b) => b,
             Err(e) => {
                 conn.skip(&header).await?;
-                return refuse(conn, id, ErrorKind::Busy, format!("no staging pages: {e}")).await;
+                return refuse(conn, id, ErrorKind::Busy, e.to_string()).await;
             }
         };
-        {
-            let mut parts = lease
-                .io_slices_mut(0, len)
-                .map_err(|e| NetError::Protocol(e.to_string()))?;
-            conn.read_bulk_into(&header, &mut parts).await?;
-        }
+        let checksum = {
+            let mut parts = blocks.io_slices_mut().map_err(|e| NetError::Protocol(e.to_string()))?;
+            conn.read_bulk_into(&header, &mut parts).await?
+        };
         inner.counters.bytes_received.fetch_add(len as u64, Ordering::Relaxed);
-        let nblocks = len.div_ceil(layout.block_bytes());
-        let blocks = match inner.store.alloc_blocks(nblocks) {
-            Ok(b) => b,
-            Err(e) => return refuse(conn, id, ErrorKind::Busy, e.to_string()).await,
-        };
-        let mut ranges = match layout.chunk_ranges(&blocks) {
-            Ok(r) => r,
-            Err(e) => {
-                inner.store.free_blocks(blocks);
-                return refuse(conn, id, ErrorKind::Internal, e.to_string()).await;
-            }
-        };
-        truncate_ranges(&mut ranges, len);
-        let mut plan = CopyPlan::new(lease, inner.store.region().clone());
-        let mut at = 0;
-        for (off, n) in ranges {
-            plan.push(at, off, n);
-            at += n;
+        if let Err(e) = blocks.commit(key, checksum) {
+            return refuse(conn, id, ErrorKind::Internal, e.to_string()).await;
         }
-        match inner.engine.copy(plan).await {
-            Ok(_) => {
-                if let Err(e) = inner.store.insert_blocks(key, blocks, len) {
-                    return refuse(conn, id, ErrorKind::Internal, e.to_string()).await;
-                }
-                inner.counters.pushed.fetch_add(1, Ordering::Relaxed);
-                conn.send(id, &Message::PutAck { key }).await
-            }
-            Err(f) => {
-                drop(f); // after the drain: pages back, blocks free
-                inner.store.free_blocks(blocks);
-                refuse(conn, id, ErrorKind::Internal, "landing copy failed".into()).await
-            }
-        }
+        inner.counters.pushed.fetch_add(1, Ordering::Relaxed);
+        conn.send(id, &Message::PutAck { key }).await
     }
 }
 

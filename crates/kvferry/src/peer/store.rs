@@ -29,6 +29,8 @@ struct Entry {
     blocks: Vec<u32>,
     len: usize,
     pins: usize,
+    /// The crc32c of the chunk's `len` bytes in canonical order, when known.
+    checksum: Option<u32>,
     /// Identity of this insertion (pins refer to it).
     gen: u64,
     /// Last use, for LRU.
@@ -80,6 +82,8 @@ pub struct ChunkLocation {
     pub blocks: Vec<u32>,
     /// Its length in bytes (a prefix of the blocks' canonical bytes).
     pub len: usize,
+    /// The crc32c of its bytes, when the store knows it.
+    pub checksum: Option<u32>,
 }
 
 /// Pins on some chunks; dropping it unpins them (and frees blocks of chunks that were
@@ -189,6 +193,22 @@ impl ChunkStore {
 
     /// Registers a chunk whose bytes the caller already wrote into `blocks`.
     pub fn insert_blocks(&self, key: ChunkKey, blocks: Vec<u32>, len: usize) -> Result<(), PeerError> {
+        self.insert_entry(key, blocks, len, None)
+    }
+
+    /// [`insert_blocks`](Self::insert_blocks) of a chunk whose crc32c (over its `len`
+    /// bytes in canonical order) is `checksum`: serving it then needs no pass over it.
+    pub fn insert_checked(&self, key: ChunkKey, blocks: Vec<u32>, len: usize, checksum: u32) -> Result<(), PeerError> {
+        self.insert_entry(key, blocks, len, Some(checksum))
+    }
+
+    fn insert_entry(
+        &self,
+        key: ChunkKey,
+        blocks: Vec<u32>,
+        len: usize,
+        checksum: Option<u32>,
+    ) -> Result<(), PeerError> {
         if len > self.inner.layout.chunk_bytes(blocks.len()) || blocks.iter().any(|b| *b >= self.inner.layout.blocks) {
             return Err(PeerError::InvalidArgument("chunk does not fit its blocks".into()));
         }
@@ -199,6 +219,7 @@ impl ChunkStore {
             blocks,
             len,
             pins: 0,
+            checksum,
             gen: tick,
             tick,
         };
@@ -282,6 +303,7 @@ impl ChunkStore {
                         key: *k,
                         blocks: e.blocks.clone(),
                         len: e.len,
+                        checksum: e.checksum,
                     });
                 }
                 None => break,
@@ -304,11 +326,185 @@ impl ChunkStore {
         }
     }
 
+    /// Pins the leading held chunks among `keys` for serving in place (see
+    /// [`PinnedChunks`]): as many as `fits(total bytes)` allows.
+    pub fn pin_for_send(&self, keys: &[ChunkKey], fits: impl Fn(usize) -> bool) -> Result<PinnedChunks, PeerError> {
+        let (mut locs, mut pins) = self.pin_prefix(keys, keys.len());
+        let mut total = 0;
+        let mut k = 0;
+        while k < locs.len() && fits(total + locs[k].len) {
+            total += locs[k].len;
+            k += 1;
+        }
+        // The pins past what fits go at once.
+        drop(ChunkPins {
+            store: self.clone(),
+            keys: pins.keys.split_off(k),
+        });
+        let unfit_len = locs.get(k).map(|l| l.len);
+        locs.truncate(k);
+        let mut ranges = Vec::with_capacity(k);
+        for loc in &locs {
+            ranges.push(self.ranges(loc)?);
+        }
+        Ok(PinnedChunks {
+            store: self.clone(),
+            locs,
+            ranges,
+            unfit_len,
+            _pins: pins,
+        })
+    }
+
+    /// Takes fresh blocks for a chunk of `len` bytes about to arrive (evicting as
+    /// [`alloc_blocks`](Self::alloc_blocks) does); see [`PutBlocks`].
+    pub fn alloc_put(&self, len: usize) -> Result<PutBlocks, PeerError> {
+        let layout = &self.inner.layout;
+        let n = len.div_ceil(layout.block_bytes()).max(1);
+        let blocks = self.alloc_blocks(n)?;
+        let ranges = match layout.chunk_ranges(&blocks) {
+            Ok(mut r) => {
+                truncate_ranges(&mut r, len);
+                r
+            }
+            Err(e) => {
+                self.free_blocks(blocks);
+                return Err(e.into());
+            }
+        };
+        Ok(PutBlocks {
+            store: self.clone(),
+            blocks,
+            ranges,
+            len,
+        })
+    }
+
     /// Canonical-order region ranges of a chunk's first `len` bytes.
     pub fn ranges(&self, loc: &ChunkLocation) -> Result<Vec<(usize, usize)>, PeerError> {
         let mut ranges = self.inner.layout.chunk_ranges(&loc.blocks)?;
         truncate_ranges(&mut ranges, loc.len);
         Ok(ranges)
+    }
+}
+
+/// Store chunks pinned for a send straight from the store's region: the pins hold
+/// until this drops, so the slices it hands out stay the chunks' bytes (pinned blocks
+/// are neither evicted nor reused, and a chunk's blocks are never written once
+/// inserted).
+pub struct PinnedChunks {
+    store: ChunkStore,
+    locs: Vec<ChunkLocation>,
+    ranges: Vec<Vec<(usize, usize)>>,
+    /// The length of the first held chunk that did not fit, if any.
+    unfit_len: Option<usize>,
+    _pins: ChunkPins,
+}
+
+impl std::fmt::Debug for PinnedChunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedChunks({})", self.locs.len())
+    }
+}
+
+impl PinnedChunks {
+    /// The pinned chunks, in order.
+    pub fn locations(&self) -> &[ChunkLocation] {
+        &self.locs
+    }
+
+    /// How many chunks are pinned.
+    pub fn len(&self) -> usize {
+        self.locs.len()
+    }
+
+    /// True when nothing is pinned.
+    pub fn is_empty(&self) -> bool {
+        self.locs.is_empty()
+    }
+
+    /// The length of the first held chunk that did not fit (`None`: every leading
+    /// held chunk fitted).
+    pub fn unfit_len(&self) -> Option<usize> {
+        self.unfit_len
+    }
+
+    /// Chunk `i`'s bytes as slices of the region, in canonical order (for a vectored
+    /// write).
+    pub fn io_slices(&self, i: usize) -> Result<Vec<&[u8]>, MemError> {
+        let mut out = Vec::with_capacity(self.ranges[i].len());
+        for &(off, len) in &self.ranges[i] {
+            self.store.inner.region.for_each_run(off, len, &mut |p, n| {
+                // SAFETY: `for_each_run` yields in-bounds runs of the region, which the
+                // store (held by `self`) keeps alive as long as the borrow of `self`.
+                // The runs are blocks of a pinned chunk: pinned blocks are never freed
+                // or reused while `self` holds the pins, and a chunk's blocks are not
+                // written after it was inserted, so nothing writes them while read.
+                out.push(unsafe { std::slice::from_raw_parts(p as *const u8, n) })
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Chunk `i`'s crc32c: the one it was stored with, or computed in place.
+    pub fn checksum(&self, i: usize) -> Result<u32, MemError> {
+        if let Some(c) = self.locs[i].checksum {
+            return Ok(c);
+        }
+        let mut crc = 0u32;
+        for s in self.io_slices(i)? {
+            crc = crate::checksum::append(crc, s);
+        }
+        Ok(crc)
+    }
+}
+
+/// Fresh blocks a push lands into, owned by this guard until [`commit`](Self::commit)
+/// inserts them under a key; dropped uncommitted (a failed or aborted read), they
+/// return to the free list.
+pub struct PutBlocks {
+    store: ChunkStore,
+    blocks: Vec<u32>,
+    ranges: Vec<(usize, usize)>,
+    len: usize,
+}
+
+impl std::fmt::Debug for PutBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PutBlocks({} blocks, {} bytes)", self.blocks.len(), self.len)
+    }
+}
+
+impl PutBlocks {
+    /// The blocks' first `len` bytes as mutable slices, in canonical order (for a
+    /// vectored read straight into them).
+    pub fn io_slices_mut(&mut self) -> Result<Vec<&mut [u8]>, MemError> {
+        let mut out = Vec::with_capacity(self.ranges.len());
+        for &(off, len) in &self.ranges {
+            self.store.inner.region.for_each_run(off, len, &mut |p, n| {
+                // SAFETY: in-bounds runs of the region, kept alive by the store `self`
+                // holds. The blocks were taken off the free list for this guard alone:
+                // no chunk, pin or other guard refers to them until `commit`, and the
+                // `&mut self` borrow makes these slices the only access meanwhile.
+                // The ranges of distinct blocks do not overlap.
+                out.push(unsafe { std::slice::from_raw_parts_mut(p, n) })
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Registers the landed bytes under `key`, with their crc32c `checksum`.
+    pub fn commit(mut self, key: ChunkKey, checksum: u32) -> Result<(), PeerError> {
+        let blocks = std::mem::take(&mut self.blocks);
+        self.store.insert_checked(key, blocks, self.len, checksum)
+    }
+}
+
+impl Drop for PutBlocks {
+    fn drop(&mut self) {
+        if !self.blocks.is_empty() {
+            self.store.free_blocks(std::mem::take(&mut self.blocks));
+        }
     }
 }
 

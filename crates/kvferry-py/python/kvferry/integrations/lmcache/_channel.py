@@ -1,3 +1,6 @@
+# mypy: disable-error-code="import-untyped"
+# mypy: allow-subclassing-any
+# (lmcache ships no type information: its classes are Any here.)
 """LMCache's P2P/PD transfer channel over kvferry: :class:`KvferryTransferChannel`, and
 :func:`install`, which makes it LMCache's channel type ``"kvferry"``.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 import uuid
@@ -65,7 +69,16 @@ def _tcp(url: str) -> str:
 
 def _host(url: str) -> str:
     u = url[len("tcp://") :] if url.startswith("tcp://") else url
-    return u.rsplit(":", 1)[0] or "127.0.0.1"
+    return u.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+
+
+def _local_ip_toward(host: str) -> str:
+    """The local address this host's routes use to reach ``host`` (no packet sent)."""
+    infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
 
 
 class _Releases:
@@ -114,7 +127,7 @@ class KvferryTransferChannel(BaseTransferChannel):
     """
 
     def __init__(self, async_mode: bool = False, **kw: Any) -> None:
-        for need in ("buffer_ptr", "buffer_size", "align_bytes", "peer_init_url"):
+        for need in ("buffer_ptr", "buffer_size", "align_bytes"):
             if need not in kw:
                 raise ChannelError(f"kvferry channel: missing {need}")
         self.async_mode = async_mode
@@ -125,32 +138,79 @@ class KvferryTransferChannel(BaseTransferChannel):
         self.pages = int(kw["buffer_size"]) // self.align_bytes
         if self.pages <= 0:
             raise ChannelError(f"kvferry channel: a buffer of {kw['buffer_size']} bytes has no {self.align_bytes}-byte page")
-        self.peer_init_url = str(kw["peer_init_url"])
+        # LMCache's PD sender has no init URL (it only connects to its receiver): it
+        # then runs no control socket, and its engine starts at the first peer, on
+        # the local address that routes to that peer.
+        url = kw.get("peer_init_url")
+        self.peer_init_url: Optional[str] = None if url is None else str(url)
         self.peer_lookup_url = kw.get("peer_lookup_url")
         self.timeout = float(kw.get("kvferry_timeout") or os.environ.get("KVFERRY_CHANNEL_TIMEOUT") or DEFAULT_TIMEOUT)
-        secret = kw.get("kvferry_secret") or os.environ.get("KVFERRY_SECRET")
-        tls = {k: os.environ.get(f"KVFERRY_{k.upper()}") for k in ("tls_cert", "tls_key", "tls_ca")}
-        self.engine = kvferry.Engine(
-            **tls,
-            listen=f"{_host(self.peer_init_url)}:0",
-            secret=secret,
-            arena_bytes=4 << 20,
-            store_bytes=1 << 20,
-            ttl=self.timeout,
-            max_ttl=self.timeout,
-            io_timeout=self.timeout,
-        )
-        self.region = self.engine.register_kv_cache((self.buffer_ptr, self.pages * self.align_bytes, "cpu"), block_bytes=self.align_bytes, name="lmcache-channel")
-        self.peers: dict[str, dict[str, str]] = {}
-        self._releases = _Releases(self.engine)
+        self._secret: Optional[str] = kw.get("kvferry_secret") or os.environ.get("KVFERRY_SECRET")
+        self._engine: Optional[kvferry.Engine] = None
+        self._region: Optional[kvferry.Region] = None
+        self._releases: Optional[_Releases] = None
+        self._engine_lock = threading.Lock()
+        self.peers: dict[str, dict[str, Optional[str]]] = {}
         self._running = True
         self._ctx = zmq.Context()
-        self._rep = self._ctx.socket(zmq.REP)
-        self._rep.setsockopt(zmq.LINGER, 0)
-        self._rep.setsockopt(zmq.RCVTIMEO, 100)
-        self._rep.bind(_tcp(self.peer_init_url))
-        self._thread = threading.Thread(target=self._serve, name="kvferry-lmc-channel", daemon=True)
-        self._thread.start()
+        self._rep: Optional[zmq.Socket[bytes]] = None
+        self._thread: Optional[threading.Thread] = None
+        if self.peer_init_url is not None:
+            self._start_engine(_host(self.peer_init_url))
+            self._rep = self._ctx.socket(zmq.REP)
+            self._rep.setsockopt(zmq.LINGER, 0)
+            self._rep.setsockopt(zmq.RCVTIMEO, 100)
+            self._rep.bind(_tcp(self.peer_init_url))
+            self._thread = threading.Thread(target=self._serve, name="kvferry-lmc-channel", daemon=True)
+            self._thread.start()
+
+    def _start_engine(self, host: str) -> kvferry.Engine:
+        """The channel's engine, started (listening on ``host``) on first use, with
+        LMCache's paged buffer registered (one block per page)."""
+        with self._engine_lock:
+            if self._engine is None:
+                tls = {k: os.environ.get(f"KVFERRY_{k.upper()}") for k in ("tls_cert", "tls_key", "tls_ca")}
+                engine = kvferry.Engine(
+                    tls_cert=tls["tls_cert"],
+                    tls_key=tls["tls_key"],
+                    tls_ca=tls["tls_ca"],
+                    listen=f"[{host}]:0" if ":" in host else f"{host}:0",
+                    secret=self._secret,
+                    arena_bytes=4 << 20,
+                    store_bytes=1 << 20,
+                    ttl=self.timeout,
+                    max_ttl=self.timeout,
+                    io_timeout=self.timeout,
+                )
+                self._region = engine.register_kv_cache(
+                    (self.buffer_ptr, self.pages * self.align_bytes, "cpu"), block_bytes=self.align_bytes, name="lmcache-channel"
+                )
+                self._releases = _Releases(engine)
+                self._engine = engine
+            return self._engine
+
+    @property
+    def engine(self) -> kvferry.Engine:
+        """The channel's kvferry engine (``ChannelError`` before the first peer of a
+        channel without an init URL)."""
+        if self._engine is None:
+            raise ChannelError("kvferry channel: no peer was initialised yet (lazy_init_peer_connection)")
+        return self._engine
+
+    @property
+    def region(self) -> kvferry.Region:
+        """LMCache's paged buffer as registered with the engine."""
+        self.engine  # noqa: B018 - the same error before the engine exists
+        assert self._region is not None
+        return self._region
+
+    @property
+    def address(self) -> str:
+        """The engine's address as peers dial it."""
+        addr = self.engine.address
+        if addr is None:  # pragma: no cover - the channel's engine always listens
+            raise ChannelError("kvferry channel: the engine does not listen")
+        return addr
 
     # -- control plane ----------------------------------------------------------
 
@@ -175,9 +235,11 @@ class KvferryTransferChannel(BaseTransferChannel):
         return reply
 
     def _serve(self) -> None:
+        rep = self._rep
+        assert rep is not None
         while self._running:
             try:
-                raw = self._rep.recv()
+                raw = rep.recv()
             except zmq.Again:
                 continue
             except zmq.ZMQError:
@@ -187,7 +249,7 @@ class KvferryTransferChannel(BaseTransferChannel):
             except Exception as e:  # noqa: BLE001 - every request gets an answer
                 reply = {"error": f"{type(e).__name__}: {e}"}
             try:
-                self._rep.send(msgspec.msgpack.encode(reply))
+                rep.send(msgspec.msgpack.encode(reply))
             except zmq.ZMQError:
                 return
 
@@ -195,7 +257,7 @@ class KvferryTransferChannel(BaseTransferChannel):
         op = msg.get("op")
         if op == "init":
             self.peers[msg["id"]] = {"url": msg["url"], "addr": msg["addr"]}
-            out: dict[str, Any] = {"addr": self.engine.address, "id": self.peer_init_url}
+            out: dict[str, Any] = {"addr": self.address, "id": self.peer_init_url}
             if msg.get("side") is not None:
                 side = msgspec.msgpack.decode(msg["side"], type=SideMsg)
                 out["side"] = msgspec.msgpack.encode(self.handle_init_side_msg(side))
@@ -220,7 +282,8 @@ class KvferryTransferChannel(BaseTransferChannel):
             raise ValueError(f"page indexes {bad[:5]} outside 0..{self.pages}")
 
     def _init(self, local_id: str, peer_id: str, peer_init_url: str, init_side_msg: Optional[InitSideMsgBase]) -> Optional[InitSideRetMsgBase]:
-        msg: dict[str, Any] = {"op": "init", "id": local_id, "url": self.peer_init_url, "addr": self.engine.address}
+        self._start_engine(_local_ip_toward(_host(peer_init_url)))
+        msg: dict[str, Any] = {"op": "init", "id": local_id, "url": self.peer_init_url, "addr": self.address}
         if init_side_msg is not None:
             msg["side"] = msgspec.msgpack.encode(init_side_msg)
         reply = self._request(peer_init_url, msg)
@@ -239,11 +302,16 @@ class KvferryTransferChannel(BaseTransferChannel):
     def remote_xfer_handler_exists(self, receiver_or_sender_id: str) -> bool:
         return receiver_or_sender_id in self.peers
 
-    def _peer(self, peer_id: str) -> dict[str, str]:
+    def _peer(self, peer_id: str) -> tuple[str, str]:
+        """``(control URL, kvferry address)`` of an initialised peer that runs a
+        control socket (every peer this side writes to or reads from does)."""
         p = self.peers.get(peer_id)
         if p is None:
             raise ChannelError(f"kvferry channel: peer {peer_id!r} was never initialised (lazy_init_peer_connection)")
-        return p
+        url, addr = p.get("url"), p.get("addr")
+        if url is None or addr is None:
+            raise ChannelError(f"kvferry channel: peer {peer_id!r} has no init URL (a PD sender): nothing can be written to or read from it")
+        return url, addr
 
     # -- data plane ------------------------------------------------------------
 
@@ -258,13 +326,13 @@ class KvferryTransferChannel(BaseTransferChannel):
             out.append(off // self.align_bytes)
         return out
 
-    async def async_batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         """Writes ``objects`` into pages ``remote_indexes`` of ``receiver_id``: publishes
         them, has the receiver pull, and returns after every publication was released."""
         assert transfer_spec is not None
         if not objects:
             return 0
-        peer = self._peer(transfer_spec["receiver_id"])
+        peer_url, _ = self._peer(transfer_spec["receiver_id"])
         remote = [int(i) for i in transfer_spec["remote_indexes"]]
         local = self.get_local_mem_indices(objects)
         if len(remote) != len(local):
@@ -276,7 +344,7 @@ class KvferryTransferChannel(BaseTransferChannel):
                 self.engine.publish(k, self.region, [i], ttl=self.timeout, once=True)
                 published.append(k)
             pull = asyncio.ensure_future(
-                asyncio.to_thread(self._request, peer["url"], {"op": "pull", "addr": self.engine.address, "keys": keys, "indexes": remote})
+                asyncio.to_thread(self._request, peer_url, {"op": "pull", "addr": self.address, "keys": keys, "indexes": remote})
             )
             pull.add_done_callback(lambda f: f.cancelled() or f.exception())
             reply = await asyncio.shield(pull)  # a cancel stops waiting for the answer ...
@@ -288,17 +356,18 @@ class KvferryTransferChannel(BaseTransferChannel):
             for k in published:
                 self.engine.release(k)
             if published:
+                assert self._releases is not None
                 ok = await settle(self._releases.wait(published, self.timeout + _GRACE))
                 if not ok:
                     logger.error("kvferry channel: publications not released within %.1f s", self.timeout + _GRACE)
 
-    async def async_batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         """Reads pages ``remote_indexes`` of ``sender_id`` into ``buffers`` (up to
         :data:`PIECES` concurrent transfers); returns after every transfer stopped."""
         assert transfer_spec is not None
         if not buffers:
             return 0
-        peer = self._peer(transfer_spec["sender_id"])
+        peer_url, peer_addr = self._peer(transfer_spec["sender_id"])
         remote = [int(i) for i in transfer_spec["remote_indexes"]]
         local = self.get_local_mem_indices(buffers)
         if len(remote) != len(local):
@@ -308,14 +377,14 @@ class KvferryTransferChannel(BaseTransferChannel):
         cancelled = threading.Event()
 
         async def run() -> int:
-            reply = await asyncio.to_thread(self._request, peer["url"], {"op": "publish", "indexes": remote})
+            reply = await asyncio.to_thread(self._request, peer_url, {"op": "publish", "indexes": remote})
             keys = list(reply["keys"])
             if cancelled.is_set():  # cancelled while the sender published: start nothing
-                self.engine.release_remote(peer["addr"], keys, timeout=self.timeout)
+                self.engine.release_remote(peer_addr, keys, timeout=self.timeout)
                 raise asyncio.CancelledError()
             step = -(-len(keys) // PIECES)
             for s in range(0, len(keys), step):
-                transfers.append(self.engine.get(peer["addr"], keys[s : s + step], self.region, [[i] for i in local[s : s + step]], timeout=self.timeout))
+                transfers.append(self.engine.get(peer_addr, keys[s : s + step], self.region, [[i] for i in local[s : s + step]], timeout=self.timeout))
             return await self._gather(transfers, step)
 
         def cancel_all() -> None:
@@ -360,32 +429,35 @@ class KvferryTransferChannel(BaseTransferChannel):
             if not t.done() or t.error is not None:
                 t.cancel()
 
-    def batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_write(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         return asyncio.run(self.async_batched_write(objects, transfer_spec))
 
-    def batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         return asyncio.run(self.async_batched_read(buffers, transfer_spec))
 
-    def batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported; LMCache's P2P and PD backends use write/read")
 
-    def batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    def batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported; LMCache's P2P and PD backends use write/read")
 
-    async def async_batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_send(self, objects: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported")
 
-    async def async_batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict] = None) -> int:
+    async def async_batched_recv(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
         raise NotImplementedError("kvferry channel: send/recv pairs are not supported")
 
     def close(self) -> None:
         if not self._running:
             return
         self._running = False
-        self._thread.join(2.0)
-        self._rep.close(0)
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self._rep is not None:
+            self._rep.close(0)
         self._ctx.term()
-        self.engine.close(self.timeout)
+        if self._engine is not None:
+            self._engine.close(self.timeout)
 
 
 async def _wait(t: kvferry.Transfer) -> int:
@@ -420,13 +492,13 @@ def install() -> None:
             f"kvferry.integrations.lmcache.install() is pinned to lmcache=={LMCACHE_VERSION} (it replaces "
             f"LMCache's channel factory where its backends imported it); found lmcache {have}"
         )
-    import lmcache.v1.transfer_channel as tc
+    tc: Any = importlib.import_module("lmcache.v1.transfer_channel")
 
     if _installed:
         return
     original = tc.CreateTransferChannel
 
-    def create(channel_type: str, async_mode: bool, role: str, buffer_ptr: int, buffer_size: int, align_bytes: int, tp_rank: int, peer_init_url: str, device: Optional[str] = None, **kwargs: Any) -> BaseTransferChannel:
+    def create(channel_type: str, async_mode: bool, role: str, buffer_ptr: int, buffer_size: int, align_bytes: int, tp_rank: int, peer_init_url: Optional[str], device: Optional[str] = None, **kwargs: Any) -> BaseTransferChannel:
         if channel_type != "kvferry":
             return original(channel_type, async_mode, role, buffer_ptr, buffer_size, align_bytes, tp_rank, peer_init_url, device=device, **kwargs)
         if device not in (None, "cpu"):
@@ -438,4 +510,4 @@ def install() -> None:
     for name in _TARGETS:
         mod = importlib.import_module(name)
         if getattr(mod, "CreateTransferChannel", None) is original:
-            mod.CreateTransferChannel = create
+            setattr(mod, "CreateTransferChannel", create)  # noqa: B010 - a module attribute mypy cannot see

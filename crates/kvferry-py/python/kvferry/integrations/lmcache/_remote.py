@@ -1,3 +1,6 @@
+# mypy: disable-error-code="import-untyped"
+# mypy: allow-subclassing-any
+# (lmcache ships no type information: its classes are Any here.)
 """LMCache's remote KV tier over a kvferry peer: :class:`KvferryRemoteConnector`.
 
 LMCache hands a remote connector its memory objects (``MemoryObj``: one chunk of KV in
@@ -164,11 +167,11 @@ class RemoteOptions:
 
 
 def _data_key(key: CacheEngineKey) -> str:
-    return "lmc/" + key.to_string()
+    return "lmc/" + str(key.to_string())
 
 
 def _meta_key(key: CacheEngineKey) -> str:
-    return "lmc-meta/" + key.to_string()
+    return "lmc-meta/" + str(key.to_string())
 
 
 _DTYPES = {
@@ -220,7 +223,7 @@ def decode_meta(rec: memoryview | bytes) -> tuple[int, list[torch.Size], list[to
     )
 
 
-async def settle(fut: Awaitable[T], on_cancel: Optional[Callable[[], None]] = None) -> T:
+async def settle(fut: Awaitable[T], on_cancel: Optional[Callable[[], object]] = None) -> T:
     """Awaits ``fut`` to its end even if the caller is cancelled (any number of times),
     then re-raises the cancellation. ``on_cancel`` runs once, at the first cancel (e.g.
     ``Transfer.cancel`` on a thread), so that the end comes sooner. A single shielded
@@ -490,7 +493,7 @@ class KvferryRemoteConnector(RemoteConnector):
         metas = []
         for i in range(n):
             try:
-                metas.append(decode_meta(buf[i * META_SLOT : (i + 1) * META_SLOT]))
+                metas.append(decode_meta(buf[i * META_SLOT : (i + 1) * META_SLOT].tobytes()))
             except (ValueError, KeyError) as e:
                 logger.warning("kvferry remote tier: bad metadata record for %s (%s): miss", keys[i], e)
                 break
