@@ -60,7 +60,10 @@ def test_thousand_chunks_each_with_its_own_pattern(serve, lmc):
 def test_server_sigkilled_mid_retrieve_is_a_miss_within_the_timeout(serve, lmc):
     import torch
 
-    srv = serve(blocks=60000, arena="128MiB")
+    # Every sent chunk is delayed 20 ms (the server's own fault injection), so the
+    # 96-chunk retrieve takes about 2 s and the SIGKILL surely lands mid-retrieve,
+    # however fast the server or loaded the host.
+    srv = serve(blocks=60000, arena="128MiB", extra=["--fault-slow-ppm", "1000000", "--fault-slow-us", "20000"])
     timeout = 3.0
     # 1 MiB chunks (chunk of 256 tokens x 2 layers x 8 heads x 64 dims x fp16 x K,V)
     e = lmc(srv.address, chunk=256, layers=2, heads=8, head_dim=64, cpu_gb=0.3, timeout=timeout)
@@ -68,7 +71,7 @@ def test_server_sigkilled_mid_retrieve_is_a_miss_within_the_timeout(serve, lmc):
     kv = e.kv(len(tokens), seed=3)
     e.store(tokens, kv, wait=120)
     e.drop_local()
-    killer = threading.Timer(0.05, srv.kill)
+    killer = threading.Timer(0.2, srv.kill)
     killer.start()
     t0 = time.monotonic()
     n, out = e.retrieve(tokens)
