@@ -106,6 +106,10 @@ fn metric(addr: SocketAddr, series: &str) -> f64 {
 }
 
 const FREE_PAGES: &str = r#"kvferry_arena_pages{role="producer",state="free"}"#;
+/// Staging pages charged to peers' quotas: what a staged lease or a put being received
+/// holds (store chunks are served and landed in place, so they take no arena pages,
+/// but they are charged as if they did).
+const CHARGED: &str = r#"kvferry_quota_pages_charged{role="producer"}"#;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -414,6 +418,7 @@ fn duplicate_keys_are_refused_and_client_ttls_are_capped() {
             .await,
         );
         assert_eq!(kind, ErrorKind::BadRequest, "{message}");
+        assert_eq!(metric(metrics, CHARGED), 0.0, "a refused stage holds nothing");
         assert_eq!(metric(metrics, FREE_PAGES), total, "a refused stage leases nothing");
 
         // A TTL of 49 days is granted as the server's 1 s.
@@ -425,9 +430,9 @@ fn duplicate_keys_are_refused_and_client_ttls_are_capped() {
             "asked u32::MAX ms, granted {} ms",
             s.ttl_ms
         );
-        assert_eq!(metric(metrics, FREE_PAGES), total - 1.0);
-        // No Done: the pages come back when the TTL runs out.
-        while metric(metrics, FREE_PAGES) < total {
+        assert_eq!(metric(metrics, CHARGED), 1.0, "the staged chunk is charged its page");
+        // No Done: the charge is returned when the TTL runs out.
+        while metric(metrics, CHARGED) > 0.0 {
             assert!(
                 granted.elapsed() < Duration::from_secs(3),
                 "staged pages still leased {:?} after a 1 s TTL",
@@ -904,7 +909,7 @@ fn stalled_puts_and_trickles_hold_nothing_for_long() {
             assert!(closed < Duration::from_secs(10), "closed after {closed:?}");
         }
         let t = Instant::now();
-        while metric(metrics, FREE_PAGES) < total {
+        while metric(metrics, CHARGED) > 0.0 || metric(metrics, FREE_PAGES) < total {
             assert!(t.elapsed() < Duration::from_secs(5), "pages still held by closed puts");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
