@@ -37,8 +37,13 @@
 //! - The polling schedule (no busy spin). Each `what` remembers, for its last 16 waits
 //!   that found the event pending at first, when the event completed: after the last
 //!   query that saw it pending and by the one that saw it complete (taken at the middle
-//!   of that bracket). A wait sleeps in one stretch until shortly before the earliest
-//!   recent completion, polls finely across to the latest (6 queries, at least 40 µs
+//!   of that bracket; a bracket that holds one at most half as wide is left out, so a
+//!   cold wait's rough bracket or a sleep a busy host stalled does not pull the
+//!   horizon early; when the sleep to the horizon overshot — its first poll saw the
+//!   event complete — the completion is taken an eighth before that poll, so the next
+//!   horizon steps back a little instead of to the middle of the sleep). A wait
+//!   sleeps in one stretch until shortly before the earliest recent completion, polls
+//!   finely across to the latest its bracket allows (6 queries, at least 40 µs
 //!   apart; the most extreme completion on each side is left out once there are 6, so
 //!   one step delayed by a busy host does not coarsen the next 16), polls once more a
 //!   window later, and then, as without history, backs off geometrically: the next
@@ -98,11 +103,26 @@ const CUDA_CHECK_EVERY: Duration = Duration::from_millis(250);
 struct Sample {
     lower: Duration,
     upper: Duration,
+    /// The first poll, at the plan's horizon, already saw it complete: the sleep
+    /// overshot, and all the wait knows is that it completed by `upper`.
+    overshot: bool,
 }
 
 impl Sample {
     fn width(&self) -> Duration {
         self.upper.saturating_sub(self.lower)
+    }
+
+    /// When the event is taken to have completed: the middle of the bracket, or, after
+    /// an overshot sleep, an eighth before `upper` (the next horizon steps back by that
+    /// much each time it overshoots, so it closes in on the completion from above
+    /// instead of jumping to the middle of [0, upper]).
+    fn estimate(&self) -> Duration {
+        if self.overshot {
+            self.upper - self.upper / 8
+        } else {
+            self.lower + self.width() / 2
+        }
     }
 }
 
@@ -123,20 +143,32 @@ impl History {
         self.len = (self.len + 1).min(HISTORY);
     }
 
-    /// The plan its samples give. Each sample's completion is taken at the middle of
-    /// its bracket; from the earliest to the latest of those (leaving out the most
-    /// extreme one on each side once there are 6 samples: a step delayed by a busy
-    /// host), sleep until shortly before the earliest and poll [`FINE_POLLS`] times
-    /// across to the latest.
+    /// The plan its samples give. Each sample's completion is estimated (the middle of
+    /// its bracket, see [`Sample::estimate`]); sleep until shortly before the earliest
+    /// estimate and poll [`FINE_POLLS`] times across to the latest (leaving out the
+    /// most extreme one on each side once there are 6 samples: a step delayed by a
+    /// busy host), and at least to the earliest bracket end (by then one of the recent
+    /// events had completed: a lone cold bracket's 20–80 ms is polled across, not
+    /// only at its middle).
     fn plan(&self) -> Plan {
         let recent = &self.recent[..self.len];
         if recent.is_empty() {
             return Plan::COLD;
         }
-        let mut mids: Vec<Duration> = recent.iter().map(|s| s.lower + s.width() / 2).collect();
-        mids.sort();
-        let trim = usize::from(mids.len() >= 6);
-        let (lo, hi) = (mids[trim], mids[mids.len() - 1 - trim]);
+        // A bracket that holds a narrower one tells nothing the narrower one does not
+        // (a cold wait's [20 ms, 80 ms], or one sleep stalled by a busy host: pending at
+        // 0, complete at 61 ms); its middle would pull the horizon far too early.
+        let informative = |s: &&Sample| {
+            !recent.iter().any(|n| {
+                n.width() * 2 <= s.width() && n.width() < s.width() && s.lower <= n.lower && n.upper <= s.upper
+            })
+        };
+        let kept: Vec<&Sample> = recent.iter().filter(informative).collect();
+        let mut estimates: Vec<Duration> = kept.iter().map(|s| s.estimate()).collect();
+        estimates.sort();
+        let trim = usize::from(kept.len() >= 6);
+        let first_end = kept.iter().map(|s| s.upper).min().unwrap_or_default();
+        let (lo, hi) = (estimates[trim], estimates[estimates.len() - 1 - trim].max(first_end));
         // A margin of 1/32 of it, between 20 µs and 500 µs, before the earliest.
         let margin = (lo / 32).clamp(Duration::from_micros(20), Duration::from_micros(500));
         let horizon = lo.saturating_sub(margin);
@@ -322,6 +354,9 @@ struct Outcome {
     pending_at_start: bool,
     /// When the last query that found it pending was made.
     last_pending: Duration,
+    /// The first poll after the immediate query, made at a plan's horizon, saw it
+    /// complete (see [`Sample::overshot`]).
+    overshot: bool,
 }
 
 impl Outcome {
@@ -331,6 +366,7 @@ impl Outcome {
             waited: start.elapsed(),
             pending_at_start: false,
             last_pending: Duration::ZERO,
+            overshot: false,
         }
     }
 }
@@ -350,6 +386,7 @@ fn poll_loop(
         return Ok(Outcome::at_once(start));
     }
     let mut last_pending = start.elapsed();
+    let mut polls = 0u32;
     let _slack = TimerSlack::tighten();
     loop {
         let now = Instant::now();
@@ -359,6 +396,7 @@ fn poll_loop(
                 waited: now - start,
                 pending_at_start: true,
                 last_pending,
+                overshot: false,
             });
         }
         let next = (start + plan.next_poll(last_pending)).min(deadline);
@@ -369,12 +407,14 @@ fn poll_loop(
         }
         let before = start.elapsed();
         bump(&STATS.polls);
+        polls += 1;
         if poll()? {
             return Ok(Outcome {
                 completed: true,
                 waited: start.elapsed(),
                 pending_at_start: true,
                 last_pending,
+                overshot: polls == 1 && !plan.horizon.is_zero(),
             });
         }
         last_pending = before;
@@ -539,6 +579,7 @@ fn wait_cuda(
                 // Notified: nothing to learn for the polling schedule.
                 pending_at_start: false,
                 last_pending: Duration::ZERO,
+                overshot: false,
             });
         }
         let now = Instant::now();
@@ -548,6 +589,7 @@ fn wait_cuda(
                 waited: now - start,
                 pending_at_start: true,
                 last_pending: Duration::ZERO,
+                overshot: false,
             });
         }
         check += CUDA_CHECK_EVERY;
@@ -591,6 +633,7 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
                 waited: start.elapsed(),
                 pending_at_start: false,
                 last_pending: Duration::ZERO,
+                overshot: false,
             }
         }
         Source::Query => {
@@ -622,6 +665,7 @@ pub fn bounded_wait(py: Python<'_>, event: &Bound<'_, PyAny>, timeout: f64, what
                 Sample {
                     lower: outcome.last_pending,
                     upper: outcome.waited,
+                    overshot: outcome.overshot,
                 },
             );
         }
@@ -680,7 +724,11 @@ mod tests {
     }
 
     fn sample(lower: Duration, upper: Duration) -> Sample {
-        Sample { lower, upper }
+        Sample {
+            lower,
+            upper,
+            overshot: false,
+        }
     }
 
     /// The poll times of a wait of `plan` that never completes within `timeout`.
@@ -752,13 +800,51 @@ mod tests {
         h.record(sample(us(20_480), us(81_920)));
         let p = h.plan();
         assert_eq!(p.horizon, us(51_200) - us(500));
+        // Polled across to the bracket's end, not only around its middle.
+        assert!(p.fine_end >= us(81_900) && p.step < ms(6), "{p:?}");
         // The next wait polls from just before 51.2 ms; one that sees the completion at
         // 60 ms brackets it within a step, and the plan follows.
         h.record(sample(ms(60), ms(60) + FINE_STEP_MIN));
         let q = h.plan();
-        assert_eq!(q.horizon, us(51_200) - us(500));
+        // The rough bracket holds the fine one, so only the fine one counts.
+        assert_eq!(q.horizon, ms(60) + us(20) - us(500));
         assert!(q.fine_end >= ms(60), "{q:?}");
         assert!(q.step < ms(2), "{q:?}");
+    }
+
+    #[test]
+    fn a_sleep_stalled_by_a_busy_host_does_not_pull_the_horizon_early() {
+        // CI, loaded: the first query saw the event pending at 0, the 20 µs sleep
+        // overran to 61 ms (middle 30.5 ms); three waits after it bracketed 60 ms.
+        let mut h = History::default();
+        h.record(sample(Duration::ZERO, ms(61)));
+        for _ in 0..3 {
+            h.record(sample(ms(59), ms(60)));
+        }
+        let p = h.plan();
+        assert!(p.horizon > ms(58), "{p:?}");
+        // Completions that differ (no bracket holds another) all count.
+        let mut v = History::default();
+        v.record(sample(ms(40), ms(160)));
+        v.record(sample(ms(9), ms(11)));
+        let q = v.plan();
+        assert!(q.horizon < ms(10) && q.fine_end > ms(99), "{q:?}");
+    }
+
+    #[test]
+    fn an_overshot_horizon_steps_back_instead_of_halving() {
+        // Completions at 60 ms, then one wait whose sleep to the horizon (62 ms, a
+        // slower step before) found it already complete: pending at 0, done by 62 ms.
+        let mut h = History::default();
+        h.record(sample(ms(61), ms(63)));
+        h.record(Sample {
+            lower: us(50),
+            upper: ms(62),
+            overshot: true,
+        });
+        let p = h.plan();
+        // 62 ms less an eighth, less the margin: before 60 ms, nowhere near 31 ms.
+        assert!(p.horizon > ms(50) && p.horizon < ms(60), "{p:?}");
     }
 
     #[test]
