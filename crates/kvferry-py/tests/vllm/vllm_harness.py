@@ -248,6 +248,8 @@ class Instance:
         self.invalid: set[int] = set()
         self.landed: dict[str, list[list[list[bytes]]]] = {}  # rid -> rank -> pos -> per (layer, kv, head)
         self.landed_groups: dict[str, list[list[int]]] = {}  # rid -> its blocks per group when it landed
+        # rid -> [rank][layer][pos] -> that slot's bytes when it landed (several groups)
+        self.landed_layers: dict[str, list[list[list[list[bytes] | None]]]] = {}
         self.stats: list[dict[str, Any]] = []
 
     # -- what a subclass may change -----------------------------------------------------
@@ -391,6 +393,18 @@ class Instance:
                 groups = self.scheduler.kv_cache_manager.get_block_ids(rid)
                 self.landed_groups[rid] = [list(g) for g in groups]
                 if len(groups) > 1:
+                    # Per rank, layer and prompt position: the slot's bytes, or None
+                    # where the layer's group holds no block (a sliding window's
+                    # null block 0). A later forward recomputes the last token and a
+                    # sliding group frees and reuses blocks, so read them now.
+                    per_layer = [groups[self.layer_group(li, len(groups))] for li in range(len(LAYERS))]
+                    self.landed_layers[rid] = [
+                        [
+                            [self.layer_slot(rank, li, per_layer[li], pos) for pos in range(req.num_prompt_tokens)]
+                            for li in range(len(LAYERS))
+                        ]
+                        for rank in range(self.tp)
+                    ]
                     continue
                 (blocks,) = groups
                 self.landed[rid] = [
@@ -402,6 +416,18 @@ class Instance:
         return [
             bytes(self.raw(rank, n, kvi, b, off, hh).reshape(-1).numpy())
             for n in LAYERS
+            for kvi in self.kvs
+            for hh in range(self.hpr)
+        ]
+
+    def layer_slot(self, rank: int, li: int, blocks: list[int], pos: int) -> list[bytes] | None:
+        """One layer's slot at ``pos`` (per K/V, per rank-local head), or None where the
+        group holds no block for it."""
+        i = pos // self.bs
+        if i >= len(blocks) or blocks[i] == 0:
+            return None
+        return [
+            bytes(self.raw(rank, LAYERS[li], kvi, blocks[i], pos % self.bs, hh).reshape(-1).numpy())
             for kvi in self.kvs
             for hh in range(self.hpr)
         ]
