@@ -40,7 +40,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
 use crate::options::EngineOptions;
-use crate::region::{PyRegion, RegionKind};
+use crate::region::PyRegion;
 use crate::runtime::RuntimeRef;
 use crate::selection::{selection, PySelection};
 use crate::transfer::{PyTransfer, Waiting};
@@ -202,11 +202,8 @@ impl PyEngine {
             return Err(ErrInfo::invalid(format!("{} is read-only: it cannot receive", region.cache_name())).into());
         }
         let path: TransferPath = path.parse().map_err(ErrInfo::invalid)?;
-        let dst = match &region.kind {
-            RegionKind::Host(r) => Destination::new(r.cache.clone(), block_ids).with_path(path),
-            // Device memory is always received through staging pages.
-            RegionKind::Device(r) => Destination::device(r.cache.clone(), block_ids),
-        };
+        // Device memory is always received through staging pages, whatever `path` says.
+        let dst = Destination::new(&region.reg.cache, block_ids).with_path(path);
         Ok(dst.with_incarnation(incarnation).with_selection(select))
     }
 
@@ -232,12 +229,7 @@ impl PyEngine {
 
     fn register_cache(&self, cache: KvCache, readonly: bool) -> PyResult<PyRegion> {
         let reg = self.engine.register(cache).map_err(py_err)?;
-        Ok(PyRegion::new(
-            RegionKind::Host(reg),
-            readonly,
-            self.id,
-            self.engine.clone(),
-        ))
+        Ok(PyRegion::new(reg, readonly, self.id, self.engine.clone()))
     }
 }
 
@@ -465,12 +457,9 @@ impl PyEngine {
         let t = required(timeout, "timeout")?;
         let e = &self.engine;
         // The engine's ledger wakes the wait when the last holder lets go.
-        match &region.kind {
-            RegionKind::Host(reg) => py.detach(|| self.handle().block_on(e.deregister(reg, t))),
-            RegionKind::Device(reg) => py.detach(|| self.handle().block_on(e.deregister_device(reg, t))),
-        }
-        .map_err(py_err)?;
-        if matches!(region.kind, RegionKind::Device(_)) {
+        py.detach(|| self.handle().block_on(e.deregister(&region.reg, t)))
+            .map_err(py_err)?;
+        if region.reg.cache.is_device() {
             // A host region's later use is refused by the engine (`NotRegisteredError`).
             region.deregistered.store(true, Ordering::Release);
         }
@@ -493,11 +482,8 @@ impl PyEngine {
         let k = key_of(&key)?;
         let ttl = duration(ttl, "ttl")?.unwrap_or(Duration::ZERO);
         let e = &self.engine;
-        match &region.kind {
-            RegionKind::Host(reg) => py.detach(|| e.publish(k, reg, &block_ids, ttl, once)),
-            RegionKind::Device(r) => py.detach(|| e.publish_device(k, &r.cache, &block_ids, ttl, once)),
-        }
-        .map_err(py_err)?;
+        py.detach(|| e.publish(k, &region.reg, &block_ids, ttl, once))
+            .map_err(py_err)?;
         self.published.lock().insert(k, key.unbind());
         Ok(())
     }
@@ -912,13 +898,8 @@ impl PyEngine {
         }
         let cache = DeviceKvCache::new(name, dev.device.clone(), bufs, blocks, dev.op_timeout)
             .map_err(|e| PyErr::from(dev_err(&e)))?;
-        let reg = self.engine.register_device(Arc::new(cache)).map_err(py_err)?;
-        Ok(PyRegion::new(
-            RegionKind::Device(reg),
-            false,
-            self.id,
-            self.engine.clone(),
-        ))
+        let reg = self.engine.register(cache).map_err(py_err)?;
+        Ok(PyRegion::new(reg, false, self.id, self.engine.clone()))
     }
 
     /// Tells `peer` this engine will not fetch `keys` (a request was aborted): the peer

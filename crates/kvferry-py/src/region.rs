@@ -1,5 +1,6 @@
-//! `Region`: a registered KV cache as Python sees it — host memory (registered with
-//! the engine) or device memory (a [`DeviceKvCache`] on the engine's device). It holds
+//! `Region`: a registered KV cache as Python sees it — one engine registration of a
+//! [`KvCacheRef`](kvferry::engine::KvCacheRef): host memory or device memory (a
+//! `DeviceKvCache` on the engine's device). It holds
 //! the registration (and through it the Python objects or device buffers whose memory
 //! it uses): Python's garbage collector cannot free that memory while any transfer or
 //! publication still touches it. Both kinds are registered with the engine, whose
@@ -10,22 +11,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvferry::engine::BlockMap;
 use kvferry::engine::Engine;
-use kvferry::engine::{Registered, RegisteredDevice};
+use kvferry::engine::Registered;
 use pyo3::prelude::*;
-
-/// Where a region's memory lives.
-pub enum RegionKind {
-    /// Host memory, registered with the engine.
-    Host(Registered),
-    /// Device memory, registered with the engine: gathered into staging pages when
-    /// published, scattered from them when received (always the staged path).
-    Device(RegisteredDevice),
-}
 
 /// A registered KV cache (from `Engine.register_kv_cache` and friends).
 #[pyclass(name = "Region", module = "kvferry._kvferry", frozen)]
 pub struct PyRegion {
-    pub(crate) kind: RegionKind,
+    /// The registration: its id and the cache, in host or device memory (device
+    /// memory is gathered into staging pages when published, scattered from them when
+    /// received: always the staged path).
+    pub(crate) reg: Registered,
     pub(crate) readonly: bool,
     /// The engine it was registered with (its registration id space).
     pub(crate) engine_id: usize,
@@ -37,9 +32,9 @@ pub struct PyRegion {
 }
 
 impl PyRegion {
-    pub(crate) fn new(kind: RegionKind, readonly: bool, engine_id: usize, engine: Engine) -> PyRegion {
+    pub(crate) fn new(reg: Registered, readonly: bool, engine_id: usize, engine: Engine) -> PyRegion {
         PyRegion {
-            kind,
+            reg,
             readonly,
             engine_id,
             engine,
@@ -49,10 +44,7 @@ impl PyRegion {
 
     /// The registration id.
     pub(crate) fn id(&self) -> u64 {
-        match &self.kind {
-            RegionKind::Host(r) => r.id,
-            RegionKind::Device(r) => r.id,
-        }
+        self.reg.id
     }
 
     pub(crate) fn is_deregistered(&self) -> bool {
@@ -60,17 +52,11 @@ impl PyRegion {
     }
 
     fn map(&self) -> &BlockMap {
-        match &self.kind {
-            RegionKind::Host(r) => r.cache.map(),
-            RegionKind::Device(r) => r.cache.map(),
-        }
+        self.reg.cache.map()
     }
 
     pub(crate) fn cache_name(&self) -> &str {
-        match &self.kind {
-            RegionKind::Host(r) => r.cache.name(),
-            RegionKind::Device(r) => r.cache.name(),
-        }
+        self.reg.cache.name()
     }
 
     /// Transfers and publications holding it, as the engine's ledger counts them
@@ -109,10 +95,7 @@ impl PyRegion {
     /// Where the memory lives: `"host"`, or the device kind (`"sim"`).
     #[getter]
     fn device(&self) -> String {
-        match &self.kind {
-            RegionKind::Host(_) => "host".to_string(),
-            RegionKind::Device(r) => r.cache.device().kind().to_string(),
-        }
+        self.reg.cache.memory_kind()
     }
 
     /// Transfers and publications holding the region right now.
@@ -127,9 +110,9 @@ impl PyRegion {
             self.cache_name(),
             self.map().blocks(),
             self.map().block_bytes(),
-            match &self.kind {
-                RegionKind::Host(_) => String::new(),
-                RegionKind::Device(r) => format!(", on {}", r.cache.device().kind()),
+            match self.reg.cache.is_device() {
+                false => String::new(),
+                true => format!(", on {}", self.reg.cache.memory_kind()),
             },
             if self.readonly { ", read-only" } else { "" }
         )

@@ -55,11 +55,12 @@ async fn gpu_to_peer_to_gpu_over_loopback() {
     let dst = Arc::new(DeviceKvCache::contiguous("dst", d.clone(), dst_buf.clone(), BLOCK, t).unwrap());
     let addr = p.address().unwrap().to_string();
     let chunks = BLOCKS / PER_CHUNK;
+    let reg = p.register(src.clone()).unwrap();
     for i in 0..chunks {
         let blocks: Vec<u32> = (i * PER_CHUNK..(i + 1) * PER_CHUNK).collect();
-        p.publish_device(
+        p.publish(
             ChunkKey::from_name(&format!("c{i}")),
-            &src,
+            &reg,
             &blocks,
             Duration::ZERO,
             true,
@@ -78,7 +79,7 @@ async fn gpu_to_peer_to_gpu_over_loopback() {
             c.get(
                 &addr,
                 &[key],
-                Destination::device(dst, vec![blocks]),
+                Destination::new(dst, vec![blocks]),
                 Instant::now() + Duration::from_secs(60),
             )
             .await
@@ -164,12 +165,13 @@ async fn external_device_memory_to_peer_to_external_device_memory() {
     let src = Arc::new(DeviceKvCache::contiguous("src", d.clone(), src_buf.clone(), BLOCK, t).unwrap());
     let dst = Arc::new(DeviceKvCache::contiguous("dst", d.clone(), dst_buf.clone(), BLOCK, t).unwrap());
     let key = ChunkKey::from_name("ext-1");
-    p.publish_device(key, &src, &[3, 4, 5], Duration::ZERO, true).unwrap();
+    let reg = p.register(src.clone()).unwrap();
+    p.publish(key, &reg, &[3, 4, 5], Duration::ZERO, true).unwrap();
     let landed = c
         .get(
             &p.address().unwrap().to_string(),
             &[key],
-            Destination::device(dst.clone(), vec![vec![10, 11, 12]]),
+            Destination::new(dst.clone(), vec![vec![10, 11, 12]]),
             Instant::now() + Duration::from_secs(10),
         )
         .await
@@ -189,13 +191,15 @@ async fn external_device_memory_to_peer_to_external_device_memory() {
         got[13 * BLOCK..].iter().all(|&b| b == 0xee),
         "bytes after the blocks were written"
     );
+    // The `once` publication is released by the Done: the registration lets go.
+    p.deregister(&reg, Duration::from_secs(10)).await.unwrap();
     for e in [p, c] {
         let r = e.close(Instant::now() + Duration::from_secs(10)).await;
         assert!(r.is_clean(), "{r:?}");
     }
     // The owners live exactly as long as the buffers and what holds them.
     assert!(!src_dropped.load(Ordering::SeqCst) && !dst_dropped.load(Ordering::SeqCst));
-    drop((src, dst, src_buf, dst_buf));
+    drop((src, dst, src_buf, dst_buf, reg));
     let until = std::time::Instant::now() + Duration::from_secs(5);
     while !(src_dropped.load(Ordering::SeqCst) && dst_dropped.load(Ordering::SeqCst)) {
         assert!(std::time::Instant::now() < until, "an owner outlived its buffer by 5 s");

@@ -56,14 +56,15 @@ async fn device_to_device_lands_every_byte() {
     let dst = cache(&ddev, "decode-kv", Duration::from_secs(2));
     fill(&src);
     let key = ChunkKey::from_name("req-1");
-    p.publish_device(key, &src, &[3, 4, 5], Duration::ZERO, true).unwrap();
+    let reg = p.register(src.clone()).unwrap();
+    p.publish(key, &reg, &[3, 4, 5], Duration::ZERO, true).unwrap();
     let addr = p.address().unwrap().to_string();
     let deadline = Instant::now() + Duration::from_secs(5);
     let landed = d
         .get(
             &addr,
             &[key],
-            Destination::device(dst.clone(), vec![vec![10, 11, 12]]),
+            Destination::new(dst.clone(), vec![vec![10, 11, 12]]),
             deadline,
         )
         .await
@@ -81,7 +82,7 @@ async fn device_to_device_lands_every_byte() {
         kvferry::layout::KvCache::contiguous(Arc::new(kvferry::mem::Region::host("h", BLOCK * 4).unwrap()), BLOCK)
             .unwrap(),
     );
-    p.publish_device(key, &src, &[7], Duration::ZERO, false).unwrap();
+    p.publish(key, &reg, &[7], Duration::ZERO, false).unwrap();
     d.get(
         &addr,
         &[key],
@@ -105,17 +106,13 @@ async fn producer_device_faults_are_typed_and_leak_nothing() {
     let dst = cache(&sim(1), "decode-kv", Duration::from_secs(2));
     let addr = p.address().unwrap().to_string();
     let key = ChunkKey::from_name("k");
-    p.publish_device(key, &src, &[1], Duration::ZERO, false).unwrap();
+    let reg = p.register(src.clone()).unwrap();
+    p.publish(key, &reg, &[1], Duration::ZERO, false).unwrap();
     let get = |dl: Duration| {
         let (d, addr, dst) = (d.clone(), addr.clone(), dst.clone());
         async move {
-            d.get(
-                &addr,
-                &[key],
-                Destination::device(dst, vec![vec![0]]),
-                Instant::now() + dl,
-            )
-            .await
+            d.get(&addr, &[key], Destination::new(dst, vec![vec![0]]), Instant::now() + dl)
+                .await
         }
     };
 
@@ -184,12 +181,13 @@ async fn consumer_device_faults_never_report_live_blocks_quiet() {
     let dst = cache(&ddev, "decode-kv", Duration::from_millis(200));
     let addr = p.address().unwrap().to_string();
     let key = ChunkKey::from_name("k");
-    p.publish_device(key, &src, &[2, 3], Duration::ZERO, false).unwrap();
+    let reg = p.register(src.clone()).unwrap();
+    p.publish(key, &reg, &[2, 3], Duration::ZERO, false).unwrap();
     let start = |dl: Duration| {
         d.start_get(
             &addr,
             &[key],
-            Destination::device(dst.clone(), vec![vec![8, 9]]),
+            Destination::new(dst.clone(), vec![vec![8, 9]]),
             Instant::now() + dl,
         )
     };
@@ -265,7 +263,8 @@ async fn dropped_delayed_pulls_fire_their_fence_only_after_the_device_stopped() 
     let dst = cache(&ddev, "decode-kv", Duration::from_secs(30));
     let addr = p.address().unwrap().to_string();
     let key = ChunkKey::from_name("k");
-    p.publish_device(key, &src, &[2, 3], Duration::ZERO, false).unwrap();
+    let reg = p.register(src.clone()).unwrap();
+    p.publish(key, &reg, &[2, 3], Duration::ZERO, false).unwrap();
     let deadline = || Instant::now() + Duration::from_secs(30);
     for step in ["pull", "resolve"] {
         ddev.inject(FaultRule {
@@ -273,7 +272,7 @@ async fn dropped_delayed_pulls_fire_their_fence_only_after_the_device_stopped() 
             trigger: Trigger::Next,
         })
         .unwrap();
-        let to = Destination::device(dst.clone(), vec![vec![8, 9]]);
+        let to = Destination::new(dst.clone(), vec![vec![8, 9]]);
         let transfer = match step {
             "pull" => d.start_pull(&addr, &[key], to, deadline()),
             _ => {
@@ -313,7 +312,7 @@ async fn dropped_delayed_pulls_fire_their_fence_only_after_the_device_stopped() 
         d.start_pull(
             &addr,
             &[key],
-            Destination::device(dst.clone(), vec![vec![10, 11]]),
+            Destination::new(dst.clone(), vec![vec![10, 11]]),
             deadline()
         )
         .await

@@ -28,6 +28,12 @@ use kvferry::wire::{ChunkKey, ErrorKind};
 use tokio::time::Instant;
 
 /// Bytes per block of the contiguous test caches.
+/// Strong references to a registered host cache (the handle's and the engine's, plus
+/// one per transfer holding it).
+fn host_refs(r: &Registered) -> usize {
+    Arc::strong_count(r.cache.as_host().expect("a host cache"))
+}
+
 const BLOCK: usize = 4096;
 /// Blocks per contiguous test cache.
 const BLOCKS: u32 = 32;
@@ -430,10 +436,7 @@ async fn get_blocking_from_a_plain_thread_lands_and_times_out_on_time() {
         "returned after {took:?}"
     );
     assert!(f.fence.wait_until(in_secs(2)).await, "fence did not fire");
-    eventually("the transfer released the destination", || {
-        Arc::strong_count(&dst.cache) == 2
-    })
-    .await;
+    eventually("the transfer released the destination", || host_refs(&dst) == 2).await;
     p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
     close_clean(&p.decode).await;
     close_clean(&p.prefill).await;
@@ -761,7 +764,7 @@ async fn dropped_direct_transfer_fires_its_fence_only_after_the_receive_let_go()
 
     let (_out, cache) = contiguous_cache("decode-kv", None);
     let dst = p.decode.register(cache).unwrap();
-    let base = Arc::strong_count(&dst.cache);
+    let base = host_refs(&dst);
     let d = Destination::new(dst.cache.clone(), (0..6).map(|b| vec![b]).collect());
     let mut transfer = p.decode.start_get(&p.addr, &keys, d, in_secs(10));
     let fence = transfer.fence();
@@ -777,7 +780,7 @@ async fn dropped_direct_transfer_fires_its_fence_only_after_the_receive_let_go()
         .await;
         holds_for(Duration::from_millis(500), || {
             let drained = fence.is_drained();
-            let held = Arc::strong_count(&dst.cache) > base;
+            let held = host_refs(&dst) > base;
             let received = consumer.stats().consumer.chunks_received;
             if !drained && held && received < 6 {
                 Ok(())
@@ -800,7 +803,7 @@ async fn dropped_direct_transfer_fires_its_fence_only_after_the_receive_let_go()
     let dropped = Instant::now();
     loop {
         let drained = fence.is_drained(); // first
-        let count = Arc::strong_count(&dst.cache); // second
+        let count = host_refs(&dst); // second
         if drained {
             assert_eq!(
                 count, base,
@@ -814,7 +817,7 @@ async fn dropped_direct_transfer_fires_its_fence_only_after_the_receive_let_go()
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert_eq!(Arc::strong_count(&dst.cache), base);
+    assert_eq!(host_refs(&dst), base);
     eventually("cancel counted", || {
         let s = p.decode.stats().consumer;
         s.cancelled == 1 && s.draining == 0
@@ -901,7 +904,7 @@ async fn producer_closed_mid_direct_transfer_is_dirty_peer_lost_promptly() {
         released.iter().all(|r| r.reason == ReleaseReason::Shutdown),
         "{released:?}"
     );
-    eventually("destination let go", || Arc::strong_count(&dst.cache) == 2).await;
+    eventually("destination let go", || host_refs(&dst) == 2).await;
 
     // A closed producer is simply gone for new gets.
     let d = Destination::new(dst.cache.clone(), vec![vec![9]]);

@@ -487,8 +487,9 @@ async fn sim_device_gathers_and_scatters_only_the_selection() {
     let src = device_cache(&pdev, "dsrc", piece);
     let src_bytes = pattern(7, PIECES * blocks as usize * piece);
     src.buffers()[0].write(0, &src_bytes).unwrap();
+    let src_reg = p.prefill.register(src.clone()).unwrap();
     p.prefill
-        .publish_device(key("d"), &src, &[5, 6, 7], Duration::ZERO, false)
+        .publish(key("d"), &src_reg, &[5, 6, 7], Duration::ZERO, false)
         .unwrap();
     let half = 2 * tokens * D;
     let dst = device_cache(&ddev, "ddst", half);
@@ -499,7 +500,7 @@ async fn sim_device_gathers_and_scatters_only_the_selection() {
         .get(
             &p.addr,
             &[key("d")],
-            Destination::device(dst.clone(), vec![vec![1, 4]]).with_selection(Some(s.clone())),
+            Destination::new(dst.clone(), vec![vec![1, 4]]).with_selection(Some(s.clone())),
             soon(),
         )
         .await

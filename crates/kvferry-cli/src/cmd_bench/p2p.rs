@@ -672,7 +672,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
     let mut caches = Vec::new();
     let mut device_caches = Vec::new();
     if on_device {
-        for (i, _) in producers.iter().enumerate() {
+        for (i, p) in producers.iter().enumerate() {
             let dev: Arc<dyn Device> = SimDevice::new(SimConfig::new(i as u32))?;
             let buf = dev.alloc(playout.region_bytes())?;
             let spans = kvferry::layout::BlockMap::from_layout(&playout).spans().to_vec();
@@ -683,7 +683,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
                 producer_blocks,
                 Duration::from_secs(10),
             )?;
-            device_caches.push((Arc::new(cache), buf));
+            device_caches.push((p.register(cache)?, buf));
         }
     } else if !staged {
         for p in &producers {
@@ -703,13 +703,13 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
             } else if on_device {
                 let first = ((r / args.producers) * args.chunks_per_request + c) * bpc;
                 let blocks: Vec<u32> = (first as u32..(first + bpc) as u32).collect();
-                let (cache, buf) = &device_caches[r % args.producers];
+                let (reg, buf) = &device_caches[r % args.producers];
                 let mut at = 0;
                 for (off, len) in playout.chunk_ranges(&blocks)? {
                     buf.write(off, &bytes[at..at + len])?;
                     at += len;
                 }
-                p.publish_device(key(r, c), cache, &blocks, Duration::from_secs(24 * 3600), false)?;
+                p.publish(key(r, c), reg, &blocks, Duration::from_secs(24 * 3600), false)?;
             } else {
                 // Request r's chunk c takes consecutive blocks of its producer's cache.
                 let first = ((r / args.producers) * args.chunks_per_request + c) * bpc;
@@ -831,7 +831,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         tasks.spawn(async move {
             let blocks: Vec<u32> = (0..bpc as u32).map(|b| (slot * bpc) as u32 + b).collect();
             let dst = match &device_dst {
-                Some((dcache, _)) => Destination::device(dcache.clone(), vec![blocks.clone()]),
+                Some((dcache, _)) => Destination::new(dcache, vec![blocks.clone()]),
                 None => Destination::new(cache.clone(), vec![blocks.clone()]).with_path(path),
             };
             // Reads landed bytes back (from the sim device's memory on that path).

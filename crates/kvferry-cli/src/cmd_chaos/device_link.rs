@@ -104,13 +104,13 @@ impl DeviceLink {
         let (producer, consumer) = (engine(true).await?, engine(false).await?);
         let pd: Arc<dyn Device> = pdev.clone();
         let src_buf = pd.alloc(BLOCK * (CHUNKS * BLOCKS_PER_CHUNK) as usize)?;
-        let src = Arc::new(DeviceKvCache::contiguous(
+        let src = producer.register(DeviceKvCache::contiguous(
             "chaos-src",
             pd,
             src_buf.clone(),
             BLOCK,
             OP_TIMEOUT,
-        )?);
+        )?)?;
         let cd: Arc<dyn Device> = cdev.clone();
         let dst_buf = cd.alloc(BLOCK * (SLOTS * BLOCKS_PER_CHUNK) as usize)?;
         let dst = Arc::new(DeviceKvCache::contiguous(
@@ -128,7 +128,7 @@ impl DeviceLink {
             rng.fill_bytes(&mut p);
             src_buf.write(c as usize * chunk_bytes, &p)?;
             let blocks: Vec<u32> = (c * BLOCKS_PER_CHUNK..(c + 1) * BLOCKS_PER_CHUNK).collect();
-            producer.publish_device(key(c), &src, &blocks, Duration::ZERO, false)?;
+            producer.publish(key(c), &src, &blocks, Duration::ZERO, false)?;
             patterns.push(p);
         }
         let addr = producer.address().expect("the producer listens").to_string();
@@ -212,7 +212,7 @@ impl DeviceLink {
         }
         let blocks: Vec<u32> = (slot * BLOCKS_PER_CHUNK..(slot + 1) * BLOCKS_PER_CHUNK).collect();
         let deadline = Instant::now() + p.timeout;
-        let dst = Destination::device(self.dst.clone(), vec![blocks]);
+        let dst = Destination::new(&self.dst, vec![blocks]);
         let transfer = self.consumer.start_get(&self.addr, &[key(p.chunk)], dst, deadline);
         let fence = transfer.fence();
         let r = transfer.await;

@@ -64,6 +64,7 @@
 //! the operation.
 
 mod buffer;
+mod cache_ref;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod event;
@@ -74,6 +75,7 @@ mod sim;
 mod stream;
 
 pub use buffer::{BufferBackend, DeviceBuffer, DeviceSlice};
+pub use cache_ref::KvCacheRef;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     cuda_device_count, cuda_pinned_arena, cuda_pinned_backing, on_raw_event_complete, query_raw_event,

@@ -5,18 +5,22 @@
 //!
 //! # What it offers
 //!
-//! - **Memory**: [`register`](Engine::register) a [`KvCache`] (one buffer of blocks, a
-//!   set of per-layer tensors, or a model layout), or
-//!   [`register_device`](Engine::register_device) a device cache;
-//!   [`deregister`](Engine::deregister) (and `deregister_device`) waits, bounded, until
-//!   nothing uses it. Who uses a cache is counted explicitly by the producer's ledger:
-//!   each publication of it, and each transfer landing into it (from its start until
-//!   its drain), holds its registration; the last one to let go wakes the
-//!   deregistration.
+//! - **Memory**: [`register`](Engine::register) one [`KvCacheRef`] — a cache in any
+//!   kind of memory: a host [`KvCache`] (one buffer of blocks, a set of per-layer
+//!   tensors, or a model layout) or a [`DeviceKvCache`] (buffers of the host, sim or
+//!   CUDA device); both convert with `into()`. One [`Registered`] comes back, and
+//!   registrations of every kind live in one map under one id space;
+//!   [`deregister`](Engine::deregister) waits, bounded, until nothing uses it. Who
+//!   uses a cache is counted explicitly by the producer's ledger: each publication of
+//!   it, and each transfer landing into it (from its start until its drain), holds its
+//!   registration; the last one to let go wakes the deregistration.
 //! - **Offering KV** (producer side): [`publish`](Engine::publish) pins blocks of a
-//!   registered cache under a key (zero copy: sent straight from the cache, released by
-//!   the consumer's `Done`, the TTL or [`unpublish`](Engine::unpublish), reported by
-//!   [`take_released`](Engine::take_released)); [`put`](Engine::put) copies bytes into
+//!   registered cache under a key — every publication is of a registration, whatever
+//!   the memory (register first). Host blocks are sent straight from the cache (zero
+//!   copy); device blocks are gathered into staging pages on the cache's copy stream
+//!   when a consumer asks. Released by the consumer's `Done`, the TTL or
+//!   [`unpublish`](Engine::unpublish), reported by
+//!   [`take_released`](Engine::take_released); [`put`](Engine::put) copies bytes into
 //!   the engine's own store for callers that reuse their buffers at once.
 //! - **Fetching KV** (consumer side): [`get`](Engine::get) (eager), [`start_get`]
 //!   (a [`Transfer`] whose drain fence is known up front), [`get_blocking`]
@@ -76,7 +80,7 @@ use crate::mem::{ArenaConfig, ArenaStats, MemError};
 use crate::net::{NetError, Server, ServerStats};
 use crate::peer::{
     ChunkStore, Consumer, ConsumerConfig, ConsumerStats, DeregisterError, Producer, ProducerStats, Released,
-    StoreStats, Target, Transfer,
+    StoreStats, Transfer,
 };
 
 /// Errors of the engine's own (non-transfer) operations.
@@ -189,9 +193,8 @@ struct Inner {
     address: Option<SocketAddr>,
     /// Server counters, kept after the server stopped.
     last_server_stats: Mutex<ServerStats>,
-    registered: Mutex<HashMap<u64, Arc<KvCache>>>,
-    /// Device caches registered, by registration id.
-    devices: Mutex<HashMap<u64, Arc<crate::device::DeviceKvCache>>>,
+    /// Caches registered (host and device memory alike), by registration id.
+    registered: Mutex<HashMap<u64, KvCacheRef>>,
     next_region: AtomicU64,
     closed: AtomicBool,
     /// The directory side: event task stop token and the lookup miss cache.
@@ -213,22 +216,14 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-/// A registered cache: the cache and its registration id.
+/// A registered cache, in host or device memory: the cache and its registration id.
+/// Cloning it does not add a holder (holders are counted by the producer's ledger).
 #[derive(Clone, Debug)]
 pub struct Registered {
-    /// Registration id (unique within the engine).
+    /// Registration id (unique within the engine, whatever the memory kind).
     pub id: u64,
     /// The cache.
-    pub cache: Arc<KvCache>,
-}
-
-/// A registered device cache: the cache and its registration id.
-#[derive(Clone, Debug)]
-pub struct RegisteredDevice {
-    /// Registration id (unique within the engine; host and device share the space).
-    pub id: u64,
-    /// The cache.
-    pub cache: Arc<crate::device::DeviceKvCache>,
+    pub cache: KvCacheRef,
 }
 
 fn store_layout(cfg: &StoreConfig) -> Result<KvLayout, EngineError> {
@@ -340,7 +335,6 @@ impl Engine {
                 address,
                 last_server_stats: Mutex::new(ServerStats::default()),
                 registered: Mutex::new(HashMap::new()),
-                devices: Mutex::new(HashMap::new()),
                 next_region: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
                 fleet: fleet::FleetState::default(),
@@ -409,7 +403,7 @@ impl Engine {
             store: self.inner.producer.store().stats(),
             copy: self.inner.copy.stats(),
             server: self.server_stats(),
-            registered: self.inner.registered.lock().len() + self.inner.devices.lock().len(),
+            registered: self.inner.registered.lock().len(),
         }
     }
 
@@ -433,24 +427,17 @@ impl Engine {
         }
     }
 
-    /// Registers a cache: the engine holds it (and the memory it keeps alive) until
+    /// Registers a cache in host or device memory (anything that converts into a
+    /// [`KvCacheRef`]: a [`KvCache`], a [`DeviceKvCache`], either in an `Arc`): the
+    /// engine holds it (and the memory it keeps alive) until
     /// [`deregister`](Self::deregister) and every transfer touching it have finished.
-    pub fn register(&self, cache: KvCache) -> Result<Registered, EngineError> {
+    /// Its publications and the transfers landing into it hold the registration.
+    pub fn register(&self, cache: impl Into<KvCacheRef>) -> Result<Registered, EngineError> {
         self.check_open()?;
         let id = self.new_registration()?;
-        let cache = Arc::new(cache);
+        let cache = cache.into();
         self.inner.registered.lock().insert(id, cache.clone());
         Ok(Registered { id, cache })
-    }
-
-    /// Registers a device cache, as [`register`](Self::register): its publications
-    /// and the transfers landing into it hold it, and
-    /// [`deregister_device`](Self::deregister_device) waits for them.
-    pub fn register_device(&self, cache: Arc<crate::device::DeviceKvCache>) -> Result<RegisteredDevice, EngineError> {
-        self.check_open()?;
-        let id = self.new_registration()?;
-        self.inner.devices.lock().insert(id, cache.clone());
-        Ok(RegisteredDevice { id, cache })
     }
 
     fn new_registration(&self) -> Result<u64, EngineError> {
@@ -481,16 +468,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Deregisters a device cache, as [`deregister`](Self::deregister).
-    pub async fn deregister_device(&self, reg: &RegisteredDevice, timeout: Duration) -> Result<(), EngineError> {
-        if !self.inner.devices.lock().contains_key(&reg.id) {
-            return Err(EngineError::NotRegistered(reg.cache.name().to_string()));
-        }
-        self.deregister_id(reg.id, reg.cache.name(), timeout).await?;
-        self.inner.devices.lock().remove(&reg.id);
-        Ok(())
-    }
-
     async fn deregister_id(&self, id: u64, name: &str, timeout: Duration) -> Result<(), EngineError> {
         let started = Instant::now();
         match self.inner.producer.deregister(id, started + timeout).await {
@@ -507,22 +484,13 @@ impl Engine {
     /// `dst` holding the registration of its cache for as long as the transfer uses
     /// it (a cache not registered with this engine is taken as it is).
     fn held(&self, dst: Destination) -> Result<Destination, GetFailure> {
-        let id = match &dst.target {
-            Target::Host(c) => self
-                .inner
-                .registered
-                .lock()
-                .iter()
-                .find(|(_, r)| Arc::ptr_eq(r, c))
-                .map(|(id, _)| *id),
-            Target::Device(c) => self
-                .inner
-                .devices
-                .lock()
-                .iter()
-                .find(|(_, r)| Arc::ptr_eq(r, c))
-                .map(|(id, _)| *id),
-        };
+        let id = self
+            .inner
+            .registered
+            .lock()
+            .iter()
+            .find(|(_, r)| r.ptr_eq(&dst.target))
+            .map(|(id, _)| *id);
         let Some(id) = id else { return Ok(dst) };
         match self.inner.producer.hold(id) {
             Ok(hold) => Ok(dst.with_hold(hold)),
@@ -534,10 +502,15 @@ impl Engine {
         }
     }
 
-    /// Publishes `blocks` of a registered cache under `key` (zero copy). The blocks
-    /// must stay unwritten until reported by [`take_released`](Self::take_released):
-    /// after a consumer's `Done` when `once`, after `ttl` (zero: the default TTL;
-    /// capped at the producer's max TTL), or after [`unpublish`](Self::unpublish).
+    /// Publishes `blocks` of a registered cache under `key`; the publication holds the
+    /// registration until it is released. Every publication is of a registration, in
+    /// any memory: host blocks are sent straight from the cache (zero copy, checksum
+    /// computed now); device blocks are gathered into staging pages (device-to-host on
+    /// the cache's copy stream, bounded by its op timeout) when a consumer asks, and
+    /// sent from there. The blocks must stay unwritten until reported by
+    /// [`take_released`](Self::take_released): after a consumer's `Done` when `once`,
+    /// after `ttl` (zero: the default TTL; capped at the producer's max TTL), or after
+    /// [`unpublish`](Self::unpublish).
     pub fn publish(
         &self,
         key: ChunkKey,
@@ -553,36 +526,7 @@ impl Engine {
         Ok(self
             .inner
             .producer
-            .publish_registered(key, reg.cache.clone(), reg.id, blocks, ttl, once)?)
-    }
-
-    /// Publishes `blocks` of a device cache under `key`: when a consumer asks, they are
-    /// gathered into staging pages (device-to-host on the cache's copy stream, bounded
-    /// by its op timeout) and sent from there. Release semantics as [`publish`](Self::publish).
-    /// A cache registered with [`register_device`](Self::register_device) is held by
-    /// the publication until it is released.
-    pub fn publish_device(
-        &self,
-        key: ChunkKey,
-        cache: &Arc<crate::device::DeviceKvCache>,
-        blocks: &[u32],
-        ttl: Duration,
-        once: bool,
-    ) -> Result<(), EngineError> {
-        self.check_open()?;
-        let reg = self
-            .inner
-            .devices
-            .lock()
-            .iter()
-            .find(|(_, r)| Arc::ptr_eq(r, cache))
-            .map(|(id, _)| *id);
-        let p = &self.inner.producer;
-        match reg {
-            Some(id) => p.publish_device_registered(key, cache.clone(), id, blocks, ttl, once)?,
-            None => p.publish_device(key, cache.clone(), blocks, ttl, once)?,
-        }
-        Ok(())
+            .publish(key, reg.cache.clone(), reg.id, blocks, ttl, once)?)
     }
 
     /// Releases a publication (reported through `take_released` once its sends

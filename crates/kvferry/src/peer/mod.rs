@@ -29,7 +29,7 @@ mod store;
 
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerGone, StagedHandle, StagedSelection,
-    Target, Transfer, TransferPath,
+    Transfer, TransferPath,
 };
 pub use fault_hooks::ProducerFaults;
 pub use ledger::LeaseRefusal;

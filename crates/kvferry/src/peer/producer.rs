@@ -67,7 +67,7 @@ use super::selection::{plan_source, SourcePlan};
 use super::store::{truncate_ranges, ChunkStore, PinnedChunks};
 use super::PeerError;
 use crate::copy::CopyEngine;
-use crate::device::DeviceKvCache;
+use crate::device::{DeviceKvCache, KvCacheRef};
 use crate::layout::KvCache;
 use crate::mem::{Arena, Lease};
 use crate::net::{Connection, Handler, NetError};
@@ -160,11 +160,23 @@ pub struct ProducerStats {
 /// selection the shape of the selected stream.
 type StageResult = Result<(LeaseId, Vec<ChunkMeta>, u32, Option<SelectedShape>), PeerError>;
 
-/// A publication's ranges in its cache, length, and source.
-type PubParts = (Vec<(usize, usize)>, usize, PubSource);
-
 /// One staged chunk gathered from a device cache: its key, length and ranges.
 type GatherFrame = (ChunkKey, usize, Vec<(usize, usize)>);
+
+/// What a stage of published keys serves, decided under the ledger's lock from the
+/// first key's publication.
+enum Leading<'a> {
+    /// The selected part of every key (one cache, either kind).
+    Selected(&'a WireSelection),
+    /// The leading host publications: their chunks (checksums from publication) and
+    /// caches, in key order.
+    Host {
+        chunks: Vec<ChunkMeta>,
+        caches: Vec<Arc<KvCache>>,
+    },
+    /// The leading publications of one device cache, to be gathered.
+    Device(Arc<DeviceKvCache>),
+}
 
 /// What a staged lease sends from.
 enum StagedData {
@@ -172,12 +184,12 @@ enum StagedData {
     Store { chunks: PinnedChunks },
     /// Staging pages holding copies of store chunks, chunk `i` at `offsets[i]`.
     Pages { lease: Lease, offsets: Vec<usize> },
-    /// Published host blocks (the lease's `publications`), sent straight from the
-    /// engine's cache.
-    Pinned,
-    /// The selected part of published host blocks (one cache: the first
-    /// publication's), sent straight from the cache frame by frame.
-    Selected { plan: Arc<SourcePlan> },
+    /// Published host blocks (the lease's `publications`, publication `i` in
+    /// `caches[i]`), sent straight from the engine's caches.
+    Pinned { caches: Vec<Arc<KvCache>> },
+    /// The selected part of published host blocks of one `cache`, sent straight from
+    /// it frame by frame.
+    Selected { plan: Arc<SourcePlan>, cache: Arc<KvCache> },
 }
 
 /// A staged lease's payload: what it sends from and the quota charge of its pages.
@@ -409,85 +421,59 @@ impl Producer {
         }
     }
 
-    /// Publishes `blocks` of `cache` under `key` (zero copy): the blocks are sent
-    /// straight from the cache to consumers, and the engine must not write them until
+    /// Publishes `blocks` of `cache` — registration `reg`, held by the publication
+    /// until it is released — under `key`. The engine must not write the blocks until
     /// they are reported released ([`take_released`](Self::take_released)): after a
     /// consumer's `Done` when `once`, after `ttl` (capped at `max_ttl`; zero = the
     /// default TTL), or after [`unpublish`](Self::unpublish). Publishing a key again
-    /// replaces (and releases) the earlier publication. The checksum is computed now.
-    pub fn publish(
+    /// replaces (and releases) the earlier publication.
+    ///
+    /// One path for both memory kinds; only how the blocks are sent differs: host
+    /// blocks are sent straight from the cache (zero copy, checksum computed now),
+    /// device blocks are gathered into staging pages (device-to-host on the cache's
+    /// copy stream, bounded by its op timeout) when a consumer asks, and sent from
+    /// there.
+    pub(crate) fn publish(
         &self,
         key: ChunkKey,
-        cache: Arc<KvCache>,
+        cache: KvCacheRef,
+        reg: u64,
         blocks: &[u32],
         ttl: Duration,
         once: bool,
     ) -> Result<(), PeerError> {
-        let (ranges, len, source) = self.host_source(key, cache, blocks)?;
-        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, None)
-    }
-
-    /// Publishes `blocks` of a device cache under `key`: as [`publish`](Self::publish),
-    /// except that the blocks are gathered into staging pages (device-to-host, bounded
-    /// by the cache's op timeout) when a consumer asks, and sent from there. The blocks
-    /// stay pinned until the release is reported.
-    pub fn publish_device(
-        &self,
-        key: ChunkKey,
-        cache: Arc<DeviceKvCache>,
-        blocks: &[u32],
-        ttl: Duration,
-        once: bool,
-    ) -> Result<(), PeerError> {
-        let (ranges, len, source) = self.device_source(key, cache, blocks)?;
-        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, None)
-    }
-
-    /// A host publication's ranges, length and source (checksum computed now).
-    fn host_source(&self, key: ChunkKey, cache: Arc<KvCache>, blocks: &[u32]) -> Result<PubParts, PeerError> {
         cache
             .map()
             .check_blocks(blocks)
             .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
         let len = cache.map().chunk_bytes(blocks.len());
         let ranges = cache.chunk_ranges(blocks, len)?;
-        let checksum = cache.checksum(&ranges)?;
-        Ok((ranges, len, PubSource::Host { cache, checksum }))
-    }
-
-    /// A device publication's ranges, length and source.
-    fn device_source(&self, key: ChunkKey, cache: Arc<DeviceKvCache>, blocks: &[u32]) -> Result<PubParts, PeerError> {
-        cache
-            .map()
-            .check_blocks(blocks)
-            .map_err(|e| PeerError::InvalidArgument(format!("publish {key}: {e}")))?;
-        let len = cache.map().chunk_bytes(blocks.len());
-        let ranges = cache.chunk_ranges(blocks, len)?;
-        Ok((ranges, len, PubSource::Device { cache }))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn insert_publication(
-        &self,
-        key: ChunkKey,
-        source: PubSource,
-        ranges: Vec<(usize, usize)>,
-        blocks: Vec<u32>,
-        len: usize,
-        ttl: Duration,
-        once: bool,
-        reg: Option<RegId>,
-    ) -> Result<(), PeerError> {
-        let ttl = self.clamp_ttl(ttl);
-        let p = Arc::new(Publication {
+        let source = match cache {
+            KvCacheRef::Host(cache) => {
+                let checksum = cache.checksum(&ranges)?;
+                PubSource::Host { cache, checksum }
+            }
+            KvCacheRef::Device(cache) => PubSource::Device { cache },
+        };
+        let p = Publication {
             key,
             source,
             ranges,
-            blocks,
+            blocks: blocks.to_vec(),
             len,
-        });
+        };
+        self.insert_publication(p, ttl, once, RegId(reg))
+    }
+
+    fn insert_publication(&self, p: Publication, ttl: Duration, once: bool, reg: RegId) -> Result<(), PeerError> {
+        let ttl = self.clamp_ttl(ttl);
+        let key = p.key;
         let now = Instant::now();
-        let published = self.inner.ledger.lock().publish(key, p, once, now + ttl, reg, now);
+        let published = self
+            .inner
+            .ledger
+            .lock()
+            .publish(key, Arc::new(p), once, now + ttl, Some(reg), now);
         match published {
             Ok((_, out)) => {
                 self.act(out);
@@ -707,23 +693,44 @@ impl Producer {
     ) -> Option<StageResult> {
         // The leading live publications, held by a new lease from the same instant
         // (under one lock): none can be released while this stage reads them.
-        let (pubs, staging) = {
+        let (pubs, leading, staging) = {
             let mut ledger = self.inner.ledger.lock();
             let found = ledger.lookup(keys, Instant::now());
             let first = found.first()?;
-            let pubs: Vec<(PubId, Arc<Publication>)> = match (&first.1.source, select) {
+            let mut pubs: Vec<(PubId, Arc<Publication>)> = Vec::with_capacity(found.len());
+            let leading = match (&first.1.source, select) {
                 // A selection takes every key (it checks they share one cache).
-                (_, Some(_)) => found.iter().map(|(id, p)| (*id, Arc::clone(p))).collect(),
-                (PubSource::Host { .. }, None) => found
-                    .iter()
-                    .take_while(|(_, p)| matches!(p.source, PubSource::Host { .. }))
-                    .map(|(id, p)| (*id, Arc::clone(p)))
-                    .collect(),
-                (PubSource::Device { cache }, None) => found
-                    .iter()
-                    .take_while(|(_, p)| matches!(&p.source, PubSource::Device { cache: c } if Arc::ptr_eq(c, cache)))
-                    .map(|(id, p)| (*id, Arc::clone(p)))
-                    .collect(),
+                (_, Some(select)) => {
+                    pubs.extend(found.iter().map(|(id, p)| (*id, Arc::clone(p))));
+                    Leading::Selected(select)
+                }
+                // The leading host publications, sent in place.
+                (PubSource::Host { .. }, None) => {
+                    let (mut chunks, mut caches) = (Vec::new(), Vec::new());
+                    for (id, p) in &found {
+                        let PubSource::Host { cache, checksum } = &p.source else {
+                            break;
+                        };
+                        chunks.push(ChunkMeta {
+                            key: p.key,
+                            len: p.len as u64,
+                            checksum: *checksum,
+                        });
+                        caches.push(cache.clone());
+                        pubs.push((*id, Arc::clone(p)));
+                    }
+                    Leading::Host { chunks, caches }
+                }
+                // The leading publications of the first one's device cache, gathered.
+                (PubSource::Device { cache }, None) => {
+                    pubs.extend(
+                        found
+                            .iter()
+                            .take_while(|(_, p)| p.source.is_of_device(cache))
+                            .map(|(id, p)| (*id, Arc::clone(p))),
+                    );
+                    Leading::Device(cache.clone())
+                }
             };
             let terms = LeaseTerms {
                 owner: holder.identity.clone(),
@@ -733,6 +740,7 @@ impl Producer {
             let id = ledger.begin(terms, rand::random::<LeaseId>);
             (
                 pubs.into_iter().map(|(_, p)| p).collect::<Vec<_>>(),
+                leading,
                 Staging {
                     producer: self,
                     id,
@@ -740,26 +748,12 @@ impl Producer {
                 },
             )
         };
-        if let Some(select) = select {
-            return Some(self.stage_selected_pubs(staging, keys, pubs, select, ttl, holder).await);
-        }
-        let (chunks, data, charge) = match &pubs[0].source {
-            PubSource::Host { .. } => {
-                let chunks = pubs
-                    .iter()
-                    .map(|p| ChunkMeta {
-                        key: p.key,
-                        len: p.len as u64,
-                        checksum: match &p.source {
-                            PubSource::Host { checksum, .. } => *checksum,
-                            PubSource::Device { .. } => unreachable!("host publications only"),
-                        },
-                    })
-                    .collect();
-                (chunks, StagedData::Pinned, None)
+        let (chunks, data, charge) = match leading {
+            Leading::Selected(select) => {
+                return Some(self.stage_selected_pubs(staging, keys, pubs, select, ttl, holder).await)
             }
-            PubSource::Device { cache } => {
-                let cache = cache.clone();
+            Leading::Host { chunks, caches } => (chunks, StagedData::Pinned { caches }, None),
+            Leading::Device(cache) => {
                 let frames = pubs.iter().map(|p| (p.key, p.len, p.ranges.clone())).collect();
                 match self.gather_device(&cache, frames, holder).await {
                     Ok((chunks, data, charge)) => (chunks, data, Some(charge)),
@@ -800,25 +794,18 @@ impl Producer {
             // cannot be served, so the request is a miss.
             return Ok((0, Vec::new(), ttl_ms, None));
         }
-        let same_cache = |a: &PubSource, b: &PubSource| match (a, b) {
-            (PubSource::Host { cache: x, .. }, PubSource::Host { cache: y, .. }) => Arc::ptr_eq(x, y),
-            (PubSource::Device { cache: x }, PubSource::Device { cache: y }) => Arc::ptr_eq(x, y),
-            _ => false,
-        };
-        if let Some(p) = pubs.iter().find(|p| !same_cache(&p.source, &pubs[0].source)) {
+        let cache = pubs[0].source.cache();
+        if let Some(p) = pubs.iter().find(|p| !p.source.cache().ptr_eq(&cache)) {
             let why = format!("keys {} and {} are published from different caches", pubs[0].key, p.key);
             return Err(SelectionError::Unsupported(why).into());
         }
-        let map = match &pubs[0].source {
-            PubSource::Host { cache, .. } => cache.map().clone(),
-            PubSource::Device { cache } => cache.map().clone(),
-        };
+        let map = cache.map().clone();
         let lists: Vec<(ChunkKey, &[u32])> = pubs.iter().map(|p| (p.key, p.blocks.as_slice())).collect();
         let limits = Limits::default();
         let plan = plan_source(&lists, &map, select, limits.max_keys, limits.max_bulk_bytes)?;
         let shape = plan.shape.clone();
-        let (chunks, data, charge) = match &pubs[0].source {
-            PubSource::Host { cache, .. } => {
+        let (chunks, data, charge) = match cache {
+            KvCacheRef::Host(cache) => {
                 let mut chunks = Vec::with_capacity(plan.frame_count());
                 for i in 0..plan.frame_count() {
                     let (key, len) = plan.frame(i);
@@ -829,10 +816,13 @@ impl Producer {
                         checksum,
                     });
                 }
-                let data = StagedData::Selected { plan: Arc::new(plan) };
+                let data = StagedData::Selected {
+                    plan: Arc::new(plan),
+                    cache,
+                };
                 (chunks, data, None)
             }
-            PubSource::Device { cache } => {
+            KvCacheRef::Device(cache) => {
                 let all = plan.all_ranges()?;
                 let frames = all
                     .into_iter()
@@ -842,7 +832,7 @@ impl Producer {
                         (key, len, r)
                     })
                     .collect();
-                let (chunks, data, charge) = self.gather_device(&cache.clone(), frames, holder).await?;
+                let (chunks, data, charge) = self.gather_device(&cache, frames, holder).await?;
                 (chunks, data, Some(charge))
             }
         };
@@ -961,15 +951,9 @@ impl Producer {
                 StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], meta.len as usize),
                 // Published blocks: straight from the engine's cache (the lease holds
                 // the publication, and so the cache, until this write stopped).
-                StagedData::Pinned => match &entry.publications[i].source {
-                    PubSource::Host { cache, .. } => cache.io_slices(&entry.publications[i].ranges),
-                    PubSource::Device { .. } => unreachable!("device publications are sent from pages"),
-                },
+                StagedData::Pinned { caches } => caches[i].io_slices(&entry.publications[i].ranges),
                 // A selection: frame `i`'s ranges of the (one) host cache.
-                StagedData::Selected { plan } => match &entry.publications[0].source {
-                    PubSource::Host { cache, .. } => cache.io_slices(&plan.frame_ranges(i)),
-                    PubSource::Device { .. } => unreachable!("device selections are sent from pages"),
-                },
+                StagedData::Selected { plan, cache } => cache.io_slices(&plan.frame_ranges(i)),
             }
             .map_err(|e| NetError::Protocol(e.to_string()))?;
             if meta.len > 0 && faults.corrupt_frame() {
@@ -1339,38 +1323,6 @@ impl Producer {
                 return Err(DeregisterError::InUse { holders });
             }
         }
-    }
-
-    /// Publishes `blocks` of host cache `cache`, registration `reg` (held by the
-    /// publication until it is released). As [`publish`](Self::publish) otherwise.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn publish_registered(
-        &self,
-        key: ChunkKey,
-        cache: Arc<KvCache>,
-        reg: u64,
-        blocks: &[u32],
-        ttl: Duration,
-        once: bool,
-    ) -> Result<(), PeerError> {
-        let (ranges, len, source) = self.host_source(key, cache, blocks)?;
-        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, Some(RegId(reg)))
-    }
-
-    /// Publishes `blocks` of device cache `cache`, registration `reg`. As
-    /// [`publish_device`](Self::publish_device) otherwise.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn publish_device_registered(
-        &self,
-        key: ChunkKey,
-        cache: Arc<DeviceKvCache>,
-        reg: u64,
-        blocks: &[u32],
-        ttl: Duration,
-        once: bool,
-    ) -> Result<(), PeerError> {
-        let (ranges, len, source) = self.device_source(key, cache, blocks)?;
-        self.insert_publication(key, source, ranges, blocks.to_vec(), len, ttl, once, Some(RegId(reg)))
     }
 }
 

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::device::DeviceKvCache;
+use crate::device::{DeviceKvCache, KvCacheRef};
 use crate::layout::KvCache;
 use crate::wire::ChunkKey;
 
@@ -94,6 +94,21 @@ pub(crate) enum PubSource {
     Host { cache: Arc<KvCache>, checksum: u32 },
     /// Device memory: gathered into staging pages (D2H) when a consumer asks.
     Device { cache: Arc<DeviceKvCache> },
+}
+
+impl PubSource {
+    /// The cache the blocks live in.
+    pub(crate) fn cache(&self) -> KvCacheRef {
+        match self {
+            PubSource::Host { cache, .. } => KvCacheRef::Host(cache.clone()),
+            PubSource::Device { cache } => KvCacheRef::Device(cache.clone()),
+        }
+    }
+
+    /// True for blocks of device cache `cache`.
+    pub(crate) fn is_of_device(&self, cache: &Arc<DeviceKvCache>) -> bool {
+        matches!(self, PubSource::Device { cache: c } if Arc::ptr_eq(c, cache))
+    }
 }
 
 /// One published chunk: blocks of a cache, pinned until the ledger releases it. Its

@@ -24,7 +24,10 @@
 //! blocks, verifying each chunk's checksum as it arrives, with no staging page and no
 //! copy; **staged** receives into staging pages and lands with one copy after every
 //! chunk verified. Either way the destination is owned by the transfer task until it
-//! has stopped, and a failed direct transfer reports its blocks as dirty.
+//! has stopped, and a failed direct transfer reports its blocks as dirty. The
+//! destination's cache is one [`KvCacheRef`](crate::device::KvCacheRef), host or
+//! device memory: a device cache is always staged, then landed by a host-to-device
+//! scatter on the cache's copy stream.
 //!
 //! The module is split: [`types`] (public types), `client` (the [`Consumer`] API) and
 //! `transfer` (the transfer task and its per-transfer context), `peer_watch` (failing a
@@ -38,6 +41,6 @@ pub mod types;
 pub use client::Consumer;
 pub use peer_watch::PeerGone;
 pub use types::{
-    ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, StagedSelection, Target, Transfer,
+    ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, StagedSelection, Transfer,
     TransferPath,
 };

@@ -19,6 +19,7 @@
 //! bounded by the cache's own op timeout as well as by cancellation.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -26,9 +27,10 @@ use tokio_util::sync::CancellationToken;
 use super::super::selection::LandingPlan;
 use super::super::PeerError;
 use super::client::{check_frames, Consumer, Request, OUTCOMES};
-use super::types::{Destination, GetFailure, Landed, Target, TransferPath};
+use super::types::{Destination, GetFailure, Landed, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
-use crate::device::{DeviceError, DeviceKvCache};
+use crate::device::{DeviceError, DeviceKvCache, KvCacheRef};
+use crate::layout::KvCache;
 use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
 use crate::wire::{ChunkMeta, Message, SelectedShape, SelectionError};
@@ -67,8 +69,9 @@ type ScatterPlan = Vec<(usize, Vec<(usize, usize)>)>;
 enum Sink {
     /// Receiver staging pages, chunk `i` at `offsets[i]`.
     Staging { lease: Lease, offsets: Vec<usize> },
-    /// Straight into the destination blocks.
-    Direct,
+    /// Straight into the destination blocks of a host cache (a device cache is
+    /// always staged, so only a host cache is ever a direct sink).
+    Direct(Arc<KvCache>),
 }
 
 /// Everything one transfer needs, owned by its task.
@@ -236,9 +239,9 @@ impl TransferCtx<'_> {
             None => (0..nchunks).map(|i| self.dst.capacity(i)).collect(),
         };
         // 1. Staged path: receiver staging for every chunk first, or the request is a miss.
-        let mut sink = match self.dst.effective_path() {
-            TransferPath::Direct => Sink::Direct,
-            TransferPath::Staged => {
+        let mut sink = match (&self.dst.target, self.dst.effective_path()) {
+            (KvCacheRef::Host(cache), TransferPath::Direct) => Sink::Direct(cache.clone()),
+            _ => {
                 let offsets: Vec<usize> = caps
                     .iter()
                     .scan(0, |at, c| Some(std::mem::replace(at, *at + c)))
@@ -285,8 +288,8 @@ impl TransferCtx<'_> {
             None => None,
         };
         let cache = match &self.dst.target {
-            Target::Host(c) => c.clone(),
-            Target::Device(c) => {
+            KvCacheRef::Host(c) => c.clone(),
+            KvCacheRef::Device(c) => {
                 let c = c.clone();
                 let plan = match selected_ranges {
                     Some(r) => vec![(0, r)],
@@ -295,7 +298,7 @@ impl TransferCtx<'_> {
                 return self.land_on_device(&c, lease, plan, landed).await;
             }
         };
-        let memory: std::sync::Arc<dyn HostMemory> = cache.memory().clone();
+        let memory: Arc<dyn HostMemory> = cache.memory().clone();
         let mut plan = CopyPlan::new(lease, Endpoint::Memory(memory));
         match selected_ranges {
             Some(ranges) => {
@@ -355,7 +358,7 @@ impl TransferCtx<'_> {
 
     async fn land_on_device(
         &mut self,
-        cache: &std::sync::Arc<DeviceKvCache>,
+        cache: &Arc<DeviceKvCache>,
         lease: Lease,
         plan: ScatterPlan,
         landed: Landed,
@@ -496,10 +499,7 @@ impl TransferCtx<'_> {
                         at += len;
                         conn.recv_bulk(id, &mut parts).await
                     }
-                    Sink::Direct => {
-                        let Target::Host(cache) = &self.dst.target else {
-                            unreachable!("device targets are always staged");
-                        };
+                    Sink::Direct(cache) => {
                         let ranges = cur.take(len)?;
                         self.dirty = true;
                         // SAFETY: the destination's blocks were checked distinct and
@@ -527,10 +527,7 @@ impl TransferCtx<'_> {
                     let mut parts = lease.io_slices_mut(offsets[i], len)?;
                     conn.recv_bulk(id, &mut parts).await
                 }
-                Sink::Direct => {
-                    let Target::Host(cache) = &self.dst.target else {
-                        unreachable!("device targets are always staged");
-                    };
+                Sink::Direct(cache) => {
                     let ranges = cache.chunk_ranges(&self.dst.chunks[i], len)?;
                     self.dirty = true;
                     // SAFETY: the destination's blocks were checked distinct

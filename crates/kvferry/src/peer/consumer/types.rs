@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use super::super::selection::Selection;
 use super::super::PeerError;
 use crate::copy::DrainFence;
-use crate::device::DeviceKvCache;
+use crate::device::KvCacheRef;
 use crate::layout::{BlockMap, KvCache, KvLayout};
 use crate::mem::Region;
 use crate::net::NetConfig;
@@ -74,21 +74,13 @@ impl std::str::FromStr for TransferPath {
     }
 }
 
-/// The cache a destination's blocks belong to.
-#[derive(Clone, Debug)]
-pub enum Target {
-    /// Host memory.
-    Host(Arc<KvCache>),
-    /// Device memory: always received through staging pages, then landed by a
-    /// host-to-device scatter on the cache's copy stream (bounded wait).
-    Device(Arc<DeviceKvCache>),
-}
-
 /// Where landed chunks go: a KV cache, the block ids of each chunk, and the path.
 #[derive(Clone, Debug)]
 pub struct Destination {
-    /// The consumer's KV cache.
-    pub target: Target,
+    /// The consumer's KV cache, host or device memory. A device cache is always
+    /// received through staging pages, then landed by a host-to-device scatter on the
+    /// cache's copy stream (bounded wait).
+    pub target: KvCacheRef,
     /// For each requested chunk, in key order, the blocks it lands in.
     pub chunks: Vec<Vec<u32>>,
     /// How the bytes get there (a device target is always staged).
@@ -108,24 +100,18 @@ pub struct Destination {
 }
 
 impl Destination {
-    /// Chunks into `cache`'s blocks, on the direct path.
-    pub fn new(cache: Arc<KvCache>, chunks: Vec<Vec<u32>>) -> Destination {
+    /// Chunks into `cache`'s blocks: a host cache on the direct path, a device cache
+    /// through staging, then host-to-device.
+    pub fn new(cache: impl Into<KvCacheRef>, chunks: Vec<Vec<u32>>) -> Destination {
+        let target = cache.into();
+        let path = match target {
+            KvCacheRef::Host(_) => TransferPath::Direct,
+            KvCacheRef::Device(_) => TransferPath::Staged,
+        };
         Destination {
-            target: Target::Host(cache),
+            target,
             chunks,
-            path: TransferPath::Direct,
-            incarnation: None,
-            select: None,
-            hold: None,
-        }
-    }
-
-    /// Chunks into a device cache's blocks (through staging, then host-to-device).
-    pub fn device(cache: Arc<DeviceKvCache>, chunks: Vec<Vec<u32>>) -> Destination {
-        Destination {
-            target: Target::Device(cache),
-            chunks,
-            path: TransferPath::Staged,
+            path,
             incarnation: None,
             select: None,
             hold: None,
@@ -134,17 +120,14 @@ impl Destination {
 
     /// The block map of the target cache.
     pub fn map(&self) -> &BlockMap {
-        match &self.target {
-            Target::Host(c) => c.map(),
-            Target::Device(c) => c.map(),
-        }
+        self.target.map()
     }
 
     /// The path actually taken: a device target is always staged.
     pub fn effective_path(&self) -> TransferPath {
         match self.target {
-            Target::Host(_) => self.path,
-            Target::Device(_) => TransferPath::Staged,
+            KvCacheRef::Host(_) => self.path,
+            KvCacheRef::Device(_) => TransferPath::Staged,
         }
     }
 
@@ -157,7 +140,7 @@ impl Destination {
     ) -> Result<Destination, PeerError> {
         let cache = KvCache::with_layout(region, layout)?;
         Ok(Destination {
-            target: Target::Host(Arc::new(cache)),
+            target: KvCacheRef::Host(Arc::new(cache)),
             chunks,
             path: TransferPath::Staged,
             incarnation: None,
