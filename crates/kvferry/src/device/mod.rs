@@ -12,6 +12,10 @@
 //!   stream wait for an event of another stream.
 //! - Every operation gets a **fresh** [`Event`] (a new [`EventId`]); events are never
 //!   reused across operations.
+//! - A [`DeviceKvCache`] is a paged KV cache in device buffers, with the gather and
+//!   scatter that put it on the transfer path; [`KvCacheRef`] is the one cache type
+//!   over both memory kinds (a host [`KvCache`](crate::layout::KvCache) or a device
+//!   cache) that the layers above register, publish from and land into.
 //! - [`AsyncOutput`] is the "async output" primitive: after the main stream's work, copy
 //!   a set of device buffers into one lease on a dedicated copy stream, then
 //!   [`AsyncOutput::get`] the bytes within a deadline.

@@ -14,9 +14,12 @@
 //! [`super::fault_hooks`].
 //!
 //! Two kinds of chunks are served: chunks of the store (pinned in the store and sent
-//! straight from its blocks with the checksum they were stored with), and **published** blocks of an engine's own
-//! [`KvCache`] (see [`super::publish`]), which are sent straight from the cache with
-//! vectored writes — zero copies on this side.
+//! straight from its blocks with the checksum they were stored with), and **published**
+//! blocks of an engine's own registered cache, one [`KvCacheRef`] of either memory
+//! kind (see [`super::publish`]): host blocks ([`KvCache`]) are sent straight from the
+//! cache with vectored writes — zero copies on this side — and device blocks are
+//! gathered into staging pages first. One publish path serves both kinds; only the
+//! stage matches on the kind, where the data path differs.
 //!
 //! A consumer that will not pull sends `Release`: the `once` publications it names
 //! leave the table at once (reason `Declined`), with nothing staged, so it works while

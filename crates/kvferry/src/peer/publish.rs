@@ -1,15 +1,18 @@
 //! Published block leases: the zero-copy ("pin") way a producer offers blocks of an
-//! engine's own [`KvCache`].
+//! engine's own registered cache (a [`KvCache`] in host memory, or device memory).
 //!
-//! [`Producer::publish`](super::Producer::publish) records a chunk key for some blocks
-//! of a registered cache. The engine promises not to write those blocks until kvferry
+//! `Producer::publish` (through [`Engine::publish`](crate::engine::Engine::publish))
+//! records a chunk key for some blocks of a registered cache. The engine promises not to write those blocks until kvferry
 //! reports them released (the "delay free blocks" contract inference engines already
 //! keep for their connectors); kvferry sends them to consumers with vectored writes
 //! straight from the cache, with the checksum computed at publication.
 //!
-//! Blocks in **device** memory ([`DeviceKvCache`]) are published the same way; when a
-//! consumer asks, they are gathered into staging pages on the cache's copy stream (a
-//! device-to-host copy with a bounded wait) and sent from there.
+//! Blocks in **device** memory ([`DeviceKvCache`]) are published the same way, by the
+//! same call: a publication is of one [`KvCacheRef`] (either memory kind) and holds
+//! its registration until it is released. Only the data path differs: when a consumer
+//! asks, device blocks are gathered into staging pages on the cache's copy stream (a
+//! device-to-host copy with a bounded wait) and sent from there. `PubSource` keeps
+//! what each kind needs (a host publication's checksum, computed at publication).
 //!
 //! Who holds a publication, and when it is released, is decided by the producer's
 //! [ledger](super::ledger): it is retired (leaves the key table) by the consumer's
