@@ -1167,3 +1167,43 @@ async fn lookup_counts_published_chunks_as_a_stage_would_serve_them() {
     close_clean(&p.decode).await;
     close_clean(&p.prefill).await;
 }
+
+/// A timeout's `waited` runs from the call that started the transfer, on the clock of
+/// its deadline, not from the transfer's first poll: a `Transfer` awaited late (as a
+/// runtime on a busy host may first poll it) still reports the whole time since
+/// `start_get`. (It reported only the time since the first poll, so a Python
+/// `get_blocking(timeout=0.2)` once said it waited 196.7 ms.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_reports_the_time_since_the_call_not_since_the_first_poll() {
+    let p = pair().await;
+    let (_src, cache) = contiguous_cache("prefill-kv", Some(21));
+    let src = p.prefill.register(cache).unwrap();
+    let k = key("clock/a");
+    p.prefill.publish(k, &src, &[0], Duration::ZERO, false).unwrap();
+    p.prefill
+        .producer()
+        .faults()
+        .send_delay_us
+        .store(2_000_000, Ordering::SeqCst);
+    let (_out, cache) = contiguous_cache("decode-kv", None);
+    let dst = p.decode.register(cache).unwrap();
+
+    let timeout = Duration::from_millis(300);
+    let called = Instant::now();
+    let d = Destination::new(dst.cache.clone(), vec![vec![0]]);
+    let transfer = p.decode.start_get(&p.addr, &[k], d, called + timeout);
+    tokio::time::sleep(Duration::from_millis(150)).await; // first polled late
+    let f = failure(transfer.await);
+    let returned = called.elapsed();
+    match &f.error {
+        PeerError::Timeout { waited, .. } => {
+            assert!(*waited >= timeout, "waited {waited:?} of a {timeout:?} timeout");
+            assert!(*waited <= returned, "waited {waited:?}, returned after {returned:?}");
+        }
+        e => panic!("expected a timeout, got {e}"),
+    }
+    p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
+    assert!(f.fence.wait_until(in_secs(5)).await, "the cancelled get drains");
+    close_clean(&p.decode).await;
+    close_clean(&p.prefill).await;
+}

@@ -408,11 +408,11 @@ impl Consumer {
     pub fn start_resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Transfer {
         let (signal, fence) = DrainFence::pair();
         let (this, f) = (self.clone(), fence.clone());
+        // The call's own instant, not the first poll's: a runtime on a busy host may
+        // poll the transfer late, and `waited` runs on the deadline's clock.
+        let started = Instant::now();
         // Dropped before its first poll, the future drops `signal` and the fence fires.
-        let fut = async move {
-            let started = Instant::now();
-            this.resolve_fenced(handle, dst, deadline, started, signal, f).await
-        };
+        let fut = async move { this.resolve_fenced(handle, dst, deadline, started, signal, f).await };
         Transfer {
             fence,
             fut: Box::pin(fut),
@@ -436,8 +436,9 @@ impl Consumer {
         };
         let (signal, fence) = DrainFence::pair();
         let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
+        // The call's instant (see `start_resolve`).
+        let started = Instant::now();
         let fut = async move {
-            let started = Instant::now();
             match this.stage_with(&peer, &keys, select, deadline).await {
                 Ok(handle) => this.resolve_fenced(handle, dst, deadline, started, signal, f).await,
                 Err(error) => {
@@ -651,9 +652,10 @@ impl Consumer {
             }
         };
         let (this, peer, keys, f) = (self.clone(), peer.to_string(), keys.to_vec(), fence.clone());
+        // The call's instant (see `start_resolve`).
+        let started = Instant::now();
         // Dropped before its first poll, the future drops `signal` and the fence fires.
         let fut = async move {
-            let started = Instant::now();
             this.run_fenced(&peer, Request::Get { keys, select }, dst, deadline, started, signal, f)
                 .await
         };
