@@ -163,9 +163,8 @@ def test_waiting_a_second_is_not_a_busy_spin() -> None:
     assert 0.2 < max(gaps) < 0.400 + 0.05
 
 
-def test_backoff_adapts_to_the_usual_completion_time() -> None:
-    """After waits that took ~60 ms, a wait sleeps until just before 60 ms instead of
-    polling from the start; a wait without history polls from 20 µs on, backing off."""
+def _adaptive_schedule_problems() -> list[str]:
+    """One run of the adaptive-schedule scenario: what it got wrong (empty: nothing)."""
     what = _name()
     cold = At(time.monotonic() + 0.06)
     kvferry.bounded_wait(cold, 5.0, what=what)
@@ -174,16 +173,37 @@ def test_backoff_adapts_to_the_usual_completion_time() -> None:
     t0 = time.monotonic()
     warm = At(t0 + 0.06)
     kvferry.bounded_wait(warm, 5.0, what=what)
+    problems: list[str] = []
     early = [q for q in warm.queries if q < t0 + 0.045]
     # The first query, then one sleep towards the horizon.
-    assert len(early) <= 2, len(early)
+    if len(early) > 2:
+        problems.append(f"{len(early)} queries before 45 ms of a warm 60 ms wait (at most 2)")
     early_cold = [q for q in cold.queries if q < cold.at - 0.015]
     # 20 µs, 80 µs, 320 µs, ... (fewer when the machine is loaded: wake-ups run late).
-    assert len(early_cold) >= 3, len(early_cold)
-    assert early_cold[1] - early_cold[0] < 0.03  # 20 µs asked; a loaded host runs late
+    if len(early_cold) < 3:
+        problems.append(f"{len(early_cold)} queries before 45 ms of a cold wait (at least 3)")
+    elif early_cold[1] - early_cold[0] >= 0.03:  # 20 µs asked; a loaded host runs late
+        problems.append(f"a cold wait's second query came {early_cold[1] - early_cold[0]:.4f} s after its first")
     # And it resumed soon after the event completed (a loaded host wakes late; a missed
     # completion would be the next back-off step, hundreds of ms away).
-    assert warm.queries[-1] - warm.at < 0.05
+    if warm.queries[-1] - warm.at >= 0.05:
+        problems.append(f"returned {warm.queries[-1] - warm.at:.4f} s after the completion")
+    return problems
+
+
+def test_backoff_adapts_to_the_usual_completion_time() -> None:
+    """After waits that took ~60 ms, a wait sleeps until just before 60 ms instead of
+    polling from the start; a wait without history polls from 20 µs on, backing off.
+    Timing on a shared 2-core host is noisy (a sleep stalled by another process
+    distorts one history), so the scenario gets three tries, each with a fresh
+    history: a schedule that does not adapt fails all three."""
+    tries = []
+    for _ in range(3):
+        problems = _adaptive_schedule_problems()
+        if not problems:
+            return
+        tries.append(problems)
+    raise AssertionError(f"the schedule did not adapt in 3 tries: {tries}")
 
 
 def test_history_ignores_waits_that_found_the_event_complete() -> None:
