@@ -31,10 +31,13 @@ pub struct BenchArgs {
 
 const AFTER_HELP: &str = "\
 What the transfer benchmark prints (one row per point; --json: the same fields):
-  GB/s       chunk bytes landed and verified per second
+  GB/s       chunk bytes landed and verified per second (all chunks; they move in 3
+             rounds, each followed by one raw-TCP run)
   TCP GB/s   raw loopback TCP moving the same bytes over as many connections, measured
-             in the same run (best of 3); ratio = GB/s / TCP GB/s: 1.00 is the ceiling
-             (no cost over plain sockets), the target is 0.85
+             in the same run (best of 3 runs); ratio = the best transfer round's GB/s /
+             TCP GB/s (both sides best of 3, interleaved): 1.00 is the ceiling (no cost
+             over plain sockets), the target is 0.85; --json also gives ratio_overall
+             (all rounds together / TCP GB/s)
   pipe GB/s  the staged pipeline: gather memcpy + socket + landing memcpy in plain code,
              no checksums (what the design's copies alone cost on this machine)
   p50/p99    per-chunk latency, request to landed in the destination

@@ -50,7 +50,20 @@ fn bench_json_has_every_field_and_no_integrity_failure() {
         "every chunk moved: {v}"
     );
     assert!(num("p99_ms") >= num("p50_ms"), "{v}");
-    assert!((num("ratio") - num("gbps") / num("tcp_limit_gbps")).abs() < 1e-9, "{v}");
+    // three interleaved rounds; the ratio compares the best of them with the best raw-TCP run
+    let rounds: Vec<f64> = v["round_gbps"]
+        .as_array()
+        .unwrap_or_else(|| panic!("round_gbps is a list: {v}"))
+        .iter()
+        .map(|x| x.as_f64().expect("a number"))
+        .collect();
+    assert_eq!(rounds.len(), 3, "{v}");
+    assert!(rounds.iter().all(|g| *g > 0.0), "{v}");
+    let best = rounds.iter().cloned().fold(0.0, f64::max);
+    assert_eq!(num("best_round_gbps"), best, "{v}");
+    assert!(best >= num("gbps") * 0.999, "the best round is at least the average: {v}");
+    assert!((num("ratio") - best / num("tcp_limit_gbps")).abs() < 1e-9, "{v}");
+    assert!((num("ratio_overall") - num("gbps") / num("tcp_limit_gbps")).abs() < 1e-9, "{v}");
     assert_eq!(num("errors"), 0.0, "{v}");
     assert_eq!(num("corrupted_bytes"), 0.0, "{v}");
     assert_eq!(num("leaked_pages"), 0.0, "{v}");
