@@ -139,22 +139,21 @@ def pd_main(mode: str) -> None:
             assert got == n, f"{req}: the receiver retrieved {got} of {n} tokens"
             assert torch.equal(out, kv), f"{req}: the receiver's bytes are not the sender's"
             _phase(f"{req}: retrieved, bytes equal")
-        if mode == "sync":
-            # LMCache 0.5.6's sync ``PDBackend.close`` never returns: it terminates
-            # zmq's process-wide context (``zmq.Context.instance()``) while its own
-            # alloc-loop REP socket, which nothing closes, is still open, so
-            # ``Context.term`` blocks for ever (its alloc thread then logs "Context
-            # was terminated" every 10 ms). That is LMCache's teardown, not the
-            # channel's: here the test closes the kvferry channels itself, bounded,
-            # and leaves the process (``os._exit``) without LMCache's close.
-            for e in (tx, rx):
-                ch = e.storage_manager.storage_backends["PDBackend"].transfer_channel
-                t0 = time.monotonic()
-                ch.close()
-                took = time.monotonic() - t0
-                assert took < 10.0, f"the kvferry channel took {took:.1f} s to close"
-            _phase("kvferry channels closed")
-            names.clear()
+        # LMCache 0.5.6's PD backends do not close: both terminate a zmq context while
+        # a socket of their own on it is still open, so ``Context.term`` blocks for
+        # ever — the sync ``PDBackend`` its alloc-loop REP socket on the process-wide
+        # context, the async ``PDBackendAsync`` (sender) its proxy PUSH socket, which
+        # its ``close`` never closes. That is LMCache's teardown, not the channel's:
+        # the test closes the kvferry channels itself, bounded, and leaves the process
+        # (``os._exit``) without LMCache's close.
+        for e in (tx, rx):
+            ch = e.storage_manager.storage_backends["PDBackend"].transfer_channel
+            t0 = time.monotonic()
+            ch.close()
+            took = time.monotonic() - t0
+            assert took < 10.0, f"the kvferry channel took {took:.1f} s to close"
+        _phase("kvferry channels closed")
+        names.clear()
         print("PD-OK", mode, flush=True)
     finally:
         for name in reversed(names):
