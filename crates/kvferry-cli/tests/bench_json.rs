@@ -61,9 +61,15 @@ fn bench_json_has_every_field_and_no_integrity_failure() {
     assert!(rounds.iter().all(|g| *g > 0.0), "{v}");
     let best = rounds.iter().cloned().fold(0.0, f64::max);
     assert_eq!(num("best_round_gbps"), best, "{v}");
-    assert!(best >= num("gbps") * 0.999, "the best round is at least the average: {v}");
+    assert!(
+        best >= num("gbps") * 0.999,
+        "the best round is at least the average: {v}"
+    );
     assert!((num("ratio") - best / num("tcp_limit_gbps")).abs() < 1e-9, "{v}");
-    assert!((num("ratio_overall") - num("gbps") / num("tcp_limit_gbps")).abs() < 1e-9, "{v}");
+    assert!(
+        (num("ratio_overall") - num("gbps") / num("tcp_limit_gbps")).abs() < 1e-9,
+        "{v}"
+    );
     assert_eq!(num("errors"), 0.0, "{v}");
     assert_eq!(num("corrupted_bytes"), 0.0, "{v}");
     assert_eq!(num("leaked_pages"), 0.0, "{v}");
