@@ -33,37 +33,67 @@ use std::sync::OnceLock;
 
 use crc_fast::{CrcAlgorithm, Digest};
 
+#[cfg(target_arch = "x86_64")]
+mod fold_avx2;
+
 /// Which implementation computes checksums in this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// `crc-fast`: carry-less-multiplication folding (chosen where the CPU has
     /// AVX-512 VL and VPCLMULQDQ, and on non-x86 CPUs).
     FoldClmul,
+    /// Our 256-bit VPCLMULQDQ fold ([`fold_avx2`]; chosen on x86-64 CPUs with AVX2 and
+    /// VPCLMULQDQ but not AVX-512 VL).
+    FoldAvx2,
     /// The `crc32c` crate: the hardware `crc32` instruction, three streams interleaved
-    /// (chosen on x86-64 CPUs without the 512-bit carry-less multiply).
+    /// (chosen on x86-64 CPUs without any wide carry-less multiply).
     Crc32Instruction,
 }
 
 /// The implementation [`checksum`] and [`append`] use, detected once per process from
-/// the CPU's features.
+/// the CPU's features. `KVFERRY_CRC32C=fold-clmul|fold-avx2|crc32-instruction` forces
+/// one (for A/B measurements); a name this CPU cannot run, or an unknown one, is
+/// ignored with a warning on stderr and detection decides.
 pub fn backend() -> Backend {
     static CHOSEN: OnceLock<Backend> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512vl") && std::arch::is_x86_feature_detected!("vpclmulqdq") {
-                Backend::FoldClmul
-            } else if std::arch::is_x86_feature_detected!("sse4.2") {
-                Backend::Crc32Instruction
-            } else {
-                Backend::FoldClmul
+        if let Ok(name) = std::env::var("KVFERRY_CRC32C") {
+            let forced = match name.as_str() {
+                "fold-clmul" => Some(Backend::FoldClmul),
+                "fold-avx2" => Some(Backend::FoldAvx2),
+                "crc32-instruction" => Some(Backend::Crc32Instruction),
+                _ => None,
+            };
+            match forced {
+                Some(b) if append_with(b, 0, b"123456789") == Some(0xE306_9283) => return b,
+                _ => eprintln!(
+                    "kvferry: KVFERRY_CRC32C={name:?} is not one of fold-clmul, fold-avx2, \
+                     crc32-instruction that this CPU runs; detecting instead"
+                ),
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
+        detect()
+    })
+}
+
+/// The fastest implementation for this CPU.
+fn detect() -> Backend {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512vl") && std::arch::is_x86_feature_detected!("vpclmulqdq") {
+            Backend::FoldClmul
+        } else if fold_avx2::supported() {
+            Backend::FoldAvx2
+        } else if std::arch::is_x86_feature_detected!("sse4.2") {
+            Backend::Crc32Instruction
+        } else {
             Backend::FoldClmul
         }
-    })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Backend::FoldClmul
+    }
 }
 
 /// The crc32c of `data`.
@@ -72,6 +102,7 @@ pub fn checksum(data: &[u8]) -> u32 {
     match backend() {
         Backend::FoldClmul => crc_fast::crc32_iscsi(data),
         Backend::Crc32Instruction => crc32c::crc32c(data),
+        Backend::FoldAvx2 => avx2_append(0, data),
     }
 }
 
@@ -84,6 +115,40 @@ pub fn append(crc: u32, data: &[u8]) -> u32 {
     match backend() {
         Backend::FoldClmul => fold_append(crc, data),
         Backend::Crc32Instruction => crc32c::crc32c_append(crc, data),
+        Backend::FoldAvx2 => avx2_append(crc, data),
+    }
+}
+
+/// [`append`] through a named implementation, or `None` where this CPU cannot run it:
+/// for benchmarks and tests that compare them (`cargo run --release --example
+/// checksum_speed`).
+pub fn append_with(backend: Backend, crc: u32, data: &[u8]) -> Option<u32> {
+    match backend {
+        Backend::FoldClmul => Some(fold_append(crc, data)),
+        Backend::Crc32Instruction => Some(crc32c::crc32c_append(crc, data)),
+        #[cfg(target_arch = "x86_64")]
+        Backend::FoldAvx2 => fold_avx2::supported().then(|| {
+            // SAFETY: `supported()` just confirmed every CPU feature `append_raw` is
+            // compiled for.
+            !unsafe { fold_avx2::append_raw(!crc, data) }
+        }),
+        #[cfg(not(target_arch = "x86_64"))]
+        Backend::FoldAvx2 => None,
+    }
+}
+
+/// [`append`] through [`fold_avx2`]; only reached where [`backend`] chose it.
+#[inline]
+fn avx2_append(crc: u32, data: &[u8]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `backend()` returns `FoldAvx2` only after `fold_avx2::supported()`
+        // confirmed every CPU feature `append_raw` is compiled for.
+        !unsafe { fold_avx2::append_raw(!crc, data) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        crc32c::crc32c_append(crc, data)
     }
 }
 
@@ -125,6 +190,21 @@ const X2N: [u32; 32] = {
     }
     t
 };
+
+/// `x^n mod P` (reflected), at compile time: the fold's constants.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const fn x_pow_mod_p_const(mut n: u64) -> u32 {
+    let mut p: u32 = 1 << 31; // x^0
+    let mut k = 0;
+    while n != 0 {
+        if n & 1 != 0 {
+            p = mul_mod_p(X2N[k & 31], p);
+        }
+        n >>= 1;
+        k += 1;
+    }
+    p
+}
 
 /// `x^(n · 2^k) mod P`.
 fn x_pow_mod_p(mut n: u64, mut k: usize) -> u32 {
