@@ -5,19 +5,22 @@
 //! A leaf: it depends on nothing else in the crate, so every layer may use it — `mem`
 //! (region checksums), `copy` (checksums taken by the copy threads), `wire` (frames).
 //!
-//! Computing picks, once per process, the faster of two well-kept implementations for
-//! the CPU it runs on ([`backend`]):
+//! Computing picks, once per process, the fastest of three implementations for the CPU
+//! it runs on ([`backend`]):
 //! - `crc-fast`, which folds with carry-less multiplication, where the CPU has the
 //!   512-bit form (AVX-512 VL + VPCLMULQDQ): 72 GB/s on 128 KiB pieces on such a
 //!   machine, four times the `crc32` instruction;
-//! - elsewhere the `crc32c` crate's three-way interleaved `crc32` instruction loop: on
-//!   an AMD EPYC with only the 256-bit VPCLMULQDQ, `crc-fast` falls back to its 128-bit
-//!   PCLMUL fusion and reaches 13.0 GB/s on 4 KiB pieces and 17.6 GB/s on 1 MiB ones,
-//!   against 17.3 and 24.3 GB/s for the `crc32c` crate (measured 2026-12-03; the
-//!   receive path checksums every landed byte once, in pieces as small as one layer's
-//!   K or V of a block, so this is a tenth of the transfer phase's CPU there).
+//! - where the CPU has the 256-bit form but not AVX-512 (AMD Zen 3, Intel client
+//!   cores), our own [`fold_avx2`]: 256-bit folding beside three `crc32`-instruction
+//!   streams. `crc-fast` falls back to 128-bit PCLMUL there (13.0 GB/s on 4 KiB pieces
+//!   on an AMD EPYC), the `crc32c` crate reaches 14–17 GB/s, `fold_avx2` 21–27
+//!   (measured 2026-12-04 with `cargo run --release -p kvferry --example
+//!   checksum_speed`; the receive path checksums every landed byte once, in pieces as
+//!   small as one layer's K or V of a block, so this is a tenth of the transfer phase's
+//!   CPU there);
+//! - elsewhere on x86-64 the `crc32c` crate's three-way interleaved `crc32` loop.
 //!
-//! Both give the same value (the tests check each against the other and against the
+//! All give the same value (the tests check each against the others and against the
 //! standard check value); the choice only changes speed.
 //!
 //! Combining: the crc32c of `A ‖ B` from `crc(A)`, `crc(B)` and `len(B)`.
