@@ -43,8 +43,11 @@ What the transfer benchmark prints (one row per point; --json: the same fields):
   p50/p99    per-chunk latency, request to landed in the destination
   errors     transfers that failed (none expected without faults)
   corrupted  bytes that landed wrong; leaked: arena pages not returned afterwards
-Under the table: the path (direct or staged), whether staging memory was pinned, and
-the limits in words; after a sweep, the best point and the range over all points.
+Under the table: the path (direct or staged), whether staging memory was pinned, the
+crc32c implementation checksumming every byte (chosen per CPU: fold-clmul with
+AVX-512, fold-avx2 with AVX2 + VPCLMULQDQ, else crc32-instruction;
+KVFERRY_CRC32C=NAME forces one, for A/B runs), and the limits in words; after a
+sweep, the best point and the range over all points.
 The command exits non-zero if any byte was corrupted or any page leaked.
 Figures and the machine they were measured on: docs/benchmarks.md";
 

@@ -160,3 +160,61 @@ fn bench_verify_modes_are_reported_per_path() {
         assert_eq!(v["errors"], 0, "{v}");
     }
 }
+
+/// The JSON names the crc32c implementation, and `KVFERRY_CRC32C` forces one (the
+/// portable `crc32-instruction` runs on every x86-64 CPU of this project's kind; on
+/// other CPUs the override is refused with a warning and detection decides).
+#[test]
+fn bench_json_names_the_checksum_implementation_and_the_override_takes_effect() {
+    let run = |forced: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+        cmd.args([
+            "bench",
+            "--json",
+            "--quiet",
+            "--model",
+            "tiny",
+            "--blocks-per-chunk",
+            "64",
+            "--requests",
+            "2",
+            "--bytes",
+            "4MiB",
+        ]);
+        cmd.env_remove("KVFERRY_CRC32C");
+        if let Some(f) = forced {
+            cmd.env("KVFERRY_CRC32C", f);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "bench failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(v["corrupted_bytes"], 0, "{v}");
+        (
+            v["checksum_impl"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no checksum_impl: {v}"))
+                .to_string(),
+            out.stderr,
+        )
+    };
+    let (chosen, _) = run(None);
+    assert!(
+        ["fold-clmul", "fold-avx2", "crc32-instruction"].contains(&chosen.as_str()),
+        "{chosen}"
+    );
+    if cfg!(target_arch = "x86_64") && std::arch::is_x86_feature_detected!("sse4.2") {
+        assert_eq!(run(Some("crc32-instruction")).0, "crc32-instruction");
+    }
+    // an unknown name is not silently taken: a warning, and the detected one
+    let (fallback, stderr) = run(Some("no-such-crc"));
+    assert_eq!(fallback, chosen);
+    assert!(
+        String::from_utf8_lossy(&stderr).contains("KVFERRY_CRC32C=\"no-such-crc\""),
+        "{}",
+        String::from_utf8_lossy(&stderr)
+    );
+}

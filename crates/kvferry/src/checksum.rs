@@ -53,6 +53,21 @@ pub enum Backend {
     Crc32Instruction,
 }
 
+impl Backend {
+    /// Every implementation, in the order [`Backend::name`] lists them.
+    pub const ALL: [Backend; 3] = [Backend::FoldClmul, Backend::FoldAvx2, Backend::Crc32Instruction];
+
+    /// The name `KVFERRY_CRC32C` takes and benchmarks report: `fold-clmul`,
+    /// `fold-avx2` or `crc32-instruction`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::FoldClmul => "fold-clmul",
+            Backend::FoldAvx2 => "fold-avx2",
+            Backend::Crc32Instruction => "crc32-instruction",
+        }
+    }
+}
+
 /// The implementation [`checksum`] and [`append`] use, detected once per process from
 /// the CPU's features. `KVFERRY_CRC32C=fold-clmul|fold-avx2|crc32-instruction` forces
 /// one (for A/B measurements); a name this CPU cannot run, or an unknown one, is
@@ -61,12 +76,7 @@ pub fn backend() -> Backend {
     static CHOSEN: OnceLock<Backend> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
         if let Ok(name) = std::env::var("KVFERRY_CRC32C") {
-            let forced = match name.as_str() {
-                "fold-clmul" => Some(Backend::FoldClmul),
-                "fold-avx2" => Some(Backend::FoldAvx2),
-                "crc32-instruction" => Some(Backend::Crc32Instruction),
-                _ => None,
-            };
+            let forced = Backend::ALL.into_iter().find(|b| b.name() == name);
             match forced {
                 Some(b) if append_with(b, 0, b"123456789") == Some(0xE306_9283) => return b,
                 _ => eprintln!(

@@ -205,6 +205,9 @@ pub struct Point {
     pub staging_backing: String,
     /// Whether every staging arena is pinned (page-locked).
     pub staging_pinned: bool,
+    /// The crc32c implementation this process checksums with (`fold-clmul`,
+    /// `fold-avx2` or `crc32-instruction`; chosen per CPU, `KVFERRY_CRC32C` forces one).
+    pub checksum_impl: String,
     /// Why staging is not pinned, when it is not (e.g. `RLIMIT_MEMLOCK` too low).
     pub staging_fallback: Option<String>,
     /// CPU seconds (user + system, every thread of the benchmark, contention threads
@@ -505,7 +508,7 @@ fn setup_line(p: &Point) -> String {
     } else {
         ""
     };
-    format!("path {path}{tls}; {staging}")
+    format!("path {path}{tls}; {staging}; crc32c: {}", p.checksum_impl)
 }
 
 /// What a ratio to same-bytes raw TCP means.
@@ -1065,6 +1068,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         contended: None,
         staging_backing: staging.0,
         staging_pinned: pinned,
+        checksum_impl: kvferry::checksum::backend().name().to_string(),
         staging_fallback: staging.1,
     })
 }
