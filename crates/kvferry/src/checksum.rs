@@ -204,23 +204,8 @@ const X2N: [u32; 32] = {
     t
 };
 
-/// `x^n mod P` (reflected), at compile time: the fold's constants.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const fn x_pow_mod_p_const(mut n: u64) -> u32 {
-    let mut p: u32 = 1 << 31; // x^0
-    let mut k = 0;
-    while n != 0 {
-        if n & 1 != 0 {
-            p = mul_mod_p(X2N[k & 31], p);
-        }
-        n >>= 1;
-        k += 1;
-    }
-    p
-}
-
-/// `x^(n · 2^k) mod P`.
-fn x_pow_mod_p(mut n: u64, mut k: usize) -> u32 {
+/// `x^(n · 2^k) mod P` (reflected); `const` for `fold_avx2`'s compile-time constants.
+const fn x_pow_mod_p(mut n: u64, mut k: usize) -> u32 {
     let mut p: u32 = 1 << 31; // x^0
     while n != 0 {
         if n & 1 != 0 {

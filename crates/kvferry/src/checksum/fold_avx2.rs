@@ -64,7 +64,7 @@ pub fn supported() -> bool {
 /// `x^n mod P` as a 64-bit multiplier: bit `j` holds the coefficient of `x^(63-j)`
 /// (the reflected order, in which a 32-bit crc's bit 31 is `x^0`).
 const fn key(n: u32) -> u64 {
-    (super::x_pow_mod_p_const(n as u64) as u64) << 32
+    (super::x_pow_mod_p(n as u64, 0) as u64) << 32
 }
 
 /// The two multipliers that fold a 128-bit lane `D = bits` bits forward: the lane's
@@ -81,7 +81,7 @@ const KEYS_128: (u64, u64) = fold_keys(128);
 /// `x^(8·n - 33) mod P` (reflected), the multiplier that shifts a crc register over
 /// `n` zero bytes when the product is reduced through the `crc32` instruction.
 const fn shift_key(n: usize) -> u32 {
-    super::x_pow_mod_p_const(8 * n as u64 - 33)
+    super::x_pow_mod_p(8 * n as u64 - 33, 0)
 }
 
 /// `SHIFT_KEYS[i - 1][k - 1]` shifts over `k` scalar streams of `i` iterations.
@@ -140,12 +140,7 @@ fn block(state: u32, block: &[u8], iters: usize) -> u32 {
         *a = load256!(32 * i);
     }
     acc[0] = _mm256_xor_si256(acc[0], _mm256_set_epi64x(0, 0, 0, i64::from(state)));
-    let keys = _mm256_set_epi64x(
-        KEYS_VEC.1 as i64,
-        KEYS_VEC.0 as i64,
-        KEYS_VEC.1 as i64,
-        KEYS_VEC.0 as i64,
-    );
+    let keys = ymm_keys(KEYS_VEC);
     // Safe slicing for the scalar streams: fixed-size chunks let the compiler drop
     // the bounds checks, and the loads carry none of `read_unaligned`'s debug checks.
     let (s0, rest) = block[iters * VEC..].split_at(stream_len);
@@ -168,12 +163,7 @@ fn block(state: u32, block: &[u8], iters: usize) -> u32 {
             c2 = _mm_crc32_u64(c2, word(w2, j));
         }
     }
-    let k256 = _mm256_set_epi64x(
-        KEYS_256.1 as i64,
-        KEYS_256.0 as i64,
-        KEYS_256.1 as i64,
-        KEYS_256.0 as i64,
-    );
+    let k256 = ymm_keys(KEYS_256);
     let mut whole = acc[0];
     for a in &acc[1..] {
         whole = fold256(whole, k256, *a);
@@ -197,6 +187,13 @@ fn block(state: u32, block: &[u8], iters: usize) -> u32 {
 fn shift(crc: u32, key: u32) -> u32 {
     let product = _mm_clmulepi64_si128::<0x00>(_mm_cvtsi32_si128(crc as i32), _mm_cvtsi32_si128(key as i32));
     _mm_crc32_u64(0, _mm_cvtsi128_si64(product) as u64) as u32
+}
+
+/// A fold's two multipliers in both 128-bit lanes (low half first in each).
+#[inline]
+#[target_feature(enable = "avx")]
+fn ymm_keys((low, high): (u64, u64)) -> __m256i {
+    _mm256_set_epi64x(high as i64, low as i64, high as i64, low as i64)
 }
 
 /// `acc` folded `keys`' distance forward and xored into `next`, per 128-bit lane.
