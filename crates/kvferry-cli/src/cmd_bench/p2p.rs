@@ -332,7 +332,7 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
             a.bytes = per_point;
             a.quiet = true;
             let busy = Contention::start(args.contend);
-            let p = rt.block_on(run_point(&a, &busy.clock(), busy.threads()))?;
+            let p = on_workers(&rt, &a, busy.clock(), busy.threads())?;
             drop(busy);
             if !args.json {
                 eprintln!(
@@ -349,10 +349,10 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
         }
         pts
     } else {
-        let mut p = rt.block_on(run_point(&args, &CpuClock::default(), 0))?;
+        let mut p = on_workers(&rt, &args, CpuClock::default(), 0)?;
         if args.contend > 0 {
             let busy = Contention::start(args.contend);
-            let q = rt.block_on(run_point(&args, &busy.clock(), busy.threads()))?;
+            let q = on_workers(&rt, &args, busy.clock(), busy.threads())?;
             drop(busy);
             p.contended = Some(Box::new(q));
         }
@@ -642,6 +642,21 @@ fn print_sweep_summary(points: &[Point]) {
         "  {CEILING}; target >= {TARGET_RATIO:.2}: met at {met} of {}",
         points_word(points.len())
     );
+}
+
+/// Runs one point as a task on the runtime's worker threads. The point's dispatch loop
+/// (take a permit, spawn the next transfer) wakes once per landed chunk: driven from
+/// `block_on` it would run on the main thread, a third thread beside the two workers,
+/// and every chunk would cost a hand-off to it that the raw-TCP limit (whose driver only
+/// joins its tasks) does not pay.
+fn on_workers(
+    rt: &tokio::runtime::Runtime,
+    args: &P2pBenchArgs,
+    cpu: CpuClock,
+    contend: usize,
+) -> anyhow::Result<Point> {
+    let args = args.clone();
+    rt.block_on(async move { tokio::spawn(async move { run_point(&args, &cpu, contend).await }).await? })
 }
 
 async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyhow::Result<Point> {
