@@ -94,6 +94,29 @@ pub async fn tcp_limit(conns: usize, bytes: u64, source: Option<(&Arc<Vec<u8>>, 
     Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
+/// `len` bytes of a fixed pattern for the same-bytes limits, in transparent huge pages
+/// where the kernel grants them — as the producers' regions are (kvferry's host memory
+/// asks for them), so that the limits do not pay TLB misses the transfers do not.
+pub fn huge_source(len: usize) -> Vec<u8> {
+    // Zeroed: a fresh anonymous mapping for a large buffer, not yet faulted in.
+    let mut v = vec![0u8; len];
+    const HUGE: usize = 2 << 20;
+    let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
+    let end = (v.as_ptr() as usize + len) / HUGE * HUGE;
+    if end > start {
+        // SAFETY: [start, end) lies inside `v`'s allocation, which outlives the call;
+        // MADV_HUGEPAGE only changes how the kernel backs those pages, not their
+        // contents or validity. Its failure (THP off) is harmless and ignored.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+    for (i, b) in v.iter_mut().enumerate() {
+        *b = (i * 31 + 7) as u8;
+    }
+    v
+}
+
 /// Single-thread memcpy of `bytes` (best of 3).
 pub fn memcpy_limit(bytes: usize) -> f64 {
     let src = vec![1u8; bytes];

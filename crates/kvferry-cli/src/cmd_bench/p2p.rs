@@ -849,7 +849,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
     // laid out like it, so it is as cold in cache as theirs.
     let src_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
     let src_layout = KvLayout::preset(args.model.parse()?, src_blocks, Arrangement::LayerSeparate)?;
-    let source: Arc<Vec<u8>> = Arc::new((0..src_layout.region_bytes()).map(|i| (i * 31 + 7) as u8).collect());
+    let source: Arc<Vec<u8>> = Arc::new(super::limits::huge_source(src_layout.region_bytes()));
     let mut tcp = 0f64;
     let mut tcp_hot = 0f64;
     let mut tcp_usage = super::cpu::Usage::default();
