@@ -297,6 +297,66 @@ async fn head_slice_lands_into_a_smaller_destination_on_both_paths() {
     close_clean(&p.prefill).await;
 }
 
+/// An engine that writes a published block before its release breaks its promise;
+/// the checksums catch it for a selected get as for a whole one: a head slice's crc is
+/// made of the crcs taken at publication (4 KiB heads here), not of the bytes as they
+/// are sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_slice_written_after_publication_fails_its_checksum() {
+    let p = pair().await;
+    let (heads, tokens) = (4, 128); // a head of a block: 128 tokens x 32 B = 4 KiB
+    let head = tokens * D;
+    let src = Kv::new(&p.prefill, "src", 4, heads * head, Some(7));
+    p.prefill
+        .publish(key("w"), &src.reg, &[1, 2], Duration::ZERO, false)
+        .unwrap();
+    let dst = Kv::new(&p.decode, "dst", 4, 2 * head, None);
+    // Break the promise: one byte of head 3 of block 2, layer piece 1, after publication.
+    src.region
+        .write(src.at(2, 1) + 3 * head + 100, &[0x5A ^ src.piece(2, 1)[3 * head + 100]])
+        .unwrap();
+    for path in [TransferPath::Direct, TransferPath::Staged] {
+        // Heads 2..4 (rank 1) include the written byte: caught.
+        let s = sel(None, Some(vec![(2 * head, 2 * head)]), None);
+        let f = failure(
+            p.decode
+                .get(&p.addr, &[key("w")], dst.dst(vec![0, 1], path, s), soon())
+                .await,
+        );
+        assert!(
+            matches!(f.error, PeerError::ChecksumMismatch { .. }),
+            "{path}: a slice written after publication must fail its checksum, got {}",
+            f.error
+        );
+        f.fence.wait().await;
+        // Heads 0..2 (rank 0) were not written: they land and match.
+        let s = sel(None, Some(vec![(0, 2 * head)]), None);
+        let what = format!("untouched heads ({path})");
+        get_and_check(&p, &[key("w")], &src, &dst, &[(1, 0), (2, 1)], s, path, &what).await;
+    }
+    // The whole publication: caught as before.
+    let whole = Kv::new(&p.decode, "whole", src.blocks, src.piece, None);
+    let f = failure(
+        p.decode
+            .get(
+                &p.addr,
+                &[key("w")],
+                Destination::new(whole.reg.cache.clone(), vec![vec![0, 1]]),
+                soon(),
+            )
+            .await,
+    );
+    assert!(
+        matches!(f.error, PeerError::ChecksumMismatch { .. }),
+        "whole: {}",
+        f.error
+    );
+    f.fence.wait().await;
+    assert_eq!(p.decode.arena().stats().leased_pages, 0, "staging pages back");
+    close_clean(&p.decode).await;
+    close_clean(&p.prefill).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hnd_to_nhd_permutation_lands_by_many_small_ranges_on_either_side() {
     let p = pair().await;

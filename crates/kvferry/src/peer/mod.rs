@@ -26,6 +26,7 @@ pub mod publish;
 mod quota;
 pub mod selection;
 mod store;
+mod unit_crcs;
 
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, PeerGone, StagedHandle, StagedSelection,

@@ -46,6 +46,7 @@
 //! since the write borrows it; its [`Sending`] guard tells the ledger, which ends the
 //! lease and releases what only it held).
 
+use super::unit_crcs::{selected_checksum, UnitCrcs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -453,8 +454,8 @@ impl Producer {
         let ranges = cache.chunk_ranges(blocks, len)?;
         let source = match cache {
             KvCacheRef::Host(cache) => {
-                let checksum = cache.checksum(&ranges)?;
-                PubSource::Host { cache, checksum }
+                let (units, checksum) = UnitCrcs::compute(&cache, &ranges)?;
+                PubSource::Host { cache, checksum, units }
             }
             KvCacheRef::Device(cache) => PubSource::Device { cache },
         };
@@ -711,7 +712,7 @@ impl Producer {
                 (PubSource::Host { .. }, None) => {
                     let (mut chunks, mut caches) = (Vec::new(), Vec::new());
                     for (id, p) in &found {
-                        let PubSource::Host { cache, checksum } = &p.source else {
+                        let PubSource::Host { cache, checksum, .. } = &p.source else {
                             break;
                         };
                         chunks.push(ChunkMeta {
@@ -780,8 +781,9 @@ impl Producer {
 
     /// Stages the selected part of publications `pubs` (the leading published ones
     /// of `keys`): all keys must be published, from one cache. A host cache's
-    /// selected bytes are checksummed in place and sent from the cache; a device
-    /// cache's are gathered into staging pages.
+    /// selected bytes are sent from the cache under checksums made of the units taken
+    /// at publication (read again only where the units do not cover a range exactly);
+    /// a device cache's are gathered into staging pages.
     async fn stage_selected_pubs(
         &self,
         staging: Staging<'_>,
@@ -809,10 +811,19 @@ impl Producer {
         let shape = plan.shape.clone();
         let (chunks, data, charge) = match cache {
             KvCacheRef::Host(cache) => {
+                // From the units taken at publication wherever they cover the selected
+                // ranges: no second pass, and checked against the published bytes.
+                let units: Vec<&UnitCrcs> = pubs
+                    .iter()
+                    .filter_map(|p| match &p.source {
+                        PubSource::Host { units, .. } => Some(units),
+                        PubSource::Device { .. } => None,
+                    })
+                    .collect();
                 let mut chunks = Vec::with_capacity(plan.frame_count());
                 for i in 0..plan.frame_count() {
                     let (key, len) = plan.frame(i);
-                    let checksum = cache.checksum(&plan.frame_ranges(i))?;
+                    let checksum = selected_checksum(&units, &cache, &plan.frame_ranges(i))?;
                     chunks.push(ChunkMeta {
                         key,
                         len: len as u64,

@@ -93,8 +93,14 @@ impl ReleaseQueue {
 
 /// Where a publication's blocks live.
 pub(crate) enum PubSource {
-    /// Host memory: sent straight from the cache; checksum computed at publication.
-    Host { cache: Arc<KvCache>, checksum: u32 },
+    /// Host memory: sent straight from the cache; checksum computed at publication,
+    /// of the whole chunk and of every 4 KiB unit (what a selected get's checksum is
+    /// made of, see [`super::unit_crcs`]).
+    Host {
+        cache: Arc<KvCache>,
+        checksum: u32,
+        units: super::unit_crcs::UnitCrcs,
+    },
     /// Device memory: gathered into staging pages (D2H) when a consumer asks.
     Device { cache: Arc<DeviceKvCache> },
 }

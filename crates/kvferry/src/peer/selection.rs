@@ -28,8 +28,10 @@
 //!
 //! A selection applies to published blocks of one cache (host or device); the
 //! request's keys must all be published, from that cache. The producer sends the
-//! selected bytes zero-copy from a host cache (vectored writes over the ranges, each
-//! frame's crc32c computed over exactly those bytes at staging), or gathers only them
+//! selected bytes zero-copy from a host cache (vectored writes over the ranges; each
+//! frame's crc32c is made of the crcs of 4 KiB units taken at publication, see
+//! `unit_crcs`, and computed over the bytes only where units do not cover a range
+//! exactly), or gathers only them
 //! into staging pages from a device cache. The consumer reads them straight into its
 //! destination ranges (direct) or into staging pages it then scatters (staged, host or
 //! device).
