@@ -300,39 +300,64 @@ async fn head_slice_lands_into_a_smaller_destination_on_both_paths() {
 /// An engine that writes a published block before its release breaks its promise;
 /// the checksums catch it for a selected get as for a whole one: a head slice's crc is
 /// made of the crcs taken at publication (4 KiB heads here), not of the bytes as they
-/// are sent.
+/// are sent — before or after the publication's first selected get.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_slice_written_after_publication_fails_its_checksum() {
     let p = pair().await;
     let (heads, tokens) = (4, 128); // a head of a block: 128 tokens x 32 B = 4 KiB
     let head = tokens * D;
     let src = Kv::new(&p.prefill, "src", 4, heads * head, Some(7));
-    p.prefill
-        .publish(key("w"), &src.reg, &[1, 2], Duration::ZERO, false)
-        .unwrap();
     let dst = Kv::new(&p.decode, "dst", 4, 2 * head, None);
-    // Break the promise: one byte of head 3 of block 2, layer piece 1, after publication.
-    src.region
-        .write(src.at(2, 1) + 3 * head + 100, &[0x5A ^ src.piece(2, 1)[3 * head + 100]])
-        .unwrap();
-    for path in [TransferPath::Direct, TransferPath::Staged] {
-        // Heads 2..4 (rank 1) include the written byte: caught.
-        let s = sel(None, Some(vec![(2 * head, 2 * head)]), None);
-        let f = failure(
-            p.decode
-                .get(&p.addr, &[key("w")], dst.dst(vec![0, 1], path, s), soon())
-                .await,
-        );
+    let rank0 = || sel(None, Some(vec![(0, 2 * head)]), None);
+    let rank1 = || sel(None, Some(vec![(2 * head, 2 * head)]), None);
+    // Flips one byte of head 3 of `block`, layer piece 1 (in rank 1's slice).
+    let break_promise = |block: u32| {
+        let at = src.at(block, 1) + 3 * head + 100;
+        let old = src.region.to_vec(at, 1).unwrap()[0];
+        src.region.write(at, &[old ^ 0x5A]).unwrap();
+    };
+    let mismatch = |f: &GetFailure, what: &str| {
         assert!(
             matches!(f.error, PeerError::ChecksumMismatch { .. }),
-            "{path}: a slice written after publication must fail its checksum, got {}",
+            "{what}: a slice written after publication must fail its checksum, got {}",
             f.error
         );
-        f.fence.wait().await;
+    };
+
+    // Written before any get of the publication.
+    p.prefill
+        .publish(key("early"), &src.reg, &[0, 3], Duration::ZERO, false)
+        .unwrap();
+    break_promise(0);
+    // And after a first get of another one.
+    p.prefill
+        .publish(key("late"), &src.reg, &[1, 2], Duration::ZERO, false)
+        .unwrap();
+    get_and_check(
+        &p,
+        &[key("late")],
+        &src,
+        &dst,
+        &[(1, 0), (2, 1)],
+        rank1(),
+        TransferPath::Direct,
+        "before",
+    )
+    .await;
+    break_promise(2);
+    for path in [TransferPath::Direct, TransferPath::Staged] {
+        for k in ["early", "late"] {
+            let f = failure(
+                p.decode
+                    .get(&p.addr, &[key(k)], dst.dst(vec![0, 1], path, rank1()), soon())
+                    .await,
+            );
+            mismatch(&f, &format!("{k} ({path})"));
+            f.fence.wait().await;
+        }
         // Heads 0..2 (rank 0) were not written: they land and match.
-        let s = sel(None, Some(vec![(0, 2 * head)]), None);
         let what = format!("untouched heads ({path})");
-        get_and_check(&p, &[key("w")], &src, &dst, &[(1, 0), (2, 1)], s, path, &what).await;
+        get_and_check(&p, &[key("late")], &src, &dst, &[(1, 0), (2, 1)], rank0(), path, &what).await;
     }
     // The whole publication: caught as before.
     let whole = Kv::new(&p.decode, "whole", src.blocks, src.piece, None);
@@ -340,19 +365,75 @@ async fn a_head_slice_written_after_publication_fails_its_checksum() {
         p.decode
             .get(
                 &p.addr,
-                &[key("w")],
+                &[key("early")],
                 Destination::new(whole.reg.cache.clone(), vec![vec![0, 1]]),
                 soon(),
             )
             .await,
     );
-    assert!(
-        matches!(f.error, PeerError::ChecksumMismatch { .. }),
-        "whole: {}",
-        f.error
-    );
+    mismatch(&f, "whole");
     f.fence.wait().await;
     assert_eq!(p.decode.arena().stats().leased_pages, 0, "staging pages back");
+    close_clean(&p.decode).await;
+    close_clean(&p.prefill).await;
+}
+
+/// The reader slots of one request are the same blocks published under several keys
+/// in a row: a publication of the blocks of a live publication shares its checksums
+/// (one pass over the bytes, not one per key). Shared, they describe the bytes as first
+/// published — a write between the two publishes fails the second key's get too — and
+/// once the first is released, the next publish takes them afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publications_of_the_same_live_blocks_share_their_checksums() {
+    let p = pair().await;
+    let piece = 4 << 10;
+    let src = Kv::new(&p.prefill, "src", 4, piece, Some(11));
+    let dst = Kv::new(&p.decode, "dst", 4, piece, None);
+    let flip = |at: usize| {
+        let old = src.region.to_vec(at, 1).unwrap()[0];
+        src.region.write(at, &[old ^ 0x33]).unwrap();
+    };
+    let (decode, addr) = (&p.decode, p.addr.as_str());
+    let whole_get = |k: &'static str| {
+        let dst = Destination::new(dst.reg.cache.clone(), vec![vec![0]]);
+        async move { decode.get(addr, &[key(k)], dst, soon()).await }
+    };
+    p.prefill
+        .publish(key("slot0"), &src.reg, &[1], Duration::ZERO, false)
+        .unwrap();
+    flip(src.at(1, 2) + 7); // the engine breaks its promise...
+    p.prefill
+        .publish(key("slot1"), &src.reg, &[1], Duration::ZERO, false)
+        .unwrap();
+    for k in ["slot0", "slot1"] {
+        let f = failure(whole_get(k).await);
+        assert!(
+            matches!(f.error, PeerError::ChecksumMismatch { .. }),
+            "{k}: {}",
+            f.error
+        );
+        f.fence.wait().await;
+    }
+    // Released: the blocks are the engine's again; a new publication reads them now.
+    assert!(p.prefill.unpublish(&key("slot0")) && p.prefill.unpublish(&key("slot1")));
+    p.prefill
+        .publish(key("slot2"), &src.reg, &[1], Duration::ZERO, false)
+        .unwrap();
+    whole_get("slot2").await.expect("a publication after the release lands");
+    assert_same("slot2", &dst.piece(0, 2), &src.piece(1, 2));
+    // Other blocks are never shared.
+    p.prefill
+        .publish(key("other"), &src.reg, &[2], Duration::ZERO, false)
+        .unwrap();
+    flip(src.at(2, 0));
+    p.prefill
+        .publish(key("other-later"), &src.reg, &[3], Duration::ZERO, false)
+        .unwrap();
+    let dst3 = Destination::new(dst.reg.cache.clone(), vec![vec![3]]);
+    p.decode
+        .get(&p.addr, &[key("other-later")], dst3, soon())
+        .await
+        .expect("block 3 untouched");
     close_clean(&p.decode).await;
     close_clean(&p.prefill).await;
 }

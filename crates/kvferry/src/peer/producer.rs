@@ -65,7 +65,7 @@ use super::ledger::{
     CheckOut, Deregistration, EndReason, LeaseRefusal, LeaseTerms, Ledger, LedgerLimits, Outcome, PubId, RegError,
     RegId, Who,
 };
-use super::publish::{PubSource, Publication, ReleaseQueue, Released};
+use super::publish::{HostSums, PubSource, Publication, ReleaseQueue, Released};
 use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::selection::{plan_source, SourcePlan};
 use super::store::{truncate_ranges, ChunkStore, PinnedChunks};
@@ -244,6 +244,10 @@ struct Inner {
     requests: RequestStats,
     faults: ProducerFaults,
     stop: CancellationToken,
+    /// The last host publication, whose checksums the next publication of the same
+    /// blocks may share while it is live ([`Producer::live_sums_of`]). Weak: it keeps
+    /// neither the publication nor its cache alive.
+    last_host_pub: Mutex<std::sync::Weak<Publication>>,
 }
 
 /// A producer. Cheap to clone; serve it with [`crate::net::Server`] (it implements
@@ -312,6 +316,7 @@ impl Producer {
             requests: RequestStats::default(),
             faults: ProducerFaults::default(),
             stop: CancellationToken::new(),
+            last_host_pub: Mutex::new(std::sync::Weak::new()),
         });
         tokio::spawn(sweeper(Arc::downgrade(&inner), inner.stop.clone()));
         Ok(Producer { inner })
@@ -454,8 +459,14 @@ impl Producer {
         let ranges = cache.chunk_ranges(blocks, len)?;
         let source = match cache {
             KvCacheRef::Host(cache) => {
-                let (units, checksum) = UnitCrcs::compute(&cache, &ranges)?;
-                PubSource::Host { cache, checksum, units }
+                let sums = match self.live_sums_of(&cache, blocks) {
+                    Some(sums) => sums,
+                    None => {
+                        let (units, checksum) = UnitCrcs::compute(&cache, &ranges)?;
+                        Arc::new(HostSums { checksum, units })
+                    }
+                };
+                PubSource::Host { cache, sums }
             }
             KvCacheRef::Device(cache) => PubSource::Device { cache },
         };
@@ -469,17 +480,40 @@ impl Producer {
         self.insert_publication(p, ttl, once, RegId(reg))
     }
 
+    /// The checksums of the last host publication if it is of `blocks` of `cache` and
+    /// still live (published, not expired): the engine promised not to write those
+    /// blocks since it was taken, so it describes them now. A request published under
+    /// several reader-slot keys in a row is read once instead of once per key.
+    fn live_sums_of(&self, cache: &Arc<KvCache>, blocks: &[u32]) -> Option<Arc<HostSums>> {
+        let last = self.inner.last_host_pub.lock().upgrade()?;
+        let PubSource::Host { cache: c, sums } = &last.source else {
+            return None;
+        };
+        if !Arc::ptr_eq(c, cache) || last.blocks != blocks {
+            return None;
+        }
+        let ledger = self.inner.ledger.lock();
+        let found = ledger.lookup(std::slice::from_ref(&last.key), Instant::now());
+        let live = found.first().is_some_and(|(_, p)| Arc::ptr_eq(p, &last));
+        live.then(|| sums.clone())
+    }
+
     fn insert_publication(&self, p: Publication, ttl: Duration, once: bool, reg: RegId) -> Result<(), PeerError> {
         let ttl = self.clamp_ttl(ttl);
         let key = p.key;
         let now = Instant::now();
+        let p = Arc::new(p);
+        let host = matches!(p.source, PubSource::Host { .. });
         let published = self
             .inner
             .ledger
             .lock()
-            .publish(key, Arc::new(p), once, now + ttl, Some(reg), now);
+            .publish(key, p.clone(), once, now + ttl, Some(reg), now);
         match published {
             Ok((_, out)) => {
+                if host {
+                    *self.inner.last_host_pub.lock() = Arc::downgrade(&p);
+                }
                 self.act(out);
                 Ok(())
             }
@@ -712,13 +746,13 @@ impl Producer {
                 (PubSource::Host { .. }, None) => {
                     let (mut chunks, mut caches) = (Vec::new(), Vec::new());
                     for (id, p) in &found {
-                        let PubSource::Host { cache, checksum, .. } = &p.source else {
+                        let PubSource::Host { cache, sums } = &p.source else {
                             break;
                         };
                         chunks.push(ChunkMeta {
                             key: p.key,
                             len: p.len as u64,
-                            checksum: *checksum,
+                            checksum: sums.checksum,
                         });
                         caches.push(cache.clone());
                         pubs.push((*id, Arc::clone(p)));
@@ -816,7 +850,7 @@ impl Producer {
                 let units: Vec<&UnitCrcs> = pubs
                     .iter()
                     .filter_map(|p| match &p.source {
-                        PubSource::Host { units, .. } => Some(units),
+                        PubSource::Host { sums, .. } => Some(&sums.units),
                         PubSource::Device { .. } => None,
                     })
                     .collect();

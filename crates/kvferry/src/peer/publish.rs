@@ -93,16 +93,24 @@ impl ReleaseQueue {
 
 /// Where a publication's blocks live.
 pub(crate) enum PubSource {
-    /// Host memory: sent straight from the cache; checksum computed at publication,
-    /// of the whole chunk and of every 4 KiB unit (what a selected get's checksum is
-    /// made of, see [`super::unit_crcs`]).
-    Host {
-        cache: Arc<KvCache>,
-        checksum: u32,
-        units: super::unit_crcs::UnitCrcs,
-    },
+    /// Host memory: sent straight from the cache under `sums`, taken at publication
+    /// (or shared with a live publication of the same blocks).
+    Host { cache: Arc<KvCache>, sums: Arc<HostSums> },
     /// Device memory: gathered into staging pages (D2H) when a consumer asks.
     Device { cache: Arc<DeviceKvCache> },
+}
+
+/// The checksums of a host publication's bytes. Publications of the same blocks of
+/// one cache published while an earlier one is still live (the reader slots of one
+/// request) share them: the engine promised not to write those blocks meanwhile, so
+/// one pass describes them all.
+#[derive(Debug)]
+pub(crate) struct HostSums {
+    /// The crc32c of the whole chunk, taken at publication.
+    pub checksum: u32,
+    /// The crc of every 4 KiB unit, taken in the same pass (what a selected get's
+    /// checksums are made of, see [`super::unit_crcs`]).
+    pub units: super::unit_crcs::UnitCrcs,
 }
 
 impl PubSource {

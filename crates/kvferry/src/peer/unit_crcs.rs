@@ -5,7 +5,9 @@
 //! [`UnitCrcs::compute`] reads a publication's ranges once: it cuts every range into
 //! [`UNIT`]-byte units from the range's start (the last unit of a range may be
 //! shorter), keeps each unit's crc32c, and returns the whole chunk's crc32c as well
-//! (the units folded together, no second pass).
+//! (the units folded together, no second pass). Publications of the same blocks
+//! published while an earlier one is live (a request's reader slots) share them, so a
+//! request is read once however many keys it is published under.
 //!
 //! A selected get (a subset of blocks, a byte slice of every piece: one decode rank's
 //! KV heads) sends part of a publication. [`selected_checksum`] gives the crc32c of
