@@ -123,7 +123,12 @@ impl KvCache {
 
     /// The crc32c of `ranges`' bytes, in order, read in place.
     pub fn checksum(&self, ranges: &[(usize, usize)]) -> Result<u32, MemError> {
-        let mut crc = 0u32;
+        self.append_checksum(0, ranges)
+    }
+
+    /// `crc` extended by the bytes of `ranges`, in order.
+    pub fn append_checksum(&self, crc: u32, ranges: &[(usize, usize)]) -> Result<u32, MemError> {
+        let mut crc = crc;
         for s in self.io_slices(ranges)? {
             crc = crate::checksum::append(crc, s);
         }

@@ -46,7 +46,6 @@
 //! since the write borrows it; its [`Sending`] guard tells the ledger, which ends the
 //! lease and releases what only it held).
 
-use super::unit_crcs::{selected_checksum, UnitCrcs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -69,6 +68,7 @@ use super::publish::{HostSums, PubSource, Publication, ReleaseQueue, Released};
 use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::selection::{plan_source, SourcePlan};
 use super::store::{truncate_ranges, ChunkStore, PinnedChunks};
+use super::unit_crcs::{selected_checksum, UnitCrcs};
 use super::PeerError;
 use crate::copy::CopyEngine;
 use crate::device::{DeviceKvCache, KvCacheRef};

@@ -118,13 +118,7 @@ pub(crate) fn selected_checksum(
     for &(off, len) in ranges {
         crc = match publications.iter().find_map(|u| u.append(crc, off, len)) {
             Some(c) => c,
-            None => {
-                let mut c = crc;
-                for s in cache.io_slices(&[(off, len)])? {
-                    c = checksum::append(c, s);
-                }
-                c
-            }
+            None => cache.append_checksum(crc, &[(off, len)])?,
         };
     }
     Ok(crc)
