@@ -74,6 +74,32 @@ def test_subset_of_blocks_and_head_slice(pair: Pair, path: str) -> None:
     check_wire(p, d, before, 2 * LAYERS * 2 * half)
 
 
+def test_one_selection_serves_many_gets(pair: Pair) -> None:
+    """A Selection is immutable and built once: the vLLM connector reuses one per read
+    shape for every request. Each get with it moves its own key's slice, and the
+    selection reads back unchanged after the gets."""
+    p, d = pair
+    assert p.address is not None
+    heads, tokens, nb = 4, 16, 8
+    src = caches((nb, heads, tokens, D), seed=3)
+    s = p.register_kv_caches(src)
+    for b in range(nb):
+        p.publish(f"k{b}", s, [b], once=False)
+    dst = caches((nb, 2, tokens, D), seed=None)
+    t = d.register_kv_caches(dst)
+    half = heads * tokens * D // 2
+    sel = kvferry.Selection(src_ranges=[(half, half)])
+    before = wire(p, d)
+    transfers = [d.get(p.address, f"k{b}", t, [nb - 1 - b], select=sel) for b in range(nb)]
+    assert [x.wait(5) for x in transfers] == [1] * nb
+    for name in src:
+        for kv in (0, 1):
+            for b in range(nb):
+                assert (dst[name][kv, nb - 1 - b] == src[name][kv, b, 2:]).all(), f"key k{b}"
+    check_wire(p, d, before, nb * LAYERS * 2 * half)
+    assert sel == kvferry.Selection(src_ranges=[(half, half)]) and sel.src_ranges == ((half, half),)
+
+
 def test_hnd_to_nhd_permutation_by_source_ranges(pair: Pair) -> None:
     p, d = pair
     assert p.address is not None

@@ -119,11 +119,12 @@ class Selection:
     counted).
     """
 
-    __slots__ = ("_blocks", "_src", "_dst")
+    __slots__ = ("_blocks", "_src", "_dst", "_w")
 
     _blocks: tuple[int, ...] | None
     _src: tuple[tuple[int, int], ...] | None
     _dst: tuple[tuple[int, int], ...] | None
+    _w: tuple[list[int] | None, list[tuple[int, int]] | None, list[tuple[int, int]] | None]
 
     def __init__(
         self,
@@ -134,14 +135,18 @@ class Selection:
         b = None if blocks is None else _selection_ints(blocks, "blocks")
         s = None if src_ranges is None else _selection_ranges(src_ranges, "src_ranges")
         d = None if dst_ranges is None else _selection_ranges(dst_ranges, "dst_ranges")
-        _kvferry.check_selection(
+        wire = (
             None if b is None else list(b),
             None if s is None else list(s),
             None if d is None else list(d),
         )
+        _kvferry.check_selection(*wire)
         object.__setattr__(self, "_blocks", b)
         object.__setattr__(self, "_src", s)
         object.__setattr__(self, "_dst", d)
+        # The form the engine takes, built once: a Selection is reused for every get of
+        # the same shape (the binding only reads these lists).
+        object.__setattr__(self, "_w", wire)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Selection is immutable")
@@ -165,11 +170,7 @@ class Selection:
         return self._dst
 
     def _wire(self) -> tuple[list[int] | None, list[tuple[int, int]] | None, list[tuple[int, int]] | None]:
-        return (
-            None if self._blocks is None else list(self._blocks),
-            None if self._src is None else list(self._src),
-            None if self._dst is None else list(self._dst),
-        )
+        return self._w
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Selection):

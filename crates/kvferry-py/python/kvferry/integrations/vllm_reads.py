@@ -34,6 +34,7 @@ failed or aborted request frees the prefill's blocks within a round trip.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,24 @@ __all__ = ["RankReads", "has_selection"]
 def has_selection() -> bool:
     """Whether this kvferry has partial gets (``kvferry.Selection``)."""
     return hasattr(kvferry, "Selection")
+
+
+@functools.lru_cache(maxsize=1024)
+def _selection(
+    blocks: tuple[int, ...], src: tuple[tuple[int, int], ...] | None, dst: tuple[tuple[int, int], ...] | None
+) -> Any:
+    """The :class:`kvferry.Selection` of a read's shape, checked once: every request of
+    a topology reads the same head ranges of the same block positions (immutable, so
+    shared; the cache is bounded)."""
+    return kvferry.Selection(blocks=blocks, src_ranges=src, dst_ranges=dst)
+
+
+def _selection_of(rd: Read) -> Any:
+    return _selection(
+        tuple(rd.blocks),
+        None if rd.src_ranges is None else tuple((int(o), int(n)) for o, n in rd.src_ranges),
+        None if rd.dst_ranges is None else tuple((int(o), int(n)) for o, n in rd.dst_ranges),
+    )
 
 
 @dataclass
@@ -129,7 +148,7 @@ class RankReads:
             )
             return
         if has_selection():
-            sel = kvferry.Selection(blocks=rd.blocks, src_ranges=rd.src_ranges, dst_ranges=rd.dst_ranges)
+            sel = _selection_of(rd)
             s.transfer = self.engine.get(
                 s.address, rd.key, self.region, rd.dst_blocks, timeout=left, path=self.path, incarnation=s.incarnation, select=sel
             )
