@@ -81,6 +81,19 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     ratios) refuses the pair at the handshake naming this key: set it to
     ``ceil(D_TP / P_TP)`` x the block-size ratio. See docs/vllm.md, "Heterogeneous
     prefill and decode".
+``read_batch`` (int, default ``8``, at most 64; decode side)
+    The most requests one kvferry get carries. The reads a step starts from one
+    prefill rank that share their byte ranges (the same heads of every block) ride
+    batched gets, spread over up to 4 gets (the engine's pooled connections): 32 new
+    requests make 4 gets of 8, 6 make 3 of 2, up to 4 go one get each. Each get costs
+    a round trip and per-request work on both sides whatever its size, so small
+    requests (a few blocks) move faster batched. A batch that misses (a key not
+    published yet) hands each request back to a get of its own; an aborted request
+    only leaves the batch (the others still land); a batch that fails otherwise (a
+    timeout, a dead peer, a checksum) fails every request in it, as each one's own get
+    to that peer would. ``1``: one get per request. Host caches on the ``direct`` path
+    only (device caches stage, one request at a time). See docs/vllm.md, "Batched
+    gets".
 ``device_timeout`` (float seconds, default: ``timeout``)
     Bound on each device copy; a copy that has not completed by then fails its transfer
     (a load error on the decode side) and its staging pages stay quarantined until the
@@ -193,6 +206,7 @@ _DEFAULTS: dict[str, Any] = {
     "device_timeout": None,
     "idle_wait": 0.001,
     "reader_slots": "auto",
+    "read_batch": 8,
 }
 
 
@@ -216,6 +230,7 @@ class KvferryConfig:
     device_timeout: float | None = None
     idle_wait: float = 0.001
     reader_slots: int | None = None  # None: "auto" (vllm_hetero.auto_reader_slots)
+    read_batch: int = 8
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
@@ -240,6 +255,7 @@ class KvferryConfig:
             device_timeout=None if extra.get("device_timeout") is None else float(extra["device_timeout"]),
             idle_wait=float(extra.get("idle_wait", _DEFAULTS["idle_wait"])),
             reader_slots=_reader_slots(extra.get("reader_slots", _DEFAULTS["reader_slots"])),
+            read_batch=_read_batch(extra.get("read_batch", _DEFAULTS["read_batch"])),
         )
         for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
             if not getattr(cfg, name) > 0:
@@ -255,6 +271,13 @@ class KvferryConfig:
         if not 0 <= cfg.port < 65536:
             raise ValueError(f"KvferryConnector: port out of range: {cfg.port}")
         return cfg
+
+
+def _read_batch(v: Any) -> int:
+    """``read_batch`` from the config: an int in 1..64."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+        raise ValueError(f"KvferryConnector: read_batch must be an int in 1..64 (1: one get per request), got {v!r}")
+    return v
 
 
 def _reader_slots(v: Any) -> int | None:
@@ -663,6 +686,7 @@ class KvferryConnectorWorker:
         self._slots_left: dict[str, int] = {}  # request -> slots not yet released
         self._slot_reason: dict[str, str] = {}  # request -> reason reported once its last slot is released
         self._release_batch: dict[str, tuple[list[float | None], list[str]]] | None = None  # vllm_hetero.batched_releases
+        self._read_defer: list[Any] | None = None  # vllm_hetero.batched_gets
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -764,7 +788,8 @@ class KvferryConnectorWorker:
         self._idle = meta.idle
         for req_id, block_ids in meta.reqs_to_send.items():
             self._publish(req_id, block_ids)
-        with vllm_hetero.batched_releases(self):  # one Release per prefill rank and step
+        # One Release per prefill rank and step; the step's reads as batched gets.
+        with vllm_hetero.batched_releases(self), vllm_hetero.batched_gets(self):
             for req_id, spec in meta.reqs_to_recv.items():
                 self._start_pull(req_id, spec, meta.expires_at.get(req_id))
             for req_id, rel in meta.reqs_to_release.items():
@@ -1068,8 +1093,14 @@ class KvferryConnectorWorker:
         return out
 
     def shutdown(self) -> None:
-        for pull in [*self._pulls.values(), *self._draining.values()]:
+        pulls = [*self._pulls.values(), *self._draining.values()]
+        # Every pull is asked first, then each drain is waited for: a batched get is
+        # cancelled only once every request riding it has left (vllm_reads._Batch).
+        for pull in pulls:
             if pull.transfer is not None and not pull.transfer.done():
+                pull.transfer.cancel(timeout=0)
+        for pull in pulls:
+            if pull.transfer is not None and not pull.transfer.drained():
                 pull.transfer.cancel()
             self._drop_scratch(pull)
         self._pulls.clear()

@@ -263,7 +263,11 @@ class _Rank(ConnectorHalf):
                 kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role,
                 # reader_slots: the connector's default ("auto"), as a user's config has it.
-                kv_connector_extra_config={"timeout": 60.0, "lease_ttl": 120.0},
+                kv_connector_extra_config={
+                    "timeout": 60.0,
+                    "lease_ttl": 120.0,
+                    **({} if getattr(a, "read_batch", None) is None else {"read_batch": a.read_batch}),
+                },
                 engine_id=f"bench-{role}-{tp}",
             ),
         )
@@ -434,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tp", type=_positive, default=None, help="heterogeneous TP: prefill ranks (with --decode-tp)")
     p.add_argument("--decode-tp", type=_positive, default=None, help="heterogeneous TP: decode ranks (with --prefill-tp)")
     p.add_argument("--same-tp", type=_positive, default=None, help="heterogeneous TP: the TP of the same-TP run compared with (default: --prefill-tp)")
+    p.add_argument(
+        "--read-batch",
+        type=_positive,
+        default=None,
+        help="heterogeneous TP: the decode's read_batch (default: the connector's, 8); 1: one get per request",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.prefill_tp is not None or a.decode_tp is not None:

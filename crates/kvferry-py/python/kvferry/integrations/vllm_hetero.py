@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from .vllm_mapping import GroupDesc, IncompatibleError, KvDescriptor, RankPlan, check, plan_request
-from .vllm_reads import RankReads, _Geometry
+from .vllm_reads import RankReads, _Geometry, launch_batched
 
 if TYPE_CHECKING:
     import torch
@@ -332,6 +332,7 @@ def start_reads(worker: Any, pull: Any) -> None:
         path=worker.config.path,
         timeout=worker.config.timeout,
         register=worker._register,
+        defer=worker._read_defer,
     )
 
 
@@ -364,6 +365,27 @@ def _send_release(worker: Any, tag: str, address: str, expires_at: float | None,
         worker.stats.record_release()
     except errors.Error:
         pass  # the lease's expiry frees them
+
+
+class batched_gets:  # noqa: N801 - used as a statement: ``with batched_gets(worker):``
+    """Collects the reads of one engine step's new pulls and starts them on exit, the
+    reads of one prefill rank that share their ranges as batched gets of up to
+    ``read_batch`` keys (:func:`.vllm_reads.launch_batched`) instead of one get per
+    request. Only for host caches on the direct path (a device cache stages, and a
+    batch would take that many times one request's staging at once)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def __enter__(self) -> None:
+        w = self.worker
+        host = w.device is None
+        w._read_defer = [] if w.config.read_batch > 1 and host and w.config.path == "direct" else None
+
+    def __exit__(self, *exc: object) -> None:
+        reads, self.worker._read_defer = self.worker._read_defer, None
+        if reads:
+            launch_batched(reads, self.worker.config.read_batch)
 
 
 class batched_releases:  # noqa: N801 - used as a statement: ``with batched_releases(worker):``

@@ -21,10 +21,21 @@ How a read lands:
   blocks of the prefill's piece size, and the read's blocks and ranges are copied
   into the cache once it verified. Correct, but the wire carries whole blocks.
 
+Batched gets
+------------
+A ``RankReads`` made with ``defer`` starts nothing; :func:`launch_batched` then starts
+a whole step's reads at once: those from one prefill rank that share their per-piece
+ranges ride :class:`_Batch` gets (several reader-slot keys in one kvferry get, their
+destination blocks concatenated), the rest go alone. A batched read is landed, handed
+back to a get of its own, or failed when its batch settles (see :class:`_Batch`);
+until then it is watched through the batch. Every request still has its own
+``RankReads``, deadline and outcome.
+
 Cancellation
 ------------
 ``cancel()`` cancels every get in flight (kvferry drains each before its memory is
-handed back); scratch regions are deregistered bounded by ``timeout`` (a region still
+handed back) — a batched get only once every request riding it was cancelled, until
+then the cancelled request only leaves it and ``drained()`` turns True when it ends; scratch regions are deregistered bounded by ``timeout`` (a region still
 in use stays registered and is left to the engine, never freed under a writer).
 Dropping a :class:`RankReads` without ``cancel()`` leaves its gets to run to their own
 deadlines; nothing is freed under them. :meth:`release_unread` tells each prefill rank
@@ -83,6 +94,7 @@ class _Sub:
     scratch: dict[str, Any] | None = None
     scratch_region: Region | None = None
     error: BaseException | None = None
+    batch: _Batch | None = None  # the batched get carrying this read, until it settled
 
 
 @dataclass
@@ -112,6 +124,7 @@ class RankReads:
         path: str,
         timeout: float,
         register: Any,
+        defer: list[RankReads] | None = None,
     ) -> None:
         self.engine, self.region, self.geo = engine, region, geometry
         self.deadline, self.retry_until, self.path, self.timeout = deadline, retry_until, path, timeout
@@ -129,6 +142,9 @@ class RankReads:
             )
             per = rd.nbytes_per_piece if rd.src_ranges is not None else geometry.src_piece_bytes
             self.bytes_needed += per * npieces * len(rd.blocks)
+        if defer is not None:  # launched by launch_batched() with the step's other reads
+            defer.append(self)
+            return
         for s in self.subs:
             self._launch(s)
 
@@ -200,6 +216,15 @@ class RankReads:
         for s in self.subs:
             if s.landed:
                 continue
+            if s.batch is not None:
+                if not s.batch.settle(now):
+                    continue  # in flight, or failed and not drained yet
+                if s.landed:
+                    continue
+                if s.error is not None:
+                    self._fail(s.error)
+                    return
+                # handed back (s.batch is None now): got alone below
             t = s.transfer
             if t is None:
                 if s.retry_at is not None and now >= s.retry_at:
@@ -232,7 +257,9 @@ class RankReads:
     def _fail(self, e: BaseException) -> None:
         self._error = e
         for s in self.subs:
-            if s.transfer is not None and not s.transfer.done():
+            if s.batch is not None:
+                s.batch.leave(s, 0)  # the other members may still need it
+            elif s.transfer is not None and not s.transfer.done():
                 s.transfer.cancel(timeout=0)  # asked, not waited: drained() tells when
             self._drop_scratch(s)
 
@@ -254,7 +281,9 @@ class RankReads:
         drain (up to ``timeout``; ``0``: at once, then poll :meth:`drained`)."""
         any_ = False
         for s in self.subs:
-            if s.transfer is not None and not s.transfer.done():
+            if s.batch is not None:
+                any_ = s.batch.leave(s, timeout) or any_
+            elif s.transfer is not None and not s.transfer.done():
                 any_ = s.transfer.cancel(timeout) or any_
             self._drop_scratch(s)
         if self._error is None and not all(s.landed for s in self.subs):
@@ -271,3 +300,178 @@ class RankReads:
     def unread(self) -> list[tuple[str, str]]:
         """``[(address, key)]`` of slots whose get has not landed."""
         return [(s.address, s.read.key) for s in self.subs if not s.landed]
+
+
+# -- batched gets --------------------------------------------------------------------
+
+BATCH_SPREAD = 4
+"""A step's batchable reads from one prefill rank are spread over up to this many
+batched gets (the engine pools 4 connections per peer by default), each of at most
+``read_batch`` keys: 32 requests make 4 gets of 8, 6 make 3 of 2, 4 or fewer go alone."""
+
+
+class _Batch:
+    """One kvferry get carrying the reads of several requests from one prefill rank
+    (same address, incarnation and per-piece ranges): their reader-slot keys in one
+    request, their blocks in one destination list.
+
+    It settles once the get finished and nothing writes its blocks any more:
+
+    - landed every key: every read landed (its ``Done`` released every slot);
+    - a plain get that landed a prefix (the keys after it not published yet): those
+      landed, the others are handed back and got alone (with their own retries);
+    - a miss (a selected get names a key not published yet; nothing was staged, no
+      slot consumed): every read is handed back and got alone;
+    - any other failure (a timeout, a dead or restarted peer, a checksum mismatch):
+      the slots it staged are consumed, so every member fails with that error (a load
+      error: vLLM recomputes them), as each would with a get of its own to that peer.
+
+    A member's request aborted (its :class:`RankReads` cancelled) does not cancel the
+    get the others still need: the member only leaves, and its blocks are quiet when
+    the get is (``drained``). The get is cancelled once every member left (shutdown).
+    A request is never written by two gets at once."""
+
+    __slots__ = ("transfer", "subs", "selected", "settled", "left")
+
+    def __init__(self, transfer: Transfer, subs: list[_Sub], selected: bool) -> None:
+        self.transfer, self.subs, self.selected, self.settled = transfer, subs, selected, False
+        self.left: set[int] = set()  # id() of members whose request no longer wants it
+
+    def leave(self, s: _Sub, timeout: float | None) -> bool:
+        """Member ``s`` no longer wants the get: cancels it once no member does (then
+        exactly ``Transfer.cancel``), else waits up to ``timeout`` (default 10 s;
+        ``0``: not at all) for it to finish. As ``Transfer.cancel``: True once nothing
+        writes the get's blocks."""
+        self.left.add(id(s))
+        t = self.transfer
+        if not t.done():
+            if len(self.left) == len(self.subs):
+                return t.cancel(timeout)
+            if timeout is None or timeout > 0:
+                try:
+                    t.wait(10.0 if timeout is None else timeout)
+                except Exception:  # noqa: BLE001 - its outcome is read when it settles
+                    pass
+        return t.drained()
+
+    def settle(self, now: float) -> bool:
+        """True once settled (each member landed, handed back or failed); never blocks."""
+        if self.settled:
+            return True
+        t = self.transfer
+        if not t.done():
+            return False
+        err = t.error
+        landed = 0
+        if err is None:
+            n = t.wait(1.0)  # done: returns at once with the keys landed
+            # A selected get lands all of its keys or fails; a plain one lands a prefix.
+            landed = len(self.subs) if self.selected else min(int(n), len(self.subs))
+        elif not t.drained():
+            return False  # failed, but a copy may still write the members' blocks
+        for i, s in enumerate(self.subs):
+            if i < landed:
+                s.landed = True
+            elif err is None or isinstance(err, errors.NotFoundError):
+                s.transfer, s.retry_at = None, now  # got alone at the next poll
+            else:
+                s.error = err
+            s.batch = None
+        self.settled = True
+        return True
+
+
+def _batch_key(rr: RankReads, s: _Sub) -> tuple[Any, ...] | None:
+    """What reads must share to ride one get; None when this one goes alone."""
+    rd = s.read
+    if rr._whole(rd):
+        return (s.address, s.incarnation, id(rr.region), rr.path, "whole")
+    if not has_selection():
+        return None  # lands through scratch, one get each
+    src = None if rd.src_ranges is None else tuple((int(o), int(n)) for o, n in rd.src_ranges)
+    dst = None if rd.dst_ranges is None else tuple((int(o), int(n)) for o, n in rd.dst_ranges)
+    return (s.address, s.incarnation, id(rr.region), rr.path, "selected", src, dst)
+
+
+def launch_batched(reads: list[RankReads], max_keys: int) -> None:
+    """Starts the gets of ``reads`` (made with ``defer``): the reads of one prefill
+    rank that share their per-piece ranges ride :class:`_Batch` gets of up to
+    ``max_keys`` keys (spread over up to :data:`BATCH_SPREAD` gets); the others, and
+    all of them when ``max_keys`` is 1, go alone. A launch that raises fails only its
+    own requests."""
+    groups: dict[tuple[Any, ...], list[tuple[RankReads, _Sub]]] = {}
+    for rr in reads:
+        for s in rr.subs:
+            k = _batch_key(rr, s) if max_keys > 1 else None
+            if k is None:
+                _start_alone(rr, s)
+            else:
+                groups.setdefault(k, []).append((rr, s))
+    for k, members in groups.items():
+        n = len(members)
+        per = min(max_keys, -(-n // min(n, BATCH_SPREAD)))
+        for i in range(0, n, per):
+            part = members[i : i + per]
+            if len(part) == 1:
+                _start_alone(*part[0])
+            else:
+                _start_batch(part, selected=k[4] == "selected")
+
+
+def _start_alone(rr: RankReads, s: _Sub) -> None:
+    if rr._error is not None:
+        return
+    try:
+        rr._launch(s)
+    except Exception as e:  # noqa: BLE001 - a load error for this request, as at its start
+        rr._fail(e)
+
+
+def _start_batch(part: list[tuple[RankReads, _Sub]], selected: bool) -> None:
+    part = [(rr, s) for rr, s in part if rr._error is None]
+    if len(part) < 2:
+        for rr, s in part:
+            _start_alone(rr, s)
+        return
+    rr0, s0 = part[0]
+    keys = [s.read.key for _, s in part]
+    left = max(0.001, min(rr.deadline for rr, _ in part) - time.monotonic())
+    try:
+        if selected:
+            # Positions into the keys' block lists concatenated (each key: its request's
+            # publication of ``npub`` blocks); None when every block is read in order.
+            every = all(s.read.blocks == list(range(rr.geo.npub)) for rr, s in part)
+            blocks: tuple[int, ...] | None = None
+            if not every:
+                pos: list[int] = []
+                base = 0
+                for rr, s in part:
+                    pos += [base + b for b in s.read.blocks]
+                    base += rr.geo.npub
+                blocks = tuple(pos)
+            rd0 = s0.read
+            sel = kvferry.Selection(blocks=blocks, src_ranges=rd0.src_ranges, dst_ranges=rd0.dst_ranges)
+            t = rr0.engine.get(
+                s0.address,
+                keys,
+                rr0.region,
+                [b for _, s in part for b in s.read.dst_blocks],
+                timeout=left,
+                path=rr0.path,
+                incarnation=s0.incarnation,
+                select=sel,
+            )
+        else:
+            t = rr0.engine.get(
+                s0.address, keys, rr0.region, [s.read.dst_blocks for _, s in part], timeout=left, path=rr0.path, incarnation=s0.incarnation
+            )
+    except Exception:  # noqa: BLE001 - the batch could not start: each read alone (its own error, if any)
+        for rr, s in part:
+            _start_alone(rr, s)
+        return
+    batch = _Batch(t, [s for _, s in part], selected)
+    for _, s in part:
+        s.attempts += 1
+        s.retry_at = None
+        s.transfer = t
+        s.batch = batch
