@@ -1,8 +1,10 @@
 """KvferryConnector between prefill and decode instances that differ: tensor-parallel
 size (both directions, and replicated KV heads), block size (16↔32), KV layout
 (HND↔NHD), MLA, a local prefix hit, and an incompatible pair — under vLLM 0.33.0's real
-scheduler on CPU (the harness: ``vllm_harness.py``). Abort and prefill death run with
-the prefill in a process of its own, SIGKILLed mid-pull.
+scheduler on CPU (the harness: ``vllm_harness.py``). Every pairing of
+``test_every_decode_rank_holds_its_heads``, the abort and the prefill death run with
+the prefill in a process of its own (its engine loop, its kvferry engines; SIGKILLed
+mid-pull in the last).
 
 Every decode rank's every head of every prompt token is compared with a reference
 assembled from global heads, in the decode's own layout and block size.
@@ -32,16 +34,31 @@ from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
 )
 
 
-def _transfer(made: list[Any], p_kw: dict[str, Any], d_kw: dict[str, Any], n: int = 3, seed: int = 31, lo: int = 20, hi: int = 90):
-    p = Instance("kv_producer", **p_kw, tag="p")
+def _transfer(
+    made: list[Any],
+    p_kw: dict[str, Any],
+    d_kw: dict[str, Any],
+    n: int = 3,
+    seed: int = 31,
+    lo: int = 20,
+    hi: int = 90,
+    remote: bool = False,
+):
+    """Prefill ``n`` prompts on a ``p_kw`` instance, pull them into a ``d_kw`` one,
+    check every decode rank's every head of every token and that both sides end
+    empty. ``remote``: the prefill runs in a process of its own (its engine loop, its
+    kvferry engines), as vLLM deploys it; its state is then read over a pipe."""
+    p_tp, p_bs = p_kw.get("tp", 1), p_kw.get("block_size", 16)
+    p: Any = RemoteInstance("kv_producer", **p_kw, tag="p") if remote else Instance("kv_producer", **p_kw, tag="p")
     made.append(p)
     d = Instance("kv_consumer", **d_kw, tag="d")
     made.append(d)
     reqs = prompts(n, seed=seed, lo=lo, hi=hi)
-    params = prefill(p, reqs)
+    rids = {r for r, _ in reqs}
+    params = p.prefill(reqs) if remote else prefill(p, reqs)
     wire0 = wire(d)
     for rid, prompt in reqs:
-        assert params[rid]["kvferry_desc"]["tp_size"] == p.tp
+        assert params[rid]["kvferry_desc"]["tp_size"] == p_tp
         d.add(rid, prompt, max_tokens=2, params=params[rid])
     d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), 20, "the pulls on every rank")
     assert not d.failed_recving, d.failed_recving
@@ -52,13 +69,19 @@ def _transfer(made: list[Any], p_kw: dict[str, Any], d_kw: dict[str, Any], n: in
     d.run_until(lambda: all(r in d.final for r, _ in reqs), 10, "the decodes")
     # Every reader's Done (and the releases of the unused slots) arrived: every prefill
     # rank reports finished sending, and only then the scheduler frees the blocks.
-    p.run_until(lambda: not (p.held() & {r for r, _ in reqs}), 10, "the prefill to free every request")
-    assert {r for r, _ in reqs} <= p.finished_sending
-    assert p.leaks() == [] and d.leaks() == []
-    assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
-    for w in p.workers() + d.workers():
+    if remote:
+        st = p.wait_freed(rids, 10)
+        assert rids <= set(st["finished_sending"])
+        assert st["leaks"] == [] and st["free"] == st["free_at_start"], st
+        assert d.leaks() == [] and d.free_blocks() == d.free_at_start
+    else:
+        p.run_until(lambda: not (p.held() & rids), 10, "the prefill to free every request")
+        assert rids <= p.finished_sending
+        assert p.leaks() == [] and d.leaks() == []
+        assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
+    for w in (d.workers() if remote else p.workers() + d.workers()):
         assert w.engine.stats()["consumer"]["draining"] == 0
-    need = sum(needed(p.bs, d, len(pr)) for _, pr in reqs)
+    need = sum(needed(p_bs, d, len(pr)) for _, pr in reqs)
     return p, d, reqs, need, wire(d) - wire0
 
 
@@ -77,8 +100,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_decode_rank_holds_its_heads(made, case):
+    """The prefill in a process of its own (its engine loop and kvferry engines), the
+    decode here; every decode rank's every head of every token checked."""
     p_kw, d_kw = CASES[case]
-    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw)
+    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw, remote=True)
     assert pulled(d)[0] == need  # the bytes the connector reports pulled: what the decode needs
     assert moved == need, (moved, need)  # partial gets: the wire carries exactly those bytes
 
