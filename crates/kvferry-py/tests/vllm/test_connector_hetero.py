@@ -221,19 +221,22 @@ def test_abort_mid_pull_tp2_to_tp4_frees_every_rank_on_both_sides(made):
     assert not d.failed_recving  # aborted, not failed
 
 
-def test_prefill_sigkilled_mid_pull_tp2_to_tp4_is_a_load_error_on_every_rank(made):
+@pytest.mark.parametrize("n", [3, 6])
+def test_prefill_sigkilled_mid_pull_tp2_to_tp4_is_a_load_error_on_every_rank(made, n):
     """The prefill (TP 2, both ranks in one process of their own) is SIGKILLed while
     four decode ranks are mid-pull (sends slowed): every decode rank reports each
     request failed within its bound, the failed blocks are reported to vLLM, the
     requests are recomputed (``kv_load_failure_policy`` recompute), and every block of
     the decode comes back — vLLM's ``assert_scheduler_empty`` checks hold. Nothing
-    hangs: the decode's shutdown is bounded too."""
+    hangs: the decode's shutdown is bounded too. With 6 requests the pulls ride batched
+    gets (``read_batch``: 3 gets of 2 per rank), and a failed batch fails each of its
+    requests the same way."""
     timeout = 8.0
     p = RemoteInstance("kv_producer", tp=2, tag="p", extra={"lease_ttl": 30.0, "timeout": 10.0})
     made.append(p)
     d = Instance("kv_consumer", tp=4, tag="d", extra={"timeout": timeout, "io_timeout": 2.0})
     made.append(d)
-    reqs = prompts(3, seed=47, lo=60, hi=90)
+    reqs = prompts(n, seed=47, lo=60, hi=90)
     rids = [r for r, _ in reqs]
     params = p.prefill(reqs)
     p.faults(send_delay_us=400_000)
@@ -242,6 +245,9 @@ def test_prefill_sigkilled_mid_pull_tp2_to_tp4_is_a_load_error_on_every_rank(mad
     d.step()
     time.sleep(0.2)  # the gets are in flight on every rank
     _in_flight_on_every_rank(d, rids)
+    if n > 3:
+        batched = [r for r in rids if all(s.batch is not None for w in d.workers() for s in w._pulls[r].transfer.subs)]
+        assert len(batched) >= 2, "the pulls ride batched gets"
     loading = {b for w in d.workers() for r in rids for b in w._pulls[r].spec.load_block_ids}
     killed = time.monotonic()
     assert p.kill() == -9
