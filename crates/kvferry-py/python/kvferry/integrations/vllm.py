@@ -84,7 +84,7 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``read_batch`` (int, default ``8``, at most 64; decode side)
     The most requests one kvferry get carries. The reads a step starts from one
     prefill rank that share their byte ranges (the same heads of every block) ride
-    batched gets, spread over up to 4 gets (the engine's pooled connections): 32 new
+    batched gets of at most 64 MiB, spread over up to 4 gets (the engine's pooled connections): 32 new
     requests make 4 gets of 8, 6 make 3 of 2, up to 4 go one get each. Each get costs
     a round trip and per-request work on both sides whatever its size, so small
     requests (a few blocks) move faster batched. A batch that misses (a key not

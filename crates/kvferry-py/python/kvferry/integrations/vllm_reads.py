@@ -132,7 +132,6 @@ class RankReads:
         self.subs: list[_Sub] = []
         self._error: BaseException | None = None
         self.bytes_needed = 0  # bytes the decode needs (per-piece selection x pieces x blocks)
-        npieces = len(geometry.pieces)
         for rd in reads:
             if rd.rank >= len(peers) or not peers[rd.rank].get("address"):
                 raise errors.InvalidArgumentError(f"no kvferry address for prefill rank {rd.rank} (have {len(peers)} ranks)")
@@ -140,13 +139,17 @@ class RankReads:
             self.subs.append(
                 _Sub(rd, str(peers[rd.rank]["address"]), int(inc) if isinstance(inc, int) and 0 <= inc < 1 << 64 else None)
             )
-            per = rd.nbytes_per_piece if rd.src_ranges is not None else geometry.src_piece_bytes
-            self.bytes_needed += per * npieces * len(rd.blocks)
+            self.bytes_needed += self.read_bytes(rd)
         if defer is not None:  # launched by launch_batched() with the step's other reads
             defer.append(self)
             return
         for s in self.subs:
             self._launch(s)
+
+    def read_bytes(self, rd: Read) -> int:
+        """Bytes ``rd`` moves: its selected bytes per piece x pieces x blocks."""
+        per = rd.nbytes_per_piece if rd.src_ranges is not None else self.geo.src_piece_bytes
+        return per * len(self.geo.pieces) * len(rd.blocks)
 
     # -- launching ------------------------------------------------------------------
 
@@ -304,6 +307,15 @@ class RankReads:
 
 # -- batched gets --------------------------------------------------------------------
 
+MAX_BATCH_BYTES = 64 << 20
+"""A batch closes before its selected bytes would pass this (a producer refuses a
+selected get of over 256 MiB; large requests gain nothing from sharing a get)."""
+
+_REFUSED = (errors.NotFoundError, errors.InvalidArgumentError, errors.BusyError)
+"""A batch that fails with these was refused before anything was staged (a key not
+published, a selection or request the producer refused, no staging room): no slot was
+consumed, so its members are handed back to gets of their own."""
+
 BATCH_SPREAD = 4
 """A step's batchable reads from one prefill rank are spread over up to this many
 batched gets (the engine pools 4 connections per peer by default), each of at most
@@ -320,8 +332,9 @@ class _Batch:
     - landed every key: every read landed (its ``Done`` released every slot);
     - a plain get that landed a prefix (the keys after it not published yet): those
       landed, the others are handed back and got alone (with their own retries);
-    - a miss (a selected get names a key not published yet; nothing was staged, no
-      slot consumed): every read is handed back and got alone;
+    - refused before anything was staged (a selected get names a key not published
+      yet, the producer refused the request, no staging room: ``_REFUSED``; no slot
+      consumed): every read is handed back and got alone;
     - any other failure (a timeout, a dead or restarted peer, a checksum mismatch):
       the slots it staged are consumed, so every member fails with that error (a load
       error: vLLM recomputes them), as each would with a get of its own to that peer.
@@ -372,7 +385,7 @@ class _Batch:
         for i, s in enumerate(self.subs):
             if i < landed:
                 s.landed = True
-            elif err is None or isinstance(err, errors.NotFoundError):
+            elif err is None or isinstance(err, _REFUSED):
                 s.transfer, s.retry_at = None, now  # got alone at the next poll
             else:
                 s.error = err
@@ -396,7 +409,8 @@ def _batch_key(rr: RankReads, s: _Sub) -> tuple[Any, ...] | None:
 def launch_batched(reads: list[RankReads], max_keys: int) -> None:
     """Starts the gets of ``reads`` (made with ``defer``): the reads of one prefill
     rank that share their per-piece ranges ride :class:`_Batch` gets of up to
-    ``max_keys`` keys (spread over up to :data:`BATCH_SPREAD` gets); the others, and
+    ``max_keys`` keys and :data:`MAX_BATCH_BYTES` (spread over up to
+    :data:`BATCH_SPREAD` gets); the others, and
     all of them when ``max_keys`` is 1, go alone. A launch that raises fails only its
     own requests."""
     groups: dict[tuple[Any, ...], list[tuple[RankReads, _Sub]]] = {}
@@ -410,10 +424,21 @@ def launch_batched(reads: list[RankReads], max_keys: int) -> None:
     for k, members in groups.items():
         n = len(members)
         per = min(max_keys, -(-n // min(n, BATCH_SPREAD)))
-        for i in range(0, n, per):
-            part = members[i : i + per]
-            if len(part) == 1:
-                _start_alone(*part[0])
+        parts: list[list[tuple[RankReads, _Sub]]] = []
+        part: list[tuple[RankReads, _Sub]] = []
+        nbytes = 0
+        for rr, s in members:
+            b = rr.read_bytes(s.read)
+            if part and (len(part) == per or nbytes + b > MAX_BATCH_BYTES):
+                parts.append(part)
+                part, nbytes = [], 0
+            part.append((rr, s))
+            nbytes += b
+        parts.append(part)
+        for part in parts:
+            if len(part) == 1 or len({s.read.key for _, s in part}) < len(part):
+                for rr, s in part:  # alone (a key twice would be refused as a whole)
+                    _start_alone(rr, s)
             else:
                 _start_batch(part, selected=k[4] == "selected")
 
