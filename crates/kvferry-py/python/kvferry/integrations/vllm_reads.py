@@ -34,9 +34,10 @@ until then it is watched through the batch. Every request still has its own
 Cancellation
 ------------
 ``cancel()`` cancels every get in flight (kvferry drains each before its memory is
-handed back) — a batched get only once every request riding it was cancelled, until
-then the cancelled request only leaves it and ``drained()`` turns True when it ends; scratch regions are deregistered bounded by ``timeout`` (a region still
-in use stays registered and is left to the engine, never freed under a writer).
+handed back) — a batched get only once every request riding it was cancelled; until
+then the cancelled request only leaves it, and ``drained()`` turns True when it ends.
+Scratch regions are deregistered bounded by ``timeout`` (a region still in use stays
+registered and is left to the engine, never freed under a writer).
 Dropping a :class:`RankReads` without ``cancel()`` leaves its gets to run to their own
 deadlines; nothing is freed under them. :meth:`release_unread` tells each prefill rank
 that the slots whose gets did not land will not be read (``release_remote``), so a
@@ -410,9 +411,8 @@ def launch_batched(reads: list[RankReads], max_keys: int) -> None:
     """Starts the gets of ``reads`` (made with ``defer``): the reads of one prefill
     rank that share their per-piece ranges ride :class:`_Batch` gets of up to
     ``max_keys`` keys and :data:`MAX_BATCH_BYTES` (spread over up to
-    :data:`BATCH_SPREAD` gets); the others, and
-    all of them when ``max_keys`` is 1, go alone. A launch that raises fails only its
-    own requests."""
+    :data:`BATCH_SPREAD` gets); the others, and all of them when ``max_keys`` is 1, go
+    alone. A launch that raises fails only its own requests."""
     groups: dict[tuple[Any, ...], list[tuple[RankReads, _Sub]]] = {}
     for rr in reads:
         for s in rr.subs:
