@@ -67,7 +67,7 @@ def has_selection() -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _selection(
-    blocks: tuple[int, ...], src: tuple[tuple[int, int], ...] | None, dst: tuple[tuple[int, int], ...] | None
+    blocks: tuple[int, ...] | None, src: tuple[tuple[int, int], ...] | None, dst: tuple[tuple[int, int], ...] | None
 ) -> Any:
     """The :class:`kvferry.Selection` of a read's shape, checked once: every request of
     a topology reads the same head ranges of the same block positions (immutable, so
@@ -75,12 +75,15 @@ def _selection(
     return kvferry.Selection(blocks=blocks, src_ranges=src, dst_ranges=dst)
 
 
+def _ranges(rd: Read) -> tuple[tuple[tuple[int, int], ...] | None, tuple[tuple[int, int], ...] | None]:
+    """A read's source and destination ranges as hashable tuples."""
+    src = None if rd.src_ranges is None else tuple((int(o), int(n)) for o, n in rd.src_ranges)
+    dst = None if rd.dst_ranges is None else tuple((int(o), int(n)) for o, n in rd.dst_ranges)
+    return src, dst
+
+
 def _selection_of(rd: Read) -> Any:
-    return _selection(
-        tuple(rd.blocks),
-        None if rd.src_ranges is None else tuple((int(o), int(n)) for o, n in rd.src_ranges),
-        None if rd.dst_ranges is None else tuple((int(o), int(n)) for o, n in rd.dst_ranges),
-    )
+    return _selection(tuple(rd.blocks), *_ranges(rd))
 
 
 @dataclass
@@ -402,9 +405,7 @@ def _batch_key(rr: RankReads, s: _Sub) -> tuple[Any, ...] | None:
         return (s.address, s.incarnation, id(rr.region), rr.path, "whole")
     if not has_selection():
         return None  # lands through scratch, one get each
-    src = None if rd.src_ranges is None else tuple((int(o), int(n)) for o, n in rd.src_ranges)
-    dst = None if rd.dst_ranges is None else tuple((int(o), int(n)) for o, n in rd.dst_ranges)
-    return (s.address, s.incarnation, id(rr.region), rr.path, "selected", src, dst)
+    return (s.address, s.incarnation, id(rr.region), rr.path, "selected", *_ranges(rd))
 
 
 def launch_batched(reads: list[RankReads], max_keys: int) -> None:
@@ -440,7 +441,7 @@ def launch_batched(reads: list[RankReads], max_keys: int) -> None:
                 for rr, s in part:  # alone (a key twice would be refused as a whole)
                     _start_alone(rr, s)
             else:
-                _start_batch(part, selected=k[4] == "selected")
+                _start_batch(part, k[5:] if k[4] == "selected" else None)
 
 
 def _start_alone(rr: RankReads, s: _Sub) -> None:
@@ -452,7 +453,10 @@ def _start_alone(rr: RankReads, s: _Sub) -> None:
         rr._fail(e)
 
 
-def _start_batch(part: list[tuple[RankReads, _Sub]], selected: bool) -> None:
+def _start_batch(part: list[tuple[RankReads, _Sub]], ranges: tuple[Any, ...] | None) -> None:
+    """One get for ``part``; ``ranges``: the shared ``(src, dst)`` ranges of a selected
+    batch (from its key), None for whole publications."""
+    selected = ranges is not None
     part = [(rr, s) for rr, s in part if rr._error is None]
     if len(part) < 2:
         for rr, s in part:
@@ -474,8 +478,8 @@ def _start_batch(part: list[tuple[RankReads, _Sub]], selected: bool) -> None:
                     pos += [base + b for b in s.read.blocks]
                     base += rr.geo.npub
                 blocks = tuple(pos)
-            rd0 = s0.read
-            sel = kvferry.Selection(blocks=blocks, src_ranges=rd0.src_ranges, dst_ranges=rd0.dst_ranges)
+            assert ranges is not None
+            sel = _selection(blocks, *ranges)
             t = rr0.engine.get(
                 s0.address,
                 keys,
