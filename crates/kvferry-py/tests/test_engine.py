@@ -124,6 +124,45 @@ def test_per_layer_caches_vllm_layout(pair: Pair) -> None:
             assert not dst_arrays[name][kvh, 8].any()
 
 
+def test_block_ids_are_checked_whole_and_named(pair: Pair) -> None:
+    """Every block id is checked (in the binding, at native speed): the first bad one
+    is named with its position, in a batch with its row; floats and strings are
+    refused (they were once truncated or parsed); NumPy arrays, ranges, tuples and
+    NumPy integer scalars are accepted."""
+    p, d = pair
+    assert p.address is not None
+    src = kv(8, seed=3)
+    p.publish("k", p.register_kv_cache(src, block_bytes=BLOCK), list(range(8)))
+    p.publish("k2", p.register_kv_cache(kv(8, seed=4), block_bytes=BLOCK), [0, 1])
+    arr = np.zeros((64, BLOCK), dtype=np.uint8)
+    dst = d.register_kv_cache(arr, block_bytes=BLOCK)
+    cases: list[tuple[object, str]] = [
+        ([0, 1, -1], r"block_ids: block ids must be in 0\.\.2\*\*32, got -1 at position 2"),
+        ([0, 1 << 32], r"got 4294967296 at position 1"),
+        ([0, 1.0], r"block_ids must be a sequence of ints, got 1\.0 at position 1"),
+        (["0"], r"got '0' at position 0"),
+        ([0, None], r"got None at position 1"),
+        (7, r"block_ids must be a sequence of ints, got 7"),
+        ([], r"block_ids is empty"),
+    ]
+    for ids, message in cases:
+        with pytest.raises(kvferry.InvalidArgumentError, match=message):
+            d.get_blocking(p.address, "k", dst, ids, timeout=2.0)
+    with pytest.raises(kvferry.InvalidArgumentError, match=r"block_ids\[1\]: .* got -3 at position 1"):
+        d.get_blocking(p.address, ["k", "k2"], dst, [list(range(8)), [9, -3]], timeout=2.0)
+    assert d.stats()["consumer"]["failed"] == 0  # refused before any transfer
+    accepted: list[tuple[int, object]] = [
+        (16, np.arange(16, 24)),
+        (24, range(24, 32)),
+        (32, tuple(range(32, 40))),
+        (40, [np.int64(b) for b in range(40, 48)]),
+    ]
+    for first, ids in accepted:
+        assert d.get_blocking(p.address, "k", dst, ids, timeout=5.0) == 1
+        assert (arr[first : first + 8] == src).all()
+        p.publish("k", p.register_kv_cache(src, block_bytes=BLOCK), list(range(8)))
+
+
 def test_bad_input_is_typed_and_named(pair: Pair) -> None:
     p, d = pair
     assert p.address is not None

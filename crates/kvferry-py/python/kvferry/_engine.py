@@ -23,17 +23,18 @@ DEFAULT_WAIT_SPIN_US = 200
 
 
 def _ids(block_ids: Any, what: str = "block_ids") -> list[int]:
+    """``block_ids`` (a list, any sequence or iterable of ints, or a NumPy array) as a
+    list for the binding, checked by it at native speed: non-empty, every element an
+    integer in ``0..2**32``; ``InvalidArgumentError`` otherwise."""
     tolist = getattr(block_ids, "tolist", None)
     ids = tolist() if callable(tolist) else block_ids
-    try:
-        out = [int(b) for b in ids]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{what} must be a sequence of ints, got {block_ids!r}") from None
-    if not out:
-        raise InvalidArgumentError(f"{what} is empty")
-    if any(b < 0 or b >= 1 << 32 for b in out):
-        raise InvalidArgumentError(f"{what}: block ids must be in 0..2**32, got {out}")
-    return out
+    if type(ids) is not list:
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise InvalidArgumentError(f"{what} must be a sequence of ints, got {block_ids!r}") from None
+    _kvferry.check_block_ids(ids, what)
+    return ids
 
 
 def _batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[list[int]]]:

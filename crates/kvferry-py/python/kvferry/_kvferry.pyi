@@ -103,6 +103,10 @@ def check_selection(
     """Checks a selection's lists as ``kvferry.Selection`` builds them; raises
     ``SelectionError``."""
 
+def check_block_ids(ids: list[int], what: str) -> None:
+    """Checks a non-empty list of block ids in ``0..2**32`` (ints or ``__index__``
+    objects); raises ``InvalidArgumentError`` naming ``what`` and the first bad one."""
+
 def crc32c(data: Buffer) -> int:
     """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
     released while it runs."""
