@@ -27,6 +27,7 @@ __all__ = [
     "Staged",
     "DeviceMemory",
     "key_bytes",
+    "check_block_ids",
     "check_selection",
     "crc32c",
     "dlpack_info",
