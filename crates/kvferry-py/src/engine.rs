@@ -37,6 +37,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::block_ids::{self, BlockIdsArg};
 use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
 use crate::options::EngineOptions;
@@ -191,7 +192,7 @@ impl PyEngine {
     fn destination(
         &self,
         region: &PyRegion,
-        block_ids: Vec<Vec<u32>>,
+        block_ids: Vec<BlockIdsArg>,
         path: &str,
         incarnation: Option<u64>,
         select: Option<PySelection>,
@@ -203,7 +204,7 @@ impl PyEngine {
         }
         let path: TransferPath = path.parse().map_err(ErrInfo::invalid)?;
         // Device memory is always received through staging pages, whatever `path` says.
-        let dst = Destination::new(&region.reg.cache, block_ids).with_path(path);
+        let dst = Destination::new(&region.reg.cache, block_ids::rows(block_ids)).with_path(path);
         Ok(dst.with_incarnation(incarnation).with_selection(select))
     }
 
@@ -474,7 +475,7 @@ impl PyEngine {
         py: Python<'_>,
         key: Bound<'_, PyAny>,
         region: &PyRegion,
-        block_ids: Vec<u32>,
+        block_ids: BlockIdsArg,
         ttl: Option<f64>,
         once: bool,
     ) -> PyResult<()> {
@@ -482,7 +483,7 @@ impl PyEngine {
         let k = key_of(&key)?;
         let ttl = duration(ttl, "ttl")?.unwrap_or(Duration::ZERO);
         let e = &self.engine;
-        py.detach(|| e.publish(k, &region.reg, &block_ids, ttl, once))
+        py.detach(|| e.publish(k, &region.reg, &block_ids.0, ttl, once))
             .map_err(py_err)?;
         self.published.lock().insert(k, key.unbind());
         Ok(())
@@ -532,7 +533,7 @@ impl PyEngine {
         keys: &Bound<'_, PyList>,
         peer: String,
         region: &PyRegion,
-        block_ids: Vec<Vec<u32>>,
+        block_ids: Vec<BlockIdsArg>,
         timeout: f64,
         path: &str,
         incarnation: Option<u64>,
@@ -557,7 +558,7 @@ impl PyEngine {
         keys: &Bound<'_, PyList>,
         peer: String,
         region: &PyRegion,
-        block_ids: Vec<Vec<u32>>,
+        block_ids: Vec<BlockIdsArg>,
         timeout: f64,
         path: &str,
         select: Option<PySelection>,
@@ -632,7 +633,7 @@ impl PyEngine {
         py: Python<'_>,
         staged: &PyStaged,
         region: &PyRegion,
-        block_ids: Vec<Vec<u32>>,
+        block_ids: Vec<BlockIdsArg>,
         timeout: f64,
         path: &str,
         select: Option<PySelection>,

@@ -60,6 +60,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bounded_wait::_bounded_wait_stats, m)?)?;
     m.add_class::<completion::PyCompletionEvent>()?;
     m.add_function(wrap_pyfunction!(selection::check_selection, m)?)?;
+    m.add_class::<block_ids::PyBlockIds>()?;
     m.add_function(wrap_pyfunction!(block_ids::check_block_ids, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ETCD", directory::HAS_ETCD)?;

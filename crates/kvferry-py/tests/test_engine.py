@@ -14,6 +14,7 @@ import pytest
 from numpy.typing import NDArray
 
 import kvferry
+from kvferry import _kvferry
 
 BLOCK = 4096
 
@@ -161,6 +162,28 @@ def test_block_ids_are_checked_whole_and_named(pair: Pair) -> None:
         assert d.get_blocking(p.address, "k", dst, ids, timeout=5.0) == 1
         assert (arr[first : first + 8] == src).all()
         p.publish("k", p.register_kv_cache(src, block_bytes=BLOCK), list(range(8)))
+
+
+def test_block_ids_are_converted_once_in_the_binding(pair: Pair) -> None:
+    """``check_block_ids`` returns the ids converted (``BlockIds``), and the engine's
+    methods take that as it is, without walking the ids as Python objects again; a
+    plain list is still taken there. Both land the right bytes, in one batch."""
+    p, d = pair
+    assert p.address is not None
+    src, src2 = kv(8, seed=5), kv(2, seed=6)
+    p.publish("k", p.register_kv_cache(src, block_bytes=BLOCK), list(range(8)))
+    p.publish("k2", p.register_kv_cache(src2, block_bytes=BLOCK), [0, 1])
+    checked = _kvferry.check_block_ids(list(range(8, 16)), "block_ids")
+    assert isinstance(checked, _kvferry.BlockIds)
+    assert len(checked) == 8 and checked.tolist() == list(range(8, 16))
+    assert repr(checked) == "BlockIds(8 ids, 8..15)"
+    arr = np.zeros((64, BLOCK), dtype=np.uint8)
+    dst = d.register_kv_cache(arr, block_bytes=BLOCK)
+    # straight to the binding: a checked row and a plain row in one batch
+    landed = d._e.pull(["k", "k2"], p.address, dst, [checked, [30, 31]], 5.0, "direct")
+    assert landed == 2
+    assert (arr[8:16] == src).all() and (arr[30:32] == src2).all()
+    assert not arr[:8].any() and not arr[16:30].any()
 
 
 def test_bad_input_is_typed_and_named(pair: Pair) -> None:

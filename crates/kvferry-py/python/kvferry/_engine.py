@@ -22,10 +22,11 @@ DEFAULT_WAIT_SPIN_US = 200
 """Default ``Engine(wait_spin_us=...)``: how long a waiting thread polls before it sleeps."""
 
 
-def _ids(block_ids: Any, what: str = "block_ids") -> list[int]:
-    """``block_ids`` (a list, any sequence or iterable of ints, or a NumPy array) as a
-    list for the binding, checked by it at native speed: non-empty, every element an
-    integer in ``0..2**32``; ``InvalidArgumentError`` otherwise."""
+def _ids(block_ids: Any, what: str = "block_ids") -> _kvferry.BlockIds:
+    """``block_ids`` (a list, any sequence or iterable of ints, or a NumPy array)
+    checked and converted by the binding at native speed, in one walk: non-empty,
+    every element an integer in ``0..2**32``; ``InvalidArgumentError`` otherwise. The
+    engine's methods take the result without walking the ids again."""
     tolist = getattr(block_ids, "tolist", None)
     ids = tolist() if callable(tolist) else block_ids
     if type(ids) is not list:
@@ -33,11 +34,10 @@ def _ids(block_ids: Any, what: str = "block_ids") -> list[int]:
             ids = list(ids)
         except TypeError:
             raise InvalidArgumentError(f"{what} must be a sequence of ints, got {block_ids!r}") from None
-    _kvferry.check_block_ids(ids, what)
-    return ids
+    return _kvferry.check_block_ids(ids, what)
 
 
-def _batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[list[int]]]:
+def _batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[_kvferry.BlockIds]]:
     """One key with its block ids, or a batch: keys with one block-id list per key."""
     if isinstance(key, (str, bytes)):
         return [key], [_ids(block_ids)]
@@ -193,7 +193,7 @@ def _select(select: Selection | None) -> Any:
     return select._wire()
 
 
-def _selected_batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[list[int]]]:
+def _selected_batch(key: Key | Iterable[Key], block_ids: Any) -> tuple[list[Key], list[_kvferry.BlockIds]]:
     """A selected get's keys and its destination blocks as one flat list (one list, or
     one list per key, concatenated)."""
     if isinstance(key, (str, bytes)):

@@ -26,6 +26,7 @@ __all__ = [
     "Transfer",
     "Staged",
     "DeviceMemory",
+    "BlockIds",
     "key_bytes",
     "check_block_ids",
     "check_selection",
@@ -104,9 +105,18 @@ def check_selection(
     """Checks a selection's lists as ``kvferry.Selection`` builds them; raises
     ``SelectionError``."""
 
-def check_block_ids(ids: list[int], what: str) -> None:
+@final
+class BlockIds:
+    """A block-id list :func:`check_block_ids` checked and converted; the engine's
+    methods take it without walking the ids again. Immutable."""
+    def __len__(self) -> int: ...
+    def tolist(self) -> list[int]:
+        """The ids as a list."""
+
+def check_block_ids(ids: list[int], what: str) -> BlockIds:
     """Checks a non-empty list of block ids in ``0..2**32`` (ints or ``__index__``
-    objects); raises ``InvalidArgumentError`` naming ``what`` and the first bad one."""
+    objects) and returns them converted; raises ``InvalidArgumentError`` naming
+    ``what`` and the first bad one."""
 
 def crc32c(data: Buffer) -> int:
     """crc32c (Castagnoli) of a C-contiguous buffer, the wire's checksum; the GIL is
@@ -362,7 +372,7 @@ class Engine:
     def deregister(self, region: Region, timeout: float) -> None:
         """Deregisters ``region`` once unused (at most ``timeout`` seconds); raises
         ``InUseError`` if transfers or publications still hold it."""
-    def publish(self, key: _Key, region: Region, block_ids: Sequence[int], ttl: float | None, once: bool) -> None:
+    def publish(self, key: _Key, region: Region, block_ids: BlockIds | Sequence[int], ttl: float | None, once: bool) -> None:
         """Publishes blocks of ``region`` under ``key``, zero copy (``ttl`` None: the
         engine's default)."""
     def unpublish(self, key: _Key) -> bool:
@@ -377,7 +387,7 @@ class Engine:
         keys: list[_Key],
         peer: str,
         region: Region,
-        block_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[BlockIds | Sequence[int]],
         timeout: float,
         path: str,
         incarnation: int | None = None,
@@ -392,7 +402,7 @@ class Engine:
         keys: list[_Key],
         peer: str,
         region: Region,
-        block_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[BlockIds | Sequence[int]],
         timeout: float,
         path: str,
         select: _Selection | None = None,
@@ -405,7 +415,7 @@ class Engine:
         self,
         staged: Staged,
         region: Region,
-        block_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[BlockIds | Sequence[int]],
         timeout: float,
         path: str,
         select: _Selection | None = None,

@@ -278,7 +278,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
+    try:
+        rc = main()
+    except SystemExit as e:  # --help, a usage error, a missing binary
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 2
+    except BaseException:  # a failed round, Ctrl-C: reported, then the same hard exit
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)  # threads LMCache left running must not hold the exit
+    # Threads LMCache left running (its Redis connector's close was seen to hang) must
+    # not hold the exit, after a failure either.
+    os._exit(rc)
