@@ -175,6 +175,27 @@ def test_release_remote_frees_a_publication_at_once() -> None:
             d.release_remote(p.address, "never").wait(5.0)
 
 
+def test_release_remote_of_more_keys_than_one_message_releases_them_all() -> None:
+    """4,097 keys (one more than a ``Release`` message carries) released in one call:
+    every publication is freed at once (the call sends several messages), none waits
+    for its lease. Issue 41, defect 1: the call was refused whole and the blocks stayed
+    pinned until the lease ended."""
+    n = 4097
+    with kvferry.Engine(ttl=60.0) as p, kvferry.Engine(listen=None) as d:
+        assert p.address is not None
+        src = p.register_kv_cache(_pattern(8, 3), block_bytes=BLOCK)
+        keys = [f"slot-{i}" for i in range(n)]
+        for k in keys:
+            p.publish(k, src, [1])
+        assert d.release_remote(p.address, keys, timeout=10.0).wait(10.0) == n
+        deadline = time.monotonic() + 5
+        released: dict[str | bytes, str] = {}
+        while time.monotonic() < deadline and len(released) < n:
+            released.update(p.released())
+            time.sleep(0.005)
+        assert len(released) == n and set(released.values()) == {"declined"}
+
+
 def test_cuda_engine() -> None:
     try:
         import torch

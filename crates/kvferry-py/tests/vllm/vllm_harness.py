@@ -139,13 +139,125 @@ def scheduler_leaks(scheduler: Any) -> list[str]:
     return left
 
 
+# -- KV caches as vLLM 0.33 allocates them -------------------------------------------
+
+# The attention backends whose KV caches the tests allocate and read: the CPU backend
+# (what vLLM runs on this machine) and the GPU backends whose layer classes import and
+# construct on CPU. FlashInfer stores its cache as Triton does (its layer needs a GPU to
+# construct; test_vllm_layout.py describes it from its backend class).
+BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
+
+
+def backend_class(name: str) -> Any:
+    """vLLM's attention backend class named ``name``."""
+    if name == "CPU_ATTN":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
+    if name == "FLASH_ATTN":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
+    if name == "TRITON_ATTN":
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+        return TritonAttentionBackend
+    if name == "FLASHINFER":
+        from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+        return FlashInferBackend
+    raise ValueError(f"no backend {name}")
+
+
+def attention_layers(cfg: Any, backend: str, heads: int, kv_heads: int, head_size: int, windows: dict[str, int] | None = None) -> dict[str, Any]:
+    """vLLM's real ``Attention`` layers for ``LAYERS`` under ``cfg``, with ``backend``
+    (they register in ``cfg``'s forward context, where vLLM's connector utilities —
+    ``get_current_attn_backends`` — find them, as in a loaded model). ``windows``:
+    per-layer sliding windows."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    out = {}
+    with set_current_vllm_config(cfg):
+        for n in LAYERS:
+            w = (windows or {}).get(n)
+            out[n] = Attention(
+                heads, head_size, head_size**-0.5, kv_heads, prefix=n, attn_backend=backend_class(backend), per_layer_sliding_window=w
+            )
+    return out
+
+
+def allocate(
+    configs: list[Any], specs: dict[str, Any], backends: list[Any], num_blocks: int, kv_layout: str | None = None
+) -> tuple[Any, list[dict[str, Any]], str]:
+    """KV caches for every rank the way vLLM 0.33's engine core and workers make them:
+    the layout resolved by ``resolve_kv_cache_layout`` from the backends' supported
+    layouts and the connector's ``get_required_kvcache_layout`` (``kv_layout``: set
+    on the cache config first, as a user forcing one does), the groups by
+    ``get_global_kv_cache_groups``, the config by ``get_kv_cache_configs`` (blocks
+    fixed by ``num_gpu_blocks_override``), kernel block sizes by
+    ``select_common_block_size``, and the tensors by ``allocate_kv_cache``. Returns
+    ``(kv_cache_config, [caches per rank], layout name)``."""
+    import torch
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, record_kv_cache_layout, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size
+
+    cfg0 = configs[0]
+    if kv_layout is not None:
+        cfg0.cache_config.kv_cache_layout = kv_layout
+    names = [m.name for m in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(cfg0, [names] * len(configs), specs.values())
+    for c in configs[1:]:
+        record_kv_cache_layout(c.cache_config, layout.name)
+    cfg0.cache_config.num_gpu_blocks_override = num_blocks
+    groups = get_global_kv_cache_groups(cfg0, [specs])
+    page = max(s.page_size_bytes for s in specs.values())
+    (kv_cache_config,) = get_kv_cache_configs(cfg0, [specs], [page * len(specs) * (num_blocks + 8) * 4], groups)
+    kv_cache_config.kv_cache_layout = layout.name
+    kernel = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        kernel.append(select_common_block_size(spec.block_size, backends, [spec]) if isinstance(spec, AttentionSpec) else spec.block_size)
+    caches = [allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, kernel) for _ in configs]
+    return kv_cache_config, caches, layout.name
+
+
+def kv_views(backend: str, t: Any, head_size: int, mla: bool = False) -> tuple[Any, ...]:
+    """The K and V caches of one layer's tensor as ``backend``'s forward reads them
+    (vLLM 0.33), each as ``[blocks, tokens, heads, head_size]``; MLA: the latent only.
+
+    - CPU_ATTN (``cpu_attn.py``): ``view(B, H, 2N, -1)`` then ``chunk(2, dim=2)``.
+    - FLASH_ATTN (``flash_attn.py``): ``transpose(1, 2).split(head_size, dim=-1)``.
+    - TRITON_ATTN, FLASHINFER (``triton_attn.py``, ``flashinfer.py``):
+      ``split(head_size, dim=-1)`` on ``[B, H, N, C]``."""
+    if mla:
+        return (t.transpose(1, 2),)
+    if backend == "CPU_ATTN":
+        B, H, N, _ = t.shape
+        k, v = t.view((B, H, N * 2, -1)).chunk(2, dim=2)
+        return k.transpose(1, 2), v.transpose(1, 2)
+    if backend == "FLASH_ATTN":
+        k, v = t.transpose(1, 2).split(head_size, dim=-1)
+        return k, v
+    if backend in ("TRITON_ATTN", "FLASHINFER"):
+        k, v = t.split(head_size, dim=-1)
+        return k.transpose(1, 2), v.transpose(1, 2)
+    raise ValueError(f"no K/V views for backend {backend}")
+
+
 class Instance:
     """A real scheduler plus one worker-side connector per TP rank (module docs).
 
-    ``layout``: ``NHD`` or ``HND`` (heads outside tokens in memory). ``mla``: one latent
-    cache ``[blocks, block_size, head_size]`` per layer, identical on every rank.
-    ``extra``: ``kv_connector_extra_config`` (``timeout`` 10 s, ``lease_ttl`` 30 s and a
-    4 MiB arena unless given)."""
+    ``backend``: the attention backend whose KV cache the ranks hold (``BACKENDS``;
+    ``CPU_ATTN`` needs a block size that is a multiple of 32). ``kv_layout``: a
+    ``KVCacheLayout`` name forced on the cache config (default: what vLLM resolves,
+    honouring the connector's request). Every rank's KV tensors are allocated by vLLM's
+    own code (:func:`allocate`) and written and read through the backend's own K/V
+    views (:func:`kv_views`). ``mla``: one latent cache per layer, identical on every
+    rank. ``extra``: ``kv_connector_extra_config`` (``timeout`` 10 s, ``lease_ttl``
+    30 s and a 4 MiB arena unless given)."""
 
     def __init__(
         self,
@@ -155,7 +267,8 @@ class Instance:
         model: str = KV4,
         kv_heads: int = 4,
         block_size: int = 16,
-        layout: str = "NHD",
+        backend: str = "FLASH_ATTN",
+        kv_layout: str | None = None,
         head_size: int = HEAD_SIZE,
         mla: bool = False,
         extra: dict[str, Any] | None = None,
@@ -163,8 +276,8 @@ class Instance:
         policy: str = "recompute",
         salt: int | None = None,
         tag: str = "",
+        windows: dict[str, int] | None = None,
     ) -> None:
-        import torch
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -183,12 +296,14 @@ class Instance:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.role = role
-        self.tp, self.bs, self.layout, self.hs, self.mla = tp, block_size, layout, head_size, mla
+        self.tp, self.bs, self.hs, self.mla = tp, block_size, head_size, mla
+        self.backend = "MLA" if mla else backend
         self.kv_heads = 1 if mla else kv_heads
         self.hpr = 1 if mla else max(1, kv_heads // tp)
-        self.kvs = (0,) if mla else (0, 1)  # K and V pieces per layer (MLA: one latent)
+        self.kvs = (0,) if mla else (0, 1)  # K and V per layer (MLA: one latent)
         self.salt = salt if salt is not None else (PREFILL_SALT if role == "kv_producer" else DECODE_SALT)
         extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, **(extra or {})}
+        engine_id = f"h-{role}-{tp}-{block_size}-{backend}-{kv_layout}-{tag}-{os.getpid()}-{id(self)}"
 
         def config(rank: int) -> VllmConfig:
             cfg = VllmConfig(
@@ -205,16 +320,19 @@ class Instance:
                     kv_role=role,
                     kv_connector_extra_config=extra,
                     kv_load_failure_policy=policy,
-                    engine_id=f"h-{role}-{tp}-{block_size}-{layout}-{tag}-{os.getpid()}-{id(self)}",
+                    engine_id=engine_id,
                 ),
             )
             cfg.parallel_config.rank = rank  # as vLLM sets it in each worker process
             return cfg
 
-        self.vllm_config = config(0)
+        # One config per rank process; the scheduler's is rank 0's.
+        configs = [config(r) for r in range(tp)]
+        self.vllm_config = configs[0]
         if mla:
             assert self.vllm_config.model_config.use_mla, "the MLA model config did not turn MLA on"
-        self.kv_cache_config = self.make_kv_cache_config(num_blocks)
+        specs, backends = self.specs(configs, windows)
+        self.kv_cache_config, caches, self.kv_layout = allocate(configs, specs, backends, num_blocks, kv_layout)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
@@ -226,14 +344,16 @@ class Instance:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
         self.ranks: list[Any] = []
-        self.kv: list[dict[str, torch.Tensor]] = []
+        self.kv: list[dict[str, Any]] = []
+        self.kvv: list[dict[str, tuple[Any, ...]]] = []  # rank -> layer -> (K, V) [blocks, tokens, heads, hs]
         for r in range(tp):
-            c = KVConnectorFactory.create_connector(config(r), KVConnectorRole.WORKER, self.kv_cache_config)
-            kv = self.make_caches(num_blocks)
+            c = KVConnectorFactory.create_connector(configs[r], KVConnectorRole.WORKER, self.kv_cache_config)
+            kv = caches[r]
             c.register_kv_caches(kv)
             assert c.connector_worker.tp_rank == r
             self.ranks.append(c)
             self.kv.append(kv)
+            self.kvv.append({n: kv_views(self.backend, t, head_size, mla) for n, t in kv.items()})
         hs = {(0, r): c.get_handshake_metadata() for r, c in enumerate(self.ranks)}
         self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware(hs)
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
@@ -254,39 +374,25 @@ class Instance:
 
     # -- what a subclass may change -----------------------------------------------------
 
-    def spec(self) -> Any:
-        """The KV cache spec of the instance's one group."""
+    def specs(self, configs: list[Any], windows: dict[str, int] | None) -> tuple[dict[str, Any], list[Any]]:
+        """Every layer's KV cache spec and the attention backend classes: from vLLM's
+        real ``Attention`` layers, made in every rank's config (MLA: the spec an MLA
+        layer reports — its layer class needs a TP group to construct — and Triton
+        MLA's backend class)."""
         import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         if self.mla:
-            return MLAAttentionSpec(block_size=self.bs, num_kv_heads=1, head_size=self.hs, dtype=torch.float16)
-        return FullAttentionSpec(block_size=self.bs, num_kv_heads=self.hpr, head_size=self.hs, dtype=torch.float16)
+            from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 
-    def make_kv_cache_config(self, num_blocks: int) -> Any:
-        """One group over every layer, one tensor per layer (vLLM's plain layout)."""
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-        page = len(self.kvs) * self.bs * self.hpr * self.hs * 2
-        return KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS],
-            kv_cache_groups=[KVCacheGroupSpec(LAYERS, self.spec())],
-        )
-
-    def make_caches(self, num_blocks: int) -> dict[str, Any]:
-        import torch
-
-        kv = {}
-        for n in LAYERS:
-            if self.mla:
-                kv[n] = torch.zeros((num_blocks, self.bs, self.hs), dtype=torch.float16)
-            elif self.layout == "HND":
-                phys = torch.zeros((2, num_blocks, self.hpr, self.bs, self.hs), dtype=torch.float16)
-                kv[n] = phys.permute(0, 1, 3, 2, 4)  # logical [2, blocks, tokens, heads, head_size]
-            else:
-                kv[n] = torch.zeros((2, num_blocks, self.bs, self.hpr, self.hs), dtype=torch.float16)
-        return kv
+            spec = MLAAttentionSpec(block_size=self.bs, num_kv_heads=1, head_size=self.hs, dtype=torch.float16)
+            return {n: spec for n in LAYERS}, [TritonMLABackend]
+        mc, pc = configs[0].model_config, configs[0].parallel_config
+        q_heads = int(mc.get_num_attention_heads(pc))
+        layers = {}
+        for cfg in configs:
+            layers = attention_layers(cfg, self.backend, q_heads, self.hpr, self.hs, windows)
+        return {n: layer.get_kv_cache_spec(configs[0]) for n, layer in layers.items()}, [backend_class(self.backend)]
 
     def layer_group(self, layer: int, ngroups: int) -> int:
         """The KV cache group of layer ``layer``."""
@@ -316,12 +422,11 @@ class Instance:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     def raw(self, rank: int, layer: str, kvi: int, block: int, off: int, head: int) -> Any:
-        """The bytes of one token slot of one rank-local head (MLA: the latent)."""
+        """The bytes of one token's K (``kvi`` 0) or V (1) vector of one rank-local
+        head (MLA: the latent), as the backend reads them."""
         import torch
 
-        if self.mla:
-            return self.kv[rank][layer][block, off].view(torch.uint8)
-        return self.kv[rank][layer][kvi, block, off, head].view(torch.uint8)
+        return self.kvv[rank][layer][kvi][block, off, head].view(torch.uint8)
 
     def first_head(self, rank: int) -> int:
         return 0 if self.mla else heads_of(rank, self.tp, self.kv_heads)[0]
@@ -463,33 +568,16 @@ class Instance:
 
 
 class HybridInstance(Instance):
-    """An :class:`Instance` whose layer 0 is full attention and layer 1 a sliding window
-    of ``window`` tokens: two KV cache groups, one tensor per rank shared by both (vLLM's
-    layout for equal page sizes)."""
+    """An :class:`Instance` whose layer 1 is a sliding window of ``window`` tokens and
+    layer 0 full attention: vLLM groups them in two KV cache groups, whose pages its
+    allocator overlays (the hybrid allocator)."""
 
     def __init__(self, role: str, *, window: int = 32, **kw: Any) -> None:
         self.window = window
         kw.setdefault("model", KV4)
         kw.setdefault("kv_heads", 4)
+        kw["windows"] = {LAYERS[1]: window}
         super().__init__(role, **kw)
-
-    def make_kv_cache_config(self, num_blocks: int) -> Any:
-        import torch
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
-
-        swa = SlidingWindowSpec(
-            block_size=self.bs, num_kv_heads=self.hpr, head_size=self.hs, dtype=torch.float16, sliding_window=self.window
-        )
-        page = 2 * self.bs * self.hpr * self.hs * 2
-        return KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=list(LAYERS), layer_stride=0, block_stride=page)],
-            kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], self.spec()), KVCacheGroupSpec([LAYERS[1]], swa)],
-        )
-
-    def make_caches(self, num_blocks: int) -> dict[str, Any]:
-        one = super().make_caches(num_blocks)[LAYERS[0]]
-        return {n: one for n in LAYERS}  # one tensor, both layers (both groups)
 
 
 # -- in a process of its own -------------------------------------------------------------

@@ -310,12 +310,13 @@ class KvferryHandshakeMetadata(KVConnectorHandshakeMetadata):
     num_blocks: int
     block_bytes: int
     # The rank's KV geometry (vllm_hetero.py): for the compatibility handshake.
-    layout: str = "NHD"
+    layout: str = "NHD"  # a piece's cell order (vllm_layout), e.g. "HNKD"
     heads_per_rank: int = 0
     pieces: int = 0
     piece_bytes: int = 0
     dtype: str = ""
     elem_size: int = 0
+    cache_layout: str = ""  # backend/KVCacheLayout (order), for messages
 
 
 @dataclass
@@ -656,6 +657,8 @@ class KvferryConnectorWorker:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
         self.config = KvferryConfig.from_vllm(vllm_config)
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
         kvc = vllm_config.kv_transfer_config
         assert kvc is not None
         self.engine_id = str(kvc.engine_id)
@@ -666,7 +669,6 @@ class KvferryConnectorWorker:
         self.engine: Engine | None = None
         self.region: Region | None = None
         self.caches: dict[str, torch.Tensor] = {}
-        self._kv_first: dict[str, bool] = {}
         self._pulls: dict[str, _Pull] = {}
         self._sending: set[str] = set()  # published, not yet released
         self._released: set[str] = set()  # released, not yet seen finished
@@ -704,10 +706,13 @@ class KvferryConnectorWorker:
         first = next(iter(caches.values()))
         nb = self.num_blocks
         if nb is None:
-            nb = int(first.shape[1] if first.shape[0] == 2 and first.dim() >= 2 else first.shape[0])
+            nb = int(first.shape[0])  # vLLM 0.33's per-layer view: [blocks, heads, tokens, content]
         self.num_blocks = nb
-        for name, t in caches.items():
-            self._kv_first[name] = t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == nb
+        # Where every K and V head vector lies, from vLLM's own description of the
+        # cache (backends, resolved layout, spec); refused by name, never guessed,
+        # before any engine starts.
+        phys, self._geo = vllm_hetero.geometry(self, caches)
+        self._pieces = self._geo.pop("pieces")
         cfg = self.config
         port = cfg.port + self.tp_rank if cfg.port else 0
         peer_id = f"{cfg.peer_id or 'kvferry-' + self.engine_id}-tp{self.tp_rank}"
@@ -724,8 +729,6 @@ class KvferryConnectorWorker:
             device_timeout=cfg.device_timeout or cfg.timeout,
         )
         self.caches = caches
-        phys, self._geo = vllm_hetero.geometry(self, caches)
-        self._pieces = self._geo.pop("pieces")
         self.region = self._register(phys, nb, "vllm-kv")
         logger.info(
             "KvferryConnector worker tp%d: %s, %d blocks of %d bytes in %s memory, incarnation %#x",
@@ -776,6 +779,7 @@ class KvferryConnectorWorker:
             piece_bytes=int(self._pieces[0].shape[1]) if self._pieces else 0,
             dtype=self._geo.get("dtype", ""),
             elem_size=self._geo.get("elem_size", 0),
+            cache_layout=self._geo.get("cache_layout", ""),
         )
 
     # per step
@@ -931,11 +935,9 @@ class KvferryConnectorWorker:
         )
 
     def _scratch(self, n: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in self.caches.items():
-            shape = (2, n, *t.shape[2:]) if self._kv_first[name] else (n, *t.shape[1:])
-            out[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
-        return out
+        """``n`` scratch blocks shaped like the registered region: one raw
+        ``[n, piece_bytes]`` buffer per piece, in region order."""
+        return {f"piece{i}": torch.empty((n, int(p.shape[1])), dtype=torch.uint8, device=p.device) for i, p in enumerate(self._pieces)}
 
     def _land_scratch(self, pull: _Pull) -> None:
         assert pull.scratch is not None
@@ -945,12 +947,8 @@ class KvferryConnectorWorker:
         dst = torch.tensor(spec.local_block_ids[spec.skip_blocks : n], dtype=torch.long)
         if len(src) == 0:
             return
-        for name, t in self.caches.items():
-            s = pull.scratch[name]
-            if self._kv_first[name]:
-                t[:, dst] = s[:, src]
-            else:
-                t[dst] = s[src]
+        for i, piece in enumerate(self._pieces):
+            piece[dst] = pull.scratch[f"piece{i}"][src]
 
     def _drop_scratch(self, pull: _Pull) -> None:
         if pull.scratch_region is not None and self.engine is not None:
@@ -1121,6 +1119,21 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     each role delegates to :class:`KvferryConnectorScheduler` or
     :class:`KvferryConnectorWorker`. Configuration: see this module's docstring.
     """
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """``LBHNC`` (heads outside tokens) for MHA/GQA caches: a head slice of a
+        block — what a decode of another TP size reads — is then one run of
+        ``block_size`` cells per head instead of one run per token, which cuts a
+        heterogeneous read's byte ranges ``block_size``-fold; it is also the only
+        layout vLLM's CPU backend reads. vLLM uses it wherever every backend supports
+        it, and otherwise warns and picks another: ``vllm_layout`` maps ``LBNHC`` too
+        and refuses the rest by name. None for MLA (one head slot: both orders are
+        the same bytes)."""
+        mc = vllm_config.model_config
+        if mc is not None and bool(getattr(mc, "use_mla", False)):
+            return None
+        return "LBHNC"
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]

@@ -133,6 +133,7 @@ def descriptor(sched: Any) -> KvDescriptor | None:
         elem_size=int(meta.elem_size),
         groups=sched.groups,
         slots=int(sched.reader_slots),
+        cache_layout=str(getattr(meta, "cache_layout", "")),
     )
 
 
@@ -278,34 +279,87 @@ def slot_released(worker: Any, key: str, reason: str = "done") -> tuple[str, str
 
 
 def geometry(worker: Any, caches: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Physical (contiguous) views of vLLM's KV tensors for registration, and this
-    rank's geometry: layout (``HND`` when the heads dimension is outside the tokens
-    dimension in memory), heads per rank, raw pieces ``[num_blocks, piece_bytes]``."""
+    """Raw per-layer views of vLLM's KV tensors for registration (``[num_blocks,
+    piece_bytes]`` uint8 views of the same memory, never copies) and this rank's
+    geometry, taken from what vLLM says about the cache
+    (:func:`.vllm_layout.describe`: the layers' attention backends, the resolved
+    ``KVCacheLayout``, the KV cache spec); :class:`~.vllm_layout.LayoutError` naming
+    shape, strides, layout and backend where it cannot be mapped exactly."""
     import torch
 
+    from .vllm_layout import LayoutError, describe
+
+    cfg = worker.vllm_config
+    mc = cfg.model_config
+    mla = bool(getattr(mc, "use_mla", False))
+    spec = _first_spec(worker.kv_cache_config)
+    if spec is not None:
+        heads = 1 if mla else int(spec.num_kv_heads)
+        head_size = int(spec.head_size)
+        head_size_v = getattr(spec, "head_size_v", None)
+        block_size = int(spec.block_size)
+    else:
+        tp = max(1, int(cfg.parallel_config.tensor_parallel_size))
+        total = int(mc.get_total_num_kv_heads())
+        heads = 1 if mla else (total // tp if tp <= total else 1)
+        head_size, head_size_v, block_size = int(mc.get_head_size()), None, int(cfg.cache_config.block_size)
+    layout = getattr(worker.kv_cache_config, "kv_cache_layout", None) or cfg.cache_config.kv_cache_layout
+    if layout is None:
+        raise LayoutError("KvferryConnector: vLLM has not resolved the KV cache layout (cache_config.kv_cache_layout is unset)")
+    backends: list[str] = []
+    if not mla:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        try:
+            backends = [b.get_name() for b in get_current_attn_backends(cfg, list(caches))]
+        except Exception as e:  # noqa: BLE001 - vLLM could not say: refuse, never guess
+            raise LayoutError(f"KvferryConnector: vLLM cannot name the attention backend of layers {list(caches)[:3]}...: {e}") from e
+    lay = describe(
+        caches,
+        num_blocks=int(worker.num_blocks),
+        block_size=block_size,
+        heads=heads,
+        head_size=head_size,
+        kv_layout=str(getattr(layout, "name", layout)),
+        backends=backends,
+        mla=mla,
+        head_size_v=None if head_size_v in (None, 0) else int(head_size_v),
+    )
     phys: dict[str, torch.Tensor] = {}
     pieces: list[torch.Tensor] = []
-    layout, heads, dtype, elem = "NHD", 1, "", 0
-    nb = worker.num_blocks
+    nb = int(worker.num_blocks)
     for name, t in caches.items():
         perm = sorted(range(t.dim()), key=lambda i: (-int(t.stride()[i]), i))
         p = t.permute(perm)
-        if not p.is_contiguous():
-            raise ValueError(f"KvferryConnector: KV cache {name} is not a permutation of a contiguous tensor (strides {t.stride()})")
-        kv_first = t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == nb
-        if kv_first and t.dim() == 5:  # [2, blocks, block_size, heads, head_size]
-            heads = int(t.shape[3])
-            layout = "HND" if perm.index(3) < perm.index(2) else "NHD"
-        phys[name] = p
-        raw = p.reshape(-1).view(torch.uint8)
-        if kv_first:
-            raw = raw.reshape(2, nb, -1)
-            pieces += [raw[0], raw[1]]
-        else:
-            pieces.append(raw.reshape(nb, -1))
-        dtype, elem = str(t.dtype).removeprefix("torch."), t.element_size()
-    info = {"layout": layout, "heads_per_rank": heads, "pieces": pieces, "dtype": dtype, "elem_size": elem}
+        if not p.is_contiguous():  # describe() checked the strides: cannot happen
+            raise LayoutError(f"KvferryConnector: KV cache {name} is not dense (strides {tuple(t.stride())})")
+        raw = p.view(torch.uint8).reshape(nb, -1)
+        assert raw.data_ptr() == t.data_ptr() and int(raw.shape[1]) == lay.piece_bytes, (name, raw.shape, lay)
+        phys[name] = raw
+        pieces.append(raw)
+    info = {
+        "layout": lay.order,
+        "heads_per_rank": lay.heads,
+        "pieces": pieces,
+        "dtype": lay.dtype,
+        "elem_size": lay.elem_size,
+        "cache_layout": lay.name,
+    }
     return phys, info
+
+
+def _first_spec(kv_cache_config: Any) -> Any:
+    """The attention spec of the first KV cache group (every group of one worker has
+    the same cell shape: vLLM's hybrid allocator aliases their pages)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    for g in groups:
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        if isinstance(inner, dict) and inner:
+            spec = next(iter(inner.values()))
+        if hasattr(spec, "num_kv_heads") and hasattr(spec, "head_size"):
+            return spec
+    return None
 
 
 def start_reads(worker: Any, pull: Any) -> None:

@@ -6,10 +6,15 @@ Semantics
 ---------
 A :class:`KvDescriptor` says how one vLLM instance lays out its KV cache: model, cache
 dtype, attention kind (``MHA``, which covers GQA/MQA, or ``MLA``), the *total* number of
-KV heads, head size, tokens per block, tensor-parallel size, per-rank layout (``NHD``:
-a block's K (or V) piece of one layer is ``[block_size][heads][head_size]``; ``HND``:
-``[heads][block_size][head_size]``), number of per-layer pieces per block, and the KV
-cache groups (kind and sliding window). A prefill instance advertises its descriptor in
+KV heads, head size, tokens per block, tensor-parallel size, per-rank layout — the
+order of the head vectors inside one *piece* (the contiguous bytes of one layer of one
+block), outermost first, over ``H`` (head), ``N`` (token) and ``K`` (K or V), ending in
+``D`` (the head vector): ``HNKD`` is vLLM 0.33's packed ``LBHNC`` cache, ``NHKD`` its
+``LBNHC``, ``HKND`` the CPU backend's K and V planes, ``NHD`` MLA's latent (no ``K``:
+one vector per cell); an order without ``K`` (``NHD``, ``HND``) means K and V are
+separate pieces — as ``vllm_layout`` derives it from vLLM's own description —, the
+number of per-layer pieces per block, and the KV cache groups (kind and sliding
+window). A prefill instance advertises its descriptor in
 ``kv_transfer_params["kvferry_desc"]``; the decode instance calls :func:`check` the
 first time it meets that prefill (one verdict per remote engine): an impossible pair
 raises :class:`IncompatibleError` listing *every* difference at once; a possible one
@@ -33,7 +38,9 @@ below), the positions it takes from the publication's block list, the local bloc
 they land in, and byte ranges inside every per-layer piece (``src_ranges`` on the
 prefill piece, ``dst_ranges`` on the decode piece; the bytes are the concatenation of
 ``src_ranges`` in order, filled into ``dst_ranges`` in order). Every range is computed
-from the token/head geometry of both layouts, so HND↔NHD permutes by selection.
+from the token/head/K-V geometry of both layouts, so HND↔NHD (and packed ↔ planes)
+permutes by selection. A pair whose K and V are in one piece on one side and in
+separate pieces on the other is refused.
 
 Reader slots: a prefill rank publishes each request's blocks under ``slots`` keys
 (``key`` itself and ``key#s1`` … ``key#s{slots-1}``), each released by the first
@@ -93,11 +100,12 @@ class KvDescriptor:
     head_size: int
     block_size: int
     tp_size: int
-    layout: str = "NHD"  # per-rank piece layout: "NHD" or "HND"
+    layout: str = "NHD"  # a piece's cell order (module docs): "HNKD", "NHKD", "HKND", "NHD", "HND"
     pieces: int = 0  # per-layer pieces per block (2 x layers for MHA, layers for MLA); 0 = unknown
     elem_size: int = 2
     groups: tuple[GroupDesc, ...] = (GroupDesc(),)
     slots: int = 1  # reader slots per request and rank (prefill side)
+    cache_layout: str = ""  # backend/KVCacheLayout (order): names the layout in refusals
 
     def to_params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -123,6 +131,7 @@ class KvDescriptor:
                 elem_size=int(d.get("elem_size", 2)),
                 groups=groups,
                 slots=int(d.get("slots", 1)),
+                cache_layout=str(d.get("cache_layout", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise IncompatibleError([f"the prefill's kvferry_desc is malformed ({e!r})"]) from None
@@ -134,9 +143,18 @@ class KvDescriptor:
         return max(1, self.num_kv_heads // self.tp_size)
 
     @property
+    def kv_in_piece(self) -> bool:
+        """K and V share each per-layer piece (``K`` in :attr:`layout`)."""
+        return "K" in self.layout
+
+    @property
     def piece_bytes(self) -> int:
         """Bytes of one per-layer piece of one block on one rank."""
-        return self.block_size * self.heads_per_rank * self.head_size * self.elem_size
+        return self.block_size * self.heads_per_rank * self.head_size * self.elem_size * (2 if self.kv_in_piece else 1)
+
+    @property
+    def layout_name(self) -> str:
+        return self.cache_layout or self.layout
 
 
 def heads_of(rank: int, tp: int, heads: int) -> tuple[int, int]:
@@ -158,8 +176,8 @@ def _self_check(d: KvDescriptor, who: str) -> list[str]:
     out = []
     if d.attention not in ("MHA", "MLA"):
         out.append(f"{who} attention kind {d.attention!r} is neither MHA nor MLA")
-    if d.layout not in ("NHD", "HND"):
-        out.append(f"{who} layout {d.layout!r} is neither NHD nor HND")
+    if not _valid_order(d.layout):
+        out.append(f"{who} layout {d.layout!r} is not a cell order over H, N (and K), ending in D")
     for n in ("num_kv_heads", "head_size", "block_size", "tp_size", "elem_size", "slots"):
         if getattr(d, n) <= 0:
             out.append(f"{who} {n} must be > 0, got {getattr(d, n)}")
@@ -188,7 +206,12 @@ def check(prefill: KvDescriptor, decode: KvDescriptor) -> Mapping:
             diffs.append(f"{name} differs (prefill {getattr(p, name)!r}, decode {getattr(d, name)!r})")
     if p.attention == d.attention and p.num_kv_heads != d.num_kv_heads:
         diffs.append(f"num_kv_heads differs (prefill {p.num_kv_heads}, decode {d.num_kv_heads})")
-    if p.pieces and d.pieces and p.pieces != d.pieces:
+    if p.kv_in_piece != d.kv_in_piece:
+        diffs.append(
+            f"K and V are {'in one piece' if p.kv_in_piece else 'separate pieces'} per layer on the prefill "
+            f"({p.layout_name}) but {'in one piece' if d.kv_in_piece else 'separate pieces'} on the decode ({d.layout_name})"
+        )
+    elif p.pieces and d.pieces and p.pieces != d.pieces:
         diffs.append(f"per-layer pieces per block differ (prefill {p.pieces}, decode {d.pieces}: another layer count)")
     if p.block_size > 0 and d.block_size > 0 and max(p.block_size, d.block_size) % min(p.block_size, d.block_size):
         diffs.append(f"block sizes {p.block_size} (prefill) and {d.block_size} (decode) do not divide one another")
@@ -244,12 +267,22 @@ def _reads_per_prefill_rank(p: KvDescriptor, d: KvDescriptor) -> int:
     return max(count.values(), default=1)
 
 
-def _offset(desc: KvDescriptor, tok: int, head: int) -> int:
-    """Byte offset of (token, rank-local head) inside one piece of ``desc``."""
-    hs = desc.head_size * desc.elem_size
-    if desc.layout == "HND":
-        return (head * desc.block_size + tok) * hs
-    return (tok * desc.heads_per_rank + head) * hs
+def _valid_order(order: str) -> bool:
+    """A cell order: ``H`` and ``N`` once each, ``K`` at most once, then ``D``."""
+    body = order[:-1]
+    return order.endswith("D") and sorted(body) in (["H", "N"], ["H", "K", "N"])
+
+
+def _offset(desc: KvDescriptor, tok: int, head: int, kv: int = 0) -> int:
+    """Byte offset of the head vector of (token, rank-local head, K=0/V=1) inside one
+    piece of ``desc``: the piece's cells in the order :attr:`KvDescriptor.layout`
+    names, outermost first (``HNKD``: heads, then tokens, then K and V)."""
+    size = {"H": desc.heads_per_rank, "N": desc.block_size, "K": 2}
+    index = {"H": head, "N": tok, "K": kv}
+    off = 0
+    for dim in desc.layout[:-1]:
+        off = off * size[dim] + index[dim]
+    return off * desc.head_size * desc.elem_size
 
 
 def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -270,9 +303,11 @@ def piece_ranges(
     ``dst_head0..`` of a decode piece, in the decode piece's byte order."""
     hs = p.head_size * p.elem_size
     atoms = []
+    kvs = (0, 1) if p.kv_in_piece else (0,)
     for t in range(ntok):
         for h in range(nheads):
-            atoms.append((_offset(d, dst_tok0 + t, dst_head0 + h), _offset(p, src_tok0 + t, src_head0 + h)))
+            for kv in kvs:
+                atoms.append((_offset(d, dst_tok0 + t, dst_head0 + h, kv), _offset(p, src_tok0 + t, src_head0 + h, kv)))
     atoms.sort()
     return _coalesce([(s, hs) for _, s in atoms]), _coalesce([(o, hs) for o, _ in atoms])
 

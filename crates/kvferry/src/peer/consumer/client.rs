@@ -521,6 +521,13 @@ impl Consumer {
     /// published (yet), not a `once` publication, or released long ago. With
     /// `incarnation`, a peer that is another incarnation (it restarted) is refused
     /// with `StaleIncarnation`; without, the incarnation the connection reached.
+    ///
+    /// More keys than one message carries (`max_keys`) go as several `Release`
+    /// messages, in order, all to the incarnation the first one reached: a release
+    /// is per key, so nothing is lost by cutting it (a step of a vLLM decode may
+    /// release thousands of reader slots of one prefill rank at once). An error in
+    /// a later message returns that error; the keys of the messages before it are
+    /// released.
     pub async fn release_keys(
         &self,
         peer: &str,
@@ -528,36 +535,21 @@ impl Consumer {
         incarnation: Option<u64>,
         deadline: Instant,
     ) -> Result<Vec<bool>, PeerError> {
-        check_keys(keys, self.max_keys())?;
+        if keys.is_empty() {
+            return Err(PeerError::InvalidArgument("empty key list".into()));
+        }
         let pool = self.pool(peer)?;
         let start = Instant::now();
+        let max_keys = self.max_keys().max(1);
         let fut = async {
-            for attempt in 0..2 {
-                let mut conn = pool.checkout(deadline).await?;
-                let current = conn.peer().incarnation;
-                if let Some(expected) = incarnation.filter(|&e| e != current) {
-                    conn.finish();
-                    return Err(PeerError::StaleIncarnation {
-                        handle: expected,
-                        current,
-                    });
-                }
-                let msg = Message::Release {
-                    keys: keys.to_vec(),
-                    incarnation: current,
-                };
-                match conn.request(&msg).await {
-                    Ok(Message::ReleaseAck { released }) if released.len() == keys.len() => {
-                        conn.finish();
-                        return Ok(released);
-                    }
-                    Ok(other) => return Err(unexpected("ReleaseAck", &other)),
-                    // A reused idle connection may have died with an old incarnation.
-                    Err(NetError::Lost { .. }) if conn.reused() && attempt == 0 => continue,
-                    Err(e) => return Err(PeerError::from(e)),
-                }
+            let mut pinned = incarnation;
+            let mut out = Vec::with_capacity(keys.len());
+            for part in keys.chunks(max_keys) {
+                let (released, reached) = release_message(&pool, part, pinned, deadline).await?;
+                pinned = Some(reached);
+                out.extend(released);
             }
-            unreachable!("the second attempt returns")
+            Ok(out)
         };
         let fut = self.peer_watch(peer).race(fut);
         match tokio::time::timeout_at(deadline, fut).await {
@@ -782,6 +774,43 @@ fn check_resolve(handle: &StagedHandle, dst: &mut Destination) -> Result<(), Pee
     LandingPlan::new(dst.map(), &blocks, &select, &staged.shape)?;
     dst.select = Some(select);
     Ok(())
+}
+
+/// One `Release` message of at most `max_keys` keys: per key whether it is released,
+/// and the incarnation it reached (refused with `StaleIncarnation` when that is not
+/// `incarnation`). A reused idle connection that died with an old incarnation is
+/// retried once on a fresh one.
+async fn release_message(
+    pool: &Pool,
+    keys: &[ChunkKey],
+    incarnation: Option<u64>,
+    deadline: Instant,
+) -> Result<(Vec<bool>, u64), PeerError> {
+    for attempt in 0..2 {
+        let mut conn = pool.checkout(deadline).await?;
+        let current = conn.peer().incarnation;
+        if let Some(expected) = incarnation.filter(|&e| e != current) {
+            conn.finish();
+            return Err(PeerError::StaleIncarnation {
+                handle: expected,
+                current,
+            });
+        }
+        let msg = Message::Release {
+            keys: keys.to_vec(),
+            incarnation: current,
+        };
+        match conn.request(&msg).await {
+            Ok(Message::ReleaseAck { released }) if released.len() == keys.len() => {
+                conn.finish();
+                return Ok((released, current));
+            }
+            Ok(other) => return Err(unexpected("ReleaseAck", &other)),
+            Err(NetError::Lost { .. }) if conn.reused() && attempt == 0 => continue,
+            Err(e) => return Err(PeerError::from(e)),
+        }
+    }
+    unreachable!("the second attempt returns")
 }
 
 /// A request's keys: at least one, and no more than a peer accepts in one request
