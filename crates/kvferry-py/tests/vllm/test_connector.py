@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 from vllm_harness import (  # noqa: F401 - shared with the other vLLM tests; need_vllm is a fixture
     LAYERS,
+    allocate,
+    attention_layers,
+    backend_class,
+    kv_views,
     MODEL_DIR,
     NUM_LAYERS,
     PINNED,
@@ -37,6 +41,7 @@ from vllm_harness import (  # noqa: F401 - shared with the other vLLM tests; nee
 )
 
 BLOCK_SIZE = 16
+BACKEND = "FLASH_ATTN"  # its layout, allocated on CPU by vLLM (block size 16: the CPU backend takes multiples of 32)
 KV_HEADS = 2
 HEAD_SIZE = 16
 SLOT_BYTES = KV_HEADS * HEAD_SIZE * 2  # float16
@@ -72,7 +77,6 @@ class Instance:
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.utils.hashing import sha256
 
@@ -92,13 +96,12 @@ class Instance:
                 kv_load_failure_policy=policy,
             ),
         )
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
-        page = 2 * BLOCK_SIZE * SLOT_BYTES
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS],
-            kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)],
-        )
+        # The KV cache as vLLM makes it: flash-attn's real layers, the layout vLLM
+        # resolves (the connector asks for LBHNC), allocated by allocate_kv_cache.
+        layers = attention_layers(self.vllm_config, BACKEND, 2 * KV_HEADS, KV_HEADS, HEAD_SIZE)
+        specs = {n: layer.get_kv_cache_spec(self.vllm_config) for n, layer in layers.items()}
+        self.kv_cache_config, (self.kv,), _ = allocate([self.vllm_config], specs, [backend_class(BACKEND)], num_blocks)
+        self.kvv = {n: kv_views(BACKEND, t, HEAD_SIZE) for n, t in self.kv.items()}  # (K, V) [blocks, tokens, heads, hs]
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
@@ -112,7 +115,6 @@ class Instance:
         # The worker half, as vLLM's worker makes it (ensure_kv_transfer_initialized).
         self.connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
-        self.kv = {n: torch.zeros((2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), dtype=torch.float16) for n in LAYERS}
         self.connector.register_kv_caches(self.kv)
         # EngineCore._set_kv_connector_handshake_metadata
         hs = self.connector.get_handshake_metadata()
@@ -179,9 +181,8 @@ class Instance:
                 for pos in range(end - n, end):
                     b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
                     for li, name in enumerate(LAYERS):
-                        raw = self.kv[name].view(torch.uint8)
-                        for kvi in (0, 1):
-                            raw[kvi, b, off].view(-1)[:] = _pattern(toks[pos], pos, li, kvi, self.salt)
+                        for kvi in (0, 1):  # every head's K (or V) of the token, as the backend reads it
+                            self.kvv[name][kvi][b, off].view(torch.uint8)[:] = _pattern(toks[pos], pos, li, kvi, self.salt).view(KV_HEADS, -1)
                 sampled.append([3 + (end * 17) % 1000] if end >= req.num_tokens else [])
         mro = ModelRunnerOutput(
             req_ids=req_ids,
@@ -227,7 +228,7 @@ class Instance:
         import torch
 
         b, off = req_id_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-        return [bytes(self.kv[n].view(torch.uint8)[kvi, b, off].reshape(-1).numpy()) for n in LAYERS for kvi in (0, 1)]
+        return [bytes(self.kvv[n][kvi][b, off].view(torch.uint8).reshape(-1).numpy()) for n in LAYERS for kvi in (0, 1)]
 
     def close(self) -> None:
         from vllm.distributed.kv_transfer import kv_transfer_state

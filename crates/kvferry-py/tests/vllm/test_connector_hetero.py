@@ -1,7 +1,11 @@
 """KvferryConnector between prefill and decode instances that differ: tensor-parallel
-size (both directions, and replicated KV heads), block size (16↔32), KV layout
-(HND↔NHD), MLA, a local prefix hit, and an incompatible pair — under vLLM 0.33.0's real
-scheduler on CPU (the harness: ``vllm_harness.py``). Every pairing of
+size (both directions, and replicated KV heads), block size (16↔32; 32↔64 on the CPU
+backend, whose kernels take multiples of 32), KV cache layout (LBHNC↔LBNHC, and the
+CPU backend's K/V planes ↔ flash-attn's packed cells), MLA, a local prefix hit, and an
+incompatible pair — under vLLM 0.33.0's real scheduler on CPU (the harness:
+``vllm_harness.py``), over KV tensors allocated by vLLM's own ``allocate_kv_cache`` for
+each attention backend in ``BACKENDS`` (the CPU backend, flash-attn, Triton) and read
+and written through that backend's own K/V views. Every pairing of
 ``test_every_decode_rank_holds_its_heads``, the abort and the prefill death run with
 the prefill in a process of its own (its engine loop, its kvferry engines; SIGKILLed
 mid-pull in the last).
@@ -17,6 +21,7 @@ from typing import Any
 
 import pytest
 from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
+    BACKENDS,
     HEAD32,
     KV2,
     KV4,
@@ -26,6 +31,7 @@ from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
     made,
     need_vllm,
     needed,
+    on_backend,
     prefill,
     prompts,
     pulled,
@@ -95,15 +101,36 @@ CASES = {
     "bs16-to-bs32-tp2-to-tp4": ({"tp": 2, "block_size": 16}, {"tp": 4, "block_size": 32}),
     "bs32-to-bs16-tp2-to-tp4": ({"tp": 2, "block_size": 32}, {"tp": 4, "block_size": 16}),
     "hnd-to-nhd-tp2-to-tp4": ({"tp": 2, "layout": "HND"}, {"tp": 4, "layout": "NHD"}),
+    # The CPU backend's K and V planes (HKND) into flash-attn's packed LBNHC cells (NHKD).
+    "cpu-planes-to-flash-nhd-tp2-to-tp4": (
+        {"tp": 2, "backend": "CPU_ATTN", "block_size": 32},
+        {"tp": 4, "backend": "FLASH_ATTN", "layout": "NHD", "block_size": 32},
+    ),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_every_decode_rank_holds_its_heads(made, case):
-    """The prefill in a process of its own (its engine loop and kvferry engines), the
-    decode here; every decode rank's every head of every token checked."""
-    p_kw, d_kw = CASES[case]
-    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw, remote=True)
+def _cases() -> list[Any]:
+    out = []
+    for backend in BACKENDS:
+        for case, (p_kw, d_kw) in CASES.items():
+            if "backend" in p_kw and backend != BACKENDS[0]:
+                continue  # a case naming its backends runs once
+            if backend == "CPU_ATTN" and case.startswith("hnd-to-nhd"):
+                continue  # the CPU backend has one layout
+            out.append(pytest.param(backend, case, id=f"{backend}-{case}"))
+    return out
+
+
+@pytest.mark.parametrize("backend,case", _cases())
+def test_every_decode_rank_holds_its_heads(made, backend, case):
+    """Every decode rank's every head of every token checked, K and V, on KV tensors
+    allocated by vLLM for ``backend``. On the CPU backend (what vLLM runs here) the
+    prefill runs in a process of its own (its engine loop and kvferry engines); the
+    GPU backends' layouts, allocated on CPU, run both instances in this process (the
+    same connector code: only the memory layout differs), which keeps the suite's
+    time within CI's budget."""
+    p_kw, d_kw = (on_backend(kw, backend) for kw in CASES[case])
+    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw, remote=backend == "CPU_ATTN")
     assert pulled(d)[0] == need  # the bytes the connector reports pulled: what the decode needs
     assert moved == need, (moved, need)  # partial gets: the wire carries exactly those bytes
 

@@ -4,17 +4,20 @@ one KV tensor per rank, vLLM 0.33.0's real scheduler and hybrid coordinator on C
 (harness: ``vllm_harness.HybridInstance``). ``request_finished_all_groups`` hands the
 connector one block list per group; only the sliding window's blocks move for its group
 — with equal shapes, and combined with block sizes that differ (16→32, 32→16) and with
-HND→NHD, each with prefill TP 2 → decode TP 4.
+LBHNC→LBNHC, each with prefill TP 2 → decode TP 4, on KV tensors vLLM allocates for
+each attention backend in ``BACKENDS`` (the CPU backend with block sizes 32↔64).
 Also: a KV cache kind kvferry cannot move (Mamba state) is refused at start-up."""
 
 from __future__ import annotations
 
 import pytest
 from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
+    BACKENDS,
     LAYERS,
     HybridInstance,
     made,
     need_vllm,
+    on_backend,
     pattern,
     prefill,
     prompts,
@@ -32,9 +35,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sliding_window_moves_only_the_window(made, case):
-    p_kw, d_kw = CASES[case]
+def _cases() -> list[object]:
+    out = []
+    for backend in BACKENDS:
+        for case in CASES:
+            if backend == "CPU_ATTN" and "hnd" in case:
+                continue  # the CPU backend has one layout
+            out.append(pytest.param(backend, case, id=f"{backend}-{case}"))
+    return out
+
+
+@pytest.mark.parametrize("backend,case", _cases())
+def test_sliding_window_moves_only_the_window(made, backend, case):
+    """On KV tensors vLLM allocates for ``backend`` (CPU: block sizes doubled)."""
+    p_kw, d_kw = (on_backend(kw, backend) for kw in CASES[case])
     p = HybridInstance("kv_producer", window=WINDOW, tag="p", **p_kw)
     made.append(p)
     d = HybridInstance("kv_consumer", window=WINDOW, tag="d", **d_kw)

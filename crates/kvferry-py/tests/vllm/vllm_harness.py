@@ -11,7 +11,11 @@ heads, in its own layout and block size, so a read from the wrong rank, head, to
 range or layout cannot pass. The prefill writes salt 1 and the decode salt 2, so a
 position the decode computed itself never passes for one that was pulled.
 
-Variants: KV layout ``NHD``/``HND`` (a permuted view, as vLLM makes it), any block size,
+KV tensors are allocated by vLLM's own code (:func:`allocate`: ``resolve_kv_cache_layout``,
+``get_kv_cache_configs``, ``allocate_kv_cache``) for an attention backend's real layers,
+and written and read through that backend's own K/V views (:func:`kv_views`).
+
+Variants: attention backend (``BACKENDS``), KV cache layout ``LBHNC``/``LBNHC``, any block size,
 replicated heads (TP > KV heads), MLA (:class:`Instance` with ``mla=True``: one latent
 cache per layer, the same on every rank) and the hybrid allocator
 (:class:`HybridInstance`: a full-attention and a sliding-window group).
@@ -139,112 +143,35 @@ def scheduler_leaks(scheduler: Any) -> list[str]:
     return left
 
 
-# -- KV caches as vLLM 0.33 allocates them -------------------------------------------
+# -- KV caches as vLLM 0.33 allocates them: kvferry.integrations.vllm_alloc ------------
 
-# The attention backends whose KV caches the tests allocate and read: the CPU backend
-# (what vLLM runs on this machine) and the GPU backends whose layer classes import and
-# construct on CPU. FlashInfer stores its cache as Triton does (its layer needs a GPU to
-# construct; test_vllm_layout.py describes it from its backend class).
-BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
-
-
-def backend_class(name: str) -> Any:
-    """vLLM's attention backend class named ``name``."""
-    if name == "CPU_ATTN":
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        return CPUAttentionBackend
-    if name == "FLASH_ATTN":
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-
-        return FlashAttentionBackend
-    if name == "TRITON_ATTN":
-        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-
-        return TritonAttentionBackend
-    if name == "FLASHINFER":
-        from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-
-        return FlashInferBackend
-    raise ValueError(f"no backend {name}")
+from kvferry.integrations.vllm_alloc import (  # noqa: E402 - after the environment defaults above
+    BACKENDS,
+    allocate,
+    attention_layers,
+    backend_class,
+    kv_views,
+)
 
 
-def attention_layers(cfg: Any, backend: str, heads: int, kv_heads: int, head_size: int, windows: dict[str, int] | None = None) -> dict[str, Any]:
-    """vLLM's real ``Attention`` layers for ``LAYERS`` under ``cfg``, with ``backend``
-    (they register in ``cfg``'s forward context, where vLLM's connector utilities —
-    ``get_current_attn_backends`` — find them, as in a loaded model). ``windows``:
-    per-layer sliding windows."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    out = {}
-    with set_current_vllm_config(cfg):
-        for n in LAYERS:
-            w = (windows or {}).get(n)
-            out[n] = Attention(
-                heads, head_size, head_size**-0.5, kv_heads, prefix=n, attn_backend=backend_class(backend), per_layer_sliding_window=w
-            )
+def on_backend(kw: dict[str, Any], backend: str) -> dict[str, Any]:
+    """A case's instance arguments on ``backend``: ``layout`` HND/NHD as vLLM's
+    ``LBHNC``/``LBNHC``; on the CPU backend (LBHNC only, blocks of multiples of 32)
+    block sizes doubled and no layout forced. A case naming its backend keeps it."""
+    out = dict(kw)
+    if "backend" in out:
+        lay = out.pop("layout", None)
+        if lay:
+            out["kv_layout"] = {"HND": "LBHNC", "NHD": "LBNHC"}[lay]
+        return out
+    out["backend"] = backend
+    lay = out.pop("layout", None)
+    if backend == "CPU_ATTN":
+        out["block_size"] = 2 * out.get("block_size", 16)
+    elif lay:
+        out["kv_layout"] = {"HND": "LBHNC", "NHD": "LBNHC"}[lay]
     return out
 
-
-def allocate(
-    configs: list[Any], specs: dict[str, Any], backends: list[Any], num_blocks: int, kv_layout: str | None = None
-) -> tuple[Any, list[dict[str, Any]], str]:
-    """KV caches for every rank the way vLLM 0.33's engine core and workers make them:
-    the layout resolved by ``resolve_kv_cache_layout`` from the backends' supported
-    layouts and the connector's ``get_required_kvcache_layout`` (``kv_layout``: set
-    on the cache config first, as a user forcing one does), the groups by
-    ``get_global_kv_cache_groups``, the config by ``get_kv_cache_configs`` (blocks
-    fixed by ``num_gpu_blocks_override``), kernel block sizes by
-    ``select_common_block_size``, and the tensors by ``allocate_kv_cache``. Returns
-    ``(kv_cache_config, [caches per rank], layout name)``."""
-    import torch
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, record_kv_cache_layout, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import AttentionSpec
-    from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size
-
-    cfg0 = configs[0]
-    if kv_layout is not None:
-        cfg0.cache_config.kv_cache_layout = kv_layout
-    names = [m.name for m in get_supported_kv_cache_layouts(backends)]
-    layout = resolve_kv_cache_layout(cfg0, [names] * len(configs), specs.values())
-    for c in configs[1:]:
-        record_kv_cache_layout(c.cache_config, layout.name)
-    cfg0.cache_config.num_gpu_blocks_override = num_blocks
-    groups = get_global_kv_cache_groups(cfg0, [specs])
-    page = max(s.page_size_bytes for s in specs.values())
-    (kv_cache_config,) = get_kv_cache_configs(cfg0, [specs], [page * len(specs) * (num_blocks + 8) * 4], groups)
-    kv_cache_config.kv_cache_layout = layout.name
-    kernel = []
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        kernel.append(select_common_block_size(spec.block_size, backends, [spec]) if isinstance(spec, AttentionSpec) else spec.block_size)
-    caches = [allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, kernel) for _ in configs]
-    return kv_cache_config, caches, layout.name
-
-
-def kv_views(backend: str, t: Any, head_size: int, mla: bool = False) -> tuple[Any, ...]:
-    """The K and V caches of one layer's tensor as ``backend``'s forward reads them
-    (vLLM 0.33), each as ``[blocks, tokens, heads, head_size]``; MLA: the latent only.
-
-    - CPU_ATTN (``cpu_attn.py``): ``view(B, H, 2N, -1)`` then ``chunk(2, dim=2)``.
-    - FLASH_ATTN (``flash_attn.py``): ``transpose(1, 2).split(head_size, dim=-1)``.
-    - TRITON_ATTN, FLASHINFER (``triton_attn.py``, ``flashinfer.py``):
-      ``split(head_size, dim=-1)`` on ``[B, H, N, C]``."""
-    if mla:
-        return (t.transpose(1, 2),)
-    if backend == "CPU_ATTN":
-        B, H, N, _ = t.shape
-        k, v = t.view((B, H, N * 2, -1)).chunk(2, dim=2)
-        return k.transpose(1, 2), v.transpose(1, 2)
-    if backend == "FLASH_ATTN":
-        k, v = t.transpose(1, 2).split(head_size, dim=-1)
-        return k, v
-    if backend in ("TRITON_ATTN", "FLASHINFER"):
-        k, v = t.split(head_size, dim=-1)
-        return k.transpose(1, 2), v.transpose(1, 2)
-    raise ValueError(f"no K/V views for backend {backend}")
 
 
 class Instance:
@@ -253,7 +180,8 @@ class Instance:
     ``backend``: the attention backend whose KV cache the ranks hold (``BACKENDS``;
     ``CPU_ATTN`` needs a block size that is a multiple of 32). ``kv_layout``: a
     ``KVCacheLayout`` name forced on the cache config (default: what vLLM resolves,
-    honouring the connector's request). Every rank's KV tensors are allocated by vLLM's
+    honouring the connector's request); ``layout`` ``HND``/``NHD`` says the same as
+    ``LBHNC``/``LBNHC``. Every rank's KV tensors are allocated by vLLM's
     own code (:func:`allocate`) and written and read through the backend's own K/V
     views (:func:`kv_views`). ``mla``: one latent cache per layer, identical on every
     rank. ``extra``: ``kv_connector_extra_config`` (``timeout`` 10 s, ``lease_ttl``
@@ -269,6 +197,7 @@ class Instance:
         block_size: int = 16,
         backend: str = "FLASH_ATTN",
         kv_layout: str | None = None,
+        layout: str | None = None,
         head_size: int = HEAD_SIZE,
         mla: bool = False,
         extra: dict[str, Any] | None = None,
@@ -295,6 +224,8 @@ class Instance:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
+        if layout is not None:  # the per-piece names: heads outside tokens (HND) or inside (NHD)
+            kv_layout = {"HND": "LBHNC", "NHD": "LBNHC"}[layout]
         self.role = role
         self.tp, self.bs, self.hs, self.mla = tp, block_size, head_size, mla
         self.backend = "MLA" if mla else backend
@@ -324,6 +255,11 @@ class Instance:
                 ),
             )
             cfg.parallel_config.rank = rank  # as vLLM sets it in each worker process
+            if windows:
+                # vLLM keeps its hybrid allocator on for a connector that supports it
+                # on the CPU and CUDA platforms; this CUDA wheel without a GPU is the
+                # "unspecified" platform, which turns it off: decide as those do.
+                cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
             return cfg
 
         # One config per rank process; the scheduler's is rank 0's.
@@ -391,7 +327,7 @@ class Instance:
         q_heads = int(mc.get_num_attention_heads(pc))
         layers = {}
         for cfg in configs:
-            layers = attention_layers(cfg, self.backend, q_heads, self.hpr, self.hs, windows)
+            layers = attention_layers(cfg, self.backend, q_heads, self.hpr, self.hs, windows, LAYERS)
         return {n: layer.get_kv_cache_spec(configs[0]) for n, layer in layers.items()}, [backend_class(self.backend)]
 
     def layer_group(self, layer: int, ngroups: int) -> int:
@@ -577,6 +513,9 @@ class HybridInstance(Instance):
         kw.setdefault("model", KV4)
         kw.setdefault("kv_heads", 4)
         kw["windows"] = {LAYERS[1]: window}
+        # Two groups share the pool: vLLM admits a 1,024-token model only with enough
+        # blocks for both.
+        kw.setdefault("num_blocks", 192)
         super().__init__(role, **kw)
 
 

@@ -78,21 +78,38 @@ def model_dir(tmp: str, layers: int, kv_heads: int, head_dim: int) -> str:
     return str(d)
 
 
+def _max_len(a: argparse.Namespace, num_blocks: int) -> int:
+    """The model length the instance serves: what its blocks hold, at most 4096 (vLLM
+    refuses a KV cache too small for one request of the model's length)."""
+    return max(a.block_size, min(4096, (num_blocks - 1) * a.block_size))
+
+
+def _kv_caches(cfg: Any, a: argparse.Namespace, q_heads: int, kv_heads: int, num_blocks: int, layers: list[str], place: str) -> tuple[Any, dict[str, Any]]:
+    """``(kv_cache_config, {layer: tensor})`` of one rank, as vLLM allocates them for
+    ``a.backend``'s real attention layers (``.vllm_alloc``)."""
+    from .vllm_alloc import allocate, attention_layers, backend_class
+
+    backend = getattr(a, "backend", "FLASH_ATTN")
+    made = attention_layers(cfg, backend, q_heads, kv_heads, a.head_dim, layers=layers)
+    specs = {n: layer.get_kv_cache_spec(cfg) for n, layer in made.items()}
+    kcc, (kv,), _ = allocate([cfg], specs, [backend_class(backend)], num_blocks, place=place)
+    return kcc, kv
+
+
 class ConnectorHalf:
-    """One instance's worker-side connector over its own paged KV tensors (vLLM's
-    layout ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer) on ``place``
-    (``"cpu"``, ``"cuda:0"``...), made by vLLM's ``KVConnectorFactory`` from a real
-    ``VllmConfig``. ``extra``: ``kv_connector_extra_config`` (default: the benchmark's,
+    """One instance's worker-side connector over its own paged KV tensors, allocated
+    by vLLM's own code for ``a.backend``'s real attention layers
+    (:mod:`.vllm_alloc`: ``[num_blocks, kv_heads, block_size, 2 x head_dim]`` per
+    layer in the layout vLLM resolves) on ``place`` (``"cpu"``, ``"cuda:0"``...), made
+    by vLLM's ``KVConnectorFactory`` from a real ``VllmConfig``. ``extra``: ``kv_connector_extra_config`` (default: the benchmark's,
     per ``a.device``). Also used by ``scripts/gpu_connector_check.py``."""
 
     def __init__(
         self, a: argparse.Namespace, model: str, role: KvRole, num_blocks: int, place: str = "cpu", extra: dict[str, Any] | None = None
     ) -> None:
-        import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
         if extra is None:
@@ -107,7 +124,7 @@ class ConnectorHalf:
                 **({"device": "sim", "arena_bytes": max(64 << 20, 2 * a.requests * a.blocks_per_request * 2 * a.block_size * a.kv_heads * a.head_dim * 2 * a.layers)} if a.device == "sim" else {}),
             }
         cfg = VllmConfig(
-            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0),
+            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=_max_len(a, num_blocks), seed=0),
             cache_config=CacheConfig(block_size=a.block_size),
             # The connector follows the KV tensors' device, not this.
             device_config=DeviceConfig("cpu"),
@@ -118,18 +135,10 @@ class ConnectorHalf:
                 kv_connector_extra_config=extra,
             ),
         )
-        spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.kv_heads, head_size=a.head_dim, dtype=torch.float16)
-        page = 2 * a.block_size * a.kv_heads * a.head_dim * 2
-        kcc = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in self.layers],
-            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
-        )
+        kcc, self.kv = _kv_caches(cfg, a, a.kv_heads, a.kv_heads, num_blocks, self.layers, place)
         self.connector: Any = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
-        shape = (2, num_blocks, a.block_size, a.kv_heads, a.head_dim)
-        self.kv: dict[str, Any] = {n: torch.zeros(shape, dtype=torch.float16, device=place) for n in self.layers}
         self.connector.register_kv_caches(self.kv)
-        self.block_bytes = page * a.layers
+        self.block_bytes = 2 * a.block_size * a.kv_heads * a.head_dim * 2 * a.layers
 
     @property
     def worker(self) -> Any:
@@ -150,12 +159,12 @@ class ConnectorHalf:
         return set(sending or ()), set(recving or ())
 
     def blocks(self, ids: list[int]) -> list[Any]:
-        """Each layer's bytes of blocks ``ids`` (``[2, len(ids), ...]`` uint8 views)."""
+        """Each layer's bytes of blocks ``ids`` (``[len(ids), ...]`` uint8 views)."""
         import torch
 
         first = next(iter(self.kv.values()))
         idx = torch.tensor(ids, dtype=torch.long, device=first.device)
-        return [t.view(torch.uint8)[:, idx] for t in self.kv.values()]
+        return [t.view(torch.uint8)[idx] for t in self.kv.values()]
 
 
 def run_connector(a: argparse.Namespace) -> dict[str, Any]:
@@ -242,19 +251,21 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
 
 
 class _Rank(ConnectorHalf):
-    """One TP rank of a hetero run: ``heads`` KV heads, HND layout."""
+    """One TP rank of a hetero run: ``heads`` KV heads, in the layout vLLM resolves
+    for ``a.backend`` (the connector asks for LBHNC); ``kvv``: each layer's (K, V) as
+    the backend reads them, ``[blocks, tokens, heads, head_dim]``."""
 
     def __init__(self, a: argparse.Namespace, model: str, role: KvRole, num_blocks: int, tp: int, rank: int) -> None:
-        import torch
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+        from .vllm_alloc import kv_views
 
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
         self.heads = max(1, a.kv_heads // tp)
         cfg = VllmConfig(
-            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0),
+            model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=_max_len(a, num_blocks), seed=0),
             cache_config=CacheConfig(block_size=a.block_size),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             device_config=DeviceConfig("cpu"),
@@ -272,18 +283,12 @@ class _Rank(ConnectorHalf):
             ),
         )
         cfg.parallel_config.rank = rank
-        spec = FullAttentionSpec(block_size=a.block_size, num_kv_heads=self.heads, head_size=a.head_dim, dtype=torch.float16)
-        page = 2 * a.block_size * self.heads * a.head_dim * 2
-        kcc = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in self.layers],
-            kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
-        )
+        kcc, self.kv = _kv_caches(cfg, a, max(self.heads, a.kv_heads // tp), self.heads, num_blocks, self.layers, "cpu")
         self.connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
-        self.phys = {n: torch.zeros((2, num_blocks, self.heads, a.block_size, a.head_dim), dtype=torch.float16) for n in self.layers}
-        self.kv = {n: t.permute(0, 1, 3, 2, 4) for n, t in self.phys.items()}  # HND behind vLLM's logical shape
         self.connector.register_kv_caches(self.kv)
-        self.block_bytes = page * a.layers
+        self.kvv = {n: kv_views(a.backend, t, a.head_dim) for n, t in self.kv.items()}
+        self.layout = str(self.connector.connector_worker._geo["layout"])
+        self.block_bytes = 2 * a.block_size * self.heads * a.head_dim * 2 * a.layers
 
 
 def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dict[str, Any]:
@@ -302,14 +307,14 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
     slots = prefill[0].worker.reader_slots  # what the prefill publishes (advertised in kvferry_desc)
     gen = torch.Generator().manual_seed(0)
     for side in prefill:
-        for t in side.phys.values():
+        for t in side.kv.values():
             raw = t.view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
     def desc(tp: int) -> KvDescriptor:
         return KvDescriptor(
             model="bench", dtype="float16", attention="MHA", num_kv_heads=a.kv_heads, head_size=a.head_dim,
-            block_size=a.block_size, tp_size=tp, layout="HND", pieces=2 * a.layers, elem_size=2, slots=slots,
+            block_size=a.block_size, tp_size=tp, layout=prefill[0].layout, pieces=a.layers, elem_size=2, slots=slots,
         )
 
     mapping = check(desc(ptp), desc(dtp))
@@ -364,10 +369,11 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
                     q = h // max(1, a.kv_heads // ptp) if ptp <= a.kv_heads else h * (ptp // a.kv_heads)
                     qa, _ = heads_of(q, ptp, a.kv_heads)
                     for n in dside.layers:
-                        s_ = prefill[q].phys[n][:, src, h - qa].contiguous().view(torch.uint8)  # bytes: random fp16 holds NaNs
-                        d_ = dside.phys[n][:, dst, h - da].contiguous().view(torch.uint8)
-                        if not torch.equal(s_, d_):
-                            corrupted += 1
+                        for kvi in (0, 1):  # K and V of head h, as the backend reads them
+                            s_ = prefill[q].kvv[n][kvi][src, :, h - qa].contiguous().view(torch.uint8)  # bytes: random fp16 holds NaNs
+                            d_ = dside.kvv[n][kvi][dst, :, h - da].contiguous().view(torch.uint8)
+                            if not torch.equal(s_, d_):
+                                corrupted += 1
         sent: list[set[str]] = [set() for _ in prefill]
         deadline = time.monotonic() + 30
         while any(len(x) < nreq for x in sent) and time.monotonic() < deadline:
@@ -427,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=_positive, default=8)
     p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
+    p.add_argument(
+        "--backend",
+        default="FLASH_ATTN",
+        choices=["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"],
+        help="the attention backend whose KV cache layout vLLM allocates (default FLASH_ATTN; CPU_ATTN takes block sizes that are multiples of 32)",
+    )
     p.add_argument("--rust-bench", default=None, metavar="PATH|none", help="the Rust kvferry binary (default: as python -m kvferry bench)")
     p.add_argument(
         "--device",
