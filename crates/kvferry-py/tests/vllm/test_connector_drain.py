@@ -156,6 +156,36 @@ def test_failed_pull_is_reported_only_after_its_drain(prefill, decodes):
     assert d.free_blocks() == d.free_at_start
 
 
+def test_abort_of_a_failed_undrained_pull_frees_the_prefill_at_once(prefill, decodes):
+    """The pull failed (its scatter stalled past ``device_timeout``) and has not
+    drained when vLLM aborts the request: the prefill is freed at once — not left
+    pinned until its lease ends (20 s) — while the decode's blocks still wait for the
+    drain. (Issue 41, defect 3, is the abort branch that released only pulls without
+    an error; on this path the consumer's ``Done``, sent once the bytes arrived before
+    the stalled scatter, frees the prefill as well, so this test guards the outcome
+    rather than reproducing the defect.)"""
+    d = _decode(decodes, timeout=10.0, device_timeout=0.5)
+    (rid, prompt), = prompts(1, seed=72, lo=50, hi=51)
+    params = prefill.prefill([(rid, prompt)])[rid]
+    d.worker.engine._e._inject_device_fault("stall", "next")
+    try:
+        d.add(rid, prompt, max_tokens=2, params=params)
+        d.run_until(lambda: rid in d.worker._pulls and d.worker._pulls[rid].error is not None, 5, "the pull to fail")
+        t = d.worker._pulls[rid].transfer
+        assert t is not None and not t.drained()
+        d.abort(rid)
+        t0 = time.monotonic()
+        d.step()
+        prefill.wait_freed({rid}, timeout=RELEASE_BOUND)  # released, not expired
+        assert time.monotonic() - t0 < RELEASE_BOUND
+        assert rid not in d.finished_recving, "blocks handed back while the device may write them"
+    finally:
+        d.worker.engine._e._release_device()
+    d.run_until(lambda: rid in d.finished_recving, 5, "the blocks, once drained")
+    d.run_until(lambda: not d.scheduler.requests, 5, "the decode to drop the request")
+    assert d.free_blocks() == d.free_at_start
+
+
 def test_abort_of_an_undrained_pull_waits_for_the_drain_without_blocking(prefill, decodes):
     """Aborted while its scatter is stalled: the abort returns at once (the cancel is
     asked, not awaited), and the blocks go back to vLLM only after the drain."""

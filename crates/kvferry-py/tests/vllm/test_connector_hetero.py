@@ -408,3 +408,36 @@ def test_mla_one_reader_per_decode_rank(made, d_tp):
         assert rel[1].get("declined") == len(reqs) and rel[0].get("done") == len(reqs), rel
     for reasons in rel:
         assert sum(reasons.values()) == len(reqs) and not reasons.get("expired"), rel
+
+
+def test_a_planned_pull_that_missed_until_its_end_is_a_miss_not_relaunched(made):
+    """Issue 41, defect 2: a planned pull (TP 1 → 2) of a key the prefill never
+    publishes. Its ``RankReads`` retries the misses until its own ``retry_until`` and
+    then fails with ``NotFoundError``; the worker reads its clock once per step,
+    *before* ``RankReads`` does, so it may still see ``now < retry_until`` — widened
+    here to certainty by moving the worker's copy of ``retry_until`` a minute on. Such a
+    pull must be reported as the miss it is (a load error, kind ``miss``, its unread
+    slots released), never relaunched: relaunching a planned pull tripped ``_launch``'s
+    assertion and reported an ``other`` failure."""
+    p = Instance("kv_producer", tp=1, tag="p")
+    d = Instance("kv_consumer", tp=2, tag="d", extra={"timeout": 3.0})
+    made += [p, d]
+    (rid, prompt), = prompts(1, seed=77, lo=40, hi=60)
+    params = dict(prefill(p, [(rid, prompt)])[rid])
+    params["remote_request_id"] = "never-published"  # a key the prefill never publishes
+    d.add(rid, prompt, max_tokens=2, params=params)
+    d.step()  # the pulls start on both ranks
+    for w in d.workers():
+        pull = w._pulls[rid]
+        assert pull.spec.plans is not None, "a planned pull (TP 1 -> 2)"
+        pull.retry_until = time.monotonic() + 60.0  # the worker's stale view of the end
+    t = d.run_until(lambda: rid in d.failed_recving, 10, "the miss to be reported")
+    assert t < 6.0, t
+    failed: dict[str, int] = {}
+    for per_rank in d.rank_stats:
+        for st in per_rank:
+            for kind, n in st.get("failed", {}).items():
+                failed[kind] = failed.get(kind, 0) + n
+    assert failed.get("miss", 0) == d.tp and not failed.get("other"), failed
+    d.run_until(lambda: rid in d.final, 10, "the local recompute")
+    assert d.leaks() == [] and d.free_blocks() == d.free_at_start

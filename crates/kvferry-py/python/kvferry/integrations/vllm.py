@@ -987,9 +987,12 @@ class KvferryConnectorWorker:
                 landed = t is not None and t.done() and t.error is None
                 if t is not None and not t.done():
                     t.cancel(timeout=0)
-                if not landed and pull.error is None:
-                    # Aborted before the bytes landed: the prefill instance may free
-                    # the blocks now (a landed pull already sent Done).
+                if not landed and not isinstance(pull.error, errors.PeerRestartedError):
+                    # Aborted before the bytes landed — or failed and not yet reported
+                    # (its drain pending): the prefill instance may free the blocks
+                    # now (a landed pull already sent Done; a pull still in _pulls has
+                    # released nothing yet, whatever its error; a restarted prefill no
+                    # longer holds them).
                     self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
                     vllm_hetero.give_up(self, pull)
                 self._draining[req_id] = pull
@@ -1019,7 +1022,10 @@ class KvferryConnectorWorker:
                     # kvferry enforces the deadline itself; this is the backstop.
                     t.cancel(timeout=0)
                     pull.error = errors.TimeoutError(f"pull of {req_id} did not finish within {self.config.timeout}s")
-                elif isinstance(t.error, errors.NotFoundError) and now < pull.retry_until:
+                elif isinstance(t.error, errors.NotFoundError) and pull.dst is not None and time.monotonic() < pull.retry_until:
+                    # A miss of a pull without a plan: launched again. A planned pull's
+                    # RankReads retries its own misses until the same retry_until and
+                    # its NotFoundError is final (it read the clock after ``now``).
                     pull.transfer = None
                     pull.retry_at = min(pull.retry_until, now + min(0.05, 0.002 * 2 ** min(pull.attempts, 5)))
                     continue

@@ -337,6 +337,15 @@ def geometry(worker: Any, caches: dict[str, torch.Tensor]) -> tuple[dict[str, to
         assert raw.data_ptr() == t.data_ptr() and int(raw.shape[1]) == lay.piece_bytes, (name, raw.shape, lay)
         phys[name] = raw
         pieces.append(raw)
+    # Layers sharing a cache were dropped (same address); any other overlap would move
+    # the same bytes under two layers' names: refused.
+    spans = sorted((int(r.data_ptr()), int(r.data_ptr()) + r.numel(), n) for n, r in phys.items())
+    for (a0, a1, an), (b0, _, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise LayoutError(
+                f"KvferryConnector: KV caches {an} and {bn} overlap without being the same cache "
+                f"({a1 - b0} bytes shared); kvferry moves each byte under one layer"
+            )
     info = {
         "layout": lay.order,
         "heads_per_rank": lay.heads,
