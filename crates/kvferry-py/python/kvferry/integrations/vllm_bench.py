@@ -81,7 +81,8 @@ def model_dir(tmp: str, layers: int, kv_heads: int, head_dim: int) -> str:
 def _max_len(a: argparse.Namespace, num_blocks: int) -> int:
     """The model length the instance serves: what its blocks hold, at most 4096 (vLLM
     refuses a KV cache too small for one request of the model's length)."""
-    return max(a.block_size, min(4096, (num_blocks - 1) * a.block_size))
+    bs = int(a.block_size)
+    return max(bs, min(4096, (num_blocks - 1) * bs))
 
 
 def _kv_caches(cfg: Any, a: argparse.Namespace, q_heads: int, kv_heads: int, num_blocks: int, layers: list[str], place: str) -> tuple[Any, dict[str, Any]]:
