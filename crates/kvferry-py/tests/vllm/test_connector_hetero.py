@@ -266,6 +266,9 @@ def test_prefill_sigkilled_mid_pull_tp2_to_tp4_is_a_load_error_on_every_rank(mad
     reqs = prompts(n, seed=47, lo=60, hi=90)
     rids = [r for r, _ in reqs]
     params = p.prefill(reqs)
+    # Published on every prefill rank before the decode starts: no pull misses and
+    # falls back to a get of its own, so the batching below holds under any load.
+    p.wait_published(set(rids))
     p.faults(send_delay_us=400_000)
     for rid, prompt in reqs:
         d.add(rid, prompt, max_tokens=2, params=params[rid])

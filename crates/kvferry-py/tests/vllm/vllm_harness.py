@@ -617,6 +617,19 @@ class RemoteInstance:
             self.finished.update(r[1])
         return {r: self.finished[r] for r in want}
 
+    def wait_published(self, req_ids: set[str], timeout: float = 10.0) -> None:
+        """Waits until every rank has published these requests (the prefill publishes
+        one engine step after it returned their params): a decode that starts its pulls
+        after this meets no miss, whatever the load on the machine."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.state()
+            if all(req_ids <= set(pub) for pub in st["publishing"]):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"prefill did not publish {sorted(req_ids)} on every rank: {st['publishing']}")
+            time.sleep(0.01)
+
     def faults(self, send_delay_us: int) -> None:
         """Delays every rank's sends by this much per chunk."""
         self._call("faults", send_delay_us)
