@@ -267,3 +267,19 @@ def test_install_makes_kvferry_a_channel_type():
         assert isinstance(ch, KvferryTransferChannel)
     finally:
         ch.close()
+
+
+def test_a_peer_that_only_serves_reads_keeps_no_release_reports_beyond_its_last_batch(pair):
+    """Issue 41, defect 4: every page a peer serves to a reader (``op: publish``) adds
+    a release report, which only a write of its own used to drain; a peer that only
+    serves reads piled them up without bound (the engine's queue, the binding's map of
+    published keys: 12 batches of 16 pages left 192). Now each batch it serves drops
+    the reports of the ones before: at most one batch's are pending."""
+    a, b, loop = pair
+    a.fill(3)
+    rounds, n = 12, 16
+    for _ in range(rounds):
+        assert _run(loop, b.ch.async_batched_read(b.objs[:n], {"sender_id": a.url, "remote_indexes": list(range(n))})) == n
+    time.sleep(0.2)  # the last batch's Done reach the serving peer
+    pending = a.ch.engine.released()  # read once: what the serving peer still holds
+    assert len(pending) <= n, len(pending)

@@ -83,25 +83,44 @@ def _local_ip_toward(host: str) -> str:
 
 class _Releases:
     """Collects the engine's publication-release reports, so that several waiters can
-    each wait for their own keys."""
+    each wait for their own keys. Only keys someone will wait for (:meth:`expect`,
+    called as they are published) are kept; the reports of publications nobody waits
+    for — the pages this peer serves to readers (``op: publish``) — are drained and
+    dropped on every poll, so a peer that only serves reads keeps no report beyond
+    its last batch (the engine's queue, the binding's map of published keys and this
+    set all stay bounded)."""
 
     def __init__(self, engine: kvferry.Engine) -> None:
         self._engine = engine
-        self._seen: set[Any] = set()
+        self._expected: set[bytes] = set()
+        self._seen: set[bytes] = set()
         self._lock = threading.Lock()
 
-    def _poll(self) -> None:
+    def expect(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._expected.update(keys)
+
+    def poll(self) -> None:
         with self._lock:
             for key, _why in self._engine.released():
-                self._seen.add(kvferry.key_bytes(key) if isinstance(key, str) else bytes(key))
+                k = kvferry.key_bytes(key) if isinstance(key, str) else bytes(key)
+                if k in self._expected:
+                    self._seen.add(k)
 
     def all_released(self, keys: list[bytes]) -> bool:
-        self._poll()
+        self.poll()
         with self._lock:
             if all(k in self._seen for k in keys):
                 self._seen.difference_update(keys)
+                self._expected.difference_update(keys)
                 return True
             return False
+
+    def forget(self, keys: list[bytes]) -> None:
+        """A waiter gave up on ``keys``: reports of them are no longer kept."""
+        with self._lock:
+            self._expected.difference_update(keys)
+            self._seen.difference_update(keys)
 
     async def wait(self, keys: list[bytes], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -271,6 +290,8 @@ class KvferryTransferChannel(BaseTransferChannel):
             idx = [int(i) for i in msg["indexes"]]
             self._check_indexes(idx)
             keys = [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in idx]
+            if self._releases is not None:
+                self._releases.poll()  # the reports of earlier batches served: dropped
             for k, i in zip(keys, idx):
                 self.engine.publish(k, self.region, [i], ttl=self.timeout, once=True)
             return {"keys": keys}
@@ -340,6 +361,9 @@ class KvferryTransferChannel(BaseTransferChannel):
         keys = [uuid.uuid4().bytes + uuid.uuid4().bytes for _ in local]
         published: list[bytes] = []
         try:
+            self.engine  # noqa: B018 - ChannelError before the first peer, as publish() raises
+            assert self._releases is not None  # made with the engine
+            self._releases.expect(keys)
             for k, i in zip(keys, local):
                 self.engine.publish(k, self.region, [i], ttl=self.timeout, once=True)
                 published.append(k)
@@ -359,6 +383,7 @@ class KvferryTransferChannel(BaseTransferChannel):
                 assert self._releases is not None
                 ok = await settle(self._releases.wait(published, self.timeout + _GRACE))
                 if not ok:
+                    self._releases.forget(published)
                     logger.error("kvferry channel: publications not released within %.1f s", self.timeout + _GRACE)
 
     async def async_batched_read(self, buffers: Union[list[bytes], list[MemoryObj]], transfer_spec: Optional[dict[str, Any]] = None) -> int:
