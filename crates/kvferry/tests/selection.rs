@@ -181,6 +181,26 @@ fn wire_bytes(p: &Pair) -> (u64, u64) {
     )
 }
 
+/// The wire counters once the producer's counter has stopped moving: after a get
+/// that failed on the consumer's side (a checksum mismatch), the producer may still
+/// be finishing its write of that get — its fence is not the consumer's — and count
+/// those bytes a moment after the consumer returned. Read the same three times 10 ms
+/// apart (at most 2 s).
+async fn settled_wire_bytes(p: &Pair) -> (u64, u64) {
+    let mut last = wire_bytes(p);
+    let mut same = 0;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let now = wire_bytes(p);
+        same = if now == last { same + 1 } else { 0 };
+        last = now;
+        if same >= 3 {
+            break;
+        }
+    }
+    last
+}
+
 /// Runs a selected get and checks the landing against the reference and the wire
 /// counters against the selected bytes.
 #[allow(clippy::too_many_arguments)]
@@ -196,7 +216,7 @@ async fn get_and_check(
 ) -> Landed {
     let before = dst.snapshot();
     let want = reference(&before, src, dst, pairs, sel.src_ranges(), sel.dst_ranges());
-    let (rx0, tx0) = wire_bytes(p);
+    let (rx0, tx0) = settled_wire_bytes(p).await;
     let blocks = pairs.iter().map(|x| x.1).collect();
     let landed = p
         .decode
