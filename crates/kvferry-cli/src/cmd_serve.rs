@@ -256,7 +256,7 @@ async fn serve_metrics(
         let state = dir.registration_state();
         registry.register(move |out: &mut Samples| {
             let reg = state.as_ref().map(|s| s.borrow().clone());
-            directory_metrics(out, &dir.live_peers(), reg.as_ref());
+            directory_metrics(out, &dir.live_peers(), reg.as_ref(), dir.records_taken_back());
         });
     }
     let cfg = HttpConfig {

@@ -1,6 +1,8 @@
 //! The etcd directory through the command: `serve --directory etcd://...` processes,
 //! `peers`, `get --key` without `--peer`, duplicate ids, SIGKILL → `Lost` within the
-//! lease TTL + 1 s, a restart → `Restarted`, and `peers` against an etcd that is down.
+//! lease TTL + 1 s, a restart → `Restarted`, `peers` against an etcd that is down, and
+//! records forged behind a live peer's back (taken back at once when their holder
+//! cannot prove the fleet's secret).
 
 #[path = "../../kvferry/tests/common/etcd.rs"]
 mod etcd;
@@ -616,6 +618,118 @@ fn a_rogue_advertising_a_live_peers_address_cannot_take_its_id() {
     assert!(err.contains("miss: prefill-a does not hold nothing"), "{err}");
 }
 
+/// A plain `kvferry serve` (no directory) under peer id `id`, with `extra` arguments.
+fn plain_serve(id: &str, extra: &[&str]) -> Serve {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
+        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+        .args(["--peer-id", id])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line
+        .strip_prefix("kvferry serve: listening on ")
+        .unwrap_or_else(|| panic!("{line}"))
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    Serve {
+        addr,
+        line,
+        child,
+        _out: out,
+    }
+}
+
+#[test]
+fn a_record_forged_by_a_writer_that_cannot_prove_itself_is_taken_back_at_once() {
+    let Some(e) = etcd::Etcd::start() else { return };
+    let secret = std::env::temp_dir().join(format!("kvferry-forge-secret-{}", std::process::id()));
+    std::fs::write(&secret, b"0123456789abcdef0123456789abcdef-forged-records").unwrap();
+    let secret_arg = secret.to_str().unwrap().to_string();
+    let metrics = free_addr();
+    let real = spawn_serve_in(
+        &e,
+        "cli-forge",
+        "prefill-a",
+        &["--metrics", &metrics, "--secret-file", &secret_arg],
+    )
+    .expect("serve prefill-a");
+    let inc = incarnation_of(&real.line);
+    wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
+    // An impostor without the fleet's secret, answering as prefill-a.
+    let impostor = plain_serve("prefill-a", &[]);
+    let rt = rt();
+    // Each forged record on an etcd lease its writer keeps alive (60 s, longer than the
+    // test): the real peer's record must be back within a few seconds, not a minute.
+    let forgeries = [
+        (
+            "the impostor's address, another incarnation",
+            impostor.addr.clone(),
+            inc ^ 0xbad,
+        ),
+        (
+            "the impostor's address, the impostor's incarnation",
+            impostor.addr.clone(),
+            incarnation_of(&impostor.line),
+        ),
+        (
+            "the impostor's address, the peer's own incarnation",
+            impostor.addr.clone(),
+            inc,
+        ),
+        (
+            "an address nobody answers at, another incarnation",
+            free_addr(),
+            inc ^ 0xbad,
+        ),
+    ];
+    for (n, (what, addr, forged_inc)) in forgeries.iter().enumerate() {
+        rt.block_on(async {
+            let mut c = raw(&e).await;
+            let lease = c.lease_grant(60, None).await.unwrap().id();
+            c.put(
+                "cli-forge/peers/prefill-a",
+                record_json("prefill-a", addr, *forged_inc),
+                Some(etcd_client::PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .unwrap();
+        });
+        let t = Instant::now();
+        wait_listed(&e, "cli-forge", "prefill-a", &real.addr, inc, Duration::from_secs(8));
+        wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(2));
+        eprintln!("forgery {n} ({what}): record back in {:?}", t.elapsed());
+    }
+    let taken_back = gauge(&scrape(&metrics).unwrap(), "kvferry_directory_records_taken_back_total").unwrap();
+    assert!(taken_back >= 3.0, "{taken_back} records counted as taken back");
+    // And the peer serves by directory, with the secret: the impostor is never used.
+    let get = kvferry(&[
+        "get",
+        "--directory",
+        &e.url(),
+        "--namespace",
+        "cli-forge",
+        "--peer",
+        "prefill-a",
+        "--key",
+        "nothing",
+        "--model",
+        "tiny",
+        "--secret-file",
+        &secret_arg,
+    ]);
+    let err = text(&get.stderr);
+    assert!(err.contains("miss: prefill-a does not hold nothing"), "{err}");
+    let _ = std::fs::remove_file(secret);
+}
+
 #[test]
 fn a_record_taken_behind_a_live_peers_back_is_taken_back_or_reported() {
     let Some(e) = etcd::Etcd::start() else { return };
@@ -624,32 +738,7 @@ fn a_record_taken_behind_a_live_peers_back_is_taken_back_or_reported() {
     let inc = incarnation_of(&real.line);
     wait_gauge(&metrics, "kvferry_directory_registered", 1.0, Duration::from_secs(5));
     // An impostor: a plain serve (no directory) that says it is prefill-a.
-    let impostor = {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
-            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-            .args(["--peer-id", "prefill-a"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        let addr = line
-            .strip_prefix("kvferry serve: listening on ")
-            .unwrap_or_else(|| panic!("{line}"))
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .to_string();
-        Serve {
-            addr,
-            line,
-            child,
-            _out: out,
-        }
-    };
+    let impostor = plain_serve("prefill-a", &[]);
     let rt = rt();
     // 1. A forged record on no lease, naming a holder that does not answer: the real
     //    peer takes its record back.

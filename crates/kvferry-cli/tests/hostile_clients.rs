@@ -7,7 +7,12 @@
 //! - one peer staging until refused by its quota while another peer still gets,
 //! - a `Done` (and a `Pull`) for a lease granted to another peer,
 //! - a put whose bulk frame carries another request id (or is not a bulk frame);
-//! - 2,000 silent connections, reopened when closed, against clients with the secret;
+//! - 2,000 silent connections, reopened when closed, against clients with the secret
+//!   (from one address, and over 100 addresses);
+//! - a stranger keeping 200 `Hello`s open from an address where an honest client
+//!   proved the secret, against clients from new addresses; a neighbour making a
+//!   peer's address suspect (11 wrong secrets) while strangers elsewhere keep 200
+//!   `Hello`s open, against that peer;
 //! - a stranger reading the server's identity from its `Challenge`;
 //! - one client claiming eight peer ids to stage the whole arena without TLS, and a
 //!   client claiming another's peer id to release or pull its lease;
@@ -591,7 +596,7 @@ fn a_put_whose_bulk_frame_is_not_its_own_is_refused() {
 
 /// A 32-byte shared secret in a fresh file, for `--secret-file`.
 fn secret_file() -> (std::path::PathBuf, Vec<u8>) {
-    let secret: Vec<u8> = (0..44u8).map(|i| b'a' + (i * 7) % 26).collect();
+    let secret: Vec<u8> = (0..44u32).map(|i| b'a' + ((i * 7) % 26) as u8).collect();
     let path = std::env::temp_dir().join(format!("kvferry-hostile-secret-{}-{}", std::process::id(), rand_u64()));
     std::fs::write(&path, &secret).unwrap();
     (path, secret)
@@ -652,42 +657,46 @@ async fn trickle(s: &mut tokio::net::TcpStream, bytes: &[u8], every: Duration) -
     None
 }
 
-#[test]
-fn silent_strangers_cannot_starve_clients_with_the_secret() {
-    let (file, secret) = secret_file();
-    let p = serve(
-        &[
-            "--blocks",
-            "256",
-            "--arena",
-            "4MiB",
-            "--page-size",
-            "64KiB",
-            "--secret-file",
-            file.to_str().unwrap(),
-        ],
-        false,
-    );
-    let rt = runtime();
-    let key = ChunkKey::from_name("wanted");
-    rt.block_on(async {
-        let owner = peer_with_secret(&p.addr, "owner", &secret);
-        put(&owner, key, &chunk(8, 3)).await.unwrap();
-        // 2,000 silent connections, each reopened as soon as it is closed.
-        let stop = Arc::new(AtomicBool::new(false));
-        let reopened = Arc::new(AtomicU64::new(0));
-        let mut flood = Vec::new();
-        for _ in 0..2000 {
-            let (addr, stop, reopened) = (p.addr.clone(), stop.clone(), reopened.clone());
-            flood.push(tokio::spawn(async move {
+/// Keeps `n` connections from `source` open that each say `Hello` (asking to
+/// authenticate) when `hello`, or nothing at all, and then nothing more; each is reopened
+/// as soon as the server closes it, until `stop`. Counts the connections opened.
+fn hold_connections(
+    addr: &str,
+    source: std::net::IpAddr,
+    n: usize,
+    hello: bool,
+    stop: &Arc<AtomicBool>,
+    opened: &Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|i| {
+            let (addr, stop, opened) = (addr.parse::<SocketAddr>().unwrap(), stop.clone(), opened.clone());
+            tokio::spawn(async move {
+                use kvferry::wire::write_control;
                 use tokio::io::AsyncReadExt;
-                let mut buf = [0u8; 64];
+                let mut buf = [0u8; 256];
                 while !stop.load(Ordering::Relaxed) {
-                    let Ok(mut s) = tokio::net::TcpStream::connect(&addr).await else {
+                    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+                    let connected = match sock.bind(SocketAddr::new(source, 0)) {
+                        Ok(()) => sock.connect(addr).await,
+                        Err(e) => Err(e),
+                    };
+                    let Ok(mut s) = connected else {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     };
-                    reopened.fetch_add(1, Ordering::Relaxed);
+                    opened.fetch_add(1, Ordering::Relaxed);
+                    if hello {
+                        let hello = Message::Hello {
+                            peer_id: format!("stranger-{i}"),
+                            incarnation: 1,
+                            nonce: [3; 32],
+                            wants_auth: true,
+                        };
+                        if write_control(&mut s, 1, &hello).await.is_err() {
+                            continue;
+                        }
+                    }
                     loop {
                         tokio::select! {
                             r = s.read(&mut buf) => match r {
@@ -700,27 +709,80 @@ fn silent_strangers_cannot_starve_clients_with_the_secret() {
                         }
                     }
                 }
-            }));
-        }
-        let t = Instant::now();
-        while reopened.load(Ordering::Relaxed) < 3000 {
-            assert!(t.elapsed() < Duration::from_secs(30), "the flood never built up");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Clients with the secret (fresh connections, default 3 s connect and
-        // handshake timeouts) are all served.
-        let mut served = 0;
-        for i in 0..3 {
-            let honest = peer_with_secret(&p.addr, &format!("honest-{i}"), &secret);
-            let started = Instant::now();
-            match get(&honest, key).await {
-                Ok(bytes) => {
-                    assert_eq!(bytes, chunk(8, 3));
-                    served += 1;
-                }
-                Err(e) => eprintln!("honest get {i} failed after {:?}: {e}", started.elapsed()),
+            })
+        })
+        .collect()
+}
+
+/// Waits until `opened` reaches `n` (the flood is on).
+async fn built_up(opened: &AtomicU64, n: u64) {
+    let t = Instant::now();
+    while opened.load(Ordering::Relaxed) < n {
+        assert!(t.elapsed() < Duration::from_secs(30), "the flood never built up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Honest gets of `key` from each of `sources` (`None`: the default loopback address),
+/// each a fresh client with `secret` and default timeouts (3 s connect and handshake);
+/// returns how many were served with the right bytes, printing why others failed.
+async fn honest_gets(addr: &str, secret: &[u8], sources: &[Option<&str>], key: ChunkKey, want: &[u8]) -> usize {
+    let mut served = 0;
+    for (i, source) in sources.iter().enumerate() {
+        let honest = match source {
+            Some(src) => peer_from(addr, &format!("honest-{i}"), src, Some(secret)),
+            None => peer_with_secret(addr, &format!("honest-{i}"), secret),
+        };
+        let started = Instant::now();
+        match get(&honest, key).await {
+            Ok(bytes) => {
+                assert_eq!(bytes, want);
+                served += 1;
             }
+            Err(e) => eprintln!(
+                "honest get {i} from {source:?} failed after {:?}: {e}",
+                started.elapsed()
+            ),
         }
+    }
+    served
+}
+
+/// A `kvferry serve` with a secret, holding chunk `wanted` put by a client from the
+/// default loopback address (which thereby proved the secret).
+fn serve_with_secret_and_chunk(metrics: bool) -> (Serve, std::path::PathBuf, Vec<u8>, ChunkKey) {
+    let (file, secret) = secret_file();
+    let p = serve(
+        &[
+            "--blocks",
+            "256",
+            "--arena",
+            "4MiB",
+            "--page-size",
+            "64KiB",
+            "--secret-file",
+            file.to_str().unwrap(),
+        ],
+        metrics,
+    );
+    let key = ChunkKey::from_name("wanted");
+    runtime().block_on(async {
+        let owner = peer_with_secret(&p.addr, "owner", &secret);
+        put(&owner, key, &chunk(8, 3)).await.unwrap();
+    });
+    (p, file, secret, key)
+}
+
+#[test]
+fn silent_strangers_cannot_starve_clients_with_the_secret() {
+    let (p, file, secret, key) = serve_with_secret_and_chunk(false);
+    let rt = runtime();
+    rt.block_on(async {
+        // 2,000 silent connections, each reopened as soon as it is closed.
+        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let flood = hold_connections(&p.addr, "127.0.0.1".parse().unwrap(), 2000, false, &stop, &opened);
+        built_up(&opened, 3000).await;
+        let served = honest_gets(&p.addr, &secret, &[None, None, None], key, &chunk(8, 3)).await;
         stop.store(true, Ordering::Relaxed);
         for f in flood {
             let _ = f.await;
@@ -728,6 +790,119 @@ fn silent_strangers_cannot_starve_clients_with_the_secret() {
         assert_eq!(
             served, 3,
             "{served} of 3 honest gets served under 2,000 silent strangers"
+        );
+    });
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn silent_strangers_from_many_addresses_cannot_starve_old_or_new_clients() {
+    let (p, file, secret, key) = serve_with_secret_and_chunk(false);
+    let rt = runtime();
+    rt.block_on(async {
+        // 2,000 silent connections over 100 source addresses (127.0.1.0-99).
+        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let mut flood = Vec::new();
+        for a in 0..100u8 {
+            let source = std::net::IpAddr::from([127, 0, 1, a]);
+            flood.extend(hold_connections(&p.addr, source, 20, false, &stop, &opened));
+        }
+        built_up(&opened, 3000).await;
+        // From the address that proved the secret before, and from never-seen ones.
+        let sources = [None, Some("127.0.2.1"), None, Some("127.0.2.2"), Some("127.0.1.7")];
+        let served = honest_gets(&p.addr, &secret, &sources, key, &chunk(8, 3)).await;
+        stop.store(true, Ordering::Relaxed);
+        for f in flood {
+            let _ = f.await;
+        }
+        assert_eq!(
+            served,
+            sources.len(),
+            "{served} of {} honest gets served",
+            sources.len()
+        );
+    });
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn a_stranger_behind_a_proven_address_cannot_starve_newcomers() {
+    let (p, file, secret, key) = serve_with_secret_and_chunk(true);
+    let rt = runtime();
+    rt.block_on(async {
+        // An honest client proves the secret from 127.0.0.2 ...
+        let proven = ["127.0.0.2"];
+        assert_eq!(
+            honest_gets(&p.addr, &secret, &[Some(proven[0])], key, &chunk(8, 3)).await,
+            1
+        );
+        // ... then a stranger there keeps 200 Hellos open (more than the 64 places).
+        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let flood = hold_connections(&p.addr, "127.0.0.2".parse().unwrap(), 200, true, &stop, &opened);
+        built_up(&opened, 400).await;
+        // Clients with the secret from addresses never seen before are all served, and
+        // so is the honest client behind the stranger's address.
+        let sources = [Some("127.0.0.3"), Some("127.0.0.4"), Some("127.0.0.5"), Some(proven[0])];
+        let started = Instant::now();
+        let served = honest_gets(&p.addr, &secret, &sources, key, &chunk(8, 3)).await;
+        let took = started.elapsed();
+        let evicted = metric(
+            p.metrics.unwrap(),
+            r#"kvferry_connections_evicted_total{role="server"}"#,
+        );
+        stop.store(true, Ordering::Relaxed);
+        for f in flood {
+            let _ = f.await;
+        }
+        assert_eq!(
+            served,
+            sources.len(),
+            "{served} of {} honest gets served beside a stranger at a proven address",
+            sources.len()
+        );
+        assert!(evicted > 0.0, "the places were never full: the flood tested nothing");
+        assert!(took < Duration::from_secs(12), "four honest gets took {took:?}");
+    });
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn a_neighbour_cannot_lock_out_a_peer_by_making_its_address_suspect() {
+    let (p, file, secret, key) = serve_with_secret_and_chunk(true);
+    let rt = runtime();
+    rt.block_on(async {
+        let home = "127.0.0.6";
+        assert_eq!(honest_gets(&p.addr, &secret, &[Some(home)], key, &chunk(8, 3)).await, 1);
+        // A neighbour on the same host fails the secret 11 times: the address is suspect.
+        let wrong: Vec<u8> = secret.iter().map(|b| b ^ 1).collect();
+        for i in 0..11 {
+            let neighbour = peer_from(&p.addr, &format!("neighbour-{i}"), home, Some(&wrong));
+            assert!(matches!(get(&neighbour, key).await, Err(NetError::Auth(_))));
+        }
+        // Strangers elsewhere keep 200 Hellos open.
+        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let flood = hold_connections(&p.addr, "127.0.0.7".parse().unwrap(), 200, true, &stop, &opened);
+        built_up(&opened, 400).await;
+        // The peer (right secret, suspect address) is served, as is a never-seen address.
+        let sources = [Some(home), Some(home), Some(home), Some("127.0.0.8")];
+        let served = honest_gets(&p.addr, &secret, &sources, key, &chunk(8, 3)).await;
+        let suspect = metric(
+            p.metrics.unwrap(),
+            r#"kvferry_connections_rate_limited_total{role="server"}"#,
+        );
+        stop.store(true, Ordering::Relaxed);
+        for f in flood {
+            let _ = f.await;
+        }
+        assert!(
+            suspect >= 1.0,
+            "the address never became suspect: the test tested nothing"
+        );
+        assert_eq!(
+            served,
+            sources.len(),
+            "{served} of {} honest gets served from a suspect address under a flood",
+            sources.len()
         );
     });
     let _ = std::fs::remove_file(file);
@@ -898,6 +1073,15 @@ fn stalled_puts_and_trickles_hold_nothing_for_long() {
             }));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+        // The puts being received are charged before their bodies are read, and the
+        // gauge shows it: 16 pages each, up to the source's quota (3/4 of 64 pages:
+        // three puts); the others are refused without being charged (their bodies
+        // are read and dropped, holding nothing).
+        let charged = metric(metrics, CHARGED);
+        assert_eq!(
+            charged, 48.0,
+            "pages charged while ten 1 MiB puts trickle in from one source"
+        );
         // Meanwhile clients elsewhere are served.
         for i in 0..3 {
             let honest = peer_from(&p.addr, &format!("honest-{i}"), "127.0.0.2", None);

@@ -23,9 +23,12 @@
 //! replaces a record naming a live incarnation: a newcomer with the same peer id is
 //! refused with [`DirectoryError::DuplicatePeerId`] unless the holder is proven dead
 //! (its address answers as the newcomer, see [`Prober`]) or its lease expires. A
-//! registered process checks its own record and puts it back when it vanished or was
-//! overwritten by a record whose holder is not alive; while another live process holds
-//! it, its state is [`RegistrationState::Lost`].
+//! holder whose address answers without proving the fleet's secret or certificate, or
+//! answers as another peer, is no holder: its record is replaced at once. A registered
+//! process checks its own record and puts it back when it vanished or was overwritten
+//! by a record whose holder does not prove itself alive and authorised at its address
+//! (counted, [`Directory::records_taken_back`]); while another live process holds it,
+//! its state is [`RegistrationState::Lost`].
 //!
 //! # Cancellation
 //!
@@ -146,6 +149,13 @@ pub trait Directory: Send + Sync + 'static {
         None
     }
 
+    /// How many times this process put its record back after a writer that could not
+    /// prove itself (secret or certificate), or a holder that did not answer as
+    /// itself, had taken it (0 for backends without registrations).
+    fn records_taken_back(&self) -> u64 {
+        0
+    }
+
     /// The record of `peer` (an id), when the backend has one: what a consumer
     /// dialling by peer id compares the handshake's peer id and incarnation with.
     /// Answers from memory.
@@ -169,6 +179,10 @@ pub enum Probed {
         /// Its incarnation.
         incarnation: u64,
     },
+    /// Something answered there but could not prove it belongs to the fleet: it did
+    /// not prove the shared secret or present an accepted certificate, or refused
+    /// ours (the reason says which). It cannot be a holder of a fleet's record.
+    Unproven(String),
     /// Nobody completed a handshake there in time (the reason says what happened).
     NoAnswer(String),
 }

@@ -257,6 +257,9 @@ fn prober(net: crate::net::NetConfig) -> Prober {
                     peer_id: conn.peer().peer_id.clone(),
                     incarnation: conn.peer().incarnation,
                 },
+                // It answered, but without the fleet's secret or certificate (or it
+                // refused ours): whatever it is, it is not one of this fleet's peers.
+                Err(crate::net::NetError::Auth(why)) => Probed::Unproven(why),
                 Err(e) => Probed::NoAnswer(e.to_string()),
             }
         }) as futures::future::BoxFuture<'static, Probed>

@@ -121,7 +121,7 @@ pub fn server_metrics(out: &mut Samples, s: &ServerStats) {
         ),
         (
             "kvferry_connections_rate_limited_total",
-            "Connections accepted as suspect (closed first when handshake places run out): their source address failed authentication too often.",
+            "Connections accepted as suspect (their stale handshake places are the first closed): their source address failed authentication too often.",
             s.rate_limited,
         ),
         (
@@ -335,8 +335,14 @@ pub fn step_outcome_metrics(out: &mut Samples, ranks: &[StepOutcomeCounts]) {
 
 /// Renders the peer directory as this process sees it: live peers, whether that view
 /// is stale (the backend could not confirm it lately: the last one known is in use),
-/// and whether this process is registered (`None`: it does not register).
-pub fn directory_metrics(out: &mut Samples, live: &LivePeers, registration: Option<&RegistrationState>) {
+/// whether this process is registered (`None`: it does not register), and how often it
+/// took its record back from a holder that did not prove itself.
+pub fn directory_metrics(
+    out: &mut Samples,
+    live: &LivePeers,
+    registration: Option<&RegistrationState>,
+    taken_back: u64,
+) {
     out.gauge(
         "kvferry_directory_peers",
         "Live peers in this process's directory view (itself included when registered).",
@@ -355,6 +361,12 @@ pub fn directory_metrics(out: &mut Samples, live: &LivePeers, registration: Opti
             "1 while this process is registered in the directory; 0 while its registration is lost or absent.",
             &[],
             matches!(state, RegistrationState::Registered(_)) as u64,
+        );
+        out.counter(
+            "kvferry_directory_records_taken_back_total",
+            "Times this process put its record back after a writer that did not prove itself (secret, certificate or identity at the record's address) took it.",
+            &[],
+            taken_back,
         );
     }
 }

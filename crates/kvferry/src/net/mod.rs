@@ -18,6 +18,7 @@
 //! A [`Connection`] whose request future is dropped mid-frame is out of sync: it is not
 //! returned to its pool (only [`PooledConnection::finish`] returns it), so it is closed.
 
+mod admission;
 mod config;
 mod conn;
 mod handshake;

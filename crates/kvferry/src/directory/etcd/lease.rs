@@ -4,9 +4,10 @@
 //! # Semantics
 //!
 //! A record names its holder's incarnation. It is replaced only when its holder is
-//! proven dead or its lease expired; never because a newcomer claims the same address
-//! (with `--advertise` any process can claim any address). See the module docs of
-//! [`super`] for the rules, and [`judge`] for the proof.
+//! proven dead, does not prove itself (the fleet's secret or certificate, and its
+//! identity) at its address, or its lease expired; never because a newcomer claims the
+//! same address (with `--advertise` any process can claim any address). See the module
+//! docs of [`super`] for the rules, and [`judge`] for the proof.
 //!
 //! # Cancellation
 //!
@@ -38,7 +39,11 @@ enum Holder {
     Alive,
     /// Its address answers as the registering process: it cannot be serving there.
     Dead,
-    /// Not proven either way (the reason says why).
+    /// Something answers at its address but does not prove itself the holder: not the
+    /// fleet's secret or certificate, or another peer's identity (the reason says
+    /// which). No holder at all.
+    Unproven(String),
+    /// Nobody answers (the reason says why): not proven either way.
     Unknown(String),
 }
 
@@ -189,20 +194,24 @@ async fn judge(shared: &Shared, holder: &PeerRecord, me: &PeerRecord) -> Holder 
         Probed::Answered { peer_id, incarnation } if peer_id == me.peer_id && incarnation == me.incarnation => {
             Holder::Dead
         }
-        Probed::Answered { peer_id, incarnation } => Holder::Unknown(format!(
-            "{} answers as {peer_id} (incarnation {incarnation:#x})",
+        Probed::Answered { peer_id, incarnation } => Holder::Unproven(format!(
+            "{} answers as {peer_id} (incarnation {incarnation:#x}), not as the record's holder",
             holder.address
         )),
+        Probed::Unproven(why) => Holder::Unproven(format!("{} does not prove itself: {why}", holder.address)),
         Probed::NoAnswer(why) => Holder::Unknown(format!("{} does not answer: {why}", holder.address)),
     }
 }
 
 /// Makes the key hold `record` on `lease_id`: creates it when absent, keeps it when it
 /// is already this registration's, replaces a record whose holder is proven dead, that
-/// names no incarnation, or that is on no lease with a holder that does not answer;
-/// otherwise (with [`Patience::WaitForExpiry`]) waits for the holder's lease to
-/// expire, bounded by its granted TTL (at most [`MAX_HOLDER_WAIT`]) plus a call
-/// deadline. Never replaces a holder that answers at its address.
+/// names no incarnation, whose address answers without proving itself the holder
+/// (secret, certificate or identity), or that is on no lease with a holder that does
+/// not answer. A holder that does not answer, on a live lease: checked by the
+/// registered process itself ([`Patience::OneRound`]), it loses the record; while
+/// registering ([`Patience::WaitForExpiry`]), the claim waits for its lease to expire,
+/// bounded by its granted TTL (at most [`MAX_HOLDER_WAIT`]) plus a call deadline.
+/// Never replaces a holder that proves itself at its address.
 async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Patience) -> Result<Claimed, Refused> {
     let key = shared.key(&record.peer_id);
     let mut over = None;
@@ -270,6 +279,27 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
                     return Err(Refused::Failed(kept_changing(&key)));
                 }
             }
+            // Whatever answers at the record's address is not the fleet's holder of
+            // this id (a forged record): the id is this process's to take, at once.
+            Holder::Unproven(why) => {
+                note_taken_back(shared, &key, &holder, &why, current.lease);
+                over = Some(current.mod_revision);
+                races += 1;
+                if races > MAX_RACES {
+                    return Err(Refused::Failed(kept_changing(&key)));
+                }
+            }
+            // This process is the registered one, checking its own record: only a
+            // holder that proves itself alive and authorised keeps a live process's
+            // id, and one that does not answer proves nothing.
+            Holder::Unknown(why) if patience == Patience::OneRound && current.lease != 0 => {
+                note_taken_back(shared, &key, &holder, &why, current.lease);
+                over = Some(current.mod_revision);
+                races += 1;
+                if races > MAX_RACES {
+                    return Err(Refused::Failed(kept_changing(&key)));
+                }
+            }
             // A record on no lease is no process's registration (nothing keeps it
             // alive; e.g. written by hand): a holder that does not answer loses it.
             Holder::Unknown(why) if current.lease == 0 => {
@@ -282,9 +312,6 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
                 }
             }
             Holder::Unknown(why) => {
-                if patience == Patience::OneRound {
-                    return Err(Refused::Held(holder, format!("{why}; its lease is alive")));
-                }
                 let deadline = match wait_until {
                     Some(d) => d,
                     None => {
@@ -309,6 +336,14 @@ async fn claim(shared: &Shared, record: &PeerRecord, lease_id: i64, patience: Pa
             }
         }
     }
+}
+
+/// Logs and counts a record taken back from a holder that did not prove itself.
+fn note_taken_back(shared: &Shared, key: &str, holder: &PeerRecord, why: &str, lease: i64) {
+    tracing::warn!(target: "kvferry::directory", key, holder = %holder.address,
+        incarnation = format_args!("{:#x}", holder.incarnation), why, lease,
+        "taking the record back from a holder that does not prove itself alive and authorised");
+    shared.taken_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn kept_changing(key: &str) -> DirectoryError {

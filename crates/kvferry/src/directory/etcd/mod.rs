@@ -78,6 +78,8 @@ pub(crate) struct Shared {
     prober: Mutex<Option<Prober>>,
     /// Wakes the keep-alive task to check its record now (the view saw it change).
     check_now: tokio::sync::Notify,
+    /// Records of this peer id taken back from holders that did not prove themselves.
+    taken_back: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -180,6 +182,7 @@ impl EtcdDirectory {
             reg: Mutex::new(None),
             state: tokio::sync::watch::channel(RegistrationState::Unregistered).0,
             prober: Mutex::new(None),
+            taken_back: std::sync::atomic::AtomicU64::new(0),
             check_now: tokio::sync::Notify::new(),
         });
         tokio::spawn(watch::run(shared.clone()));
@@ -253,6 +256,10 @@ impl Directory for EtcdDirectory {
 
     fn record(&self, peer: &str) -> Option<PeerRecord> {
         self.shared.view.lock().record(peer).cloned()
+    }
+
+    fn records_taken_back(&self) -> u64 {
+        self.shared.taken_back.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn set_prober(&self, prober: Prober) {
