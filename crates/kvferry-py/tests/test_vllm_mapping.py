@@ -1,4 +1,4 @@
-"""The connector's prefill→decode mapping (``kvferry.integrations.vllm_mapping``),
+"""The connector's prefill→decode mapping (``kvferry.integrations.vllm.mapping``),
 pure Python: every plan is executed byte by byte on numpy "caches" and each decode
 rank's blocks compared with a reference assembled from global (token, head) contents,
 so a read from the wrong rank, head, token or layout cannot pass."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from kvferry.integrations.vllm_mapping import (
+from kvferry.integrations.vllm.mapping import (
     GroupDesc,
     IncompatibleError,
     KvDescriptor,

@@ -1,4 +1,4 @@
-"""The vLLM connector's batched reads (``kvferry.integrations.vllm_reads``) between two
+"""The vLLM connector's batched reads (``kvferry.integrations.vllm.reads``) between two
 real engines, without vLLM: reads of one prefill rank that share their ranges ride
 multi-key selected gets, batches close at ``read_batch`` keys and at
 ``MAX_BATCH_BYTES``, a batch that fails after staging fails each of its members with
@@ -17,9 +17,9 @@ import pytest
 from numpy.typing import NDArray
 
 import kvferry
-from kvferry.integrations import vllm_reads
-from kvferry.integrations.vllm_mapping import Read
-from kvferry.integrations.vllm_reads import RankReads, _Geometry, launch_batched
+from kvferry.integrations.vllm import reads as vllm_reads
+from kvferry.integrations.vllm.mapping import Read
+from kvferry.integrations.vllm.reads import RankReads, _Geometry, launch_batched
 
 LAYERS, HEADS, TOKENS, D, NPUB = 2, 4, 16, 32, 2
 PIECE = HEADS * TOKENS * D  # one layer's K (or V) of one block, HND

@@ -55,7 +55,7 @@ def plugin(monkeypatch):
     import vllm.v1.executor.multiproc_executor  # noqa: F401 - patched at once when loaded
     import vllm.v1.worker.gpu.async_utils  # noqa: F401
 
-    from kvferry.integrations import vllm_bounded_output as p
+    from kvferry.integrations.vllm import bounded_output as p
 
     monkeypatch.setenv(p.ENV_TIMEOUT, "0.3")
     p.register()
@@ -235,7 +235,7 @@ def test_step_timing_collect_that_raises_inside_is_unchanged(plugin):
 
 
 def test_bad_timeouts_are_refused():
-    from kvferry.integrations import vllm_bounded_output as p
+    from kvferry.integrations.vllm import bounded_output as p
 
     for bad in ["0", "-1", "-0.5", "abc", "inf", "nan"]:
         with pytest.raises(kvferry.InvalidArgumentError, match=p.ENV_TIMEOUT):
@@ -248,7 +248,7 @@ def test_another_vllm_version_is_warned_about_and_not_patched(monkeypatch):
     import vllm
     from vllm.v1.worker.gpu.async_utils import AsyncOutput
 
-    from kvferry.integrations import vllm_bounded_output as p
+    from kvferry.integrations.vllm import bounded_output as p
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -277,7 +277,7 @@ vllm.plugins.load_general_plugins()   # loaded twice, as vLLM warns it may be
 print("LOADED_BEFORE", "vllm.v1.worker.gpu.async_utils" in sys.modules)
 from vllm.v1.worker.gpu.async_utils import AsyncOutput, StepTimingCollector
 from vllm.v1.executor.multiproc_executor import WorkerProc
-from kvferry.integrations import vllm_bounded_output as p
+from kvferry.integrations.vllm import bounded_output as p
 print("ACTIVE", p.is_active(),
       hasattr(AsyncOutput.get_output, "__kvferry_bounded_output__"),
       hasattr(StepTimingCollector.collect, "__kvferry_bounded_output__"),
@@ -297,7 +297,7 @@ def test_plugin_loads_through_vllms_load_general_plugins():
     from importlib.metadata import entry_points
 
     names = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert names.get("kvferry_bounded_output") == "kvferry.integrations.vllm_bounded_output:register", (
+    assert names.get("kvferry_bounded_output") == "kvferry.integrations.vllm.bounded_output:register", (
         "the entry point is missing: install kvferry (maturin develop) into this environment"
     )
     r = _load_in_fresh_process()

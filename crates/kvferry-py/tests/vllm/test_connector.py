@@ -728,15 +728,17 @@ def test_prefill_killed_mid_pull_then_restarted(need_vllm):
 
 
 def test_import_kvferry_without_vllm():
-    """``import kvferry`` never needs vLLM; the integration says how to get it."""
+    """``import kvferry`` never needs vLLM, nor do the connector package's pure modules;
+    the connector itself says how to get vLLM."""
     import subprocess
     import sys
 
     code = (
         "import sys; sys.modules['vllm'] = None\n"
         "import kvferry, kvferry.integrations\n"
+        "import kvferry.integrations.vllm.mapping, kvferry.integrations.vllm.layout\n"
         "try:\n"
-        "    import kvferry.integrations.vllm\n"
+        "    from kvferry.integrations.vllm import KvferryConnector\n"
         "except ImportError as e:\n"
         "    assert 'vllm==0.33.0' in str(e), e\n"
         "    print('clear')\n"
@@ -746,16 +748,38 @@ def test_import_kvferry_without_vllm():
     assert out.stdout.strip() == "clear"
 
 
+def test_the_package_keeps_its_public_names_and_former_module_names(need_vllm):
+    """``kvferry.integrations.vllm`` became a package: the names vLLM and users import
+    from it are the modules' own, and the two former module names that configurations
+    and commands use (the plugin, the bench) still work."""
+    import subprocess
+    import sys
+
+    import kvferry.integrations.vllm as pkg
+    import kvferry.integrations.vllm_bounded_output as former_plugin
+    from kvferry.integrations.vllm import bounded_output, connector, metadata, worker
+
+    assert pkg.KvferryConnector is connector.KvferryConnector
+    assert pkg.RecvSpec is metadata.RecvSpec and pkg.KvferryConnectorWorker is worker.KvferryConnectorWorker
+    assert {"KvferryConnector", "KvferryConfig", "KvferryConnectorMetadata", "VLLM_VERSION"} <= set(pkg.__all__)
+    with pytest.raises(AttributeError):
+        pkg.NoSuchName  # noqa: B018
+    assert former_plugin is bounded_output
+    out = subprocess.run([sys.executable, "-m", "kvferry.integrations.vllm_bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "python -m kvferry.integrations.vllm.bench" in out.stdout
+
+
 @pytest.mark.parametrize("bench_device", ["host", "sim"])
 def test_connector_bench_runs(need_vllm, bench_device):
-    """``python -m kvferry.integrations.vllm_bench``: a short run, every block verified
+    """``python -m kvferry.integrations.vllm.bench``: a short run, every block verified
     (``--device sim``: every block through the sim device path)."""
     import json
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvferry.integrations.vllm_bench", "--requests", "8", "--rounds", "2", "--json", "--rust-bench", "none", "--device", bench_device],
+        [sys.executable, "-m", "kvferry.integrations.vllm.bench", "--requests", "8", "--rounds", "2", "--json", "--rust-bench", "none", "--device", bench_device],
         capture_output=True,
         text=True,
         timeout=300,

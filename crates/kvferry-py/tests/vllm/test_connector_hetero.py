@@ -307,7 +307,7 @@ def test_reader_slots_need_no_config(made, case):
     of slots (``vllm_hetero.auto_reader_slots``), the decode reads what its plan needs
     and releases the rest in one message per prefill rank and step, and every prefill
     rank frees every request once its readers are done — none waits for the lease."""
-    from kvferry.integrations.vllm_hetero import auto_reader_slots
+    from kvferry.integrations.vllm.hetero import auto_reader_slots
 
     p_kw, d_kw = CASES[case]
     p, d, reqs, need, moved = _transfer(made, p_kw, d_kw)

@@ -105,7 +105,7 @@ def test_mamba_state_is_refused_at_start_up(need_vllm):  # noqa: F811
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-    from kvferry.integrations import vllm_hetero
+    from kvferry.integrations.vllm import hetero as vllm_hetero
 
     cfg = KVCacheConfig(
         num_blocks=8,

@@ -3,9 +3,9 @@ vLLM 0.33 attention backend reads it — and the caches it refuses, by name.
 
 - For every backend and layout vLLM can allocate and kvferry maps (the CPU backend's
   LBHNC; flash-attn, Triton and FlashInfer in LBHNC and LBNHC; MLA), a cache allocated
-  by vLLM's own code (``kvferry.integrations.vllm_alloc``) gets a distinct value in
+  by vLLM's own code (``kvferry.integrations.vllm.alloc``) gets a distinct value in
   every head vector through the backend's own K/V views; the connector's geometry
-  (``vllm_layout.describe``, then ``vllm_mapping``'s byte offsets) must find each one
+  (``vllm.layout.describe``, then ``vllm.mapping``'s byte offsets) must find each one
   at the offset it computes, in the raw bytes of the registered piece.
 - A cache the connector cannot map exactly is refused at ``register_kv_caches`` with
   an error naming its shape, strides, layout and backend: layouts whose blocks of one
@@ -45,7 +45,7 @@ def _specs(backend: str, cfg: Any, windows: dict[str, int] | None = None) -> dic
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvferry.integrations.vllm_alloc import attention_layers
+    from kvferry.integrations.vllm.alloc import attention_layers
 
     if backend == "FLASHINFER":
         spec = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=4, head_size=HS, dtype=torch.float16)
@@ -55,7 +55,7 @@ def _specs(backend: str, cfg: Any, windows: dict[str, int] | None = None) -> dic
 
 
 def _describe(backend: str, kv: dict[str, Any], cfg: Any, nb: int, mla: bool = False) -> Any:
-    from kvferry.integrations.vllm_layout import describe
+    from kvferry.integrations.vllm.layout import describe
 
     return describe(
         kv,
@@ -84,8 +84,8 @@ MAPPED = [
 def test_every_head_vector_is_where_the_connector_computes_it(need_vllm, backend, kv_layout, bs, order):
     import torch
 
-    from kvferry.integrations.vllm_alloc import allocate, backend_class, kv_views
-    from kvferry.integrations.vllm_mapping import KvDescriptor, _offset
+    from kvferry.integrations.vllm.alloc import allocate, backend_class, kv_views
+    from kvferry.integrations.vllm.mapping import KvDescriptor, _offset
 
     nb = 6
     cfg = _config(block_size=bs)
@@ -117,8 +117,8 @@ def test_mla_latent_is_one_vector_per_token(need_vllm):
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from kvferry.integrations.vllm_alloc import allocate, kv_views
-    from kvferry.integrations.vllm_mapping import KvDescriptor, _offset
+    from kvferry.integrations.vllm.alloc import allocate, kv_views
+    from kvferry.integrations.vllm.mapping import KvDescriptor, _offset
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 
     nb = 5
@@ -152,7 +152,7 @@ def _register(cfg: Any, kv: dict[str, Any], kcc: Any) -> None:
 
 
 def _allocated(backend: str, kv_layout: str | None, bs: int = 16, specs: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
-    from kvferry.integrations.vllm_alloc import allocate, backend_class
+    from kvferry.integrations.vllm.alloc import allocate, backend_class
 
     cfg = _config(block_size=bs)
     sp = specs if specs is not None else _specs(backend, cfg)
@@ -166,7 +166,7 @@ def _allocated(backend: str, kv_layout: str | None, bs: int = 16, specs: dict[st
 def test_a_layout_whose_blocks_are_not_one_run_per_layer_is_refused_by_name(need_vllm, kv_layout):
     """flash-attn takes any layout; one forced by the operator that kvferry does not
     map is refused at registration, naming the layout, the backend, and what to set."""
-    from kvferry.integrations.vllm_layout import LayoutError
+    from kvferry.integrations.vllm.layout import LayoutError
 
     cfg, kcc, kv = _allocated("FLASH_ATTN", kv_layout)
     with pytest.raises(LayoutError) as e:
@@ -180,7 +180,7 @@ def test_a_hand_built_tensor_is_refused_naming_shape_and_strides(need_vllm):
     hand: not what vLLM 0.33 allocates — refused, never read as something else."""
     import torch
 
-    from kvferry.integrations.vllm_layout import LayoutError
+    from kvferry.integrations.vllm.layout import LayoutError
 
     cfg, kcc, _ = _allocated("FLASH_ATTN", None)
     kv = {n: torch.zeros((2, 8, 16, 4, HS), dtype=torch.float16) for n in LAYERS}
@@ -192,7 +192,7 @@ def test_a_hand_built_tensor_is_refused_naming_shape_and_strides(need_vllm):
 
 def test_strides_that_contradict_the_layout_are_refused(need_vllm):
     """A cache allocated LBNHC while the config says LBHNC: the strides decide."""
-    from kvferry.integrations.vllm_layout import LayoutError
+    from kvferry.integrations.vllm.layout import LayoutError
 
     cfg, kcc, kv = _allocated("TRITON_ATTN", "LBNHC")
     cfg.cache_config.kv_cache_layout = "LBHNC"
@@ -205,7 +205,7 @@ def test_strides_that_contradict_the_layout_are_refused(need_vllm):
 def test_padded_pages_are_refused(need_vllm):
     import dataclasses
 
-    from kvferry.integrations.vllm_layout import LayoutError
+    from kvferry.integrations.vllm.layout import LayoutError
 
     cfg = _config()
     specs = _specs("FLASH_ATTN", cfg)
@@ -220,7 +220,7 @@ def test_kernel_blocks_that_split_a_block_are_refused(need_vllm):
     """A view whose block dimension counts kernel blocks (two per scheduler block)."""
     import torch
 
-    from kvferry.integrations.vllm_layout import LayoutError, describe
+    from kvferry.integrations.vllm.layout import LayoutError, describe
 
     t = torch.zeros((16, 4, 8, 2 * HS), dtype=torch.float16)
     with pytest.raises(LayoutError, match="kernel blocks split each block"):
@@ -228,7 +228,7 @@ def test_kernel_blocks_that_split_a_block_are_refused(need_vllm):
 
 
 def test_an_unmapped_backend_is_refused_by_name(need_vllm):
-    from kvferry.integrations.vllm_layout import LayoutError, content_of
+    from kvferry.integrations.vllm.layout import LayoutError, content_of
 
     with pytest.raises(LayoutError, match="ROCM_ATTN"):
         content_of(["ROCM_ATTN"], mla=False)
@@ -249,7 +249,7 @@ def test_the_connector_asks_vllm_for_lbhnc(need_vllm):
 def test_a_decode_with_kv_in_separate_pieces_is_refused_naming_both_layouts(need_vllm):
     """Descriptor check: a peer whose K and V are separate pieces (an older kvferry's
     ``NHD``) against one whose cells hold both: refused, naming both layouts."""
-    from kvferry.integrations.vllm_mapping import IncompatibleError, KvDescriptor, check
+    from kvferry.integrations.vllm.mapping import IncompatibleError, KvDescriptor, check
 
     base = dict(model="m", dtype="float16", attention="MHA", num_kv_heads=4, head_size=HS, block_size=16, tp_size=1)
     p = KvDescriptor(**base, layout="HKND", pieces=2, cache_layout="CPU_ATTN/LBHNC (HKND)")

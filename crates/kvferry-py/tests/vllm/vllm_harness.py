@@ -143,9 +143,9 @@ def scheduler_leaks(scheduler: Any) -> list[str]:
     return left
 
 
-# -- KV caches as vLLM 0.33 allocates them: kvferry.integrations.vllm_alloc ------------
+# -- KV caches as vLLM 0.33 allocates them: kvferry.integrations.vllm.alloc ------------
 
-from kvferry.integrations.vllm_alloc import (  # noqa: E402 - after the environment defaults above
+from kvferry.integrations.vllm.alloc import (  # noqa: E402 - after the environment defaults above
     BACKENDS,
     allocate,
     attention_layers,

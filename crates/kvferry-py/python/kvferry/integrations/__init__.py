@@ -4,14 +4,17 @@ Each integration lives in its own module and imports its server lazily, so
 ``import kvferry`` (and ``import kvferry.integrations``) never needs the server:
 
 - :mod:`kvferry.integrations.vllm`: ``KvferryConnector``, a vLLM V1 KV connector for
-  disaggregated prefill/decode (needs ``vllm==0.33.0``; see ``docs/vllm.md``).
-- :mod:`kvferry.integrations.vllm_mapping` (pure Python, no vLLM): which bytes each
-  decode rank reads from which prefill rank (heterogeneous TP, MLA, block sizes,
-  layouts, prefix hits, sliding windows) and the compatibility check; used by the
-  connector through :mod:`~kvferry.integrations.vllm_hetero` and
-  :mod:`~kvferry.integrations.vllm_reads`.
-- :mod:`kvferry.integrations.vllm_bounded_output`: the vLLM general plugin
-  ``kvferry_bounded_output``, bounding the worker's output-copy waits.
+  disaggregated prefill/decode (needs ``vllm==0.33.0``; see ``docs/vllm.md``): a
+  package with one module per concern. Its pure modules import without vLLM:
+  :mod:`~kvferry.integrations.vllm.mapping` (which bytes each decode rank reads from
+  which prefill rank, and the compatibility check),
+  :mod:`~kvferry.integrations.vllm.layout` and :mod:`~kvferry.integrations.vllm.reads`.
+  :mod:`kvferry.integrations.vllm.bounded_output` is the vLLM general plugin
+  ``kvferry_bounded_output``, bounding the worker's output-copy waits (also importable
+  by its former name ``kvferry.integrations.vllm_bounded_output``, as
+  ``kvferry.integrations.vllm_bench`` still runs the connector's bench).
+- :mod:`kvferry.integrations.lmcache`: LMCache's remote tier and P2P/PD channel (needs
+  ``lmcache==0.5.6``; see ``docs/lmcache.md``).
 """
 
 __all__: list[str] = []

@@ -25,7 +25,7 @@ a :class:`CacheLayout`: the per-layer *piece* (one contiguous run per layer and 
 and the order of its cells, as a string over ``H`` (head), ``K`` (K or V), ``N``
 (token), outermost first, ending in ``D`` (the head vector) — e.g. ``HNKD`` for a
 packed ``LBHNC`` cache, ``HKND`` for the CPU backend's, ``NHD`` for MLA. The
-heterogeneous-transfer planner (``vllm_mapping``) computes every byte range from that
+heterogeneous-transfer planner (``mapping``) computes every byte range from that
 order.
 
 Anything else — an unknown backend, a layout whose blocks of one layer are not one run

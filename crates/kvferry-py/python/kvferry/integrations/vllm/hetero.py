@@ -1,6 +1,6 @@
 """``KvferryConnector``'s side of the compatibility handshake and of heterogeneous
 transfers: descriptors from vLLM's configs, per-request plans on the decode scheduler,
-reader slots on the prefill worker, :class:`~.vllm_reads.RankReads` on the decode worker.
+reader slots on the prefill worker, :class:`~.reads.RankReads` on the decode worker.
 
 Semantics
 ---------
@@ -8,7 +8,7 @@ Semantics
   naming the group) a kind kvferry cannot move: anything but full attention, MLA,
   sliding window and chunked local attention (Mamba state, cross attention, ...).
 - Prefill scheduler: :func:`advertise` adds ``kvferry_desc`` (the instance's
-  :class:`~.vllm_mapping.KvDescriptor`) to the ``kv_transfer_params`` it returns, and
+  :class:`~.mapping.KvDescriptor`) to the ``kv_transfer_params`` it returns, and
   ``remote_block_ids`` become one list per KV cache group (absolute block positions;
   ``0``, vLLM's null block, where the group holds none, as a sliding window does).
 - Decode scheduler: :func:`plan` compares the prefill's descriptor with its own the
@@ -27,8 +27,8 @@ Semantics
 
 Cancellation
 ------------
-Aborting a decode request cancels its :class:`~.vllm_reads.RankReads` (each get drains
-before its memory is reused) and releases the unread slots; see ``vllm_reads``.
+Aborting a decode request cancels its :class:`~.reads.RankReads` (each get drains
+before its memory is reused) and releases the unread slots; see ``reads``.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import errors
-from .vllm_mapping import GroupDesc, IncompatibleError, KvDescriptor, RankPlan, check, plan_request
-from .vllm_reads import RankReads, _Geometry, launch_batched
+from ... import errors
+from .mapping import GroupDesc, IncompatibleError, KvDescriptor, RankPlan, check, plan_request
+from .reads import RankReads, _Geometry, launch_batched
 
 if TYPE_CHECKING:
     import torch
@@ -207,7 +207,7 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
         slots = pd.slots if pd is not None else 1
         d_tp = int(sched.tp_size)
         plans = [RankPlan() for _ in range(d_tp)]
-        from .vllm_mapping import slot_key
+        from .mapping import slot_key
 
         for q in range(len(peers)):
             for s in range(slots):
@@ -233,7 +233,7 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
 def publish_slots(worker: Any, req_id: str, block_ids: list[int]) -> None:
     """Publishes ``block_ids`` under every reader slot of ``req_id`` (raises what
     the first publish raises; later failures count as released slots)."""
-    from .vllm_mapping import slot_key
+    from .mapping import slot_key
 
     n = worker.reader_slots
     worker.engine.publish(req_id, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
@@ -282,12 +282,12 @@ def geometry(worker: Any, caches: dict[str, torch.Tensor]) -> tuple[dict[str, to
     """Raw per-layer views of vLLM's KV tensors for registration (``[num_blocks,
     piece_bytes]`` uint8 views of the same memory, never copies) and this rank's
     geometry, taken from what vLLM says about the cache
-    (:func:`.vllm_layout.describe`: the layers' attention backends, the resolved
-    ``KVCacheLayout``, the KV cache spec); :class:`~.vllm_layout.LayoutError` naming
+    (:func:`.layout.describe`: the layers' attention backends, the resolved
+    ``KVCacheLayout``, the KV cache spec); :class:`~.layout.LayoutError` naming
     shape, strides, layout and backend where it cannot be mapped exactly."""
     import torch
 
-    from .vllm_layout import LayoutError, describe
+    from .layout import LayoutError, describe
 
     cfg = worker.vllm_config
     mc = cfg.model_config
@@ -433,7 +433,7 @@ def _send_release(worker: Any, tag: str, address: str, expires_at: float | None,
 class batched_gets:  # noqa: N801 - used as a statement: ``with batched_gets(worker):``
     """Collects the reads of one engine step's new pulls and starts them on exit, the
     reads of one prefill rank that share their ranges as batched gets of up to
-    ``read_batch`` keys (:func:`.vllm_reads.launch_batched`) instead of one get per
+    ``read_batch`` keys (:func:`.reads.launch_batched`) instead of one get per
     request. Only for host caches on the direct path (a device cache stages, and a
     batch would take that many times one request's staging at once)."""
 
@@ -493,7 +493,7 @@ def release_all(sched: Any, params: dict[str, Any]) -> list[list[tuple[int, str]
     """Every slot of every prefill rank, spread over the decode ranks (``q % D_TP``);
     None when there is one key per rank (no descriptor, and this instance publishes
     one slot)."""
-    from .vllm_mapping import slot_key
+    from .mapping import slot_key
 
     raw = params.get("kvferry_desc")
     if not isinstance(raw, dict):

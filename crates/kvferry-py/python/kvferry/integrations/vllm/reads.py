@@ -1,9 +1,9 @@
-"""One decode rank's reads for one request (a :class:`~.vllm_mapping.RankPlan`),
+"""One decode rank's reads for one request (a :class:`~.mapping.RankPlan`),
 executed through kvferry and watched as one transfer by ``KvferryConnectorWorker``.
 
 Semantics
 ---------
-:class:`RankReads` starts one kvferry get per :class:`~.vllm_mapping.Read`, each from
+:class:`RankReads` starts one kvferry get per :class:`~.mapping.Read`, each from
 its prefill rank's address and under its own reader-slot key, and looks like a
 :class:`kvferry.Transfer` to the worker (``done()``, ``error``, ``cancel()``,
 ``wait()``): done when every get finished, failed on the first get that fails for good.
@@ -53,9 +53,9 @@ from typing import Any
 
 import kvferry
 
-from .. import errors
-from .._engine import Engine, Region, Transfer
-from .vllm_mapping import Read
+from ... import errors
+from ..._engine import Engine, Region, Transfer
+from .mapping import Read
 
 __all__ = ["RankReads", "has_selection"]
 

@@ -12,7 +12,7 @@ block), outermost first, over ``H`` (head), ``N`` (token) and ``K`` (K or V), en
 ``D`` (the head vector): ``HNKD`` is vLLM 0.33's packed ``LBHNC`` cache, ``NHKD`` its
 ``LBNHC``, ``HKND`` the CPU backend's K and V planes, ``NHD`` MLA's latent (no ``K``:
 one vector per cell); an order without ``K`` (``NHD``, ``HND``) means K and V are
-separate pieces — as ``vllm_layout`` derives it from vLLM's own description —, the
+separate pieces — as ``layout`` derives it from vLLM's own description —, the
 number of per-layer pieces per block, and the KV cache groups (kind and sliding
 window). A prefill instance advertises its descriptor in
 ``kv_transfer_params["kvferry_desc"]``; the decode instance calls :func:`check` the

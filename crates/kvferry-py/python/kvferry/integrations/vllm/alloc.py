@@ -5,7 +5,7 @@ engine core resolves, the KV cache config its planner makes and the tensors its
 backend's forward code, to write and check every head vector.
 
 Nothing here is used by the connector itself: it derives its geometry independently,
-from vLLM's description of the cache (``vllm_layout``).
+from vLLM's description of the cache (``layout``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from .. import errors
+from ... import errors
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
