@@ -59,6 +59,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::accounting;
+use super::error::PeerError;
 use super::fault_hooks::{corrupted, ProducerFaults};
 use super::ledger::{
     CheckOut, Deregistration, EndReason, LeaseRefusal, LeaseTerms, Ledger, LedgerLimits, Outcome, PubId, RegError,
@@ -69,7 +70,6 @@ use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::selection::{plan_source, SourcePlan};
 use super::store::{truncate_ranges, ChunkStore, PinnedChunks};
 use super::unit_crcs::{selected_checksum, UnitCrcs};
-use super::PeerError;
 use crate::copy::CopyEngine;
 use crate::device::{DeviceKvCache, KvCacheRef};
 use crate::layout::KvCache;

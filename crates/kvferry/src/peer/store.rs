@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::PeerError;
+use super::error::PeerError;
 use crate::layout::KvLayout;
 use crate::mem::{HostMemory, MemError, Region};
 use crate::wire::ChunkKey;

@@ -36,8 +36,8 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::super::error::PeerError;
 use super::super::selection::{LandingPlan, Selection};
-use super::super::PeerError;
 use super::peer_watch::PeerWatch;
 use super::transfer::{unexpected, TaskError};
 use super::types::{

@@ -19,9 +19,9 @@ use std::sync::{Arc, OnceLock};
 
 use tokio_util::sync::CancellationToken;
 
+use super::super::error::PeerError;
 use super::client::Consumer;
 use super::transfer::TaskError;
-use crate::peer::PeerError;
 
 /// Why a peer is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]

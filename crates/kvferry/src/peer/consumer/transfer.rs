@@ -24,8 +24,8 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::super::error::PeerError;
 use super::super::selection::LandingPlan;
-use super::super::PeerError;
 use super::client::{check_frames, Consumer, Request, OUTCOMES};
 use super::types::{Destination, GetFailure, Landed, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
