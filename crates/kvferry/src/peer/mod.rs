@@ -17,16 +17,13 @@
 //! - **Never hang**: every consumer call has a deadline; the blocking get returns within
 //!   its timeout plus a small bound, leaving cancellation and drain to a background task.
 
-mod accounting;
 mod consumer;
 mod error;
-mod fault_hooks;
 mod ledger;
 mod producer;
 pub mod publish;
 mod quota;
 pub mod selection;
-mod store;
 mod unit_crcs;
 
 pub use consumer::{
@@ -34,10 +31,11 @@ pub use consumer::{
     Transfer, TransferPath,
 };
 pub use error::PeerError;
-pub use fault_hooks::ProducerFaults;
 pub use ledger::LeaseRefusal;
 pub(crate) use producer::DeregisterError;
-pub use producer::{Hold, Producer, ProducerConfig, ProducerStats};
+pub use producer::{
+    ChunkLocation, ChunkPins, ChunkStore, Hold, PinnedRegion, Producer, ProducerConfig, ProducerFaults, ProducerStats,
+    StoreStats,
+};
 pub use publish::{ReleaseReason, Released};
 pub use selection::Selection;
-pub use store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};

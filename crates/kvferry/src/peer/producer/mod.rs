@@ -11,7 +11,7 @@
 //! socket is still sending: such an end is accepted at once and takes effect when the
 //! send ends. Concurrent staging requests are capped: over the cap, the reply is an
 //! immediate `Busy` miss, not a queue. Fault injection lives in
-//! [`super::fault_hooks`].
+//! [`fault_hooks`].
 //!
 //! Two kinds of chunks are served: chunks of the store (pinned in the store and sent
 //! straight from its blocks with the checksum they were stored with), and **published**
@@ -46,6 +46,10 @@
 //! since the write borrows it; its [`Sending`] guard tells the ledger, which ends the
 //! lease and releases what only it held).
 
+mod accounting;
+mod fault_hooks;
+mod store;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -58,9 +62,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::accounting;
+use self::fault_hooks::corrupted;
+pub use self::fault_hooks::ProducerFaults;
+use self::store::{truncate_ranges, PinnedChunks};
+pub use self::store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 use super::error::PeerError;
-use super::fault_hooks::{corrupted, ProducerFaults};
 use super::ledger::{
     CheckOut, Deregistration, EndReason, LeaseRefusal, LeaseTerms, Ledger, LedgerLimits, Outcome, PubId, RegError,
     RegId, Who,
@@ -68,7 +74,6 @@ use super::ledger::{
 use super::publish::{HostSums, PubSource, Publication, ReleaseQueue, Released};
 use super::quota::{Charge, Holder, QuotaLimits, Quotas};
 use super::selection::{plan_source, SourcePlan};
-use super::store::{truncate_ranges, ChunkStore, PinnedChunks};
 use super::unit_crcs::{selected_checksum, UnitCrcs};
 use crate::copy::CopyEngine;
 use crate::device::{DeviceKvCache, KvCacheRef};
