@@ -1,5 +1,5 @@
 //! Registrations: each registered cache (host or device) counted in the ledger, with
-//! its holders — its publications and the transfers using it ([`Hold`]s). A
+//! its holders — its publications, and the transfers using it (each a [`Hold`]). A
 //! deregistration completes at once without holders, else when the last holder lets
 //! go, or fails at its deadline (the cache then stays registered).
 //!
