@@ -4,22 +4,22 @@
 //!
 //! This module does the I/O; who holds what until when is decided by the producer's
 //! [ledger](super::ledger), asked under one lock, and the producer acts on what it
-//! answers (drops lease payloads, reports released publications). A staged lease
-//! waits in the ledger; while its bytes are written to a socket it is *checked out*
-//! and owned by that write (a [`Sending`](guards::Sending) guard that checks it back in, or reports its
-//! drop), so nothing — TTL, `Done`, `Release`, shutdown — releases pages or blocks a
-//! socket is still sending: such an end is accepted at once and takes effect when the
-//! send ends. Concurrent staging requests are capped: over the cap, the reply is an
-//! immediate `Busy` miss, not a queue. Fault injection lives in
-//! [`fault_hooks`].
+//! answers (drops lease payloads, reports released publications). A staged lease waits
+//! in the ledger; while its bytes are written to a socket it is *checked out* and owned
+//! by that write (a [`Sending`](guards::Sending) guard that checks it back in, or
+//! reports its drop), so nothing — TTL, `Done`, `Release`, shutdown — releases pages or
+//! blocks a socket is still sending: such an end is accepted at once and takes effect
+//! when the send ends. Concurrent staging requests are capped: over the cap, the reply
+//! is an immediate `Busy` miss, not a queue. Fault injection lives in [`fault_hooks`].
 //!
 //! Two kinds of chunks are served: chunks of the store (pinned in the store and sent
 //! straight from its blocks with the checksum they were stored with), and **published**
-//! blocks of an engine's own registered cache, one [`KvCacheRef`](crate::device::KvCacheRef) of either memory
-//! kind (see [`super::publish`]): host blocks ([`KvCache`](crate::layout::KvCache)) are sent straight from the
-//! cache with vectored writes — zero copies on this side — and device blocks are
-//! gathered into staging pages first. One publish path serves both kinds; only the
-//! stage matches on the kind, where the data path differs.
+//! blocks of an engine's own registered cache, one
+//! [`KvCacheRef`](crate::device::KvCacheRef) of either memory kind (see
+//! [`super::publish`]): host blocks ([`KvCache`](crate::layout::KvCache)) are sent
+//! straight from the cache with vectored writes — zero copies on this side — and device
+//! blocks are gathered into staging pages first. One publish path serves both kinds;
+//! only the stage matches on the kind, where the data path differs.
 //!
 //! A consumer that will not pull sends `Release`: the `once` publications it names
 //! leave the table at once (reason `Declined`), with nothing staged, so it works while
@@ -58,10 +58,11 @@
 //! # Cancellation
 //!
 //! A handler future dropped mid-request (connection torn down, server stopped) drops
-//! the staging copy job (its pages return after the drain; its [`Staging`](guards::Staging) guard ends
-//! the lease in the ledger) or the checked-out lease (after the socket write stopped,
-//! since the write borrows it; its [`Sending`](guards::Sending) guard tells the ledger, which ends the
-//! lease and releases what only it held).
+//! the staging copy job (its pages return after the drain; its
+//! [`Staging`](guards::Staging) guard ends the lease in the ledger) or the checked-out
+//! lease (after the socket write stopped, since the write borrows it; its
+//! [`Sending`](guards::Sending) guard tells the ledger, which ends the lease and
+//! releases what only it held).
 
 mod accounting;
 mod fault_hooks;
@@ -214,8 +215,8 @@ struct Inner {
 }
 
 /// A producer. Cheap to clone; serve it with [`crate::net::Server`] (it implements
-/// [`Handler`](crate::net::Handler)). Dropping the last handle stops its TTL sweeper and releases staged
-/// pages.
+/// [`Handler`](crate::net::Handler)). Dropping the last handle stops its TTL sweeper
+/// and releases staged pages.
 #[derive(Clone)]
 pub struct Producer {
     inner: Arc<Inner>,

@@ -75,7 +75,7 @@ impl Producer {
     }
 
     /// [`stage`](Self::stage) of the selected part of published keys (see
-    /// [`super::selection`]): only the selected bytes are staged (device caches) or
+    /// [`crate::peer::selection`]): only the selected bytes are staged (device caches) or
     /// pinned for sending (host caches). Returns the frames and the stream's shape.
     pub async fn stage_selected(
         &self,
