@@ -36,10 +36,10 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::super::error::PeerError;
 use super::super::selection::{LandingPlan, Selection};
-use super::super::PeerError;
-use super::peer_watch::PeerWatch;
-use super::transfer::{unexpected, TaskError};
+use super::peer_watch::{PeerGone, PeerWatch};
+use super::shared::{check_frames, unexpected, Request, TaskError, OUTCOMES};
 use super::types::{
     ConsumerConfig, ConsumerStats, Destination, GetFailure, Landed, StagedHandle, StagedSelection, Transfer,
 };
@@ -68,9 +68,6 @@ pub(super) struct Counters {
     pub(super) device_unconfirmed: AtomicU64,
 }
 
-/// Outcome labels of the latency histograms, indexing `Inner::latency`.
-pub(super) const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
-
 pub(super) struct Inner {
     pub(super) arena: Arena,
     pub(super) engine: CopyEngine,
@@ -91,18 +88,6 @@ pub(super) struct Inner {
 #[derive(Clone)]
 pub struct Consumer {
     pub(super) inner: Arc<Inner>,
-}
-
-pub(super) enum Request {
-    /// An eager get; with a selection, its wire form (checked against the
-    /// destination).
-    Get {
-        keys: Vec<ChunkKey>,
-        select: Option<WireSelection>,
-    },
-    Pull {
-        handle: StagedHandle,
-    },
 }
 
 impl Consumer {
@@ -734,18 +719,6 @@ impl Consumer {
     }
 }
 
-/// The frames a producer announced for a selected stream: their lengths add up to
-/// the stream's shape.
-pub(super) fn check_frames(chunks: &[crate::wire::ChunkMeta], total: u64) -> Result<(), SelectionError> {
-    let sum = chunks.iter().fold(0u64, |a, c| a.saturating_add(c.len));
-    if sum != total {
-        return Err(SelectionError::Stream(format!(
-            "frames of {sum} bytes announced for a stream of {total}"
-        )));
-    }
-    Ok(())
-}
-
 /// Checks a destination for resolving `handle`: without a selection as for `get`
 /// (the staged chunks land in the leading destination chunks); with one, the
 /// destination lands the staged stream by its own selection (same blocks and source
@@ -827,4 +800,31 @@ fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerError> {
         )));
     }
     Ok(())
+}
+
+/// Watches of the peers (see `peer_watch`).
+impl Consumer {
+    /// The current watch of the peer at `addr`.
+    pub(super) fn peer_watch(&self, addr: &str) -> Arc<PeerWatch> {
+        self.inner
+            .watches
+            .lock()
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(PeerWatch::new(addr)))
+            .clone()
+    }
+
+    /// Fails every transfer and request in flight to `addr` at once with `gone`'s
+    /// error (they drain as on cancellation), and drops the pool's idle connections.
+    /// Transfers started afterwards are not affected.
+    pub fn fail_peer(&self, addr: &str, gone: PeerGone) {
+        let old = self.inner.watches.lock().remove(addr);
+        if let Some(w) = old {
+            w.declare_gone(gone.clone());
+        }
+        if let Some(p) = self.inner.pools.lock().get(addr) {
+            p.clear_idle();
+        }
+        tracing::info!(target: "kvferry::peer", peer = addr, ?gone, "peer gone: its transfers fail now");
+    }
 }

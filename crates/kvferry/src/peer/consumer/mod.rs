@@ -31,10 +31,13 @@
 //!
 //! The module is split: [`types`] (public types), `client` (the [`Consumer`] API) and
 //! `transfer` (the transfer task and its per-transfer context), `peer_watch` (failing a
-//! peer's transfers at once when the directory says it restarted or left).
+//! peer's transfers at once when the directory says it restarted or left), and `shared`
+//! (what those three share: the request a transfer runs, its error, reply checks), so
+//! that they do not import each other in a cycle.
 
 mod client;
 mod peer_watch;
+mod shared;
 mod transfer;
 pub mod types;
 

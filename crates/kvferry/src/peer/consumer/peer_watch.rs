@@ -3,11 +3,11 @@
 //! Each peer address has a [`PeerWatch`]: a cancellation token whose children are the
 //! tokens of that peer's transfers, and the reason it was cancelled. When the
 //! directory announces that the peer restarted (a new incarnation) or left (its lease
-//! expired), [`Consumer::fail_peer`] records the reason, cancels the token — every
-//! transfer to the peer stops and drains exactly as a caller's cancellation would —
-//! forgets the pool's idle connections, and installs a fresh watch for transfers
-//! started afterwards. Their errors read `PeerRestarted` or `PeerLost`, not
-//! `Cancelled`.
+//! expired), [`Consumer::fail_peer`](super::Consumer::fail_peer) records the reason,
+//! cancels the token — every transfer to the peer stops and drains exactly as a
+//! caller's cancellation would — forgets the pool's idle connections, and installs a
+//! fresh watch for transfers started afterwards. Their errors read `PeerRestarted` or
+//! `PeerLost`, not `Cancelled`.
 //!
 //! # Cancellation
 //!
@@ -19,9 +19,8 @@ use std::sync::{Arc, OnceLock};
 
 use tokio_util::sync::CancellationToken;
 
-use super::client::Consumer;
-use super::transfer::TaskError;
-use crate::peer::PeerError;
+use super::super::error::PeerError;
+use super::shared::TaskError;
 
 /// Why a peer is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,12 +46,19 @@ pub(crate) struct PeerWatch {
 }
 
 impl PeerWatch {
-    fn new(addr: &str) -> PeerWatch {
+    pub(super) fn new(addr: &str) -> PeerWatch {
         PeerWatch {
             addr: addr.to_string(),
             token: CancellationToken::new(),
             gone: OnceLock::new(),
         }
+    }
+
+    /// Declares the peer gone: records why (the first reason wins) and cancels the
+    /// token, failing every transfer and request raced against it.
+    pub(super) fn declare_gone(&self, gone: PeerGone) {
+        let _ = self.gone.set(gone);
+        self.token.cancel();
     }
 
     /// A token cancelled when the peer is declared gone (or when cancelled itself).
@@ -92,32 +98,5 @@ impl PeerWatch {
             r = fut => r,
             _ = self.token.cancelled() => Err(self.error().unwrap_or(PeerError::Cancelled)),
         }
-    }
-}
-
-impl Consumer {
-    /// The current watch of the peer at `addr`.
-    pub(super) fn peer_watch(&self, addr: &str) -> Arc<PeerWatch> {
-        self.inner
-            .watches
-            .lock()
-            .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(PeerWatch::new(addr)))
-            .clone()
-    }
-
-    /// Fails every transfer and request in flight to `addr` at once with `gone`'s
-    /// error (they drain as on cancellation), and drops the pool's idle connections.
-    /// Transfers started afterwards are not affected.
-    pub fn fail_peer(&self, addr: &str, gone: PeerGone) {
-        let old = self.inner.watches.lock().remove(addr);
-        if let Some(w) = old {
-            let _ = w.gone.set(gone.clone());
-            w.token.cancel();
-        }
-        if let Some(p) = self.inner.pools.lock().get(addr) {
-            p.clear_idle();
-        }
-        tracing::info!(target: "kvferry::peer", peer = addr, ?gone, "peer gone: its transfers fail now");
     }
 }

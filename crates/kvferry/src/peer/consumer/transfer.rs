@@ -24,11 +24,12 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::super::error::PeerError;
 use super::super::selection::LandingPlan;
-use super::super::PeerError;
-use super::client::{check_frames, Consumer, Request, OUTCOMES};
-use super::types::{Destination, GetFailure, Landed, TransferPath};
-use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
+use super::client::Consumer;
+use super::shared::{check_frames, unexpected, Request, TaskError, OUTCOMES};
+use super::types::{Destination, Landed, TransferPath};
+use crate::copy::{CopyPlan, DrainSignal, Endpoint};
 use crate::device::{DeviceError, DeviceKvCache, KvCacheRef};
 use crate::layout::KvCache;
 use crate::mem::{HostMemory, Lease};
@@ -41,25 +42,6 @@ const DEVICE_DRAIN_BOUND: std::time::Duration = std::time::Duration::from_secs(3
 
 fn inner_done_timeout(c: &Consumer) -> std::time::Duration {
     c.inner.cfg.done_timeout
-}
-
-/// A failed transfer as the task reports it (the caller adds the fence).
-#[derive(Debug)]
-pub(crate) struct TaskError {
-    /// What went wrong.
-    pub error: PeerError,
-    /// Whether destination bytes may have been written.
-    pub dirty: bool,
-}
-
-impl TaskError {
-    pub(super) fn with_fence(self, fence: DrainFence) -> GetFailure {
-        GetFailure {
-            error: self.error,
-            fence,
-            dirty: self.dirty,
-        }
-    }
 }
 
 /// A host-to-device scatter: `(offset in the staging lease, destination ranges)`.
@@ -601,12 +583,4 @@ impl TransferCtx<'_> {
         self.landing = Some(plan);
         Ok(())
     }
-}
-
-/// A reply of the wrong kind, named without dumping its (possibly huge) contents.
-pub(super) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
-    PeerError::Net(NetError::Unexpected {
-        expected,
-        got: got.name(),
-    })
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::super::error::PeerError;
 use super::super::selection::Selection;
-use super::super::PeerError;
 use crate::copy::DrainFence;
 use crate::device::KvCacheRef;
 use crate::layout::{BlockMap, KvCache, KvLayout};

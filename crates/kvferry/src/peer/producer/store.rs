@@ -19,9 +19,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::PeerError;
 use crate::layout::KvLayout;
 use crate::mem::{HostMemory, MemError, Region};
+use crate::peer::error::PeerError;
 use crate::wire::ChunkKey;
 
 #[derive(Debug)]

@@ -1,0 +1,67 @@
+//! What the consumer's files share: the request a transfer task runs ([`Request`]),
+//! the outcome labels of its latency histograms ([`OUTCOMES`]), a failed transfer as
+//! the task reports it ([`TaskError`]), and two checks of a producer's replies
+//! ([`check_frames`], [`unexpected`]). Kept apart so that `client`, `transfer` and
+//! `peer_watch` do not import each other in a cycle.
+//!
+//! Nothing here awaits.
+
+use super::super::error::PeerError;
+use super::types::{GetFailure, StagedHandle};
+use crate::copy::DrainFence;
+use crate::net::NetError;
+use crate::wire::{ChunkKey, Message, SelectionError, WireSelection};
+
+/// Outcome labels of the latency histograms, indexing `Inner::latency`.
+pub(super) const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
+
+pub(super) enum Request {
+    /// An eager get; with a selection, its wire form (checked against the
+    /// destination).
+    Get {
+        keys: Vec<ChunkKey>,
+        select: Option<WireSelection>,
+    },
+    Pull {
+        handle: StagedHandle,
+    },
+}
+
+/// A failed transfer as the task reports it (the caller adds the fence).
+#[derive(Debug)]
+pub(crate) struct TaskError {
+    /// What went wrong.
+    pub error: PeerError,
+    /// Whether destination bytes may have been written.
+    pub dirty: bool,
+}
+
+impl TaskError {
+    pub(super) fn with_fence(self, fence: DrainFence) -> GetFailure {
+        GetFailure {
+            error: self.error,
+            fence,
+            dirty: self.dirty,
+        }
+    }
+}
+
+/// The frames a producer announced for a selected stream: their lengths add up to
+/// the stream's shape.
+pub(super) fn check_frames(chunks: &[crate::wire::ChunkMeta], total: u64) -> Result<(), SelectionError> {
+    let sum = chunks.iter().fold(0u64, |a, c| a.saturating_add(c.len));
+    if sum != total {
+        return Err(SelectionError::Stream(format!(
+            "frames of {sum} bytes announced for a stream of {total}"
+        )));
+    }
+    Ok(())
+}
+
+/// A reply of the wrong kind, named without dumping its (possibly huge) contents.
+pub(super) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
+    PeerError::Net(NetError::Unexpected {
+        expected,
+        got: got.name(),
+    })
+}
