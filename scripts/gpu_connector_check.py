@@ -45,8 +45,8 @@ def _skip(why: str) -> int:
 
 def _half(a: argparse.Namespace, model: str, role: str, num_blocks: int, place: str) -> Any:
     """One instance's worker-side connector: the benchmark's ``ConnectorHalf``
-    (``kvferry.integrations.vllm_bench``) with this check's settings."""
-    from kvferry.integrations.vllm_bench import ConnectorHalf
+    (``kvferry.integrations.vllm.bench``) with this check's settings."""
+    from kvferry.integrations.vllm.bench import ConnectorHalf
 
     page = 2 * a.block_size * a.kv_heads * a.head_dim * 2
     # reader_slots 1: the pulls are same-shape specs without a plan (one get per request).
@@ -66,7 +66,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     place = "cuda:0" if a.device == "cuda" else "cpu"
     bpr, nreq = a.blocks_per_request, a.requests
     nb = nreq * bpr
-    from kvferry.integrations.vllm_bench import model_dir
+    from kvferry.integrations.vllm.bench import model_dir
 
     with tempfile.TemporaryDirectory(prefix="kvferry-gpu-connector-") as tmp:
         model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
