@@ -783,32 +783,7 @@ fn a_record_taken_behind_a_live_peers_back_is_taken_back_or_reported() {
 fn get_by_directory_refuses_a_peer_that_is_not_the_one_its_record_names() {
     let Some(e) = etcd::Etcd::start() else { return };
     // An attacker's serve (no directory) holding attacker bytes under key "k".
-    let evil = {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
-            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-            .args(["--peer-id", "evil"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        let addr = line
-            .strip_prefix("kvferry serve: listening on ")
-            .unwrap_or_else(|| panic!("{line}"))
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .to_string();
-        Serve {
-            addr,
-            line,
-            child,
-            _out: out,
-        }
-    };
+    let evil = plain_serve("evil", &[]);
     let dir = std::env::temp_dir().join(format!("kvferry-dircli-forge-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("evil");

@@ -657,69 +657,90 @@ async fn trickle(s: &mut tokio::net::TcpStream, bytes: &[u8], every: Duration) -
     None
 }
 
-/// Keeps `n` connections from `source` open that each say `Hello` (asking to
-/// authenticate) when `hello`, or nothing at all, and then nothing more; each is reopened
-/// as soon as the server closes it, until `stop`. Counts the connections opened.
-fn hold_connections(
-    addr: &str,
-    source: std::net::IpAddr,
-    n: usize,
-    hello: bool,
-    stop: &Arc<AtomicBool>,
-    opened: &Arc<AtomicU64>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..n)
-        .map(|i| {
-            let (addr, stop, opened) = (addr.parse::<SocketAddr>().unwrap(), stop.clone(), opened.clone());
-            tokio::spawn(async move {
-                use kvferry::wire::write_control;
-                use tokio::io::AsyncReadExt;
-                let mut buf = [0u8; 256];
-                while !stop.load(Ordering::Relaxed) {
-                    let sock = tokio::net::TcpSocket::new_v4().unwrap();
-                    let connected = match sock.bind(SocketAddr::new(source, 0)) {
-                        Ok(()) => sock.connect(addr).await,
-                        Err(e) => Err(e),
-                    };
-                    let Ok(mut s) = connected else {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        continue;
-                    };
-                    opened.fetch_add(1, Ordering::Relaxed);
-                    if hello {
-                        let hello = Message::Hello {
-                            peer_id: format!("stranger-{i}"),
-                            incarnation: 1,
-                            nonce: [3; 32],
-                            wants_auth: true,
-                        };
-                        if write_control(&mut s, 1, &hello).await.is_err() {
-                            continue;
-                        }
-                    }
-                    loop {
-                        tokio::select! {
-                            r = s.read(&mut buf) => match r {
-                                Ok(0) | Err(_) => break,
-                                Ok(_) => {}
-                            },
-                            _ = tokio::time::sleep(Duration::from_millis(200)) => {
-                                if stop.load(Ordering::Relaxed) { break; }
-                            }
-                        }
-                    }
-                }
-            })
-        })
-        .collect()
+/// Connections held open against a server, each reopened as soon as the server closes
+/// it, until [`Flood::stop`].
+struct Flood {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
-/// Waits until `opened` reaches `n` (the flood is on).
-async fn built_up(opened: &AtomicU64, n: u64) {
-    let t = Instant::now();
-    while opened.load(Ordering::Relaxed) < n {
-        assert!(t.elapsed() < Duration::from_secs(30), "the flood never built up");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+impl Flood {
+    /// `n` connections from each of `sources` that each say `Hello` (asking to
+    /// authenticate) when `hello`, or nothing at all, and then nothing more; returns
+    /// once `opened` connections were opened in all (the flood is on).
+    async fn start(addr: &str, sources: &[std::net::IpAddr], n: usize, hello: bool, opened: u64) -> Flood {
+        let stop = Arc::new(AtomicBool::new(false));
+        let count = Arc::new(AtomicU64::new(0));
+        let addr: SocketAddr = addr.parse().unwrap();
+        let tasks = sources
+            .iter()
+            .flat_map(|source| (0..n).map(move |i| (*source, i)))
+            .map(|(source, i)| {
+                let (stop, count) = (stop.clone(), count.clone());
+                tokio::spawn(hold(addr, source, format!("stranger-{i}"), hello, stop, count))
+            })
+            .collect();
+        let t = Instant::now();
+        while count.load(Ordering::Relaxed) < opened {
+            assert!(t.elapsed() < Duration::from_secs(30), "the flood never built up");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Flood { stop, tasks }
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// One connection of a [`Flood`], reopened until `stop`.
+async fn hold(
+    addr: SocketAddr,
+    source: std::net::IpAddr,
+    peer_id: String,
+    hello: bool,
+    stop: Arc<AtomicBool>,
+    opened: Arc<AtomicU64>,
+) {
+    use kvferry::wire::write_control;
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 256];
+    while !stop.load(Ordering::Relaxed) {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        let connected = match sock.bind(SocketAddr::new(source, 0)) {
+            Ok(()) => sock.connect(addr).await,
+            Err(e) => Err(e),
+        };
+        let Ok(mut s) = connected else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        opened.fetch_add(1, Ordering::Relaxed);
+        if hello {
+            let hello = Message::Hello {
+                peer_id: peer_id.clone(),
+                incarnation: 1,
+                nonce: [3; 32],
+                wants_auth: true,
+            };
+            if write_control(&mut s, 1, &hello).await.is_err() {
+                continue;
+            }
+        }
+        loop {
+            tokio::select! {
+                r = s.read(&mut buf) => match r {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                },
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if stop.load(Ordering::Relaxed) { break; }
+                }
+            }
+        }
     }
 }
 
@@ -779,14 +800,9 @@ fn silent_strangers_cannot_starve_clients_with_the_secret() {
     let rt = runtime();
     rt.block_on(async {
         // 2,000 silent connections, each reopened as soon as it is closed.
-        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let flood = hold_connections(&p.addr, "127.0.0.1".parse().unwrap(), 2000, false, &stop, &opened);
-        built_up(&opened, 3000).await;
+        let flood = Flood::start(&p.addr, &["127.0.0.1".parse().unwrap()], 2000, false, 3000).await;
         let served = honest_gets(&p.addr, &secret, &[None, None, None], key, &chunk(8, 3)).await;
-        stop.store(true, Ordering::Relaxed);
-        for f in flood {
-            let _ = f.await;
-        }
+        flood.stop().await;
         assert_eq!(
             served, 3,
             "{served} of 3 honest gets served under 2,000 silent strangers"
@@ -801,20 +817,12 @@ fn silent_strangers_from_many_addresses_cannot_starve_old_or_new_clients() {
     let rt = runtime();
     rt.block_on(async {
         // 2,000 silent connections over 100 source addresses (127.0.1.0-99).
-        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let mut flood = Vec::new();
-        for a in 0..100u8 {
-            let source = std::net::IpAddr::from([127, 0, 1, a]);
-            flood.extend(hold_connections(&p.addr, source, 20, false, &stop, &opened));
-        }
-        built_up(&opened, 3000).await;
+        let sources: Vec<std::net::IpAddr> = (0..100u8).map(|a| [127, 0, 1, a].into()).collect();
+        let flood = Flood::start(&p.addr, &sources, 20, false, 3000).await;
         // From the address that proved the secret before, and from never-seen ones.
         let sources = [None, Some("127.0.2.1"), None, Some("127.0.2.2"), Some("127.0.1.7")];
         let served = honest_gets(&p.addr, &secret, &sources, key, &chunk(8, 3)).await;
-        stop.store(true, Ordering::Relaxed);
-        for f in flood {
-            let _ = f.await;
-        }
+        flood.stop().await;
         assert_eq!(
             served,
             sources.len(),
@@ -837,9 +845,7 @@ fn a_stranger_behind_a_proven_address_cannot_starve_newcomers() {
             1
         );
         // ... then a stranger there keeps 200 Hellos open (more than the 64 places).
-        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let flood = hold_connections(&p.addr, "127.0.0.2".parse().unwrap(), 200, true, &stop, &opened);
-        built_up(&opened, 400).await;
+        let flood = Flood::start(&p.addr, &["127.0.0.2".parse().unwrap()], 200, true, 400).await;
         // Clients with the secret from addresses never seen before are all served, and
         // so is the honest client behind the stranger's address.
         let sources = [Some("127.0.0.3"), Some("127.0.0.4"), Some("127.0.0.5"), Some(proven[0])];
@@ -850,10 +856,7 @@ fn a_stranger_behind_a_proven_address_cannot_starve_newcomers() {
             p.metrics.unwrap(),
             r#"kvferry_connections_evicted_total{role="server"}"#,
         );
-        stop.store(true, Ordering::Relaxed);
-        for f in flood {
-            let _ = f.await;
-        }
+        flood.stop().await;
         assert_eq!(
             served,
             sources.len(),
@@ -880,9 +883,7 @@ fn a_neighbour_cannot_lock_out_a_peer_by_making_its_address_suspect() {
             assert!(matches!(get(&neighbour, key).await, Err(NetError::Auth(_))));
         }
         // Strangers elsewhere keep 200 Hellos open.
-        let (stop, opened) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let flood = hold_connections(&p.addr, "127.0.0.7".parse().unwrap(), 200, true, &stop, &opened);
-        built_up(&opened, 400).await;
+        let flood = Flood::start(&p.addr, &["127.0.0.7".parse().unwrap()], 200, true, 400).await;
         // The peer (right secret, suspect address) is served, as is a never-seen address.
         let sources = [Some(home), Some(home), Some(home), Some("127.0.0.8")];
         let served = honest_gets(&p.addr, &secret, &sources, key, &chunk(8, 3)).await;
@@ -890,10 +891,7 @@ fn a_neighbour_cannot_lock_out_a_peer_by_making_its_address_suspect() {
             p.metrics.unwrap(),
             r#"kvferry_connections_rate_limited_total{role="server"}"#,
         );
-        stop.store(true, Ordering::Relaxed);
-        for f in flood {
-            let _ = f.await;
-        }
+        flood.stop().await;
         assert!(
             suspect >= 1.0,
             "the address never became suspect: the test tested nothing"

@@ -402,7 +402,9 @@ mod tests {
         assert!(!t[8].is_cancelled());
         // Fresh sources keep taking places at once until shares are even.
         for (next, s) in (10u64..).zip(["10.0.0.7", "10.0.0.8"]) {
-            let closed = p.admit(next, ip(s), Class::Stranger, &t[next as usize], t0 + STALE).unwrap();
+            let closed = p
+                .admit(next, ip(s), Class::Stranger, &t[next as usize], t0 + STALE)
+                .unwrap();
             assert_eq!((closed[0].source, closed[0].reason), (flood, Reason::Share));
         }
         assert_eq!(p.len(), 8);

@@ -188,6 +188,15 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    try:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    except ImportError as e:
+        missing = e.name or ""
+        if missing.split(".")[0] in ("vllm", "torch"):
+            raise ImportError(
+                "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 (or run scripts/install-vllm.sh)",
+                name=missing,
+            ) from e
+        raise
     globals()[name] = value
     return value

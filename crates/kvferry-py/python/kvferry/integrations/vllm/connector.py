@@ -5,22 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-try:
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorHandshakeMetadata,
-        KVConnectorMetadata,
-        KVConnectorRole,
-        KVConnectorTransferResults,
-        SupportsHMA,
-    )
-    from vllm.logger import init_logger
-except ImportError as e:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 "
-        "(or run scripts/install-vllm.sh)"
-    ) from e
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
 
 from .config import VLLM_VERSION
 from .metadata import KvferryConnectorMetadata

@@ -7,16 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorHandshakeMetadata,
-        KVConnectorMetadata,
-    )
-except ImportError as e:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 "
-        "(or run scripts/install-vllm.sh)"
-    ) from e
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 
 @dataclass

@@ -7,16 +7,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorHandshakeMetadata,
-    )
-    from vllm.logger import init_logger
-except ImportError as e:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 "
-        "(or run scripts/install-vllm.sh)"
-    ) from e
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.logger import init_logger
 
 from . import hetero as vllm_hetero
 from .config import KvferryConfig

@@ -14,17 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-try:
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorTransferResults,
-    )
-    from vllm.logger import init_logger
-except ImportError as e:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 "
-        "(or run scripts/install-vllm.sh)"
-    ) from e
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
 
 from . import hetero as vllm_hetero
 from ... import errors
