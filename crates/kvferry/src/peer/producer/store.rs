@@ -2,10 +2,11 @@
 //! region laid out by a [`KvLayout`]), bounded by a chunk capacity and by the region's
 //! blocks, evicting the least recently used chunk.
 //!
-//! A chunk being staged is **pinned**: its blocks cannot be evicted or reused until the
-//! gather that reads them has drained. The pin is released by dropping a [`ChunkPins`],
-//! which the staging copy's plan owns (through [`PinnedRegion`]) — so it is released
-//! after the copy threads have left, on every path.
+//! A chunk being sent is **pinned**: its blocks cannot be evicted or reused until the
+//! lease that serves it ends. The pin is released by dropping a [`ChunkPins`], which
+//! the lease's payload owns (store chunks are sent in place, from their blocks) — so it
+//! is released after the socket write stopped, on every path. ([`PinnedRegion`] offers
+//! pinned chunks as a copy source to an embedder that gathers them itself.)
 //!
 //! Eviction skips pinned chunks; a chunk replaced while pinned is **retired**: it leaves
 //! the key table at once (lookups miss it, the key holds the new chunk) and waits in a
