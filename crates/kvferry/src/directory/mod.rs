@@ -23,8 +23,8 @@
 //! replaces a record naming a live incarnation: a newcomer with the same peer id is
 //! refused with [`DirectoryError::DuplicatePeerId`] unless the holder is proven dead
 //! (its address answers as the newcomer, see [`Prober`]) or its lease expires. A
-//! holder whose address answers without proving the fleet's secret or certificate, or
-//! answers as another peer, is no holder: its record is replaced at once. A registered
+//! holder whose address fails to prove the fleet's secret after the prober proved it,
+//! or answers as another peer, is no holder: its record is replaced at once. A registered
 //! process checks its own record and puts it back when it vanished or was overwritten
 //! by a record whose holder does not prove itself alive and authorised at its address
 //! (counted, [`Directory::records_taken_back`]); while another live process holds it,
@@ -149,9 +149,9 @@ pub trait Directory: Send + Sync + 'static {
         None
     }
 
-    /// How many times this process put its record back after a writer that could not
-    /// prove itself (secret or certificate), or a holder that did not answer as
-    /// itself, had taken it (0 for backends without registrations).
+    /// How many times this process put its record back after a writer whose holder
+    /// could not prove itself (the shared secret, or its identity at its address) had
+    /// taken it (0 for backends without registrations).
     fn records_taken_back(&self) -> u64 {
         0
     }
@@ -179,9 +179,10 @@ pub enum Probed {
         /// Its incarnation.
         incarnation: u64,
     },
-    /// Something answered there but could not prove it belongs to the fleet: it did
-    /// not prove the shared secret or present an accepted certificate, or refused
-    /// ours (the reason says which). It cannot be a holder of a fleet's record.
+    /// Something answered there but failed to prove the fleet's shared secret after
+    /// the prober proved it. It cannot be a holder of a fleet's record. (A peer that
+    /// refuses the prober's proof, or a TLS handshake that fails, is `NoAnswer`: the
+    /// prober may be the one outside the fleet.)
     Unproven(String),
     /// Nobody completed a handshake there in time (the reason says what happened).
     NoAnswer(String),

@@ -257,9 +257,11 @@ fn prober(net: crate::net::NetConfig) -> Prober {
                     peer_id: conn.peer().peer_id.clone(),
                     incarnation: conn.peer().incarnation,
                 },
-                // It answered, but without the fleet's secret or certificate (or it
-                // refused ours): whatever it is, it is not one of this fleet's peers.
-                Err(crate::net::NetError::Auth(why)) => Probed::Unproven(why),
+                // It answered, and failed to prove the fleet's secret after this
+                // engine proved it: whatever it is, it is not one of this fleet's
+                // peers. (One that refused this engine's proof proves nothing about
+                // itself: this engine may be the one outside the fleet.)
+                Err(e) if e.server_unproven() => Probed::Unproven(e.to_string()),
                 Err(e) => Probed::NoAnswer(e.to_string()),
             }
         }) as futures::future::BoxFuture<'static, Probed>

@@ -364,7 +364,7 @@ pub fn directory_metrics(
         );
         out.counter(
             "kvferry_directory_records_taken_back_total",
-            "Times this process put its record back after a writer that did not prove itself (secret, certificate or identity at the record's address) took it.",
+            "Times this process put its record back after a writer that did not prove itself (the shared secret, or the record's identity, at its address) took it.",
             &[],
             taken_back,
         );

@@ -210,6 +210,11 @@ pub(crate) async fn connect(addr: &str, cfg: &NetConfig) -> Result<Connection, N
     }
 }
 
+/// What the error of a server that failed to prove the shared secret to this client
+/// says ([`NetError::server_unproven`]): the client proved the secret, the server did
+/// not. A server that refused *the client* says nothing about the server.
+pub(crate) const SERVER_UNPROVEN: &str = "did not prove the shared secret";
+
 /// An authentication refusal from the server becomes [`NetError::Auth`]: a refusal
 /// message, or a fatal TLS alert on the first read. In TLS 1.3 the client's handshake
 /// completes before the server has checked the client's certificate, so a server that
@@ -298,14 +303,14 @@ async fn client_side(mut conn: Connection, addr: &str, cfg: &NetConfig) -> Resul
         (Some(k), Message::WelcomeAuth { proof }) => {
             if !k.verify(Role::Server, &t, &proof) {
                 return Err(NetError::Auth(format!(
-                    "server {peer_id} at {addr} did not prove the shared secret (a different secret \
-                     there, or not the server it claims to be)"
+                    "server {peer_id} at {addr} {SERVER_UNPROVEN} (a different secret there, or not \
+                     the server it claims to be)"
                 )));
             }
         }
         (Some(_), Message::Welcome) => {
             return Err(NetError::Auth(format!(
-                "server {peer_id} at {addr} did not prove the shared secret (none configured there)"
+                "server {peer_id} at {addr} {SERVER_UNPROVEN} (none configured there)"
             )))
         }
         (_, other) => {

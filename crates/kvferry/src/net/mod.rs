@@ -131,6 +131,14 @@ impl NetError {
 }
 
 impl NetError {
+    /// True when the server this client dialled failed to prove the shared secret,
+    /// after this client had proved it: whatever answers there is not a holder of the
+    /// secret. (A server that refused this client's proof — another secret there, a
+    /// rejected certificate — is not proven wrong by that: false.)
+    pub fn server_unproven(&self) -> bool {
+        matches!(self, NetError::Auth(m) if m.contains(handshake::SERVER_UNPROVEN))
+    }
+
     /// True when the connection can no longer be used (lost, broken frame, timeout).
     pub fn is_connection_fatal(&self) -> bool {
         !matches!(self, NetError::Remote { .. })

@@ -4,8 +4,8 @@
 //! # Semantics
 //!
 //! A record names its holder's incarnation. It is replaced only when its holder is
-//! proven dead, does not prove itself (the fleet's secret or certificate, and its
-//! identity) at its address, or its lease expired; never because a newcomer claims the
+//! proven dead, does not prove itself (the fleet's secret, and its identity) at its
+//! address, or its lease expired; never because a newcomer claims the
 //! same address (with `--advertise` any process can claim any address). See the module
 //! docs of [`super`] for the rules, and [`judge`] for the proof.
 //!
@@ -39,9 +39,9 @@ enum Holder {
     Alive,
     /// Its address answers as the registering process: it cannot be serving there.
     Dead,
-    /// Something answers at its address but does not prove itself the holder: not the
-    /// fleet's secret or certificate, or another peer's identity (the reason says
-    /// which). No holder at all.
+    /// Something answers at its address but does not prove itself the holder: it
+    /// failed to prove the fleet's secret after this process proved it, or it has
+    /// another peer's identity (the reason says which). No holder at all.
     Unproven(String),
     /// Nobody answers (the reason says why): not proven either way.
     Unknown(String),
