@@ -444,3 +444,47 @@ def test_a_planned_pull_that_missed_until_its_end_is_a_miss_not_relaunched(made)
     assert failed.get("miss", 0) == d.tp and not failed.get("other"), failed
     d.run_until(lambda: rid in d.final, 10, "the local recompute")
     assert d.leaks() == [] and d.free_blocks() == d.free_at_start
+
+
+def test_abort_of_a_failed_undrained_planned_pull_releases_its_unread_slots(made):
+    """Issue 41, defect 3: a planned pull (TP 2 → 1) reads one slot from each prefill
+    rank. Rank 0's bytes arrive and their scatter into the decode's (sim) device
+    stalls until past ``device_timeout``: the pull fails, and has not drained (the
+    stalled copy may still write its blocks). Rank 1 published late (its slot was a
+    miss being retried), so that slot was never read. vLLM then aborts the request.
+    The abort must release rank 1's unread slot at once: before the fix, the abort
+    released only pulls without an error, and the slot stayed pinned until its lease
+    ended (30 s). Counted black-box: rank 1's engine's ``published_now``."""
+    p = Instance("kv_producer", tp=2, tag="p", extra={"lease_ttl": 30.0, "timeout": 10.0})
+    d = Instance("kv_consumer", tp=1, tag="d", extra={"timeout": 10.0, "device": "sim", "device_timeout": 0.5})
+    made += [p, d]
+    late = p.workers()[1].engine
+    held: list[tuple[Any, Any]] = []
+    real_publish = late.publish
+    late.publish = lambda *a, **kw: held.append((a, kw))  # rank 1 publishes late
+    (rid, prompt), = prompts(1, seed=78, lo=40, hi=41)
+    params = prefill(p, [(rid, prompt)])[rid]
+    assert held, "rank 1 was to publish"
+    eng = d.workers()[0].engine
+    eng._e._inject_device_fault("stall", "next")  # rank 0's scatter into the decode
+    try:
+        d.add(rid, prompt, max_tokens=2, params=params)
+        d.run_until(lambda: eng.stats()["consumer"]["failed"] >= 1, 10, "rank 0's read to fail at device_timeout")
+        d.step()  # the worker sees the failure
+        assert rid not in d.finished_recving, "reported before its drain"
+        del late.publish
+        for a, kw in held:  # rank 1 publishes now: its reader slots
+            real_publish(*a, **kw)
+        pub = late.stats()["producer"]["published_now"]
+        assert pub >= 1, pub
+        d.abort(rid)
+        d.step()
+        d.run_until(lambda: late.stats()["producer"]["published_now"] == 0, 5, "rank 1's slots to be released")
+        assert rid not in d.finished_recving, "blocks handed back while the device may write them"
+    finally:
+        eng._e._release_device()
+    d.run_until(lambda: rid in d.finished_recving, 5, "the blocks, once drained")
+    d.run_until(lambda: not d.scheduler.requests, 5, "the decode to drop the request")
+    assert d.free_blocks() == d.free_at_start
+    p.run_until(lambda: rid in p.finished_sending, 10, "the prefill to free the request")
+    assert all(w.engine.stats()["producer"]["published_now"] == 0 for w in p.workers())
