@@ -1,0 +1,175 @@
+"""Two real processes (prefill, decode) over kvferry: SGLang's real bootstrap server,
+KVArgs over CPU tensors, one manager per rank, every page and auxiliary byte compared,
+and the failure paths (abort on each side, refused pairing, a killed prefill)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from .conftest import Role
+
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+_ports = itertools.count(18700)
+_rooms = itertools.count(1000)
+
+
+def reduced(role: Role, group: str, room: int) -> int:
+    """SGLang's reduction of one request's poll over the ranks: the minimum (one
+    rank's Failed fails the request; Success only when every rank succeeded)."""
+    return min(role("poll", group=group, room=room)["polls"].values())
+
+
+def wait_for(role: Role, group: str, room: int, want: set[int], timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = reduced(role, group, room)
+        if s in want or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
+def pair(pre: Role, dec: Role, name: str, p_tp: int, d_tp: int, *, mla: bool = False, page_size: int = 4,
+         d_page_size: int | None = None, layers: int = 3, heads: int = 4) -> dict[str, Any]:
+    port = next(_ports)
+    common = dict(heads=heads, head_dim=8, pages=32, layers=layers, mla=mla, seed=port, aux_rows=8, port=port)
+    pre("setup", name=name, mode="prefill", tp=p_tp, ranks_here=list(range(p_tp)), page_size=page_size, **common)
+    dec("setup", name=name, mode="decode", tp=d_tp, ranks_here=list(range(d_tp)), page_size=d_page_size or page_size, **common)
+    return {"name": name, "p_tp": p_tp, "d_tp": d_tp, "mla": mla}
+
+
+def run_transfer(pre: Role, dec: Role, g: dict[str, Any], chunks: list[list[int]], dst: list[int]) -> int:
+    room = next(_rooms)
+    src = [p for c in chunks for p in c]
+    pre("start", group=g["name"], room=room, pages=src, aux_index=2)
+    dec("start", group=g["name"], room=room, pages=dst, aux_index=5)
+    assert wait_for(pre, g["name"], room, {WAITING, FAILED}) == WAITING
+    for c in chunks:
+        pre("send", group=g["name"], room=room, pages=c)
+    assert wait_for(dec, g["name"], room, {SUCCESS, FAILED}) == SUCCESS, dec("failure", group=g["name"], room=room)
+    assert wait_for(pre, g["name"], room, {SUCCESS, FAILED}) == SUCCESS, pre("failure", group=g["name"], room=room)
+    # The auxiliary row comes from the decode rank's first source rank.
+    aux_src = {str(d): d % g["p_tp"] if g["mla"] else d * g["p_tp"] // g["d_tp"] for d in range(g["d_tp"])}
+    out = dec("check", group=g["name"], room=room, src_pages=src, dst_pages=dst, src_aux=2, dst_aux=5, aux_src=aux_src)
+    assert out["nbad"] == 0, out["bad"]
+    return room
+
+
+def test_tp2_to_tp2_chunked(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    g = pair(pre, dec, "tp22", 2, 2)
+    room = run_transfer(pre, dec, g, [[3, 4, 5], [9, 1], [20, 21, 22, 23]], [30, 2, 7, 8, 11, 12, 13, 0, 19])
+    m = pre("metric", group="tp22", room=room)["metric"]
+    for rank, (latency, nbytes) in m.items():
+        assert latency is not None and latency >= 0, (rank, latency)
+        assert nbytes == 9 * 6 * 4 * 2 * 8 * 2, (rank, nbytes)  # pages x buffers x page bytes
+
+
+def test_tp1_to_tp2(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    g = pair(pre, dec, "tp12", 1, 2)
+    run_transfer(pre, dec, g, [[0, 1], [2, 3, 4]], [10, 11, 12, 13, 14])
+
+
+def test_tp2_to_tp1(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    g = pair(pre, dec, "tp21", 2, 1)
+    run_transfer(pre, dec, g, [[6, 7, 8]], [1, 2, 3])
+
+
+def test_mla_tp2_to_tp1_and_tp1_to_tp2(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    g = pair(pre, dec, "mla21", 2, 1, mla=True)
+    run_transfer(pre, dec, g, [[4, 5], [6]], [20, 21, 22])
+    g = pair(pre, dec, "mla12", 1, 2, mla=True)
+    run_transfer(pre, dec, g, [[1], [2, 3]], [7, 8, 9])
+
+
+def test_page_size_mismatch_refused_by_name(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    g = pair(pre, dec, "pagesz", 1, 1, page_size=4, d_page_size=8)
+    room = next(_rooms)
+    pre("start", group="pagesz", room=room, pages=[1, 2], aux_index=0)
+    dec("start", group="pagesz", room=room, pages=[3, 4], aux_index=0)
+    assert wait_for(dec, "pagesz", room, {FAILED, SUCCESS}) == FAILED
+    err = dec("failure", group="pagesz", room=room)["errors"]["0"]
+    assert "KvferryTransferError" in err and "page size differs: prefill 4 tokens, decode 8" in err, err
+    del g
+
+
+def test_decode_abort_frees_prefill(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    pair(pre, dec, "dabort", 2, 2)
+    # after the metadata, before any chunk
+    room = next(_rooms)
+    pre("start", group="dabort", room=room, pages=[1, 2, 3], aux_index=0)
+    dec("start", group="dabort", room=room, pages=[4, 5, 6], aux_index=0)
+    assert wait_for(pre, "dabort", room, {WAITING, FAILED}) == WAITING
+    dec("abort", group="dabort", room=room)
+    assert reduced(dec, "dabort", room) == FAILED
+    assert wait_for(pre, "dabort", room, {FAILED}, timeout=5) == FAILED
+    assert "aborted by decode" in pre("failure", group="dabort", room=room)["errors"]["0"]
+    # mid-transfer: one chunk sent, the last never
+    room = next(_rooms)
+    pre("start", group="dabort", room=room, pages=[1, 2, 3], aux_index=0)
+    dec("start", group="dabort", room=room, pages=[4, 5, 6], aux_index=0)
+    assert wait_for(pre, "dabort", room, {WAITING, FAILED}) == WAITING
+    pre("send", group="dabort", room=room, pages=[1])
+    assert wait_for(dec, "dabort", room, {TRANSFERRING, FAILED}) == TRANSFERRING
+    dec("abort", group="dabort", room=room)
+    assert wait_for(dec, "dabort", room, {FAILED}, timeout=5) == FAILED
+    assert wait_for(pre, "dabort", room, {FAILED}, timeout=5) == FAILED
+
+
+def test_prefill_abort_fails_decode(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    pair(pre, dec, "pabort", 2, 2)
+    for sent in ([], [[1, 2]]):
+        room = next(_rooms)
+        pre("start", group="pabort", room=room, pages=[1, 2, 3, 4], aux_index=0)
+        dec("start", group="pabort", room=room, pages=[5, 6, 7, 8], aux_index=0)
+        assert wait_for(pre, "pabort", room, {WAITING, FAILED}) == WAITING
+        for c in sent:
+            pre("send", group="pabort", room=room, pages=c)
+        pre("abort", group="pabort", room=room)
+        assert reduced(pre, "pabort", room) == FAILED
+        assert wait_for(dec, "pabort", room, {FAILED}, timeout=5) == FAILED
+        err = dec("failure", group="pabort", room=room)["errors"]
+        assert all("aborted by prefill" in e for e in err.values()), err
+
+
+def test_unanswering_bootstrap_fails_within_timeout(roles: tuple[Role, Role]) -> None:
+    _, dec = roles
+    port = next(_ports)
+    dec("setup", name="nobs", mode="decode", tp=1, ranks_here=[0], page_size=4, heads=4, head_dim=8, pages=8,
+        layers=1, mla=False, seed=1, aux_rows=2, port=port)
+    room = next(_rooms)
+    t0 = time.monotonic()
+    dec("start", group="nobs", room=room, pages=[1], aux_index=0)  # nothing listens on the port
+    assert wait_for(dec, "nobs", room, {FAILED, SUCCESS}, timeout=30) == FAILED
+    assert time.monotonic() - t0 < 25
+    assert "did not answer within 10 s" in dec("failure", group="nobs", room=room)["errors"]["0"]
+
+
+def test_prefill_sigkill_mid_transfer(roles: tuple[Role, Role]) -> None:
+    _, dec = roles
+    victim = Role()
+    try:
+        g = pair(victim, dec, "kill", 2, 2)
+        room = next(_rooms)
+        victim("start", group="kill", room=room, pages=[1, 2, 3, 4], aux_index=0)
+        dec("start", group="kill", room=room, pages=[5, 6, 7, 8], aux_index=0)
+        assert wait_for(victim, "kill", room, {WAITING, FAILED}) == WAITING
+        victim("send", group="kill", room=room, pages=[1, 2])
+        assert wait_for(dec, "kill", room, {TRANSFERRING, FAILED}) == TRANSFERRING
+        victim.p.kill()
+        t0 = time.monotonic()
+        assert wait_for(dec, "kill", room, {FAILED, SUCCESS}, timeout=20) == FAILED
+        took = time.monotonic() - t0
+        assert took < 12, took  # KVFERRY_SGLANG_TIMEOUT=10; the liveness probe is faster
+        err = dec("failure", group="kill", room=room)["errors"]
+        assert err and all("KvferryTransferError" in e for e in err.values()), err
+        del g
+    finally:
+        victim.close()
