@@ -11,7 +11,7 @@ mod cpu;
 mod device;
 #[path = "cmd_bench/limits.rs"]
 mod limits;
-#[path = "cmd_bench/p2p.rs"]
+#[path = "cmd_bench/p2p/mod.rs"]
 mod p2p;
 #[path = "cmd_bench/plot.rs"]
 mod plot;
