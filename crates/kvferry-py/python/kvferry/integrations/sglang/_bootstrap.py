@@ -1,3 +1,5 @@
+# mypy: disable-error-code="import-untyped"
+# (sglang ships no type information: its classes are Any here.)
 """The rendezvous: SGLang's own HTTP bootstrap server (``CommonKVBootstrapServer``,
 unchanged), and the few bounded HTTP calls the backend makes to it: a prefill rank
 registers its control endpoint, a decode rank reads the prefill's topology and the

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="import-untyped"
+# (sglang ships no type information: its classes are Any here.)
 """SGLang's sender (prefill) and receiver (decode) over :class:`KvferryKVManager`.
 
 States mean what SGLang's schedulers expect: a sender is ``Bootstrapping`` until every

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="import-untyped"
+# (sglang ships no type information: its classes are Any here.)
 """The per-rank manager: one kvferry :class:`~kvferry.Engine` holding SGLang's KV and
 auxiliary buffers as regions, a ZeroMQ control socket, and one thread that runs every
 room (request) of this rank to an end.
@@ -98,7 +100,7 @@ def _host_buffers(ptrs: list[int], lens: list[int], items: list[int], what: str)
     for i, (p, n, item) in enumerate(zip(ptrs, lens, items)):
         if n % item:
             raise ValueError(f"{what}[{i}]: {n} bytes is not a whole number of {item}-byte items")
-        arr = np.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=np.uint8)
+        arr = np.frombuffer(memoryview((ctypes.c_uint8 * n).from_address(p)).cast("B"), dtype=np.uint8)
         out[f"{what}{i}"] = arr.reshape(n // item, item)
     return out
 

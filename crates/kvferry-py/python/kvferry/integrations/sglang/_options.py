@@ -1,3 +1,5 @@
+# mypy: disable-error-code="import-untyped"
+# (sglang ships no type information: its classes are Any here.)
 """The backend's options, read from environment variables (SGLang's usual channel for
 transfer-backend settings), and the rank topology read from SGLang's runtime context.
 

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="import-untyped"
+# (sglang ships no type information: its classes are Any here.)
 """The SGLang general plugin (entry point ``kvferry`` in the ``sglang.srt.plugins``
 group): makes ``--disaggregation-transfer-backend kvferry`` a valid choice of SGLang's
 own argument parser and routes it to this backend, without patching SGLang's sources.
