@@ -20,7 +20,8 @@ from typing import Any
 
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, BaseKVSender, KVPoll, KVTransferMetric
 
-from ._manager import KvferryKVManager, RecvRoom, SendRoom
+from ._manager import KvferryKVManager
+from ._rooms import RecvRoom, SendRoom
 
 
 class KvferryTransferError(RuntimeError):
@@ -44,6 +45,7 @@ class KvferryKVSender(BaseKVSender):  # type: ignore[misc]
     def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False) -> None:
         self.mgr = mgr
         self.room = int(bootstrap_room)
+        self.kv_mgr = mgr  # the attribute name SGLang's prefill scheduler reads
         with mgr.lock:
             self.state: SendRoom = mgr.senders.setdefault(self.room, SendRoom(self.room))
 
@@ -52,7 +54,7 @@ class KvferryKVSender(BaseKVSender):  # type: ignore[misc]
             self.state.num_pages = int(num_kv_indices)
             self.state.aux_index = None if aux_index is None else int(aux_index)
 
-    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None) -> None:
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any) -> None:
         ids = _ids(kv_indices)
         with self.mgr.lock:
             try:
@@ -85,6 +87,8 @@ class KvferryKVReceiver(BaseKVReceiver):  # type: ignore[misc]
     def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: int | None = None, *args: Any, **kwargs: Any) -> None:
         self.mgr = mgr
         self.room = int(bootstrap_room or 0)
+        self.kv_mgr = mgr  # the attribute name SGLang's decode scheduler reads
+        self.abort_notified = False
         self.state = RecvRoom(self.room, str(bootstrap_addr))
         with mgr.lock:
             mgr.receivers[self.room] = self.state
@@ -121,6 +125,7 @@ class KvferryKVReceiver(BaseKVReceiver):  # type: ignore[misc]
     def abort(self) -> None:
         with self.mgr.lock:
             self.mgr.fail_recv(self.state, "aborted by decode")
+        self.abort_notified = True
 
     def clear(self) -> None:
         self.mgr.drop_recv(self.room)

@@ -24,85 +24,28 @@ the liveness probe fails its rooms at the next probe.
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs, KVPoll
 
-from ... import Engine, Selection, Transfer
+from ... import Engine, Selection
 from . import _bootstrap
 from ._options import Options, Topology, topology
-from ._plan import Layout, PairingError, Source, check_pairing, readers, sources, unread_notified_by
+from ._plan import Layout, PairingError, check_pairing, readers, sources, unread_notified_by
+from ._rooms import RecvRoom, SendRoom, host_buffers
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SendRoom:
-    """A prefill rank's state of one request."""
-
-    room: int
-    status: int = KVPoll.Bootstrapping
-    reason: str = ""
-    metas: dict[int, dict[str, Any]] = field(default_factory=dict)
-    expected: int | None = None
-    num_pages: int = 0
-    aux_index: int | None = None
-    sent_pages: int = 0
-    chunks: int = 0
-    last_sent: bool = False
-    pending: dict[str, set[int]] = field(default_factory=dict)
-    keys: list[str] = field(default_factory=list)
-    progress: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    t_done: float | None = None
-    bytes: int = 0
-
-
-@dataclass
-class RecvRoom:
-    """A decode rank's state of one request."""
-
-    room: int
-    bootstrap_addr: str
-    status: int = KVPoll.Bootstrapping
-    reason: str = ""
-    failing: str = ""
-    kv_indices: list[int] | None = None
-    aux_index: int | None = None
-    sources: dict[int, Source] = field(default_factory=dict)
-    notify: list[int] = field(default_factory=list)
-    endpoints: dict[int, str] = field(default_factory=dict)
-    meta_sent: bool = False
-    last_seen: set[int] = field(default_factory=set)
-    addrs: dict[int, str] = field(default_factory=dict)
-    inflight: list[tuple[Transfer, int, str]] = field(default_factory=list)
-    aux_needed: bool = True
-    aux_done: bool = False
-    progress: float = field(default_factory=time.monotonic)
-
-
 def _mode(mode: Any) -> str:
     return str(getattr(mode, "value", mode)).lower()
-
-
-def _host_buffers(ptrs: list[int], lens: list[int], items: list[int], what: str) -> dict[str, Any]:
-    """Numpy views ``[pages, item_len]`` over host buffers given as pointers."""
-    import numpy as np
-
-    out = {}
-    for i, (p, n, item) in enumerate(zip(ptrs, lens, items)):
-        if n % item:
-            raise ValueError(f"{what}[{i}]: {n} bytes is not a whole number of {item}-byte items")
-        arr = np.frombuffer(memoryview((ctypes.c_uint8 * n).from_address(p)).cast("B"), dtype=np.uint8)
-        out[f"{what}{i}"] = arr.reshape(n // item, item)
-    return out
 
 
 class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
@@ -170,6 +113,10 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
         self.senders: dict[int, SendRoom] = {}
         self.receivers: dict[int, RecvRoom] = {}
         self._infos: dict[str, dict[str, Any]] = {}
+        # What SGLang's decode scheduler reads before it creates receivers: the
+        # prefill's topology per bootstrap address (its PrefillServerInfo).
+        self.prefill_info_table: dict[str, Any] = {}
+        self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvferry-sglang-control", daemon=True)
         self._thread.start()
@@ -194,9 +141,35 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
         if len(pages) != 1:
             raise ValueError(f"kvferry backend: {name} buffers hold different page counts {sorted(pages)}")
         if device == "host":
-            return self.engine.register_kv_caches(_host_buffers(ptrs, lens, items, name), name=name)
+            return self.engine.register_kv_caches(host_buffers(ptrs, lens, items, name), name=name)
         raw = {f"{name}{i}": (p, n, device) for i, (p, n) in enumerate(zip(ptrs, lens))}
         return self.engine.register_kv_caches(raw, pages.pop(), name=name)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One bounded attempt to learn the prefill's topology (SGLang's decode
+        scheduler retries it, then aborts its requests)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            info = _bootstrap.server_info(bootstrap_addr, min(2.0, self.opts.bootstrap_timeout))
+        except Exception as e:
+            log.info("kvferry: prefill at %s not ready: %s", bootstrap_addr, e)
+            return False
+        self._remember(bootstrap_addr, info)
+        return True
+
+    def _remember(self, bootstrap_addr: str, info: dict[str, Any]) -> None:
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        names = {f.name for f in dataclasses.fields(PrefillServerInfo)}
+        self._infos[bootstrap_addr] = info
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(**{k: v for k, v in info.items() if k in names})
+
+    def _ensure_prefill_recompute_executor(self) -> ThreadPoolExecutor:
+        """The executor SGLang's decode scheduler runs its DP-rank queries on."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvferry-sglang-query")
+        return self._executor
 
     def register_to_bootstrap(self) -> None:
         _bootstrap.register_rank(
@@ -216,6 +189,8 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
         self.engine.close()
 
     teardown = close
@@ -394,7 +369,7 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             info = self._infos.get(r.bootstrap_addr)
             if info is None:
                 info = _bootstrap.server_info(r.bootstrap_addr, self.opts.bootstrap_timeout)
-                self._infos[r.bootstrap_addr] = info
+                self._remember(r.bootstrap_addr, info)
             why = []
             if info.get("page_size") is not None and int(info["page_size"]) != self.layout.page_size:
                 why.append(f"page size differs: prefill {int(info['page_size'])} tokens, decode {self.layout.page_size}")
