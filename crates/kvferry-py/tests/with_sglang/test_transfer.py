@@ -16,9 +16,14 @@ _rooms = itertools.count(1000)
 
 
 def reduced(role: Role, group: str, room: int) -> int:
-    """SGLang's reduction of one request's poll over the ranks: the minimum (one
-    rank's Failed fails the request; Success only when every rank succeeded)."""
-    return min(role("poll", group=group, room=room)["polls"].values())
+    """SGLang's reduction of one request's poll over the ranks (its own
+    ``poll_and_all_reduce`` over a gloo group, in the role's process): every rank gets
+    the same state, the minimum of the ranks' own (one rank's Failed fails the
+    request; Success only when every rank succeeded)."""
+    out = role("poll", group=group, room=room)
+    red = set(out["reduced"].values())
+    assert len(red) == 1, out
+    return red.pop()
 
 
 def wait_for(role: Role, group: str, room: int, want: set[int], timeout: float = 30) -> int:

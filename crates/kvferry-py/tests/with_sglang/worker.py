@@ -10,16 +10,19 @@ decode can compute, for any page mapping and TP split, exactly which bytes must 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
+import threading
 import traceback
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from sglang.srt.disaggregation.base.conn import KVArgs
-from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.disaggregation.utils import DisaggregationMode, poll_and_all_reduce
 
 from kvferry.integrations.sglang import KvferryKVBootstrapServer, KvferryKVManager, KvferryKVReceiver, KvferryKVSender
 
@@ -71,8 +74,43 @@ def setup(c: dict[str, Any]) -> dict[str, Any]:
         mode = DisaggregationMode.PREFILL if g["mode"] == "prefill" else DisaggregationMode.DECODE
         mgr = KvferryKVManager(args, mode, sa, is_mla_backend=mla)
         g["ranks"][rank] = {"mgr": mgr, "kv": kv, "aux": aux, "reqs": {}}
+    g["pgs"] = gloo_groups(g["name"], list(g["ranks"]))
     GROUPS[g["name"]] = g
     return {"ok": True}
+
+
+def each_rank(g: dict[str, Any], fn: Any) -> dict[int, Any]:
+    """``fn(rank, state)`` on every rank at once, one thread each (as SGLang's ranks
+    run in parallel: a collective needs every rank inside it)."""
+    out: dict[int, Any] = {}
+
+    def run(rank: int, st: dict[str, Any]) -> None:
+        out[rank] = fn(rank, st)
+
+    threads = [threading.Thread(target=run, args=(r, st)) for r, st in g["ranks"].items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def gloo_groups(name: str, ranks: list[int]) -> dict[int, Any]:
+    """One gloo process group over this role's ranks (SGLang's ``attn_tp_cpu_group``,
+    here between threads of one process), so polls go through SGLang's own
+    ``poll_and_all_reduce`` MIN reduction."""
+    store = dist.PrefixStore(f"kvpoll-{name}", dist.HashStore())
+    pgs: dict[int, Any] = {}
+
+    def make(i: int, rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, i, len(ranks), datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=make, args=(i, r)) for i, r in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return pgs
 
 
 def start(c: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +137,12 @@ def send(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def poll(c: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's own poll, and what SGLang's ``poll_and_all_reduce`` makes of them
+    (every rank must get the same reduced state)."""
     g = GROUPS[c["group"]]
-    return {"polls": {str(rank): int(st["reqs"][c["room"]].poll()) for rank, st in g["ranks"].items()}}
+    own = {str(rank): int(st["reqs"][c["room"]].poll()) for rank, st in g["ranks"].items()}
+    red = each_rank(g, lambda rank, st: poll_and_all_reduce([st["reqs"][c["room"]]], g["pgs"][rank])[0])
+    return {"polls": own, "reduced": {str(r): int(v) for r, v in red.items()}}
 
 
 def failure(c: dict[str, Any]) -> dict[str, Any]:
