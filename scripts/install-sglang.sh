@@ -75,7 +75,7 @@ echo "ok ($(diff "$tmp/before.txt" "$tmp/after.txt" | grep -c '^>' || true) adde
 
 echo "== check"
 t=$(now)
-(cd /tmp && HF_HUB_OFFLINE=1 "$py" -c '
+(cd /tmp && HF_HUB_OFFLINE=1 "$py" -W ignore -c '
 import importlib.metadata as m
 import vllm  # noqa: F401  (the vLLM environment still works)
 from kvferry.integrations.vllm import KvferryConnector  # noqa: F401
