@@ -36,6 +36,8 @@
 //! that they do not import each other in a cycle.
 
 mod client;
+mod exchange;
+mod get;
 mod peer_watch;
 mod shared;
 mod transfer;

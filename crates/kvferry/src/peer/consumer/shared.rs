@@ -1,7 +1,8 @@
 //! What the consumer's files share: the request a transfer task runs ([`Request`]),
 //! the outcome labels of its latency histograms ([`OUTCOMES`]), a failed transfer as
-//! the task reports it ([`TaskError`]), and two checks of a producer's replies
-//! ([`check_frames`], [`unexpected`]). Kept apart so that `client`, `transfer` and
+//! the task reports it ([`TaskError`]), two checks of a producer's replies
+//! ([`check_frames`], [`unexpected`]) and the check of a request's keys
+//! ([`check_keys`]). Kept apart so that `client`, `exchange`, `get`, `transfer` and
 //! `peer_watch` do not import each other in a cycle.
 //!
 //! Nothing here awaits.
@@ -64,4 +65,20 @@ pub(super) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
         expected,
         got: got.name(),
     })
+}
+
+/// A request's keys: at least one, and no more than a peer accepts in one request
+/// (`max_keys`, the transport's limit, which peers share by default): refused here with
+/// a clear error rather than by the peer closing the connection.
+pub(super) fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerError> {
+    if keys.is_empty() {
+        return Err(PeerError::InvalidArgument("empty key list".into()));
+    }
+    if keys.len() > max_keys {
+        return Err(PeerError::InvalidArgument(format!(
+            "{} keys in one request; at most {max_keys} (split the request or raise the limit)",
+            keys.len()
+        )));
+    }
+    Ok(())
 }
