@@ -15,12 +15,14 @@
 //! Every test builds its own engines (ephemeral ports, no shared state), so they run
 //! in parallel and in any order.
 
+mod common;
+
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
-use kvferry::engine::{Engine, EngineConfig, EngineError, Registered, StoreConfig};
+use common::engines::{config, pair};
+use kvferry::engine::{Engine, EngineError, Registered};
 use kvferry::layout::{KvCache, Span};
 use kvferry::mem::Region;
 use kvferry::peer::{Destination, GetFailure, LeaseRefusal, PeerError, ReleaseReason, Released, TransferPath};
@@ -41,37 +43,6 @@ const BLOCKS: u32 = 32;
 // ---------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------
-
-/// A small engine: 2 MiB staging arena of 64 KiB pages, one copy thread, a 1 MiB
-/// store, loopback on an ephemeral port.
-fn config(peer_id: &str) -> EngineConfig {
-    let mut cfg = EngineConfig::default().peer_id(peer_id).arena(2 << 20, 64 << 10);
-    cfg.pinned = false;
-    cfg.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    cfg.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: 16 << 10,
-    };
-    cfg.net.io_timeout = Duration::from_secs(2);
-    cfg
-}
-
-struct Pair {
-    prefill: Engine,
-    decode: Engine,
-    /// The prefill engine's address.
-    addr: String,
-}
-
-async fn pair() -> Pair {
-    let prefill = Engine::start(config("prefill")).await.unwrap();
-    let decode = Engine::start(config("decode")).await.unwrap();
-    let addr = prefill.address().unwrap().to_string();
-    Pair { prefill, decode, addr }
-}
 
 fn in_secs(s: u64) -> Instant {
     Instant::now() + Duration::from_secs(s)

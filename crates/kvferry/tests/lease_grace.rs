@@ -9,10 +9,11 @@
 //!
 //! Every test builds its own engine (ephemeral port, no shared state).
 
+mod common;
+
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::Engine;
 use kvferry::net::{NetConfig, NetError, Pool};
 use kvferry::wire::{ChunkKey, ErrorKind, LeaseId, Message};
 use tokio::time::Instant;
@@ -22,16 +23,7 @@ const CHUNK: usize = 256 << 10;
 
 /// A producer engine with a short grace and the given TTL (also its cap).
 async fn producer(grace: Duration, ttl: Duration) -> Engine {
-    let mut cfg = EngineConfig::default().peer_id("producer").arena(2 << 20, 64 << 10);
-    cfg.pinned = false;
-    cfg.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    cfg.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: 16 << 10,
-    };
+    let mut cfg = common::engines::small_config("producer");
     cfg.producer.default_ttl = ttl;
     cfg.producer.max_ttl = ttl;
     cfg.producer.lease_grace = grace;

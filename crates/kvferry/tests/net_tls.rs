@@ -11,11 +11,12 @@
 //!
 //! Every test builds its own engines and certificates (ephemeral ports, temp dirs).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::Engine;
 use kvferry::layout::KvCache;
 use kvferry::mem::Region;
 use kvferry::net::{NetConfig, NetError, Pool, TlsConfig, TlsError};
@@ -62,16 +63,7 @@ impl Ca {
 /// A small engine: 2 MiB staging arena of 64 KiB pages, a 1 MiB store of 16 KiB
 /// blocks, loopback, with `tls`.
 async fn engine(peer_id: &str, tls: Option<TlsConfig>) -> Engine {
-    let mut cfg = EngineConfig::default().peer_id(peer_id).arena(2 << 20, 64 << 10);
-    cfg.pinned = false;
-    cfg.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    cfg.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: 16 << 10,
-    };
+    let mut cfg = common::engines::small_config(peer_id);
     cfg.net.tls = tls;
     Engine::start(cfg).await.unwrap()
 }

@@ -3,11 +3,12 @@
 //! 1.2 and 1.3 negotiates 1.3. Raw rustls clients against a real engine over
 //! loopback; CA and certificates generated per test (rcgen).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::Engine;
 use kvferry::net::TlsConfig;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use rustls_pki_types::pem::PemObject;
@@ -40,16 +41,7 @@ impl Ca {
 }
 
 async fn engine(tls: TlsConfig) -> Engine {
-    let mut cfg = EngineConfig::default().peer_id("server").arena(1 << 20, 64 << 10);
-    cfg.pinned = false;
-    cfg.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    cfg.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: 16 << 10,
-    };
+    let mut cfg = common::engines::small_config("server").arena(1 << 20, 64 << 10);
     cfg.net.tls = Some(tls);
     Engine::start(cfg).await.unwrap()
 }

@@ -9,11 +9,12 @@
 //! - It needs no staging: with the consumer's staging quota on the producer used up
 //!   (every `Stage` refused `Busy`), a release still frees the publication.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::{Engine, EngineConfig};
 use kvferry::layout::KvCache;
 use kvferry::mem::Region;
 use kvferry::peer::{Destination, PeerError, ReleaseReason, Released};
@@ -24,18 +25,8 @@ const BLOCK: usize = 4096;
 const BLOCKS: u32 = 16;
 
 fn config(peer_id: &str, quota_pages: Option<usize>) -> EngineConfig {
-    let mut cfg = EngineConfig::default().peer_id(peer_id).arena(2 << 20, 64 << 10);
-    cfg.pinned = false;
-    cfg.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    cfg.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: 16 << 10,
-    };
+    let mut cfg = common::engines::config(peer_id);
     cfg.producer.max_staged_pages_per_peer = quota_pages;
-    cfg.net.io_timeout = Duration::from_secs(2);
     cfg
 }
 

@@ -10,12 +10,14 @@
 //! Every landed byte is compared with a reference the test computes from the source
 //! bytes and the selection.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
+use common::engines::{pair_with, Pair};
 use kvferry::device::{Device, DeviceKvCache, SimConfig, SimDevice};
-use kvferry::engine::{Engine, EngineConfig, Registered, Selection, SelectionError, StoreConfig};
+use kvferry::engine::{Engine, EngineConfig, Registered, Selection, SelectionError};
 use kvferry::layout::{KvCache, Span};
 use kvferry::mem::Region;
 use kvferry::net::{NetConfig, NetError, Pool};
@@ -28,32 +30,15 @@ const D: usize = 32;
 /// Pieces per block (2 layers, K and V).
 const PIECES: usize = 4;
 
+/// The common small engine with a 4 MiB staging arena and a 3 s I/O timeout.
 fn config(peer_id: &str) -> EngineConfig {
-    let mut cfg = EngineConfig::default().peer_id(peer_id).arena(4 << 20, 64 << 10);
-    cfg.pinned = false;
-    cfg.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    cfg.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: 16 << 10,
-    };
+    let mut cfg = common::engines::config(peer_id).arena(4 << 20, 64 << 10);
     cfg.net.io_timeout = Duration::from_secs(3);
     cfg
 }
 
-struct Pair {
-    prefill: Engine,
-    decode: Engine,
-    addr: String,
-}
-
 async fn pair() -> Pair {
-    let prefill = Engine::start(config("prefill")).await.unwrap();
-    let decode = Engine::start(config("decode")).await.unwrap();
-    let addr = prefill.address().unwrap().to_string();
-    Pair { prefill, decode, addr }
+    pair_with(config).await
 }
 
 fn soon() -> Instant {

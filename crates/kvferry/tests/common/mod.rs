@@ -115,4 +115,5 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
+pub mod engines;
 pub mod p2p;
