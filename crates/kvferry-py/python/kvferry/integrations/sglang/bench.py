@@ -12,7 +12,12 @@ the same bytes, in one process on loopback:
   timed to the last landing: what the backend costs above kvferry itself.
 
 ``--kvferry-bin`` adds ``kvferry bench --bytes`` (the CLI's end-to-end figure) on the
-same byte count. Prints one JSON object.
+same byte count. ``--mooncake`` adds Mooncake's transfer engine over TCP (the transport
+under SGLang's ``mooncake_tcp`` backend; ``mooncake-transfer-engine-non-cuda``, which
+needs ``libibverbs1`` even for TCP): the same pages written with one
+``batch_transfer_sync_write`` per chunk, contiguous page runs of each buffer coalesced,
+as SGLang's mooncake backend issues them — its transport, not SGLang's mooncake
+manager, which needs a full SGLang runtime. Prints one JSON object.
 
     python -m kvferry.integrations.sglang.bench --mib 256 --reps 5
 """
@@ -20,6 +25,7 @@ same byte count. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -54,6 +60,55 @@ def _args(kv: list[torch.Tensor], aux: torch.Tensor) -> Any:
     return a
 
 
+def _same(src: torch.Tensor, dst: torch.Tensor, ids: list[int], dst_ids: list[int]) -> bool:
+    """Every source page ``ids[i]`` landed in destination page ``dst_ids[i]``."""
+    s = src.view(torch.int16).view(-1, PAGE * HEADS * HEAD_DIM)
+    d = dst.view(torch.int16).view(-1, PAGE * HEADS * HEAD_DIM)
+    return torch.equal(s[torch.tensor(ids)], d[torch.tensor(dst_ids)])
+
+
+def _mooncake_tcp(
+    src: list[torch.Tensor], dst: list[torch.Tensor], chunks: list[list[int]], dst_chunks: list[list[int]], reps: int
+) -> list[float]:
+    """Seconds per request through two Mooncake transfer engines over TCP."""
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    engine_mod = importlib.import_module("mooncake.engine")
+    a, b = engine_mod.TransferEngine(), engine_mod.TransferEngine()
+    for e in (a, b):
+        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("Mooncake's transfer engine did not initialize")
+    for e, bufs in ((a, src), (b, dst)):
+        for t in bufs:
+            e.register_memory(t.data_ptr(), t.numel() * t.element_size())
+    session = f"127.0.0.1:{b.get_rpc_port()}"
+    item = PAGE * HEADS * HEAD_DIM * src[0].element_size()
+    times = []
+    for _ in range(reps):
+        for t in dst:
+            t.zero_()
+        t0 = time.perf_counter()
+        for c, dc in zip(chunks, dst_chunks):
+            runs: list[tuple[int, int, int]] = []  # (src page, dst page, pages)
+            for p, q in zip(c, dc):
+                if runs and runs[-1][0] + runs[-1][2] == p and runs[-1][1] + runs[-1][2] == q:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+                else:
+                    runs.append((p, q, 1))
+            s_addr, d_addr, lens = [], [], []
+            for sb, db in zip(src, dst):
+                for p0, q0, n in runs:
+                    s_addr.append(sb.data_ptr() + p0 * item)
+                    d_addr.append(db.data_ptr() + q0 * item)
+                    lens.append(n * item)
+            if a.batch_transfer_sync_write(session, s_addr, d_addr, lens) != 0:
+                raise RuntimeError("Mooncake's batch write failed")
+        times.append(time.perf_counter() - t0)
+        ids = [p for c in chunks for p in c]
+        dst_ids = [p for c in dst_chunks for p in c]
+        assert all(_same(x, y, ids, dst_ids) for x, y in zip(src, dst)), "Mooncake: bytes differ"
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="KV bytes per request (MiB)")
@@ -61,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--port", type=int, default=18990, help="bootstrap server port")
     ap.add_argument("--kvferry-bin", default=None, help="also run `kvferry bench --bytes` with this binary")
+    ap.add_argument("--mooncake", action="store_true", help="also time Mooncake's transfer engine over TCP")
+    ap.add_argument("--scatter", action="store_true", help="decode pages in a shuffled order (as a busy pool hands them out)")
     o = ap.parse_args(argv)
     page_bytes = PAGE * HEADS * HEAD_DIM * 2 * 2 * LAYERS
     pages = max(o.chunks, (o.mib << 20) // page_bytes)
@@ -78,16 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     pre = KvferryKVManager(_args(src_kv, src_aux), DisaggregationMode.PREFILL, sa)
     dec = KvferryKVManager(_args(dst_kv, dst_aux), DisaggregationMode.DECODE, sa)
     ids = list(range(pages))
+    dst_ids = torch.randperm(pages, generator=torch.Generator().manual_seed(7)).tolist() if o.scatter else ids
     step = -(-pages // o.chunks)
     chunks = [ids[i : i + step] for i in range(0, pages, step)]
-    out: dict[str, Any] = {"bytes": total, "pages": pages, "chunks": len(chunks), "reps": o.reps, "cpus": os.cpu_count()}
+    dst_chunks = [dst_ids[i : i + step] for i in range(0, pages, step)]
+    out: dict[str, Any] = {"bytes": total, "pages": pages, "chunks": len(chunks), "scatter": o.scatter, "reps": o.reps, "cpus": os.cpu_count()}
     backend, engine = [], []
     for rep in range(o.reps):
         room = 1 + rep
         s = KvferryKVSender(pre, f"127.0.0.1:{o.port}", room)
         r = KvferryKVReceiver(dec, f"127.0.0.1:{o.port}", room)
         r.init(0)
-        r.send_metadata(ids, 1)
+        r.send_metadata(dst_ids, 1)
         deadline = time.monotonic() + 60
         while s.poll() != KVPoll.WaitingForInput:
             assert s.poll() != KVPoll.Failed and time.monotonic() < deadline, s.state.reason
@@ -111,11 +170,11 @@ def main(argv: list[str] | None = None) -> None:
             pre.engine.publish(k, pre.kv_region, c)
         addr = pre.engine.address
         assert addr is not None
-        gets = [dec.engine.get(addr, k, dec.kv_region, c, timeout=60) for k, c in zip(keys, chunks)]
+        gets = [dec.engine.get(addr, k, dec.kv_region, c, timeout=60) for k, c in zip(keys, dst_chunks)]
         for g in gets:
             g.wait(60)
         engine.append(time.perf_counter() - t0)
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(src_kv, dst_kv)), "bytes differ"
+    assert all(_same(a, b, ids, dst_ids) for a, b in zip(src_kv, dst_kv)), "bytes differ"
     assert torch.equal(dst_aux[1], src_aux[2]), "aux row differs"
 
     def med(xs: list[float]) -> float:
@@ -126,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     out["backend_over_engine"] = round(med(engine) / med(backend), 3)
     out["backend_s"] = [round(x, 4) for x in backend]
     out["engine_s"] = [round(x, 4) for x in engine]
+    if o.mooncake:
+        mc = _mooncake_tcp(src_kv, dst_kv, chunks, dst_chunks, o.reps)
+        out["mooncake_tcp_s"] = [round(x, 4) for x in mc]
+        out["mooncake_tcp_gb_per_s"] = round(total / med(mc) / 1e9, 3)
+        out["backend_over_mooncake_tcp"] = round(med(mc) / med(backend), 3)
     if o.kvferry_bin:
         cli = subprocess.run([o.kvferry_bin, "bench", "--bytes", f"{o.mib}MiB", "--json"], capture_output=True, text=True, timeout=300)
         try:
