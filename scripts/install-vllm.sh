@@ -37,10 +37,10 @@ t=$(now)
 if [ "$have" != "$vllm_version" ] || [ "$force" = 1 ]; then
     # PyPI's wheel; VLLM_TARGET_DEVICE only matters if pip ever falls back to a source build.
     VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-        "vllm==$vllm_version" numpy pytest "maturin>=1.5,<2"
+        "vllm==$vllm_version" numpy pytest hypothesis "maturin>=1.5,<2"
     echo "installed in $(since "$t")"
 else
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check numpy pytest "maturin>=1.5,<2"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check numpy pytest hypothesis "maturin>=1.5,<2"
     echo "up to date ($(since "$t"))"
 fi
 

@@ -34,7 +34,6 @@ before its memory is reused) and releases the unread slots; see ``reads``.
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Any
 
 from ... import errors
@@ -231,48 +230,29 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
 
 
 def publish_slots(worker: Any, req_id: str, block_ids: list[int]) -> None:
-    """Publishes ``block_ids`` under every reader slot of ``req_id`` (raises what
-    the first publish raises; later failures count as released slots)."""
+    """Publishes ``block_ids`` under every reader slot of ``req_id`` and records the
+    slots in the worker's ledger (raises what the first publish raises; a later slot
+    that fails to publish is simply not one of the request's slots)."""
     from .mapping import slot_key
 
-    n = worker.reader_slots
     worker.engine.publish(req_id, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
-    left = n
-    worker._slot_owner[req_id] = req_id
-    for s in range(1, n):
+    keys = [req_id]
+    for s in range(1, worker.reader_slots):
         k = slot_key(req_id, s)
         try:
             worker.engine.publish(k, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
-            worker._slot_owner[k] = req_id
+            keys.append(k)
         except errors.Error:
-            left -= 1
-    worker._slots_left[req_id] = left
-
-
-# The reason a request's publication reports once all its slots are released: the most
-# telling of its slots' (a lease that ran out first, then a read, then the rest).
-_REASON_RANK = {"expired": 0, "done": 1, "declined": 2, "released": 3, "shutdown": 4}
+            pass
+    worker.ledger.published(req_id, keys)
 
 
 def slot_released(worker: Any, key: str, reason: str = "done") -> tuple[str, str] | None:
     """A slot's publication was released: ``(request id, reason)`` once it was the
-    last, where the reason is the most telling of its slots' (``expired`` if any slot
-    ran out its lease, else ``done`` if any was read, else the last one's); None while
-    other slots are still out."""
-    req_id = worker._slot_owner.pop(key, None)
-    if req_id is None:
-        return key, reason  # published before slots existed: the key is the request
-    best = worker._slot_reason.get(req_id)
-    if best is None or _REASON_RANK.get(reason, 9) < _REASON_RANK.get(best, 9):
-        best = reason
-    left = worker._slots_left.get(req_id, 1) - 1
-    if left > 0:
-        worker._slots_left[req_id] = left
-        worker._slot_reason[req_id] = best
-        return None
-    worker._slots_left.pop(req_id, None)
-    worker._slot_reason.pop(req_id, None)
-    return req_id, best
+    last (see :meth:`.ledger.RequestLedger.slot_released`); None while other slots are
+    still out."""
+    out: tuple[str, str] | None = worker.ledger.slot_released(key, reason)
+    return out
 
 
 # -- decode worker -------------------------------------------------------------------
@@ -400,34 +380,16 @@ def start_reads(worker: Any, pull: Any) -> None:
 
 
 def _release(worker: Any, req_id: str, peers: list[dict[str, Any]], expires_at: float | None, q: int, keys: list[str]) -> None:
-    """Tells prefill rank ``q`` that ``keys`` will not be read (in the background; a
-    miss is retried until the lease's advertised end). Inside :func:`batched_releases`
-    the keys are collected, and sent in one message per prefill rank when it ends."""
+    """Tells prefill rank ``q`` that ``keys`` will not be read: queued in the worker's
+    ledger, sent with the step's other releases (one message per prefill rank and at
+    most ``max_keys`` keys) when the worker flushes them."""
     address = peers[q].get("address") if q < len(peers) else None
     if worker.engine is None or not address or not keys:
         return
-    batch = worker._release_batch
-    if batch is not None:
-        entry = batch.setdefault(str(address), ([], []))
-        entry[0].append(expires_at)
-        entry[1].extend(keys)
-        return
-    _send_release(worker, f"{req_id}@{q}", str(address), expires_at, keys)
+    worker.ledger.release(str(address), keys, expires_at)
 
 
-release_slots = _release  # for the worker's pulls without a plan (vllm.py)
-
-
-def _send_release(worker: Any, tag: str, address: str, expires_at: float | None, keys: list[str]) -> None:
-    timeout = worker.config.timeout
-    retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
-    try:
-        worker._releases[f"{tag}#{len(worker._releases)}"] = worker.engine.release_remote(
-            address, keys, timeout=retry + timeout, retry_miss=retry
-        )
-        worker.stats.record_release()
-    except errors.Error:
-        pass  # the lease's expiry frees them
+release_slots = _release  # for the worker's pulls without a plan (worker.py)
 
 
 class batched_gets:  # noqa: N801 - used as a statement: ``with batched_gets(worker):``
@@ -452,23 +414,17 @@ class batched_gets:  # noqa: N801 - used as a statement: ``with batched_gets(wor
 
 
 class batched_releases:  # noqa: N801 - used as a statement: ``with batched_releases(worker):``
-    """Collects the :func:`_release` calls of one engine step (the slots each request's
-    plan does not read) and sends them as one ``Release`` per prefill rank on exit,
-    instead of one per request."""
+    """Sends the releases queued in the worker's ledger during the block (one
+    ``Release`` per prefill rank, cut at ``max_keys``) when it ends."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
     def __enter__(self) -> None:
-        self.worker._release_batch = {}
+        return None
 
     def __exit__(self, *exc: object) -> None:
-        batch, self.worker._release_batch = self.worker._release_batch, None
-        for address, (expiries, keys) in batch.items():
-            # Misses are retried until the latest advertised lease end of the batch
-            # (none advertised: ``timeout``).
-            exp = None if any(e is None for e in expiries) else max(e for e in expiries if e is not None)
-            _send_release(self.worker, "step", address, exp, keys)
+        self.worker.flush_releases()
 
 
 def give_up(worker: Any, pull: Any) -> None:
@@ -476,14 +432,8 @@ def give_up(worker: Any, pull: Any) -> None:
     t = pull.transfer
     if not isinstance(t, RankReads):
         return
-    by_addr: dict[str, list[str]] = {}
     for addr, key in t.unread():
-        by_addr.setdefault(addr, []).append(key)
-    peers = pull.spec.peers
-    for addr, keys in by_addr.items():
-        q = next((i for i, p in enumerate(peers) if p.get("address") == addr), None)
-        if q is not None:
-            _release(worker, pull.req_id, peers, pull.expires_at, q, keys)
+        worker.ledger.release(addr, [key], pull.expires_at)
 
 
 # -- releases without a pull -----------------------------------------------------------

@@ -22,7 +22,9 @@ from . import hetero as vllm_hetero
 from ... import errors
 from ..._engine import Engine, Region, Transfer
 from .config import KvferryConfig
+from .ledger import PullRecord, RequestLedger, Seen
 from .metadata import KvferryConnectorMetadata, KvferryHandshakeMetadata, RecvSpec
+from .reads import RankReads
 from .stats import KvferryConnectorStats
 
 if TYPE_CHECKING:
@@ -32,25 +34,19 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-@dataclass
-class _Pull:
-    req_id: str
+@dataclass(kw_only=True)
+class _Pull(PullRecord):
+    """A pull's I/O beside its lifecycle (:class:`~.ledger.PullRecord`): the
+    transfer, its destination and scratch memory."""
+
     spec: RecvSpec
-    deadline: float  # monotonic: a load error after this
-    retry_until: float  # monotonic: misses are retried until then
-    expires_at: float | None = None  # wall clock: the lease's advertised end
-    started: float = field(default_factory=time.monotonic)
     transfer: Transfer | None = None
     address: str | None = None
     incarnation: int | None = None  # the prefill rank's, as advertised
     dst: Region | None = None
     dst_ids: list[int] = field(default_factory=list)
-    retry_at: float | None = None
-    attempts: int = 0
     scratch: dict[str, torch.Tensor] | None = None
     scratch_region: Region | None = None
-    error: BaseException | None = None
-    undrained_since: float | None = None  # monotonic: failed, destination not yet quiet
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -84,25 +80,17 @@ class KvferryConnectorWorker:
         self.engine: Engine | None = None
         self.region: Region | None = None
         self.caches: dict[str, torch.Tensor] = {}
-        self._pulls: dict[str, _Pull] = {}
-        self._sending: set[str] = set()  # published, not yet released
-        self._released: set[str] = set()  # released, not yet seen finished
-        self._finished_seen: set[str] = set()  # finished, publication still out
-        self._load_errors: set[int] = set()
+        # Every request's lifecycle on this worker, both sides (ledger.py); the
+        # worker keeps only I/O: release transfers in flight, by tag.
+        self.ledger = RequestLedger(timeout=self.config.timeout)
+        self._releases: dict[str, Transfer] = {}
         self._done_meta: KvferryConnectorMetadata | None = None
-        self._releases: dict[str, Transfer] = {}  # release_remote in flight, by request
-        self._draining: dict[str, _Pull] = {}  # aborted mid-pull, destination not yet quiet
         self.stats = KvferryConnectorStats()  # this interval's, taken by get_kv_connector_stats
         self.device: str | None = None  # the engine's device: None (host), "sim", "cuda:N"
         self._step_done: Any = None  # CUDA: event recorded after the step's forward
-        self._to_publish: dict[str, tuple[list[int], float]] = {}  # CUDA: waiting for _step_done
         self._idle = False  # the current step runs no forward pass
         self._pieces: list[Any] = []  # raw per-layer pieces [num_blocks, piece_bytes] (hetero.py)
         self._geo: dict[str, Any] = {}
-        self._slot_owner: dict[str, str] = {}  # published reader-slot key -> request
-        self._slots_left: dict[str, int] = {}  # request -> slots not yet released
-        self._slot_reason: dict[str, str] = {}  # request -> reason reported once its last slot is released
-        self._release_batch: dict[str, tuple[list[float | None], list[str]]] | None = None  # vllm_hetero.batched_releases
         self._read_defer: list[Any] | None = None  # vllm_hetero.batched_gets
 
     # setup
@@ -197,6 +185,22 @@ class KvferryConnectorWorker:
             cache_layout=self._geo.get("cache_layout", ""),
         )
 
+    # views of the ledger (for logs and tests)
+    @property
+    def _pulls(self) -> dict[str, _Pull]:
+        """Pulls vLLM still waits for (not aborted)."""
+        return {r: p for r, p in self.ledger.pulls.items() if p.state != "aborted" and isinstance(p, _Pull)}
+
+    @property
+    def _draining(self) -> dict[str, _Pull]:
+        """Pulls aborted whose transfer has not drained yet."""
+        return {r: p for r, p in self.ledger.pulls.items() if p.state == "aborted" and isinstance(p, _Pull)}
+
+    @property
+    def _sending(self) -> set[str]:
+        """Requests published and not yet released."""
+        return self.ledger.sending()
+
     # per step
     def start_step(self, meta: KvferryConnectorMetadata) -> None:
         """Publishes this step's finished prefills and starts its pulls (once per
@@ -207,50 +211,45 @@ class KvferryConnectorWorker:
         self._idle = meta.idle
         for req_id, block_ids in meta.reqs_to_send.items():
             self._publish(req_id, block_ids)
-        # One Release per prefill rank and step; the step's reads as batched gets.
+        # The step's releases go as one message per prefill rank (at most max_keys
+        # keys each); its reads as batched gets.
         with vllm_hetero.batched_releases(self), vllm_hetero.batched_gets(self):
             for req_id, spec in meta.reqs_to_recv.items():
                 self._start_pull(req_id, spec, meta.expires_at.get(req_id))
             for req_id, rel in meta.reqs_to_release.items():
                 if rel.per_rank is not None:
                     vllm_hetero.release_keys(self, req_id, rel)
-        for req_id, rel in meta.reqs_to_release.items():
-            if rel.per_rank is not None:
-                continue
-            peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
-            inc = peer.get("incarnation")
-            self._release_remote(req_id, rel.key, peer.get("address"), rel.expires_at, inc if isinstance(inc, int) else None)
+                    continue
+                peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
+                inc = peer.get("incarnation")
+                self.ledger.release(peer.get("address"), [rel.key], rel.expires_at, _incarnation(inc))
 
-    def _release_remote(
-        self, req_id: str, key: str, address: str | None, expires_at: float | None, incarnation: int | None = None
-    ) -> None:
-        """Tells the prefill instance (this rank's peer) that ``key`` will not be
-        pulled, so it frees the blocks now. The prefill may not have published yet (it
-        publishes a step after it returned the params, and a slow step is why a decode
-        gives up), so a miss is retried until the lease's advertised end (``timeout``
-        when none was advertised): the release lands within a retry interval (at most
-        50 ms) of the publication. A ``Release`` request stages nothing, so a prefill
-        whose staging is full (``Busy``) is still told. In the background; a failure
-        only means the blocks wait for the lease to expire."""
-        if self.engine is None or not address:
+    def flush_releases(self) -> None:
+        """Sends the releases the ledger collected. A prefill may not have published
+        yet (it publishes a step after it returned the params), so a miss is retried
+        until the lease's advertised end (``timeout`` when none was advertised). A
+        ``Release`` stages nothing, so a prefill whose staging is full is still told.
+        In the background; a failure only means the blocks wait for the lease."""
+        if self.engine is None:
             return
         timeout = self.config.timeout
-        retry = timeout if expires_at is None else max(0.0, expires_at - time.time())
-        inc = incarnation if incarnation is not None and 0 <= incarnation < 1 << 64 else None
-        try:
-            self._releases[req_id] = self.engine.release_remote(
-                address, key, timeout=retry + timeout, retry_miss=retry, incarnation=inc
-            )
-            self.stats.record_release()
-        except errors.Error as e:
-            logger.debug("KvferryConnector: releasing %s on %s failed: %s", req_id, address, e)
+        for msg in self.ledger.flush_releases():
+            retry = timeout if msg.expires_at is None else max(0.0, msg.expires_at - time.time())
+            keys: Any = msg.keys[0] if len(msg.keys) == 1 else list(msg.keys)
+            try:
+                self._releases[f"{msg.address}#{msg.keys[0]}#{len(self._releases)}"] = self.engine.release_remote(
+                    msg.address, keys, timeout=retry + timeout, retry_miss=retry, incarnation=msg.incarnation
+                )
+                self.stats.record_release()
+            except errors.Error as e:
+                logger.debug("KvferryConnector: releasing %d key(s) on %s failed: %s", len(msg.keys), msg.address, e)
 
     def _reap_releases(self) -> None:
-        for req_id, t in list(self._releases.items()):
+        for tag, t in list(self._releases.items()):
             if t.done():
-                del self._releases[req_id]
+                del self._releases[tag]
                 if t.error is not None and not isinstance(t.error, errors.NotFoundError):
-                    logger.debug("KvferryConnector: release of %s: %s", req_id, t.error)
+                    logger.debug("KvferryConnector: release %s: %s", tag, t.error)
 
     def mark_step_computed(self) -> None:
         """Called after the step's forward was enqueued (``wait_for_save``): on a CUDA
@@ -268,24 +267,20 @@ class KvferryConnectorWorker:
         ``timeout``: a GPU that never completes frees the blocks unpublished, and the
         decode gets a miss)."""
         if self.device is not None and self.device.startswith("cuda"):
-            self._to_publish.setdefault(req_id, (block_ids, time.monotonic() + self.config.timeout))
+            self.ledger.computing(req_id, block_ids, time.monotonic() + self.config.timeout)
             self._publish_computed()
             return
         self._publish_now(req_id, block_ids)
 
     def _publish_computed(self) -> None:
-        if not self._to_publish:
+        if not self.ledger.pubs:
             return
         done = self._step_done is None or bool(self._step_done.query())
-        now = time.monotonic()
-        for req_id, (ids, give_up_at) in list(self._to_publish.items()):
-            if done:
-                del self._to_publish[req_id]
-                self._publish_now(req_id, ids)
-            elif now > give_up_at:
-                del self._to_publish[req_id]
-                logger.error("KvferryConnector: the GPU did not finish computing %s within %ss; not published", req_id, self.config.timeout)
-                self._released.add(req_id)
+        go, lost = self.ledger.computed(time.monotonic(), done)
+        for rec in go:
+            self._publish_now(rec.req_id, rec.block_ids)
+        for rec in lost:
+            logger.error("KvferryConnector: the GPU did not finish computing %s within %ss; not published", rec.req_id, self.config.timeout)
 
     def _publish_now(self, req_id: str, block_ids: list[int]) -> None:
         assert self.engine is not None and self.region is not None
@@ -294,21 +289,14 @@ class KvferryConnectorWorker:
         except errors.Error as e:
             # Nothing pins the blocks: free them now; the decode side gets a miss.
             logger.error("KvferryConnector: publishing %s failed: %s", req_id, e)
-            self._released.add(req_id)
-            return
-        self._sending.add(req_id)
+            self.ledger.published(req_id, [])
 
     def _start_pull(self, req_id: str, spec: RecvSpec, expires_at: float | None) -> None:
         assert self.engine is not None and self.region is not None
-        now = time.monotonic()
-        deadline = now + self.config.timeout
-        # The prefill instance publishes one engine step after it returned the params,
-        # so a miss is retried — until the lease would have ended (the wall-clock
-        # expiry it advertised), and never past the timeout.
-        retry_until = deadline if expires_at is None else min(deadline, now + max(0.0, expires_at - time.time()))
-        pull = _Pull(req_id, spec, deadline=deadline, retry_until=retry_until, expires_at=expires_at)
-        self._pulls[req_id] = pull
+        pull = _Pull(req_id=req_id, spec=spec, expires_at=expires_at, retries_misses=spec.plans is None)
+        self.ledger.start_pull(pull, time.monotonic(), time.time())
         try:
+            pull.load_blocks = list(spec.load_block_ids)
             if spec.plans is not None:
                 vllm_hetero.start_reads(self, pull)
                 return
@@ -318,8 +306,7 @@ class KvferryConnectorWorker:
                 )
             peer = spec.peers[self.tp_rank]
             pull.address = peer.get("address")
-            inc = peer.get("incarnation")
-            pull.incarnation = int(inc) if isinstance(inc, int) and 0 <= inc < 1 << 64 else None
+            pull.incarnation = _incarnation(peer.get("incarnation"))
             if not pull.address:
                 raise errors.InvalidArgumentError(f"no kvferry address for rank {self.tp_rank}: {peer}")
             n_remote = len(spec.remote_block_ids)
@@ -336,12 +323,11 @@ class KvferryConnectorWorker:
             if spec.release_also:  # the slots an auto prefill published besides key
                 vllm_hetero.release_slots(self, req_id, spec.peers, expires_at, self.tp_rank, spec.release_also)
         except Exception as e:  # noqa: BLE001 - bad params, no memory...: a load error, never a crash
-            pull.error = e
+            self.ledger.fail(pull, e)
 
     def _launch(self, pull: _Pull) -> None:
         assert self.engine is not None and pull.address is not None and pull.dst is not None
-        pull.attempts += 1
-        pull.retry_at = None
+        self.ledger.launched(pull)
         left = max(0.001, pull.deadline - time.monotonic())
         # Naming the incarnation that published: a restarted prefill instance is refused
         # at once (PeerRestartedError, a load error) instead of missing until timeout.
@@ -388,133 +374,113 @@ class KvferryConnectorWorker:
                     pass  # not finished yet, or failed: read below, as every step does
                 return
 
+    def _seen(self, rec: PullRecord, unread: bool = False) -> Seen:
+        """What this pull's transfer says now (for the ledger); ``unread``: with the
+        slots it has not landed (a plain pull: its key, unless it landed)."""
+        assert isinstance(rec, _Pull)
+        t = rec.transfer
+        if t is None:
+            return Seen(False, unread=self._unread(rec, False) if unread else ())
+        done = t.done()
+        err = t.error if done else None
+        seen = Seen(True, done, err, t.drained())
+        if not unread:
+            return seen
+        return Seen(True, done, err, seen.drained, self._unread(rec, done and err is None))
+
+    @staticmethod
+    def _unread(pull: _Pull, landed: bool) -> tuple[tuple[str, int | None, str], ...]:
+        t = pull.transfer
+        if isinstance(t, RankReads):
+            return tuple((a, None, k) for a, k in t.unread())
+        if landed or pull.address is None:
+            return ()
+        return ((pull.address, pull.incarnation, pull.spec.key),)
+
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
         self._wait_idle()
         self._publish_computed()
-        # Decode requests finished (aborted) while pulling: cancel without waiting, and
-        # hand the blocks back (finished_recving) once the pull drained: at once if it
-        # already has, else in a later step. Nothing here waits on the drain.
-        for req_id in finished_req_ids:
-            pull = self._pulls.pop(req_id, None)
-            if pull is not None:
-                t = pull.transfer
-                landed = t is not None and t.done() and t.error is None
-                if t is not None and not t.done():
-                    t.cancel(timeout=0)
-                if not landed and not isinstance(pull.error, errors.PeerRestartedError):
-                    # Aborted before the bytes landed — or failed and not yet reported
-                    # (its drain pending): the prefill instance may free the blocks
-                    # now (a landed pull already sent Done; a pull still in _pulls has
-                    # released nothing yet, whatever its error; a restarted prefill no
-                    # longer holds them).
-                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
-                    vllm_hetero.give_up(self, pull)
-                self._draining[req_id] = pull
-            if req_id in self._sending or req_id in self._released or req_id in self._to_publish:
-                self._finished_seen.add(req_id)
-        for req_id, pull in list(self._draining.items()):
-            if pull.transfer is None or pull.transfer.drained():
-                del self._draining[req_id]
-                self._drop_scratch(pull)
-                res.finished_recving.add(req_id)
-        now = time.monotonic()
-        for req_id, pull in list(self._pulls.items()):
-            if pull.error is None:
-                t = pull.transfer
-                if t is None:  # waiting to retry a miss
-                    if pull.retry_at is not None and now < pull.retry_at:
-                        continue
-                    try:
-                        self._launch(pull)
-                    except Exception as e:  # noqa: BLE001
-                        pull.error = e
-                    else:
-                        continue
-                elif not t.done():
-                    if now < pull.deadline + 1.0:
-                        continue
-                    # kvferry enforces the deadline itself; this is the backstop.
-                    t.cancel(timeout=0)
-                    pull.error = errors.TimeoutError(f"pull of {req_id} did not finish within {self.config.timeout}s")
-                elif isinstance(t.error, errors.NotFoundError) and pull.dst is not None and time.monotonic() < pull.retry_until:
-                    # A miss of a pull without a plan: launched again. A planned pull's
-                    # RankReads retries its own misses until the same retry_until and
-                    # its NotFoundError is final (it read the clock after ``now``).
-                    pull.transfer = None
-                    pull.retry_at = min(pull.retry_until, now + min(0.05, 0.002 * 2 ** min(pull.attempts, 5)))
-                    continue
-                else:
-                    pull.error = t.error
-            t = pull.transfer
-            if t is not None and not t.drained():
+        led = self.ledger
+        with vllm_hetero.batched_releases(self):
+            # Decode requests finished (aborted) while pulling: cancelled without
+            # waiting; their blocks go back to vLLM once the pull drained (the ledger).
+            for req_id in finished_req_ids:
+                rec = led.pulls.get(req_id)
+                if rec is not None:
+                    aborted, cancel = led.abort(req_id, self._seen(rec, unread=True), time.monotonic())
+                    if cancel and isinstance(aborted, _Pull) and aborted.transfer is not None:
+                        aborted.transfer.cancel(timeout=0)
+                led.finished(req_id)
+            now = time.monotonic()
+            polled = led.poll(now, self._seen)
+            for rec in polled.cancel:
+                assert isinstance(rec, _Pull) and rec.transfer is not None
+                rec.transfer.cancel(timeout=0)
+            for rec in polled.launch:
+                assert isinstance(rec, _Pull)
+                try:
+                    self._launch(rec)
+                except Exception as e:  # noqa: BLE001
+                    led.fail(rec, e)
+            for rec in polled.undrained:
                 # Failed, but something (a device copy that outlived the transfer) may
                 # still write the destination blocks: vLLM gets them back (the load
                 # error) only once the device confirmed; polled each step, never waited.
-                if pull.undrained_since is None:
-                    pull.undrained_since = now
-                    logger.warning(
-                        "KvferryConnector: pull of %s failed (%r); its blocks are reported once the device confirms the copy into them",
-                        req_id,
-                        pull.error,
-                    )
-                continue
-            if pull.error is None and pull.scratch is not None:
-                try:
-                    self._land_scratch(pull)
-                except Exception as e:  # noqa: BLE001 - any failure is a load error
-                    pull.error = e
-            self._drop_scratch(pull)
-            del self._pulls[req_id]
-            res.finished_recving.add(req_id)
-            if pull.error is None and pull.dst is None and pull.transfer is not None and hasattr(pull.transfer, "bytes_needed"):
-                self.stats.record_pull(time.monotonic() - pull.started, pull.transfer.bytes_needed, len(pull.spec.load_block_ids))
-            if pull.error is None and pull.dst is not None:
-                self.stats.record_pull(time.monotonic() - pull.started, len(pull.dst_ids) * pull.dst.block_bytes, len(pull.dst_ids))
-            if pull.error is not None:
-                self.stats.record_failure(pull.error)
-                logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", req_id, pull.attempts, pull.error)
-                res.failed_recving.add(req_id)
-                self._load_errors.update(pull.spec.load_block_ids)
-                if not isinstance(pull.error, errors.PeerRestartedError):
-                    # This side gives up on the blocks, whatever the last error was (a
-                    # miss too: the prefill may publish after the decode's timeout), so
-                    # the prefill may free them now. A restarted prefill no longer holds
-                    # them.
-                    self._release_remote(req_id, pull.spec.key, pull.address, pull.expires_at, pull.incarnation)
-                    vllm_hetero.give_up(self, pull)
-        self._reap_releases()
-        # Publications released (decode's Done, abort, lease expiry, shutdown): the
-        # blocks are free once the request was reported finished to this worker.
-        if self.engine is not None:
-            for key, reason in self.engine.released():
-                if reason == "replaced":
-                    continue
-                req_id = key if isinstance(key, str) else bytes(key).decode(errors="replace")
-                done = vllm_hetero.slot_released(self, req_id, str(reason))
-                if done is None:
-                    continue  # other reader slots of the request are still out
-                req_id, reason = done
-                self.stats.record_publication_released(reason)
-                if req_id in self._sending:
-                    self._sending.discard(req_id)
-                    self._released.add(req_id)
-                    logger.debug("KvferryConnector: %s released (%s)", req_id, reason)
-        ready = self._released & self._finished_seen
-        if ready:
-            self._released -= ready
-            self._finished_seen -= ready
-            res.finished_sending |= ready
+                logger.warning(
+                    "KvferryConnector: pull of %s failed (%r); its blocks are reported once the device confirms the copy into them",
+                    rec.req_id,
+                    rec.error,
+                )
+            for rec in polled.ready:
+                self._finish(rec)
+            self._reap_releases()
+            # Publications released (decode's Done, abort, lease expiry, shutdown): the
+            # blocks are free once the request was reported finished to this worker.
+            if self.engine is not None:
+                for key, reason in self.engine.released():
+                    if reason == "replaced":
+                        continue
+                    k = key if isinstance(key, str) else bytes(key).decode(errors="replace")
+                    done = led.slot_released(k, str(reason))
+                    if done is not None:
+                        self.stats.record_publication_released(done[1])
+                        logger.debug("KvferryConnector: %s released (%s)", *done)
+        res.finished_recving, res.failed_recving = led.take_recving()
+        res.finished_sending |= led.finished_sending()
         return res
 
+    def _finish(self, pull: PullRecord) -> None:
+        """A pull whose transfer drained: landed (its scratch copied in) or failed;
+        reported to the ledger either way, with its stats."""
+        assert isinstance(pull, _Pull)
+        seen = self._seen(pull, unread=True)
+        err = pull.error
+        if pull.state != "aborted" and err is None and pull.scratch is not None:
+            try:
+                self._land_scratch(pull)
+            except Exception as e:  # noqa: BLE001 - any failure is a load error
+                err = e
+        self._drop_scratch(pull)
+        self.ledger.report(pull, seen, err)
+        if pull.state == "aborted":
+            return
+        t = pull.transfer
+        if pull.error is None and pull.dst is None and t is not None and hasattr(t, "bytes_needed"):
+            self.stats.record_pull(time.monotonic() - pull.started, t.bytes_needed, len(pull.spec.load_block_ids))
+        if pull.error is None and pull.dst is not None:
+            self.stats.record_pull(time.monotonic() - pull.started, len(pull.dst_ids) * pull.dst.block_bytes, len(pull.dst_ids))
+        if pull.error is not None:
+            self.stats.record_failure(pull.error)
+            logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", pull.req_id, pull.attempts, pull.error)
+
     def take_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        return out
+        return self.ledger.take_load_errors()
 
     def shutdown(self) -> None:
-        pulls = [*self._pulls.values(), *self._draining.values()]
+        pulls = [p for p in self.ledger.pulls.values() if isinstance(p, _Pull)]
         # Every pull is asked first, then each drain is waited for: a batched get is
-        # cancelled only once every request riding it has left (vllm_reads._Batch).
+        # cancelled only once every request riding it has left (reads._Batch).
         for pull in pulls:
             if pull.transfer is not None and not pull.transfer.done():
                 pull.transfer.cancel(timeout=0)
@@ -522,12 +488,16 @@ class KvferryConnectorWorker:
             if pull.transfer is not None and not pull.transfer.drained():
                 pull.transfer.cancel()
             self._drop_scratch(pull)
-        self._pulls.clear()
-        self._draining.clear()
+        self.ledger.pulls.clear()
         if self.engine is not None:
             report = self.engine.close(timeout=self.config.timeout)
             if not report.get("clean", True):
                 logger.warning("KvferryConnector: engine closed with work outstanding: %s", report)
+
+
+def _incarnation(inc: Any) -> int | None:
+    """An advertised incarnation, if it is one (a u64)."""
+    return int(inc) if isinstance(inc, int) and 0 <= inc < 1 << 64 else None
 
 
 # -- the connector ---------------------------------------------------------------------
