@@ -1,3 +1,4 @@
+# mypy: disable-error-code="import-untyped,import-not-found"
 """Shared pieces of the SGLang backend tests: the pin check and the two real role
 processes (``worker.py``), each a prefill or decode with its own kvferry engines.
 

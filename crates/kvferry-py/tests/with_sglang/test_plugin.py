@@ -1,3 +1,4 @@
+# mypy: disable-error-code="import-untyped,import-not-found"
 """The plugin: ``--disaggregation-transfer-backend kvferry`` parses in SGLang's own
 argument parser and routes to this backend through ``get_kv_class``; other backends
 are untouched; the version guard refuses another sglang by name; the installed

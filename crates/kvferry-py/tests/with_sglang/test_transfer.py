@@ -1,3 +1,4 @@
+# mypy: disable-error-code="import-untyped,import-not-found"
 """Two real processes (prefill, decode) over kvferry: SGLang's real bootstrap server,
 KVArgs over CPU tensors, one manager per rank, every page and auxiliary byte compared,
 and the failure paths (abort on each side, refused pairing, a killed prefill)."""
@@ -23,7 +24,7 @@ def reduced(role: Role, group: str, room: int) -> int:
     out = role("poll", group=group, room=room)
     red = set(out["reduced"].values())
     assert len(red) == 1, out
-    return red.pop()
+    return int(red.pop())
 
 
 def wait_for(role: Role, group: str, room: int, want: set[int], timeout: float = 30) -> int:

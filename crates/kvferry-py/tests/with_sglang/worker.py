@@ -1,3 +1,4 @@
+# mypy: disable-error-code="import-untyped,import-not-found"
 """One SGLang role (prefill or decode) in its own process, driven by JSON lines on
 stdin, answering JSON lines on stdout: the test's real processes.
 
@@ -99,7 +100,7 @@ def gloo_groups(name: str, ranks: list[int]) -> dict[int, Any]:
     """One gloo process group over this role's ranks (SGLang's ``attn_tp_cpu_group``,
     here between threads of one process), so polls go through SGLang's own
     ``poll_and_all_reduce`` MIN reduction."""
-    store = dist.PrefixStore(f"kvpoll-{name}", dist.HashStore())
+    store = getattr(dist, "PrefixStore")(f"kvpoll-{name}", getattr(dist, "HashStore")())  # not re-exported in the stubs
     pgs: dict[int, Any] = {}
 
     def make(i: int, rank: int) -> None:

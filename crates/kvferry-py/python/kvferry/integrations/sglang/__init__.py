@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 """kvferry as a transfer backend of SGLang's prefill/decode disaggregation
 (``sglang==0.5.23``): ``--disaggregation-transfer-backend kvferry``.
 

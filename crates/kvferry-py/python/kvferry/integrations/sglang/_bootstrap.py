@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """The rendezvous: SGLang's own HTTP bootstrap server (``CommonKVBootstrapServer``,
 unchanged), and the few bounded HTTP calls the backend makes to it: a prefill rank

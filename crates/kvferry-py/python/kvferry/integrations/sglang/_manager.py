@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """The per-rank manager: one kvferry :class:`~kvferry.Engine` holding SGLang's KV and
 auxiliary buffers as regions, a ZeroMQ control socket, and one thread that runs every

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """The backend's options, read from environment variables (SGLang's usual channel for
 transfer-backend settings), and the rank topology read from SGLang's runtime context.

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """The state of one request on one rank (:class:`SendRoom` on a prefill,
 :class:`RecvRoom` on a decode), owned by the manager and guarded by its lock, and the

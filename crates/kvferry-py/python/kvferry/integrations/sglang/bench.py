@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """A small throughput benchmark of the SGLang backend against kvferry's own transfer of
 the same bytes, in one process on loopback:

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="import-untyped"
+# mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """The SGLang general plugin (entry point ``kvferry`` in the ``sglang.srt.plugins``
 group): makes ``--disaggregation-transfer-backend kvferry`` a valid choice of SGLang's
