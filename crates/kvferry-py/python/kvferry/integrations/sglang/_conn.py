@@ -52,6 +52,7 @@ class KvferryKVSender(BaseKVSender):  # type: ignore[misc]
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         with self.mgr.lock:
             self.state.num_pages = int(num_kv_indices)
+            self.state.inited = True
             self.state.aux_index = None if aux_index is None else int(aux_index)
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any) -> None:
@@ -63,7 +64,13 @@ class KvferryKVSender(BaseKVSender):  # type: ignore[misc]
                 self.mgr.fail_send(self.state, f"publishing the chunk failed: {type(e).__name__}: {e}")
 
     def poll(self) -> int:
-        return int(self.state.status)
+        s = self.state
+        if s.status == KVPoll.WaitingForInput and s.inited and s.num_pages == 0 and not s.last_sent:
+            # Nothing to send (every page was a decode prefix hit): SGLang calls no
+            # send(); the empty last chunk still carries the auxiliary row.
+            with self.mgr.lock:
+                self.mgr.send_chunk(s, [])
+        return int(s.status)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         s = self.state

@@ -27,6 +27,7 @@ class SendRoom:
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)
     expected: int | None = None
     num_pages: int = 0
+    inited: bool = False
     aux_index: int | None = None
     sent_pages: int = 0
     chunks: int = 0
