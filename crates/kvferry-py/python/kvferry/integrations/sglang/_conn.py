@@ -48,6 +48,7 @@ class KvferryKVSender(BaseKVSender):  # type: ignore[misc]
         self.kv_mgr = mgr  # the attribute name SGLang's prefill scheduler reads
         with mgr.lock:
             self.state: SendRoom = mgr.senders.setdefault(self.room, SendRoom(self.room))
+            self.state.owned = True
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         with self.mgr.lock:

@@ -469,6 +469,12 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
         for r in list(self.receivers.values()):
             self._advance(r, now)
         for s in list(self.senders.values()):
+            if not s.owned and now - s.born > max(300.0, 10 * self.opts.bootstrap_timeout):
+                # Announced by a decode but never claimed by a request here (it went
+                # to another rank, or the prefill dropped it): forget it.
+                self.fail_send(s, "no request on this prefill claimed the room")
+                del self.senders[s.room]
+                continue
             if s.status == KVPoll.Transferring and now - s.progress > self.opts.timeout:
                 self.fail_send(s, f"timeout: no acknowledgement from the decode for {self.opts.timeout:g} s")
             elif s.status == KVPoll.Bootstrapping and s.metas and now - s.progress > self.opts.bootstrap_timeout:

@@ -24,6 +24,8 @@ class SendRoom:
     room: int
     status: int = KVPoll.Bootstrapping
     reason: str = ""
+    owned: bool = False  # a KvferryKVSender holds it (else only decode messages made it)
+    born: float = field(default_factory=time.monotonic)
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)
     expected: int | None = None
     num_pages: int = 0
