@@ -179,3 +179,22 @@ def test_prefill_sigkill_mid_transfer(roles: tuple[Role, Role]) -> None:
         del g
     finally:
         victim.close()
+
+
+def test_layout_mismatch_refused_by_the_prefill_by_name(roles: tuple[Role, Role]) -> None:
+    """What the bootstrap server does not carry (heads, MLA) the prefill checks when the
+    decode announces itself: both sides fail, naming the difference."""
+    pre, dec = roles
+    port = next(_ports)
+    common = dict(head_dim=8, pages=8, layers=2, mla=False, seed=port, aux_rows=4, port=port, page_size=4, tp=1, ranks_here=[0])
+    pre("setup", name="heads", mode="prefill", heads=4, **common)
+    dec("setup", name="heads", mode="decode", heads=8, **common)
+    room = next(_rooms)
+    pre("start", group="heads", room=room, pages=[1, 2], aux_index=0)
+    dec("start", group="heads", room=room, pages=[3, 4], aux_index=0)
+    assert wait_for(dec, "heads", room, {FAILED, SUCCESS}) == FAILED
+    assert wait_for(pre, "heads", room, {FAILED, SUCCESS}) == FAILED
+    d = dec("failure", group="heads", room=room)["errors"]["0"]
+    p = pre("failure", group="heads", room=room)["errors"]["0"]
+    assert "refused pairing" in d and "total KV heads differ: prefill 4, decode 8" in d, d
+    assert "refused pairing with decode rank 0" in p and "total KV heads differ" in p, p
