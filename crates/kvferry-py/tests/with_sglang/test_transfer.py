@@ -186,7 +186,7 @@ def test_layout_mismatch_refused_by_the_prefill_by_name(roles: tuple[Role, Role]
     decode announces itself: both sides fail, naming the difference."""
     pre, dec = roles
     port = next(_ports)
-    common = dict(head_dim=8, pages=8, layers=2, mla=False, seed=port, aux_rows=4, port=port, page_size=4, tp=1, ranks_here=[0])
+    common: dict[str, Any] = dict(head_dim=8, pages=8, layers=2, mla=False, seed=port, aux_rows=4, port=port, page_size=4, tp=1, ranks_here=[0])
     pre("setup", name="heads", mode="prefill", heads=4, **common)
     dec("setup", name="heads", mode="decode", heads=8, **common)
     room = next(_rooms)
