@@ -8,11 +8,13 @@
 //!
 //! Every test runs the real binary with the exact command line.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::net::TcpListener;
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use common::Serve;
 
 const EXE: &str = env!("CARGO_BIN_EXE_kvferry");
 
@@ -41,53 +43,18 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 }
 
 /// A running `kvferry serve` (killed on drop) and the address it listens on.
-struct Serve {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Starts `serve` on a free loopback port with a small tiny-model store, and returns
 /// once its "listening on" line arrived (which must come within 20 s).
 fn serve(extra: &[&str]) -> Serve {
-    let mut child = Command::new(EXE)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            "tiny",
-            "--blocks",
-            "1024",
-        ])
-        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvferry serve");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("serve printed nothing within 20 s");
-    let addr = line
-        .strip_prefix("kvferry serve: listening on ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
-        .to_string();
-    Serve { child, addr }
+    Serve::start(
+        Serve::command()
+            .args(["--blocks", "1024"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args(extra)
+            .stderr(Stdio::null()),
+        Duration::from_secs(20),
+        false,
+    )
 }
 
 #[test]
@@ -554,27 +521,18 @@ fn a_wrong_secret_is_explained_on_both_sides_and_counted() {
     std::fs::write(&secret, "c2VjcmV0LWZvci1rdmZlcnJ5LWNsaS10ZXN0cy0xMjM0\n").unwrap();
     std::fs::write(&wrong, "d3JvbmctZm9yLWt2ZmVycnktY2xpLXRlc3RzLTU2Nzg5\n").unwrap();
     let metrics = format!("127.0.0.1:{}", free_port());
-    let mut child = Command::new(EXE)
-        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--arena", "4MiB"])
-        .args(["--page-size", "64KiB", "--copy-threads", "1", "--metrics", &metrics])
-        .arg("--secret-file")
-        .arg(&secret)
-        .env_remove("KVFERRY_SECRET")
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("spawn kvferry serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .strip_prefix("kvferry serve: listening on ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
-        .to_string();
-    let s = Serve { child, addr };
+    let s = Serve::start(
+        Serve::command()
+            .args(["--arena", "4MiB"])
+            .args(["--page-size", "64KiB", "--copy-threads", "1", "--metrics", &metrics])
+            .arg("--secret-file")
+            .arg(&secret)
+            .env_remove("KVFERRY_SECRET")
+            .env_remove("RUST_LOG")
+            .stderr(std::fs::File::create(&log).unwrap()),
+        Duration::from_secs(20),
+        false,
+    );
 
     let out = Command::new(EXE)
         .args([

@@ -4,24 +4,14 @@
 //! serving; bad or incomplete TLS flags fail at start-up naming the file or flag.
 //! Certificates are generated per test (rcgen) in a unique temp dir.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
+use common::Serve;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-
-struct Serve {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn kvferry(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvferry"))
@@ -32,34 +22,16 @@ fn kvferry(args: &[&str]) -> Output {
 }
 
 fn serve(extra: &[&str]) -> Serve {
-    let t = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            "tiny",
-            "--blocks",
-            "1024",
-        ])
-        .args(["--arena", "8MiB", "--page-size", "64KiB"])
-        .args(extra)
-        .env_remove("KVFERRY_SECRET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvferry serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let rest = line
-        .strip_prefix("kvferry serve: listening on ")
-        .unwrap_or_else(|| panic!("serve did not start: {line:?}"));
-    assert!(t.elapsed() < Duration::from_secs(10));
-    let addr = rest.split_whitespace().next().unwrap().to_string();
-    Serve { child, addr }
+    Serve::start(
+        Serve::command()
+            .args(["--blocks", "1024"])
+            .args(["--arena", "8MiB", "--page-size", "64KiB"])
+            .args(extra)
+            .env_remove("KVFERRY_SECRET")
+            .stderr(Stdio::null()),
+        Duration::from_secs(10),
+        false,
+    )
 }
 
 /// Writes a CA and certificates signed by it (CN `names[i]`, valid for 127.0.0.1)

@@ -4,31 +4,17 @@
 //! records forged behind a live peer's back (taken back at once when their holder
 //! cannot prove the fleet's secret).
 
+mod common;
 #[path = "../../kvferry/tests/common/etcd.rs"]
 mod etcd;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Serve;
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
 use kvferry::directory::{Directory, PeerEvent};
-
-struct Serve {
-    child: Child,
-    addr: String,
-    line: String,
-    /// Kept open: the process may print more.
-    _out: BufReader<ChildStdout>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A child process killed when dropped (also when the test fails).
 struct KillOnDrop(Child);
@@ -40,31 +26,20 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// How long a `serve` may take to print where it listens.
+const START: Duration = Duration::from_secs(60);
+
 fn spawn_serve(e: &etcd::Etcd, listen: &str, id: &str) -> Result<Serve, String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["serve", "--listen", listen, "--model", "tiny", "--blocks", "256"])
-        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-        .args(["--directory", &e.url(), "--namespace", "cli", "--directory-ttl", "2s"])
-        .args(["--peer-id", id, "--role", "prefill"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvferry serve");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    match line.strip_prefix("kvferry serve: listening on ") {
-        Some(rest) => Ok(Serve {
-            addr: rest.split_whitespace().next().unwrap().to_string(),
-            line: line.clone(),
-            child,
-            _out: out,
-        }),
-        None => {
-            let out = child.wait_with_output().unwrap();
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
-        }
-    }
+    Serve::spawn(
+        Serve::command_on(listen)
+            .args(["--blocks", "256"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args(["--directory", &e.url(), "--namespace", "cli", "--directory-ttl", "2s"])
+            .args(["--peer-id", id, "--role", "prefill"])
+            .stderr(Stdio::piped()),
+        START,
+        false,
+    )
 }
 
 fn serve(e: &etcd::Etcd, id: &str) -> Serve {
@@ -390,32 +365,17 @@ fn serve_exports_the_directory_view_and_flags_it_stale_while_etcd_is_down() {
 
 /// A `serve` in namespace `ns` with `extra` flags (e.g. `--metrics`, `--advertise`).
 fn spawn_serve_in(e: &etcd::Etcd, ns: &str, id: &str, extra: &[&str]) -> Result<Serve, String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
-        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-        .args(["--directory", &e.url(), "--namespace", ns, "--directory-ttl", "2s"])
-        .args(["--peer-id", id])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvferry serve");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    match line.strip_prefix("kvferry serve: listening on ") {
-        Some(rest) => Ok(Serve {
-            addr: rest.split_whitespace().next().unwrap().to_string(),
-            line: line.clone(),
-            child,
-            _out: out,
-        }),
-        None => {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
-        }
-    }
+    Serve::spawn(
+        Serve::command()
+            .args(["--blocks", "64"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args(["--directory", &e.url(), "--namespace", ns, "--directory-ttl", "2s"])
+            .args(["--peer-id", id])
+            .args(extra)
+            .stderr(Stdio::piped()),
+        START,
+        false,
+    )
 }
 
 fn free_addr() -> String {
@@ -620,31 +580,16 @@ fn a_rogue_advertising_a_live_peers_address_cannot_take_its_id() {
 
 /// A plain `kvferry serve` (no directory) under peer id `id`, with `extra` arguments.
 fn plain_serve(id: &str, extra: &[&str]) -> Serve {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])
-        .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
-        .args(["--peer-id", id])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    let addr = line
-        .strip_prefix("kvferry serve: listening on ")
-        .unwrap_or_else(|| panic!("{line}"))
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
-    Serve {
-        addr,
-        line,
-        child,
-        _out: out,
-    }
+    Serve::start(
+        Serve::command()
+            .args(["--blocks", "64"])
+            .args(["--arena", "4MiB", "--page-size", "64KiB", "--copy-threads", "1"])
+            .args(["--peer-id", id])
+            .args(extra)
+            .stderr(Stdio::null()),
+        START,
+        false,
+    )
 }
 
 #[test]

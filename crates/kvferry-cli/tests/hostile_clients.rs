@@ -22,13 +22,16 @@
 //!
 //! Each test kills its server when dropped.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Serve;
 use kvferry::net::{NetConfig, NetError, Pool};
 use kvferry::wire::{ChunkKey, ChunkMeta, ErrorKind, Message};
 
@@ -36,63 +39,19 @@ use kvferry::wire::{ChunkKey, ChunkMeta, ErrorKind, Message};
 const BLOCK: usize = 2048;
 
 /// A `kvferry serve` child, killed on drop.
-struct Serve {
-    child: Child,
-    addr: String,
-    metrics: Option<SocketAddr>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Starts `kvferry serve` for the `tiny` model on an ephemeral port with `args`
 /// (with `--metrics 127.0.0.1:0` when `metrics`), and waits for its addresses.
 fn serve(args: &[&str], metrics: bool) -> Serve {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny"])
-        .args(args)
+    let mut cmd = Serve::command();
+    cmd.args(args)
         .env_remove("RUST_LOG")
         .env_remove("KVFERRY_SECRET")
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if metrics {
         cmd.args(["--metrics", "127.0.0.1:0"]);
     }
-    let mut child = cmd.spawn().expect("spawn kvferry serve");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let (mut addr, mut metrics_addr) = (None, None);
-    while addr.is_none() || (metrics && metrics_addr.is_none()) {
-        let Ok(line) = rx.recv_timeout(Duration::from_secs(30)) else {
-            let _ = child.kill();
-            let mut err = String::new();
-            let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-            panic!("serve did not print its addresses; stderr: {err}");
-        };
-        if let Some(rest) = line.strip_prefix("kvferry serve: listening on ") {
-            addr = rest.split_whitespace().next().map(str::to_string);
-        } else if let Some(rest) = line.strip_prefix("kvferry serve: metrics on ") {
-            metrics_addr = rest.split_whitespace().next().map(|a| a.parse().unwrap());
-        }
-    }
-    Serve {
-        child,
-        addr: addr.unwrap(),
-        metrics: metrics_addr,
-    }
+    Serve::start(&mut cmd, Duration::from_secs(30), metrics)
 }
 
 /// One sample of the server's metrics endpoint, by exact series name.

@@ -9,6 +9,7 @@
 //! Seed: `KVFERRY_NETNS_SEED` (printed); length: `KVFERRY_NETNS_CHAOS_SECS` (default 15).
 //! Run as root; elsewhere it skips with a message (a failure under `CI=true`).
 
+mod common;
 mod netns;
 
 use std::sync::atomic::{AtomicBool, Ordering};

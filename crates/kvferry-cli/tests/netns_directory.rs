@@ -13,6 +13,7 @@
 //! print why and return. They need root and the `etcd` binary too (a skip elsewhere, a
 //! failure under `CI=true`).
 
+mod common;
 mod netns;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -5,6 +5,7 @@
 //! incarnation and no request goes to a connection of the old one. Run as root;
 //! elsewhere these skip with a message (a failure under `CI=true`).
 
+mod common;
 mod netns;
 
 use std::time::{Duration, Instant};

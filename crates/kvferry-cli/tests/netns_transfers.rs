@@ -4,6 +4,7 @@
 //! Every landed byte is compared with what was put. Run as root; elsewhere these skip
 //! with a message (a failure under `CI=true`).
 
+mod common;
 mod netns;
 
 use std::time::{Duration, Instant};

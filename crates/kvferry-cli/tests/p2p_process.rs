@@ -1,11 +1,13 @@
 //! Real processes: `kvferry serve` as a child, killed with SIGKILL mid-pull and
 //! restarted; `kvferry put` / `kvferry get` against it.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Serve;
 use kvferry::copy::{CopyConfig, CopyEngine};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
 use kvferry::mem::{Arena, ArenaConfig, Region};
@@ -13,43 +15,23 @@ use kvferry::net::NetConfig;
 use kvferry::peer::{Consumer, ConsumerConfig, Destination, PeerError};
 use kvferry::wire::ChunkKey;
 
-struct Serve {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn serve(listen: &str, extra: &[&str]) -> Serve {
     let t = Instant::now();
     loop {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args([
-                "serve", "--listen", listen, "--model", "tiny", "--blocks", "4096", "--arena", "16MiB",
-            ])
-            .args(["--page-size", "64KiB"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvferry serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        if let Some(rest) = line.strip_prefix("kvferry serve: listening on ") {
-            let addr = rest.split_whitespace().next().unwrap().to_string();
-            return Serve { child, addr };
+        let started = Serve::spawn(
+            Serve::command_on(listen)
+                .args(["--blocks", "4096", "--arena", "16MiB"])
+                .args(["--page-size", "64KiB"])
+                .args(extra)
+                .stderr(Stdio::piped()),
+            Duration::from_secs(30),
+            false,
+        );
+        match started {
+            Ok(s) => return s,
+            // The port may still be held for a moment after a kill: retry briefly.
+            Err(why) => assert!(t.elapsed() < Duration::from_secs(5), "{why}"),
         }
-        // The port may still be held for a moment after a kill: retry briefly.
-        let _ = child.kill();
-        let _ = child.wait();
-        assert!(t.elapsed() < Duration::from_secs(5), "serve did not start: {line:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -3,27 +3,21 @@
 //! idle connections — while a well-behaved client keeps getting correct bytes and the
 //! server's memory stays bounded.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Serve;
 use kvferry::copy::{CopyConfig, CopyEngine};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
 use kvferry::mem::{Arena, ArenaConfig, Region};
 use kvferry::net::NetConfig;
 use kvferry::peer::{Consumer, ConsumerConfig, Destination};
 use kvferry::wire::{ChunkKey, FrameHeader, FrameKind};
-
-struct Serve(Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -52,36 +46,16 @@ fn closed_after(addr: &str, bytes: &[u8], within: Duration) -> bool {
 
 #[test]
 fn running_server_survives_garbage_oversize_slow_loris_and_idle_floods() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            "tiny",
-            "--blocks",
-            "256",
-            "--arena",
-            "8MiB",
-        ])
-        .args(["--page-size", "64KiB", "--io-timeout", "500ms"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .strip_prefix("kvferry serve: listening on ")
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
-    let pid = child.id();
-    let _serve = Serve(child);
+    let serve = Serve::start(
+        Serve::command()
+            .args(["--blocks", "256", "--arena", "8MiB"])
+            .args(["--page-size", "64KiB", "--io-timeout", "500ms"])
+            .stderr(Stdio::null()),
+        Duration::from_secs(30),
+        false,
+    );
+    let addr = serve.addr.clone();
+    let pid = serve.child.id();
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -4,31 +4,17 @@
 //! default, bearer token, `/healthz` and connection budget; and the `transfer` tracing
 //! span of `kvferry get`, filtered by `RUST_LOG`, as JSON lines.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::Serve;
 use prometheus_parse::{Scrape, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
-
-/// A `kvferry serve` child, SIGKILLed on drop if still running.
-struct Serve {
-    child: Child,
-    listen: String,
-    metrics: SocketAddr,
-    /// The "listening on" line.
-    startup: String,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn serve() -> Serve {
     serve_with(&["--metrics", "127.0.0.1:0"])
@@ -36,51 +22,18 @@ fn serve() -> Serve {
 
 /// `kvferry serve` on ephemeral ports with `extra` arguments (which give `--metrics`).
 fn serve_with(extra: &[&str]) -> Serve {
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--arena", "16MiB"])
-        .args(extra)
-        .args(["--model", "tiny", "--blocks", "64", "--copy-threads", "1"])
-        .env_remove("RUST_LOG")
-        .env_remove("KVFERRY_SECRET")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let (mut listen, mut metrics, mut startup) = (None, None, String::new());
-    while listen.is_none() || metrics.is_none() {
-        let line = match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(l) => l,
-            Err(_) => {
-                let _ = child.kill();
-                let mut err = String::new();
-                let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-                panic!("serve did not print its addresses; stderr: {err}");
-            }
-        };
-        if let Some(rest) = line.strip_prefix("kvferry serve: listening on ") {
-            startup = line.clone();
-            listen = rest.split(' ').next().map(str::to_string);
-        } else if let Some(rest) = line.strip_prefix("kvferry serve: metrics on ") {
-            metrics = rest.split(' ').next().map(|a| a.parse().unwrap());
-        }
-    }
-    Serve {
-        child,
-        listen: listen.unwrap(),
-        metrics: metrics.unwrap(),
-        startup,
-    }
+    Serve::start(
+        Serve::command()
+            .args(["--arena", "16MiB"])
+            .args(extra)
+            .args(["--blocks", "64", "--copy-threads", "1"])
+            .env_remove("RUST_LOG")
+            .env_remove("KVFERRY_SECRET")
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped()),
+        Duration::from_secs(30),
+        true,
+    )
 }
 
 /// A raw HTTP/1.1 GET: `(status, body)`.
@@ -173,7 +126,7 @@ fn chunk_file(tag: &str, len: u32) -> (std::path::PathBuf, std::path::PathBuf) {
 #[test]
 fn serve_exposes_metrics_that_move_with_put_and_get() {
     let mut s = serve();
-    let (status, body) = http_get(s.metrics, "/metrics");
+    let (status, body) = http_get(s.metrics_addr(), "/metrics");
     assert_eq!(status, 200);
     let m = scrape(&body);
     // 16 MiB of 2 MiB pages, all free; nothing moved yet.
@@ -193,9 +146,9 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     let pinned = val(&m, "kvferry_arena_backing_bytes", &[p, ("backing", "pinned")]);
     let unpinned = val(&m, "kvferry_arena_backing_bytes", &[p, ("backing", "unpinned")]);
     assert_eq!(pinned + unpinned, 16.0 * 1024.0 * 1024.0);
-    assert_eq!(pinned > 0.0, s.startup.contains("(pinned)"), "{}", s.startup);
-    assert_eq!(unpinned > 0.0, s.startup.contains("(unpinned)"), "{}", s.startup);
-    assert_eq!(http_get(s.metrics, "/").0, 404);
+    assert_eq!(pinned > 0.0, s.line.contains("(pinned)"), "{}", s.line);
+    assert_eq!(unpinned > 0.0, s.line.contains("(unpinned)"), "{}", s.line);
+    assert_eq!(http_get(s.metrics_addr(), "/").0, 404);
 
     // Push a chunk, then fetch it: with RUST_LOG and --log-json, `get` logs its
     // transfer span as JSON; at the default level it logs nothing.
@@ -208,7 +161,7 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
         .args([
             "put",
             "--peer",
-            &s.listen,
+            &s.addr,
             "--key",
             "k1",
             "--file",
@@ -220,17 +173,8 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     assert!(put.status.success(), "{}", String::from_utf8_lossy(&put.stderr));
     let get = |rust_log: Option<&str>| {
         let mut cmd = Command::new(BIN);
-        cmd.args([
-            "--log-json",
-            "get",
-            "--peer",
-            &s.listen,
-            "--key",
-            "k1",
-            "--model",
-            "tiny",
-        ])
-        .env_remove("RUST_LOG");
+        cmd.args(["--log-json", "get", "--peer", &s.addr, "--key", "k1", "--model", "tiny"])
+            .env_remove("RUST_LOG");
         if let Some(filter) = rust_log {
             cmd.env("RUST_LOG", filter);
         }
@@ -251,16 +195,16 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     assert_eq!(v["span"]["name"], "transfer", "{event}");
     assert_eq!(v["span"]["kind"], "get", "{event}");
     assert_eq!(v["span"]["chunks"], 1, "{event}");
-    assert_eq!(v["span"]["peer"], s.listen.as_str(), "{event}");
+    assert_eq!(v["span"]["peer"], s.addr.as_str(), "{event}");
     assert!(v["span"]["request"].is_u64(), "{event}");
     let _ = std::fs::remove_dir_all(&dir);
 
     // A miss: the daemon does not hold this key.
-    let miss = kvferry(&["get", "--peer", &s.listen, "--key", "absent", "--model", "tiny"]);
+    let miss = kvferry(&["get", "--peer", &s.addr, "--key", "absent", "--model", "tiny"]);
     assert!(!miss.status.success());
     assert!(String::from_utf8_lossy(&miss.stderr).contains("miss"), "{miss:?}");
 
-    let (status, body) = http_get(s.metrics, "/metrics");
+    let (status, body) = http_get(s.metrics_addr(), "/metrics");
     assert_eq!(status, 200);
     let m = scrape(&body);
     assert_eq!(val(&m, "kvferry_bytes_total", &[p, ("direction", "sent")]), 10_000.0);
@@ -316,7 +260,7 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
         "{err}"
     );
     assert!(
-        TcpStream::connect(s.metrics).is_err(),
+        TcpStream::connect(s.metrics_addr()).is_err(),
         "the endpoint stopped with the daemon"
     );
 }
@@ -351,32 +295,32 @@ fn a_bare_port_binds_loopback_and_a_token_and_a_budget_guard_the_endpoint() {
     std::fs::write(&token_file, "metrics-token-0123456789abcdef\n").unwrap();
     let s = serve_with(&["--metrics", "0", "--metrics-token-file", token_file.to_str().unwrap()]);
     assert!(
-        s.metrics.ip().is_loopback(),
+        s.metrics_addr().ip().is_loopback(),
         "a bare port means loopback: {}",
-        s.metrics
+        s.metrics_addr()
     );
-    assert_eq!(s.metrics.ip().to_string(), "127.0.0.1");
+    assert_eq!(s.metrics_addr().ip().to_string(), "127.0.0.1");
 
     // The token: refused without it or with another, served with it; probes need none.
     let auth = "Authorization: Bearer metrics-token-0123456789abcdef\r\n";
-    assert_eq!(http_get(s.metrics, "/metrics").0, 401);
+    assert_eq!(http_get(s.metrics_addr(), "/metrics").0, 401);
     assert_eq!(
         http_get_with(
-            s.metrics,
+            s.metrics_addr(),
             "/metrics",
             "Authorization: Bearer metrics-token-0123456789abcdeF\r\n"
         )
         .0,
         401
     );
-    let (status, body) = http_get_with(s.metrics, "/metrics", auth);
+    let (status, body) = http_get_with(s.metrics_addr(), "/metrics", auth);
     assert_eq!(status, 200);
     assert_eq!(
         val(&scrape(&body), "kvferry_peer_connections", &[("role", "server")]),
         0.0
     );
-    assert_eq!(http_get(s.metrics, "/healthz"), (200, "ok\n".to_string()));
-    assert_eq!(http_get(s.metrics, "/readyz"), (200, "ready\n".to_string()));
+    assert_eq!(http_get(s.metrics_addr(), "/healthz"), (200, "ok\n".to_string()));
+    assert_eq!(http_get(s.metrics_addr(), "/readyz"), (200, "ready\n".to_string()));
 
     // The budget: idle connections (a request head never finished) cannot hold the
     // metrics port: past the 64 kept open, a newcomer closes the oldest of them, so
@@ -384,15 +328,15 @@ fn a_bare_port_binds_loopback_and_a_token_and_a_budget_guard_the_endpoint() {
     let (dir2, file) = chunk_file("metrics-budget", 3000);
     let mut held: Vec<TcpStream> = (0..100)
         .map(|_| {
-            let mut c = TcpStream::connect(s.metrics).unwrap();
+            let mut c = TcpStream::connect(s.metrics_addr()).unwrap();
             c.write_all(b"GET /metr").unwrap();
             c
         })
         .collect();
     for _ in 0..3 {
         let t = std::time::Instant::now();
-        assert_eq!(try_http_get(s.metrics, "/metrics", auth), Some(200));
-        assert_eq!(http_get(s.metrics, "/healthz").0, 200);
+        assert_eq!(try_http_get(s.metrics_addr(), "/metrics", auth), Some(200));
+        assert_eq!(http_get(s.metrics_addr(), "/healthz").0, 200);
         assert!(t.elapsed() < Duration::from_secs(2), "answered after {:?}", t.elapsed());
     }
     // ...and the oldest idle ones were closed.
@@ -406,21 +350,21 @@ fn a_bare_port_binds_loopback_and_a_token_and_a_budget_guard_the_endpoint() {
     let put = kvferry(&[
         "put",
         "--peer",
-        &s.listen,
+        &s.addr,
         "--key",
         "kb",
         "--file",
         file.to_str().unwrap(),
     ]);
     assert!(put.status.success(), "{put:?}");
-    let got = kvferry(&["get", "--peer", &s.listen, "--key", "kb", "--model", "tiny"]);
+    let got = kvferry(&["get", "--peer", &s.addr, "--key", "kb", "--model", "tiny"]);
     assert!(got.status.success(), "{got:?}");
     assert!(String::from_utf8_lossy(&got.stdout).starts_with("got 3000 bytes"));
     // ...and once they go, metrics answers again and saw the transfer.
     drop(held);
     let mut answer = (0, String::new());
     for _ in 0..200 {
-        answer = http_get_with(s.metrics, "/metrics", auth);
+        answer = http_get_with(s.metrics_addr(), "/metrics", auth);
         if answer.0 == 200 {
             break;
         }
@@ -478,8 +422,8 @@ fn serve_refuses_an_unusable_token_file() {
 #[test]
 fn binding_beyond_loopback_is_explicit_and_warned_about_without_a_token() {
     let mut s = serve_with(&["--metrics", "0.0.0.0:0"]);
-    assert!(s.metrics.ip().is_unspecified(), "as given: {}", s.metrics);
-    let local = SocketAddr::from(([127, 0, 0, 1], s.metrics.port()));
+    assert!(s.metrics_addr().ip().is_unspecified(), "as given: {}", s.metrics_addr());
+    let local = SocketAddr::from(([127, 0, 0, 1], s.metrics_addr().port()));
     assert_eq!(http_get(local, "/healthz").0, 200);
     let _ = s.child.kill();
     let _ = s.child.wait();

@@ -7,8 +7,8 @@
 //! for the "listening on" line (bounded); the rest of its output is drained into a
 //! buffer kept for failure messages. Drop SIGKILLs the process.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Output, Stdio};
+use std::io::{Read, Write};
+use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,27 +25,20 @@ pub const MODEL: &str = "tiny";
 
 /// A running `kvferry serve` in a host.
 pub struct Serve {
-    child: Child,
+    /// The process (SIGKILLed and reaped on drop).
+    process: crate::common::Serve,
     /// Where it runs.
     pub host: Host,
     /// Its peer address, `IP:7070`.
     pub addr: String,
     /// Its incarnation, from the start-up line.
     pub incarnation: u64,
+    /// Its stderr so far.
     log: Arc<Mutex<String>>,
 }
 
 fn drain(r: impl Read + Send + 'static, log: Arc<Mutex<String>>) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(r).lines() {
-            let Ok(line) = line else { break };
-            let mut l = log.lock().unwrap();
-            if l.len() < 1 << 20 {
-                l.push_str(&line);
-                l.push('\n');
-            }
-        }
-    });
+    crate::common::keep_lines(r, log, |_| {});
 }
 
 /// Parses `incarnation 0x...` out of the start-up line.
@@ -65,51 +58,36 @@ impl Serve {
         let peer_id = format!("h{}", host.index);
         let t = Instant::now();
         loop {
-            let mut child = host
-                .command(env!("CARGO_BIN_EXE_kvferry"))
-                .args(["serve", "--listen", &format!("0.0.0.0:{PORT}"), "--model", MODEL])
+            let mut cmd = host.command(env!("CARGO_BIN_EXE_kvferry"));
+            cmd.args(["serve", "--listen", &format!("0.0.0.0:{PORT}"), "--model", MODEL])
                 .args(["--blocks", "8192", "--arena", "32MiB", "--page-size", "64KiB"])
                 .args(["--metrics", &format!("0.0.0.0:{METRICS_PORT}"), "--peer-id", &peer_id])
                 .args(extra)
                 .env("KVFERRY_SECRET", SECRET)
                 .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn kvferry serve via ip netns exec");
-            let log = Arc::new(Mutex::new(String::new()));
-            drain(child.stderr.take().unwrap(), log.clone());
-            let (tx, rx) = std::sync::mpsc::channel();
-            let stdout = child.stdout.take().unwrap();
-            let log2 = log.clone();
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(stdout);
-                let mut line = String::new();
-                let _ = r.read_line(&mut line);
-                let _ = tx.send(line);
-                drain(r, log2);
-            });
-            let line = rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default();
-            if line.starts_with("kvferry serve: listening on ") {
-                let incarnation = parse_incarnation(&line).unwrap_or_else(|| panic!("no incarnation in {line:?}"));
-                let s = Serve {
-                    child,
-                    addr: host.addr(PORT),
-                    host: host.clone(),
-                    incarnation,
-                    log,
-                };
-                s.wait_metrics();
-                return s;
+                .stderr(Stdio::piped());
+            match crate::common::Serve::spawn(&mut cmd, Duration::from_secs(20), false) {
+                Ok(mut process) => {
+                    let log = Arc::new(Mutex::new(String::new()));
+                    drain(process.child.stderr.take().unwrap(), log.clone());
+                    let line = &process.line;
+                    let incarnation = parse_incarnation(line).unwrap_or_else(|| panic!("no incarnation in {line:?}"));
+                    let s = Serve {
+                        process,
+                        addr: host.addr(PORT),
+                        host: host.clone(),
+                        incarnation,
+                        log,
+                    };
+                    s.wait_metrics();
+                    return s;
+                }
+                Err(why) => assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "serve in {} did not start: {why}",
+                    host.ns
+                ),
             }
-            let _ = child.kill();
-            let _ = child.wait();
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "serve in {} did not start: {line:?}\n{}",
-                host.ns,
-                log.lock().unwrap()
-            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -128,23 +106,23 @@ impl Serve {
 
     /// The process id.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.child.id()
     }
 
     /// SIGKILLs the process and reaps it.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.process.child.kill();
+        let _ = self.process.child.wait();
     }
 
     /// True while the process runs.
     pub fn alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        matches!(self.process.child.try_wait(), Ok(None))
     }
 
     /// Its stdout and stderr so far.
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
+        format!("{}{}", self.process.stdout(), self.log.lock().unwrap())
     }
 
     /// The Prometheus text from its metrics endpoint, fetched inside its host.
@@ -218,12 +196,6 @@ pub fn metric_in(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 /// Runs `kvferry ARGS` inside `host` with the shared secret, bounded by `limit`
