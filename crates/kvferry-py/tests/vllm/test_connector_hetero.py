@@ -455,6 +455,8 @@ def test_abort_of_a_failed_undrained_planned_pull_releases_its_unread_slots(made
     The abort must release rank 1's unread slot at once: before the fix, the abort
     released only pulls without an error, and the slot stayed pinned until its lease
     ended (30 s). Counted black-box: rank 1's engine's ``published_now``."""
+    from kvferry.errors import DeviceError
+
     p = Instance("kv_producer", tp=2, tag="p", extra={"lease_ttl": 30.0, "timeout": 10.0})
     d = Instance("kv_consumer", tp=1, tag="d", extra={"timeout": 10.0, "device": "sim", "device_timeout": 0.5})
     made += [p, d]
@@ -469,8 +471,13 @@ def test_abort_of_a_failed_undrained_planned_pull_releases_its_unread_slots(made
     eng._e._inject_device_fault("stall", "next")  # rank 0's scatter into the decode
     try:
         d.add(rid, prompt, max_tokens=2, params=params)
-        d.run_until(lambda: eng.stats()["consumer"]["failed"] >= 1, 10, "rank 0's read to fail at device_timeout")
-        d.step()  # the worker sees the failure
+        # A miss of rank 1's slot counts as a failed get too: wait for the pull itself
+        # to have failed (rank 0's scatter timed out), its copy unconfirmed.
+        w = d.workers()[0]
+        d.run_until(lambda: rid in w._pulls and w._pulls[rid].error is not None, 10, "rank 0's read to fail at device_timeout")
+        assert isinstance(w._pulls[rid].error, DeviceError), w._pulls[rid].error
+        t = w._pulls[rid].transfer
+        assert t is not None and not t.drained(), "the stalled copy may still write"
         assert rid not in d.finished_recving, "reported before its drain"
         del late.publish
         for a, kw in held:  # rank 1 publishes now: its reader slots
