@@ -5,13 +5,13 @@
 //! failing its transfers. Prints figures; asserts only the bound on the last.
 #![cfg(feature = "etcd")]
 
+mod common;
 #[path = "common/etcd.rs"]
 mod etcd;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
 use kvferry::directory::{Directory, PeerEvent};
 use kvferry::engine::{Engine, EngineConfig, StoreConfig};
@@ -35,12 +35,7 @@ async fn dir(e: &etcd::Etcd) -> Arc<EtcdDirectory> {
 }
 
 fn engine_cfg(peer_id: &str, dir: Option<Arc<EtcdDirectory>>) -> EngineConfig {
-    let mut c = EngineConfig::default().peer_id(peer_id).arena(1 << 20, 64 << 10);
-    c.pinned = false;
-    c.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
+    let mut c = common::engines::small_config(peer_id).arena(1 << 20, 64 << 10);
     c.store = StoreConfig::Bytes {
         bytes: 256 << 10,
         block_bytes: BLOCK,

@@ -3,16 +3,16 @@
 //! etcd going down and coming back; locating keys on live peers.
 #![cfg(feature = "etcd")]
 
+mod common;
 #[path = "common/etcd.rs"]
 mod etcd;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry::copy::CopyConfig;
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
 use kvferry::directory::{Directory, DirectoryError, PeerEvent, PeerRecord, RegistrationState, Role};
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::{Engine, EngineConfig};
 use kvferry::layout::KvCache;
 use kvferry::mem::Region;
 use kvferry::peer::{Destination, PeerError};
@@ -38,16 +38,7 @@ async fn dir(e: &etcd::Etcd) -> Arc<EtcdDirectory> {
 }
 
 fn engine_cfg(peer_id: &str, dir: Option<Arc<EtcdDirectory>>) -> EngineConfig {
-    let mut c = EngineConfig::default().peer_id(peer_id).arena(2 << 20, 64 << 10);
-    c.pinned = false;
-    c.copy = CopyConfig {
-        threads: 1,
-        slice_bytes: 256 << 10,
-    };
-    c.store = StoreConfig::Bytes {
-        bytes: 1 << 20,
-        block_bytes: BLOCK,
-    };
+    let mut c = common::engines::small_config(peer_id);
     c.directory = dir.map(|d| d as Arc<dyn Directory>);
     c.role = Role::Prefill;
     c
