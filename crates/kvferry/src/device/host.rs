@@ -27,7 +27,8 @@ use crate::mem::{HostMemory, Region};
 
 use super::buffer::{DeviceBuffer, HostBuffer};
 use super::event::{Event, EventMeta, PushSignal};
-use super::stream::{enqueue, CopyDirection, CopyOp, Queued, Stream, StreamBackend};
+use super::executor::{enqueue, Queued};
+use super::stream::{CopyDirection, CopyOp, Stream, StreamBackend};
 use super::{next_device_id, Device, DeviceError, DeviceKind};
 
 /// A device whose memory is host memory and whose copies run on a [`CopyEngine`].

@@ -72,6 +72,7 @@ mod cache_ref;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod event;
+mod executor;
 mod host;
 mod kv_cache;
 mod output;

@@ -35,7 +35,8 @@ use crate::mem::Region;
 
 use super::buffer::{DeviceBuffer, HostBuffer};
 use super::event::{Event, EventMeta, PushSignal};
-use super::stream::{copy_inline, enqueue, CopyOp, Queued, Stream, StreamBackend};
+use super::executor::{copy_inline, enqueue, Queued};
+use super::stream::{CopyOp, Stream, StreamBackend};
 use super::{next_device_id, Device, DeviceError, DeviceKind};
 
 /// A fault the sim device injects into one operation.
