@@ -32,7 +32,7 @@
 //! [`Leader::shutdown`] leaves the leader to be dropped, which kills the workers.
 
 use std::collections::HashMap;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -45,6 +45,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::config::{format_duration, LeaderConfig, WorkerConfig};
+use super::processes::{describe_exit, ChildSet, Spawner};
 use super::protocol::{StepOp, StepOutcome, ToLeader, ToWorker};
 use super::sockdir::SocketDir;
 use super::tracker::{Health, Ingest, StepReport, StepTracker};
@@ -504,123 +505,5 @@ async fn write_loop(
             }
             return;
         }
-    }
-}
-
-/// Describes how a process ended.
-pub(crate) fn describe_exit(status: ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    if let Some(sig) = status.signal() {
-        let name = match sig {
-            libc::SIGKILL => " (SIGKILL)",
-            libc::SIGTERM => " (SIGTERM)",
-            libc::SIGABRT => " (SIGABRT)",
-            libc::SIGSEGV => " (SIGSEGV)",
-            libc::SIGBUS => " (SIGBUS)",
-            _ => "",
-        };
-        format!("killed by signal {sig}{name}")
-    } else if let Some(code) = status.code() {
-        format!("exited with status {code}")
-    } else {
-        status.to_string()
-    }
-}
-
-/// The worker processes, by rank. Killed and reaped on drop.
-#[derive(Debug, Default)]
-struct ChildSet {
-    children: Vec<Mutex<Child>>,
-    pids: Vec<u32>,
-}
-
-impl ChildSet {
-    fn push(&mut self, child: Child) {
-        self.pids.push(child.id());
-        self.children.push(Mutex::new(child));
-    }
-
-    fn pids(&self) -> Vec<u32> {
-        self.pids.clone()
-    }
-
-    fn pid(&self, rank: u32) -> Option<u32> {
-        self.pids.get(rank as usize).copied()
-    }
-
-    /// The exit status if the process has exited (reaping it).
-    fn try_wait(&self, rank: u32) -> Option<ExitStatus> {
-        self.children.get(rank as usize)?.lock().try_wait().ok().flatten()
-    }
-
-    /// SIGKILLs one worker (a no-op if it was already reaped: `Child` never signals a
-    /// reaped, possibly reused, pid).
-    fn kill(&self, rank: u32) -> Result<u32, ClusterError> {
-        let child = self
-            .children
-            .get(rank as usize)
-            .ok_or_else(|| ClusterError::InvalidConfig {
-                field: "rank",
-                reason: format!("no rank {rank}"),
-            })?;
-        let mut child = child.lock();
-        child
-            .kill()
-            .map_err(|e| ClusterError::io(format!("cannot kill rank {rank}"), e))?;
-        Ok(child.id())
-    }
-
-    /// SIGKILLs every worker, then reaps every one.
-    fn kill_all_and_reap(&self) {
-        for child in &self.children {
-            let _ = child.lock().kill();
-        }
-        for child in &self.children {
-            let _ = child.lock().wait();
-        }
-    }
-}
-
-impl Drop for ChildSet {
-    fn drop(&mut self) {
-        self.kill_all_and_reap();
-    }
-}
-
-/// A thread that spawns the worker processes and then lives as long as the leader.
-#[derive(Debug)]
-struct Spawner {
-    tx: std::sync::mpsc::Sender<SpawnJob>,
-}
-
-struct SpawnJob {
-    cmd: Command,
-    reply: oneshot::Sender<std::io::Result<Child>>,
-}
-
-impl Spawner {
-    fn new() -> Result<Spawner, ClusterError> {
-        let (tx, rx) = std::sync::mpsc::channel::<SpawnJob>();
-        std::thread::Builder::new()
-            .name("kvferry-leader-spawn".into())
-            .spawn(move || {
-                // Ends when the leader drops the sender.
-                for mut job in rx {
-                    // If the caller went away meanwhile, no process may be left behind.
-                    if let Err(Ok(mut orphan)) = job.reply.send(job.cmd.spawn()) {
-                        let _ = orphan.kill();
-                        let _ = orphan.wait();
-                    }
-                }
-            })
-            .map_err(|e| ClusterError::io("cannot start the spawning thread", e))?;
-        Ok(Spawner { tx })
-    }
-
-    async fn spawn(&self, cmd: Command) -> std::io::Result<Child> {
-        let (reply, rx) = oneshot::channel();
-        let gone = || std::io::Error::other("the spawning thread is gone");
-        self.tx.send(SpawnJob { cmd, reply }).map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
     }
 }

@@ -39,6 +39,7 @@
 pub mod config;
 mod leader;
 mod outcomes;
+mod processes;
 pub mod protocol;
 mod rank_device;
 mod sockdir;
