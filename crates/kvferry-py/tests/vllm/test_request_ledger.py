@@ -321,3 +321,23 @@ def test_a_step_over_max_keys_is_cut_into_messages() -> None:
     assert {k for m in msgs for k in m.keys} == {f"k{i}" for i in range(4097)}
     assert all(m.expires_at == 20.0 for m in msgs)
     assert led.flush_releases() == []
+
+
+def test_a_miss_with_no_time_left_is_final_not_relaunched() -> None:
+    """A plain pull's retry falls due with less than ``MIN_GET`` before its deadline
+    (a loaded step came late): the miss is final — reported as the miss it is, its key
+    released — instead of a get launched with a millisecond left that would time out
+    and be reported as a timeout (seen under load in the defect-2 test)."""
+    from kvferry.integrations.vllm.ledger import MIN_GET
+
+    led = RequestLedger(timeout=TIMEOUT)
+    rec = led.start_pull(PullRecord(req_id="r", retries_misses=True, load_blocks=[7]), 0.0, 0.0)
+    led.launched(rec)
+    miss = Seen(True, True, errors.NotFoundError("not yet"), True, (("p0:1", None, "r"),))
+    assert not led.poll(1.0, lambda _: miss).ready and rec.state == "waiting"
+    polled = led.poll(TIMEOUT - MIN_GET / 2, lambda _: miss)
+    assert not polled.launch and polled.ready == [rec]
+    led.report(rec, miss)
+    assert led.take_recving() == ({"r"}, {"r"}) and led.take_load_errors() == {7}
+    assert isinstance(rec.error, errors.NotFoundError)
+    assert [m.keys for m in led.flush_releases()] == [("r",)]

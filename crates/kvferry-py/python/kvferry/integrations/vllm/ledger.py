@@ -18,7 +18,8 @@ is in exactly one state:
 - ``pulling``: its get (or :class:`~.reads.RankReads`) is in flight;
 - ``waiting``: a plain pull's get missed (the prefill publishes a step after it
   answered) and is retried at ``retry_at`` — never past ``retry_until``, the lease's
-  advertised end, nor the deadline;
+  advertised end, nor with less than :data:`MIN_GET` left before the deadline (then
+  the miss is final);
 - ``failed``: it failed (an error, a final miss, the deadline's backstop), and a copy
   may still write its blocks: it is reported only once its transfer drained;
 - ``aborted``: vLLM finished the request while it pulled; its blocks are handed back
@@ -64,6 +65,10 @@ __all__ = ["MAX_KEYS", "PullRecord", "PubRecord", "Seen", "ReleaseMsg", "Polled"
 
 MAX_KEYS = 4096
 """The most keys one ``release_remote`` may carry (the engine's ``max_keys``)."""
+
+MIN_GET = 0.010
+"""A missed get is retried only while at least this long is left before the deadline;
+then the miss is final (a get launched with less would time out instead)."""
 
 BACKSTOP = 1.0
 """Seconds past a pull's deadline after which the ledger cancels it itself (kvferry
@@ -206,8 +211,11 @@ class RequestLedger:
             if rec.state == "waiting":
                 if rec.retry_at is not None and now < rec.retry_at:
                     continue
-                out.launch.append(rec)
-                continue
+                if rec.deadline - now >= MIN_GET:
+                    out.launch.append(rec)
+                    continue
+                # Too little time left for another get: the miss is final.
+                self.fail(rec, seen.error or errors.NotFoundError(f"{rec.req_id} not published before its deadline"))
             if rec.state == "pulling":
                 if not seen.started:
                     continue  # launched by the I/O layer at the end of its step

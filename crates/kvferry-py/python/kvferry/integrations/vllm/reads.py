@@ -60,6 +60,11 @@ from .mapping import Read
 __all__ = ["RankReads", "has_selection"]
 
 
+MIN_GET = 0.010
+"""A missed get is retried only while at least this long is left before the deadline;
+after that the miss is final (a get launched with less would time out instead)."""
+
+
 def has_selection() -> bool:
     """Whether this kvferry has partial gets (``kvferry.Selection``)."""
     return hasattr(kvferry, "Selection")
@@ -99,6 +104,7 @@ class _Sub:
     scratch_region: Region | None = None
     error: BaseException | None = None
     batch: _Batch | None = None  # the batched get carrying this read, until it settled
+    last_miss: BaseException | None = None  # the NotFoundError a retry is waiting on
 
 
 @dataclass
@@ -235,6 +241,12 @@ class RankReads:
             t = s.transfer
             if t is None:
                 if s.retry_at is not None and now >= s.retry_at:
+                    if s.last_miss is not None and self.deadline - now < MIN_GET:
+                        # Too little time left for another get: the miss is final (a
+                        # get launched now would time out and call it a timeout).
+                        s.error = s.last_miss
+                        self._fail(s.last_miss)
+                        return
                     try:
                         self._launch(s)
                     except Exception as e:  # noqa: BLE001
@@ -254,6 +266,7 @@ class RankReads:
                 s.landed = True
                 self._drop_scratch(s)
             elif isinstance(err, errors.NotFoundError) and now < self.retry_until:
+                s.last_miss = err
                 s.transfer = None
                 s.retry_at = min(self.retry_until, now + min(0.05, 0.002 * 2 ** min(s.attempts, 5)))
             else:
