@@ -28,9 +28,9 @@ use std::time::Duration;
 
 use kvferry::engine::ChunkKey;
 use kvferry::engine::DeviceKvCache;
+use kvferry::engine::Engine;
 use kvferry::engine::Region;
 use kvferry::engine::{Destination, TransferPath};
-use kvferry::engine::Engine;
 use kvferry::engine::{KvCache, Span};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;

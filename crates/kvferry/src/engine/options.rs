@@ -315,9 +315,9 @@ impl EngineOptions {
         }
         net.secret = self.secret.clone();
         net.tls = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => Some(
-                TlsConfig::from_files(cert, key, ca).map_err(|e| OptionError::new("tls_cert", e.to_string()))?,
-            ),
+            (Some(cert), Some(key), Some(ca)) => {
+                Some(TlsConfig::from_files(cert, key, ca).map_err(|e| OptionError::new("tls_cert", e.to_string()))?)
+            }
             _ => None,
         };
         net.io_timeout = self.io_timeout;
