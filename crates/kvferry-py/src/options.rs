@@ -10,7 +10,7 @@
 //! keyword defaults.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict};
 
 use crate::errors::ErrInfo;
 
@@ -28,11 +28,31 @@ impl PyEngineOptions {
     #[new]
     #[pyo3(signature = (**kwargs))]
     fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<PyEngineOptions> {
-        let inner = match kwargs {
-            None => kvferry::engine::EngineOptions::default(),
-            Some(d) => pythonize::depythonize(d.as_any())
-                .map_err(|e| PyErr::from(ErrInfo::invalid(format!("engine options: {e}"))))?,
+        let Some(d) = kwargs else {
+            return Ok(PyEngineOptions {
+                inner: kvferry::engine::EngineOptions::default(),
+            });
         };
+        // Python's bool is an int: refuse it where the option is not a switch, as a
+        // typo'd `wait_spin_us=True` is not one microsecond.
+        let defaults = to_py(d.py(), &kvferry::engine::EngineOptions::default())?;
+        for (name, value) in d.iter() {
+            if value.is_instance_of::<PyBool>() {
+                let switch = defaults
+                    .get_item(&name)
+                    .ok()
+                    .is_some_and(|v| v.is_instance_of::<PyBool>());
+                if !switch {
+                    return Err(ErrInfo::invalid(format!("{name}: expected a number, got {value}")).into());
+                }
+            }
+        }
+        let mut de = pythonize::Depythonizer::from_object(d.as_any());
+        // The path names the option a bad value was given for.
+        let inner = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let name = e.path().to_string();
+            PyErr::from(ErrInfo::invalid(format!("{name}: {}", e.into_inner())))
+        })?;
         Ok(PyEngineOptions { inner })
     }
 
