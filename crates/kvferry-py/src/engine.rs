@@ -245,7 +245,7 @@ impl PyEngine {
         // it reads from the same options.
         let mut cfg = o
             .to_config()
-            .map_err(|e| PyErr::from(ErrInfo::invalid(e.to_string())))?;
+            .map_err(|e| PyErr::from(ErrInfo::new(e.code, e.to_string())))?;
         let runtime = RuntimeRef::get(o.runtime_threads, o.shared_runtime)
             .map_err(|e| ErrInfo::new(ErrorCode::Io, format!("starting the engine's runtime: {e}")))?;
         let handle = runtime.handle().clone();

@@ -36,6 +36,9 @@ pub struct OptionError {
     pub option: &'static str,
     /// What is wrong with its value.
     pub why: String,
+    /// The stable code: `InvalidArgument` for a value out of range, or the code of
+    /// the lower layer's error (a TLS file that cannot be loaded: `InvalidConfig`).
+    pub code: crate::ErrorCode,
 }
 
 impl OptionError {
@@ -43,7 +46,13 @@ impl OptionError {
         OptionError {
             option,
             why: why.into(),
+            code: crate::ErrorCode::InvalidArgument,
         }
+    }
+
+    fn with_code(mut self, code: crate::ErrorCode) -> OptionError {
+        self.code = code;
+        self
     }
 }
 
@@ -315,9 +324,10 @@ impl EngineOptions {
         }
         net.secret = self.secret.clone();
         net.tls = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => {
-                Some(TlsConfig::from_files(cert, key, ca).map_err(|e| OptionError::new("tls_cert", e.to_string()))?)
-            }
+            (Some(cert), Some(key), Some(ca)) => Some(
+                TlsConfig::from_files(cert, key, ca)
+                    .map_err(|e| OptionError::new("tls", e.to_string()).with_code(e.code()))?,
+            ),
             _ => None,
         };
         net.io_timeout = self.io_timeout;
@@ -332,7 +342,8 @@ impl EngineOptions {
             max_bulk_bytes: self.max_bulk_bytes,
             ..Limits::default()
         };
-        net.validate().map_err(|e| OptionError::new("network", e.to_string()))?;
+        net.validate()
+            .map_err(|e| OptionError::new("network", e.to_string()).with_code(e.code()))?;
         let mut copy = base.copy.clone();
         if let Some(t) = self.copy_threads {
             copy.threads = t;
