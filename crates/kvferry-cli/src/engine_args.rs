@@ -4,12 +4,10 @@
 use std::time::Duration;
 
 use clap::Args;
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
+use kvferry::engine::{Engine, EngineConfig, EngineOptions, StoreConfig};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
 use kvferry::mem::ByteSize;
-use kvferry::net::{NetConfig, TlsConfig};
-use kvferry::peer::ProducerConfig;
-use kvferry::wire::Limits;
+use kvferry::net::TlsConfig;
 
 use crate::util::{parse_model, parse_timeout, read_secret_file};
 
@@ -146,64 +144,49 @@ impl EngineArgs {
         Ok(self.secret.as_ref().map(|s| s.as_bytes().to_vec()))
     }
 
-    pub fn net(&self, peer_id: &str) -> anyhow::Result<NetConfig> {
-        let mut net = NetConfig::new(peer_id);
-        net.secret = self.secret()?;
-        net.io_timeout = self.io_timeout;
-        net.min_rate = self.min_rate.bytes();
-        net.min_rate_grace = self.min_rate_grace;
-        net.idle_timeout = self.idle_timeout;
-        net.max_connections = self.max_connections;
-        net.tls = self.tls.config()?;
-        net.limits = Limits {
+    /// The library's options these flags set (the flags' defaults are
+    /// [`EngineOptions::serving`], checked by this module's tests), serving on `listen`
+    /// (`None`: client only) as `peer_id`.
+    pub fn options(&self, listen: Option<&str>, peer_id: &str) -> anyhow::Result<EngineOptions> {
+        Ok(EngineOptions {
+            listen: listen.map(str::to_string),
+            peer_id: Some(peer_id.to_string()),
+            secret: self.secret()?,
+            tls_cert: self.tls.tls_cert.clone(),
+            tls_key: self.tls.tls_key.clone(),
+            tls_ca: self.tls.tls_ca.clone(),
+            arena_bytes: self.arena.bytes() as usize,
+            page_size: self.page_size.bytes() as usize,
+            copy_threads: self.copy_threads,
+            store_capacity: self.store_capacity,
+            ttl: self.ttl,
+            max_ttl: self.max_ttl,
+            lease_grace: self.lease_grace,
+            max_gets: self.max_gets,
+            peer_quota_pages: self.peer_quota_pages,
+            connection_quota_pages: self.connection_quota_pages,
+            source_quota_pages: self.source_quota_pages,
+            unproven_quota_pages: self.unproven_quota_pages,
+            io_timeout: self.io_timeout,
+            min_rate: self.min_rate.bytes(),
+            min_rate_grace: self.min_rate_grace,
+            idle_timeout: self.idle_timeout,
+            max_connections: self.max_connections,
             max_control_bytes: self.max_control.bytes(),
             max_bulk_bytes: self.max_bulk.bytes(),
-            ..Limits::default()
-        };
-        net.validate()?;
-        Ok(net)
+            ..EngineOptions::serving()
+        })
     }
 
     /// The engine's configuration: the store laid out by `--model`/`--blocks`, serving
-    /// on `listen` (`None`: client only) as `peer_id`.
+    /// on `listen` (`None`: client only) as `peer_id`. Every value is checked once, by
+    /// the library's options; an error names the flag.
     pub fn config(&self, listen: Option<&str>, peer_id: &str) -> anyhow::Result<EngineConfig> {
-        let page = self.page_size.bytes() as usize;
-        anyhow::ensure!(page > 0, "--page-size must be greater than zero");
-        anyhow::ensure!(
-            self.arena.bytes() as usize >= page,
-            "--arena ({}) must hold at least one page of {}",
-            self.arena,
-            self.page_size
-        );
-        let max_ttl = self.max_ttl.unwrap_or(self.ttl);
-        anyhow::ensure!(
-            max_ttl >= self.ttl,
-            "--max-ttl ({max_ttl:?}) must be at least --ttl ({:?})",
-            self.ttl
-        );
-        let mut cfg = EngineConfig {
-            listen: listen.map(str::to_string),
-            net: self.net(peer_id)?,
-            arena_bytes: self.arena.bytes() as usize,
-            page_size: page,
-            ..EngineConfig::default()
-        };
-        if let Some(t) = self.copy_threads {
-            anyhow::ensure!(t > 0, "--copy-threads must be at least 1");
-            cfg.copy.threads = t;
-        }
+        let mut cfg = self
+            .options(listen, peer_id)?
+            .to_config()
+            .map_err(|e| anyhow::anyhow!("--{}: {}", flag_of(e.option), e.why))?;
         cfg.store = StoreConfig::Layout(self.layout(Arrangement::LayerSeparate)?);
-        cfg.store_capacity = self.store_capacity;
-        cfg.producer = ProducerConfig {
-            default_ttl: self.ttl,
-            max_ttl,
-            max_concurrent_gets: self.max_gets,
-            max_staged_pages_per_peer: self.peer_quota_pages,
-            max_staged_pages_per_connection: self.connection_quota_pages,
-            max_staged_pages_per_source: self.source_quota_pages,
-            max_unproven_staged_pages: self.unproven_quota_pages,
-            lease_grace: self.lease_grace,
-        };
         Ok(cfg)
     }
 
@@ -237,34 +220,27 @@ pub fn note_unpinned(backing: &str, why: &str) {
     });
 }
 
+/// The command line's flag for a library option.
+fn flag_of(option: &str) -> String {
+    let flag = match option {
+        "arena_bytes" => "arena",
+        "max_control_bytes" => "max_control",
+        "max_bulk_bytes" => "max_bulk",
+        "ttl" => "ttl",
+        o => o,
+    };
+    flag.replace('_', "-")
+}
+
 impl Default for EngineArgs {
+    /// The flags' own defaults (one declaration: the `#[arg]` attributes above).
     fn default() -> Self {
-        EngineArgs {
-            model: "llama3-70b-tp8".into(),
-            blocks: 1024,
-            arena: ByteSize(256 << 20),
-            page_size: ByteSize(2 << 20),
-            store_capacity: 100_000,
-            copy_threads: None,
-            ttl: Duration::from_secs(10),
-            max_ttl: None,
-            peer_quota_pages: None,
-            connection_quota_pages: None,
-            source_quota_pages: None,
-            unproven_quota_pages: None,
-            lease_grace: Duration::from_secs(2),
-            max_gets: 64,
-            secret: None,
-            secret_file: None,
-            max_control: ByteSize(1 << 20),
-            max_bulk: ByteSize(256 << 20),
-            io_timeout: Duration::from_secs(5),
-            min_rate: ByteSize(64 << 10),
-            min_rate_grace: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(300),
-            max_connections: 4096,
-            tls: TlsArgs::default(),
+        #[derive(clap::Parser)]
+        struct Only {
+            #[command(flatten)]
+            args: EngineArgs,
         }
+        <Only as clap::Parser>::parse_from(["kvferry"]).args
     }
 }
 
@@ -286,6 +262,35 @@ mod tests {
         let cfg = cfg.config(None, "t").unwrap();
         assert_eq!(cfg.producer.lease_grace, Duration::from_millis(300));
         assert!(cfg.net.tls.is_none());
+    }
+
+    #[test]
+    fn the_flags_defaults_are_the_librarys_serving_options() {
+        let o = EngineArgs::default().options(None, "t").unwrap();
+        assert_eq!(
+            o,
+            EngineOptions {
+                listen: None,
+                peer_id: Some("t".into()),
+                ..EngineOptions::serving()
+            }
+        );
+    }
+
+    #[test]
+    fn a_bad_flag_is_named() {
+        let args = EngineArgs {
+            copy_threads: Some(0),
+            ..EngineArgs::default()
+        };
+        let e = args.config(None, "t").unwrap_err().to_string();
+        assert!(e.contains("--copy-threads"), "{e}");
+        let args = EngineArgs {
+            arena: ByteSize(1 << 20),
+            ..EngineArgs::default()
+        };
+        let e = args.config(None, "t").unwrap_err().to_string();
+        assert!(e.contains("--arena"), "{e}");
     }
 
     #[test]

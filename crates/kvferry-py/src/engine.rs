@@ -28,9 +28,9 @@ use std::time::Duration;
 
 use kvferry::engine::ChunkKey;
 use kvferry::engine::DeviceKvCache;
+use kvferry::engine::Engine;
 use kvferry::engine::Region;
 use kvferry::engine::{Destination, TransferPath};
-use kvferry::engine::{Engine, EngineConfig, StoreConfig, TlsConfig};
 use kvferry::engine::{KvCache, Span};
 use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
@@ -40,7 +40,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use crate::block_ids::{self, BlockIdsArg};
 use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
 use crate::errors::{py_err, ErrInfo};
-use crate::options::EngineOptions;
+use crate::options::PyEngineOptions;
 use crate::region::PyRegion;
 use crate::runtime::RuntimeRef;
 use crate::selection::{selection, PySelection};
@@ -237,106 +237,29 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    fn new(py: Python<'_>, options: PyRef<'_, EngineOptions>) -> PyResult<PyEngine> {
-        let EngineOptions {
-            listen,
-            secret,
-            arena_bytes,
-            page_size,
-            peer_id,
-            copy_threads,
-            store_bytes,
-            store_block_bytes,
-            lease_ttl,
-            default_ttl,
-            max_ttl,
-            io_timeout,
-            connect_timeout,
-            connections_per_peer,
-            pinned,
-            runtime_threads,
-            shared_runtime,
-            device,
-            device_latency_us,
-            device_timeout,
-            etcd,
-            namespace,
-            directory_ttl,
-            role,
-            advertise,
-            wait_spin_us,
-            tls_cert,
-            tls_key,
-            tls_ca,
-        } = options.clone();
+    fn new(py: Python<'_>, options: PyRef<'_, PyEngineOptions>) -> PyResult<PyEngine> {
+        let o = options.inner.clone();
         drop(options);
-        let (device, namespace, role) = (device.as_str(), namespace.as_str(), role.as_str());
-        if wait_spin_us > 1_000_000 {
-            return Err(ErrInfo::invalid(format!(
-                "wait_spin_us must be at most 1000000 (one second), got {wait_spin_us}"
-            ))
-            .into());
-        }
-        let mut cfg = EngineConfig::default()
-            .listen(listen.as_deref())
-            .secret(secret)
-            .arena(arena_bytes, page_size);
-        if let Some(id) = peer_id {
-            cfg = cfg.peer_id(id);
-        }
-        if let Some(t) = copy_threads {
-            if t == 0 {
-                return Err(ErrInfo::invalid("copy_threads must be at least 1").into());
-            }
-            cfg.copy.threads = t;
-        }
-        cfg.store = StoreConfig::Bytes {
-            bytes: store_bytes,
-            block_bytes: store_block_bytes,
-        };
-        cfg.lease_ttl = required(lease_ttl, "lease_ttl")?;
-        cfg.producer.default_ttl = required(default_ttl, "default_ttl")?;
-        cfg.producer.max_ttl = required(max_ttl, "max_ttl")?;
-        if cfg.producer.max_ttl < cfg.producer.default_ttl {
-            return Err(ErrInfo::invalid("max_ttl must be at least default_ttl").into());
-        }
-        cfg.net.io_timeout = required(io_timeout, "io_timeout")?;
-        cfg.net.connect_timeout = required(connect_timeout, "connect_timeout")?;
-        cfg.net.connections_per_peer = connections_per_peer;
-        cfg.net.tls = match (tls_cert, tls_key, tls_ca) {
-            (None, None, None) => None,
-            (Some(cert), Some(key), Some(ca)) => Some(
-                TlsConfig::from_files(cert.as_ref(), key.as_ref(), ca.as_ref())
-                    .map_err(|e| ErrInfo::new(e.code(), format!("tls: {e}")))?,
-            ),
-            _ => return Err(ErrInfo::invalid("tls_cert, tls_key and tls_ca go together").into()),
-        };
-        cfg.pinned = pinned;
-        if runtime_threads == 0 {
-            return Err(ErrInfo::invalid("runtime_threads must be at least 1").into());
-        }
-        let runtime = RuntimeRef::get(runtime_threads, shared_runtime)
+        // Every value is checked once, by the library's options (named as the caller
+        // wrote them); what the binding owns — runtime, device, directory connection —
+        // it reads from the same options.
+        let mut cfg = o
+            .to_config()
+            .map_err(|e| PyErr::from(ErrInfo::new(e.code, e.to_string())))?;
+        let runtime = RuntimeRef::get(o.runtime_threads, o.shared_runtime)
             .map_err(|e| ErrInfo::new(ErrorCode::Io, format!("starting the engine's runtime: {e}")))?;
         let handle = runtime.handle().clone();
-        let device = EngineDevice::open(
-            device,
-            device_latency_us,
-            required(device_timeout, "device_timeout")?,
-            handle.clone(),
-        )?;
-        if let (Some(d), true) = (&device, pinned) {
-            cfg.staging = d.staging(arena_bytes, page_size)?;
+        let device = EngineDevice::open(&o.device, o.device_latency_us, o.device_timeout, handle.clone())?;
+        if let (Some(d), true) = (&device, o.pinned) {
+            cfg.staging = d.staging(o.arena_bytes, o.page_size)?;
         }
-        cfg.role = role
-            .parse()
-            .map_err(|e: String| ErrInfo::invalid(format!("role: {e}")))?;
-        cfg.advertise = advertise;
-        if let Some(url) = etcd {
-            let ttl = required(directory_ttl, "directory_ttl")?;
+        if let Some(url) = &o.etcd {
             let wait = cfg.net.connect_timeout;
+            let (namespace, ttl) = (o.namespace.as_str(), o.directory_ttl);
             cfg.directory =
-                Some(py.detach(|| handle.block_on(crate::directory::connect_etcd(&url, namespace, ttl, wait)))?);
+                Some(py.detach(|| handle.block_on(crate::directory::connect_etcd(url, namespace, ttl, wait)))?);
         }
+        let wait_spin_us = o.wait_spin_us;
         let engine = py.detach(|| handle.block_on(Engine::start(cfg))).map_err(py_err)?;
         let waiting = Waiting {
             runtime: handle.clone(),
@@ -927,13 +850,20 @@ impl PyEngine {
         }
         let retry = Duration::from_secs_f64(retry_miss.min(t.as_secs_f64()));
         let (e, p2) = (self.engine.clone(), peer.clone());
+        // The call's instant, not the first poll's: the deadline, and a timeout's
+        // `waited`, run from when the caller asked (one clock, as for transfers).
+        let start = tokio::time::Instant::now();
         let fut = async move {
-            let start = tokio::time::Instant::now();
             let (deadline, retry_until) = (start + t, start + retry);
-            let fail = |error| kvferry::engine::GetFailure {
-                error,
-                fence: kvferry::engine::DrainFence::ready(),
-                dirty: false,
+            let fail = |mut error| {
+                if let kvferry::engine::PeerError::Timeout { waited, .. } = &mut error {
+                    *waited = start.elapsed();
+                }
+                kvferry::engine::GetFailure {
+                    error,
+                    fence: kvferry::engine::DrainFence::ready(),
+                    dirty: false,
+                }
             };
             let mut backoff = Duration::from_millis(2);
             let mut left = keys;

@@ -47,7 +47,7 @@ fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyEngine>()?;
-    m.add_class::<options::EngineOptions>()?;
+    m.add_class::<options::PyEngineOptions>()?;
     m.add_class::<region::PyRegion>()?;
     m.add_class::<transfer::PyTransfer>()?;
     m.add_class::<engine::PyStaged>()?;

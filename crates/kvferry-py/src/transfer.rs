@@ -125,8 +125,9 @@ impl PyTransfer {
         let shared = Arc::new(Shared::default());
         let cancel = CancellationToken::new();
         let (s, c, p) = (shared.clone(), cancel.clone(), peer.clone());
-        // A timeout's `waited` is the caller's: from this call, not from when the
-        // task first ran (which may be later on a busy machine).
+        // How long the transfer took, for the adaptive spin. A timeout's `waited` is
+        // the operation's own, from the caller's call (the library's `start_*`
+        // instant): one clock, not replaced here.
         let called = Instant::now();
         let spin = how.spin.clone();
         // Transfers on this engine are short (a waiter spins): keep a worker polling for
@@ -145,12 +146,7 @@ impl PyTransfer {
                     dirty: true,
                 }),
             };
-            let mut o = outcome(&p, r, op);
-            if let Err(e) = &mut o {
-                if e.code == ErrorCode::Timeout {
-                    e.waited = Some(e.waited.unwrap_or_default().max(called.elapsed()));
-                }
-            }
+            let o = outcome(&p, r, op);
             // How long the transfer took adapts how long waits on this engine spin
             // (whoever waits: `wait`, `await`, polling `done()`).
             spin.record(called.elapsed());

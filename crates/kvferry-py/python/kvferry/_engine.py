@@ -357,6 +357,30 @@ class Engine:
             --tls-key --tls-ca`` uses; a peer without a certificate from that CA is
             refused with ``AuthError``). All three or none. With ``secret`` as well,
             the HMAC handshake runs inside TLS.
+        store_capacity: most chunks the copy-in store holds (least recently used
+            are evicted).
+        lease_grace: how long an eager get's staged pages outlive its connection when
+            it closes without ``Done`` (seconds; 0 releases them at once).
+        max_gets: staging requests served at once; more get an immediate "busy" miss.
+        peer_quota_pages: staging pages one peer may hold at once (default: half the
+            arena), so that one peer cannot lock the whole arena.
+        connection_quota_pages: staging pages the requests of one connection may hold
+            (default: the peer quota).
+        source_quota_pages: staging pages peers without a TLS certificate may hold
+            from one source address (IPv6: a /64), whatever peer ids they claim
+            (default: three quarters of the arena, or the peer quota if larger).
+        unproven_quota_pages: staging pages all peers without a TLS certificate may
+            hold together (default: seven eighths of the arena, or the peer quota).
+        min_rate, min_rate_grace: a frame moving slower than ``min_rate`` bytes per
+            second fails once it took longer than ``min_rate_grace`` seconds (0: off).
+        idle_timeout: idle connections are closed after this long (seconds).
+        max_connections: accepted connections at once; more are refused.
+        max_control_bytes, max_bulk_bytes: the largest control frame and the largest
+            bulk frame (chunk) accepted, in bytes.
+
+    Each option's default and check live once, in the library
+    (``kvferry::engine::EngineOptions``; ``_kvferry.EngineOptions.defaults()``): a
+    bad value raises ``InvalidArgumentError`` naming the option.
     """
 
     def __init__(
@@ -391,19 +415,23 @@ class Engine:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
+        store_capacity: int = 100_000,
+        lease_grace: float = 2.0,
+        max_gets: int = 64,
+        peer_quota_pages: int | None = None,
+        connection_quota_pages: int | None = None,
+        source_quota_pages: int | None = None,
+        unproven_quota_pages: int | None = None,
+        min_rate: int = 64 << 10,
+        min_rate_grace: float = 5.0,
+        idle_timeout: float = 300.0,
+        max_connections: int = 4096,
+        max_control_bytes: int = 1 << 20,
+        max_bulk_bytes: int = 256 << 20,
     ) -> None:
         device = str(device)  # also a torch.device
-        if device not in ("host", "sim") and not is_cuda_name(device):
-            raise InvalidArgumentError(
-                f"device {device!r} is not supported: 'host' (host memory), 'sim' (a "
-                "simulated accelerator) or 'cuda:N' (GPU N)"
-            )
         if isinstance(secret, str):
             secret = secret.encode()
-        if not isinstance(wait_spin_us, int) or isinstance(wait_spin_us, bool) or not 0 <= wait_spin_us <= 1_000_000:
-            raise InvalidArgumentError(f"wait_spin_us must be an int in 0..1000000 (microseconds), got {wait_spin_us!r}")
-        if not isinstance(runtime_threads, int) or runtime_threads < 1:
-            raise InvalidArgumentError(f"runtime_threads must be an int of at least 1, got {runtime_threads!r}")
         etcd: str | None = None
         if isinstance(directory, str):
             if not directory.startswith("etcd://"):
@@ -413,34 +441,50 @@ class Engine:
                 )
             etcd, directory = directory, None
         self._directory = dict(directory or {})
+        # Every value is checked once, by the library's options (kvferry::engine::
+        # EngineOptions, which also holds each default; tests compare them with these
+        # keywords'): a bad one raises InvalidArgumentError naming it.
         self._e = _kvferry.Engine(
             _kvferry.EngineOptions(
                 listen=listen,
                 secret=secret,
-                arena_bytes=int(arena_bytes),
-                page_size=int(page_size),
+                arena_bytes=arena_bytes,
+                page_size=page_size,
                 peer_id=peer_id,
                 copy_threads=copy_threads,
-                store_bytes=int(store_bytes),
-                store_block_bytes=int(store_block_bytes),
-                lease_ttl=float(lease_ttl),
-                default_ttl=float(ttl),
-                max_ttl=float(max_ttl if max_ttl is not None else ttl),
-                io_timeout=float(io_timeout),
-                connect_timeout=float(connect_timeout),
-                connections_per_peer=int(connections_per_peer),
-                pinned=bool(pinned),
-                runtime_threads=int(runtime_threads),
-                shared_runtime=bool(shared_runtime),
+                store_bytes=store_bytes,
+                store_block_bytes=store_block_bytes,
+                store_capacity=store_capacity,
+                lease_ttl=lease_ttl,
+                ttl=ttl,
+                max_ttl=max_ttl,
+                lease_grace=lease_grace,
+                max_gets=max_gets,
+                peer_quota_pages=peer_quota_pages,
+                connection_quota_pages=connection_quota_pages,
+                source_quota_pages=source_quota_pages,
+                unproven_quota_pages=unproven_quota_pages,
+                io_timeout=io_timeout,
+                connect_timeout=connect_timeout,
+                connections_per_peer=connections_per_peer,
+                min_rate=min_rate,
+                min_rate_grace=min_rate_grace,
+                idle_timeout=idle_timeout,
+                max_connections=max_connections,
+                max_control_bytes=max_control_bytes,
+                max_bulk_bytes=max_bulk_bytes,
+                pinned=pinned,
+                runtime_threads=runtime_threads,
+                shared_runtime=shared_runtime,
                 device=device,
-                device_latency_us=int(device_latency_us),
-                device_timeout=float(device_timeout),
+                device_latency_us=device_latency_us,
+                device_timeout=device_timeout,
                 etcd=etcd,
                 namespace=namespace,
-                directory_ttl=float(directory_ttl),
+                directory_ttl=directory_ttl,
                 role=role,
                 advertise=advertise,
-                wait_spin_us=int(wait_spin_us),
+                wait_spin_us=wait_spin_us,
                 tls_cert=None if tls_cert is None else os.fspath(tls_cert),
                 tls_key=None if tls_key is None else os.fspath(tls_key),
                 tls_ca=None if tls_ca is None else os.fspath(tls_ca),

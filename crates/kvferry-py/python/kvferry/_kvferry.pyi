@@ -227,71 +227,17 @@ class Staged:
 
 @final
 class EngineOptions:
-    """Everything an engine is started with (see ``kvferry.Engine`` for each field);
-    every field is readable and writable, and checked when the engine starts."""
+    """Everything an engine is started with: a thin wrapper over the library's
+    ``kvferry::engine::EngineOptions``, where each option's name, type, default and
+    check are declared once (see ``kvferry.Engine`` for each option). An unknown
+    name or a value of the wrong type raises ``InvalidArgumentError`` naming it."""
 
-    listen: str | None
-    secret: bytes | None
-    arena_bytes: int
-    page_size: int
-    peer_id: str | None
-    copy_threads: int | None
-    store_bytes: int
-    store_block_bytes: int
-    lease_ttl: float
-    default_ttl: float
-    max_ttl: float
-    io_timeout: float
-    connect_timeout: float
-    connections_per_peer: int
-    pinned: bool
-    runtime_threads: int
-    shared_runtime: bool
-    device: str
-    device_latency_us: int
-    device_timeout: float
-    etcd: str | None
-    namespace: str
-    directory_ttl: float
-    role: str
-    advertise: str | None
-    wait_spin_us: int
-    tls_cert: str | None
-    tls_key: str | None
-    tls_ca: str | None
-    def __new__(
-        cls,
-        *,
-        listen: str | None = ...,
-        secret: bytes | None = None,
-        arena_bytes: int = ...,
-        page_size: int = ...,
-        peer_id: str | None = None,
-        copy_threads: int | None = None,
-        store_bytes: int = ...,
-        store_block_bytes: int = ...,
-        lease_ttl: float = 10.0,
-        default_ttl: float = 10.0,
-        max_ttl: float = 10.0,
-        io_timeout: float = 5.0,
-        connect_timeout: float = 3.0,
-        connections_per_peer: int = 4,
-        pinned: bool = True,
-        runtime_threads: int = 2,
-        shared_runtime: bool = True,
-        device: str = ...,
-        device_latency_us: int = 0,
-        device_timeout: float = 5.0,
-        etcd: str | None = None,
-        namespace: str = ...,
-        directory_ttl: float = 10.0,
-        role: str = ...,
-        advertise: str | None = None,
-        wait_spin_us: int = 0,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_ca: str | None = None,
-    ) -> EngineOptions: ...
+    def __new__(cls, **options: Any) -> EngineOptions: ...
+    @staticmethod
+    def defaults() -> dict[str, Any]:
+        """The library's defaults, ``{name: value}`` (durations in seconds)."""
+    def as_dict(self) -> dict[str, Any]:
+        """These options, ``{name: value}`` (durations in seconds, the secret hidden)."""
 
 @final
 class Engine:

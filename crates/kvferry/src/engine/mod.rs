@@ -22,7 +22,8 @@
 //!   [`unpublish`](Engine::unpublish), reported by
 //!   [`take_released`](Engine::take_released); [`put`](Engine::put) copies bytes into
 //!   the engine's own store for callers that reuse their buffers at once.
-//! - **Fetching KV** (consumer side): [`get`](Engine::get) (eager), [`start_get`]
+//! - **Fetching KV** (consumer side): one entry, [`transfer`](Engine::transfer) of a
+//!   [`Fetch`], which these wrap: [`get`](Engine::get) (eager), [`start_get`]
 //!   (a [`Transfer`] whose drain fence is known up front), [`get_blocking`]
 //!   (synchronous, bounded), [`stage`](Engine::stage) + [`resolve`](Engine::resolve)
 //!   (delayed pull), [`push`](Engine::push) and [`lookup`](Engine::lookup). Each names
@@ -56,6 +57,7 @@ mod config;
 pub mod directory;
 mod exports;
 mod fleet;
+mod options;
 
 pub use crate::peer::selection::Selection;
 pub use crate::wire::SelectionError;
@@ -64,6 +66,7 @@ pub use config::{EngineConfig, StoreConfig};
 pub use directory::{Directory, StaticDirectory};
 pub use exports::*;
 pub use fleet::{Located, FAN_OUT, MISS_TTL};
+pub use options::{is_device_name, EngineOptions, OptionError, MAX_WAIT_SPIN_US};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -82,6 +85,28 @@ use crate::peer::{
     ChunkStore, Consumer, ConsumerConfig, ConsumerStats, DeregisterError, Producer, ProducerStats, Released,
     StoreStats, Transfer,
 };
+
+/// What a [`Engine::transfer`] fetches into its destination.
+#[derive(Debug)]
+pub enum Fetch<'a> {
+    /// An eager get: `peer` sends `keys` at once.
+    Get {
+        /// The peer (address or directory name).
+        peer: &'a str,
+        /// The keys, one destination block list each.
+        keys: &'a [ChunkKey],
+    },
+    /// A delayed pull in one call: `peer` stages `keys` under a lease, then their bytes
+    /// move.
+    Pull {
+        /// The peer (address or directory name).
+        peer: &'a str,
+        /// The keys, one destination block list each.
+        keys: &'a [ChunkKey],
+    },
+    /// The second step of a delayed pull: what a [`Engine::stage`] handed back.
+    Resolve(StagedHandle),
+}
 
 /// Errors of the engine's own (non-transfer) operations.
 #[derive(Debug, thiserror::Error)]
@@ -565,14 +590,27 @@ impl Engine {
         Ok(self.inner.producer.put_local(key, data)?)
     }
 
-    /// Releases a chunk stored with `put`... by replacing nothing: the store evicts
-    /// least recently used chunks itself. Publications are released with `unpublish`.
-    fn closed_failure(&self) -> Option<GetFailure> {
-        self.check_open().err().map(|_| GetFailure {
-            error: PeerError::ShuttingDown,
-            fence: crate::copy::DrainFence::ready(),
-            dirty: false,
-        })
+    /// Every transfer that lands bytes goes through here: the engine must be open, and
+    /// the destination holds its cache's registration (if it is registered with this
+    /// engine) until the transfer drains; then the consumer runs `fetch`. The one entry
+    /// of [`start_get`](Self::start_get), [`get`](Self::get),
+    /// [`start_pull`](Self::start_pull), [`start_resolve`](Self::start_resolve) and
+    /// [`resolve`](Self::resolve); [`get_blocking`](Self::get_blocking) runs the same
+    /// transfer from a plain thread.
+    pub fn transfer(&self, fetch: Fetch<'_>, dst: Destination, deadline: Instant) -> Transfer {
+        if self.check_open().is_err() {
+            return Transfer::failed(PeerError::ShuttingDown);
+        }
+        let dst = match self.held(dst) {
+            Ok(d) => d,
+            Err(f) => return Transfer::failed(f.error),
+        };
+        let consumer = &self.inner.consumer;
+        match fetch {
+            Fetch::Get { peer, keys } => consumer.start_get(&self.resolve_peer(peer), keys, dst, deadline),
+            Fetch::Pull { peer, keys } => consumer.start_pull(&self.resolve_peer(peer), keys, dst, deadline),
+            Fetch::Resolve(handle) => consumer.start_resolve(handle, dst, deadline),
+        }
     }
 
     /// Eager get: `peer` sends `keys` at once; they land in `dst`.
@@ -583,28 +621,12 @@ impl Engine {
         dst: Destination,
         deadline: Instant,
     ) -> Result<Landed, GetFailure> {
-        if let Some(f) = self.closed_failure() {
-            return Err(f);
-        }
-        let dst = self.held(dst)?;
-        self.inner
-            .consumer
-            .get(&self.resolve_peer(peer), keys, dst, deadline)
-            .await
+        self.start_get(peer, keys, dst, deadline).await
     }
 
     /// Starts an eager get whose drain fence is known before it completes.
     pub fn start_get(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
-        if self.check_open().is_err() {
-            return Transfer::failed(PeerError::ShuttingDown);
-        }
-        let dst = match self.held(dst) {
-            Ok(d) => d,
-            Err(f) => return Transfer::failed(f.error),
-        };
-        self.inner
-            .consumer
-            .start_get(&self.resolve_peer(peer), keys, dst, deadline)
+        self.transfer(Fetch::Get { peer, keys }, dst, deadline)
     }
 
     /// The synchronous get: returns within `timeout` (plus scheduling slack). Must be
@@ -616,8 +638,12 @@ impl Engine {
         dst: Destination,
         timeout: Duration,
     ) -> Result<Landed, GetFailure> {
-        if let Some(f) = self.closed_failure() {
-            return Err(f);
+        if self.check_open().is_err() {
+            return Err(GetFailure {
+                error: PeerError::ShuttingDown,
+                fence: crate::copy::DrainFence::ready(),
+                dirty: false,
+            });
         }
         let dst = self.held(dst)?;
         self.inner
@@ -660,41 +686,21 @@ impl Engine {
         dst: Destination,
         deadline: Instant,
     ) -> Result<Landed, GetFailure> {
-        if let Some(f) = self.closed_failure() {
-            return Err(f);
-        }
-        let dst = self.held(dst)?;
-        self.inner.consumer.resolve(handle, dst, deadline).await
+        self.start_resolve(handle, dst, deadline).await
     }
 
     /// [`resolve`](Self::resolve) as a [`Transfer`] whose drain fence is known
     /// before it completes: a caller that may cancel (drop) it waits on the fence
     /// before reusing `dst`.
     pub fn start_resolve(&self, handle: StagedHandle, dst: Destination, deadline: Instant) -> Transfer {
-        if self.check_open().is_err() {
-            return Transfer::failed(PeerError::ShuttingDown);
-        }
-        let dst = match self.held(dst) {
-            Ok(d) => d,
-            Err(f) => return Transfer::failed(f.error),
-        };
-        self.inner.consumer.start_resolve(handle, dst, deadline)
+        self.transfer(Fetch::Resolve(handle), dst, deadline)
     }
 
     /// Delayed pull in one call ([`stage`](Self::stage), then
     /// [`resolve`](Self::resolve) under one deadline) as a [`Transfer`] with one
     /// drain fence for both steps.
     pub fn start_pull(&self, peer: &str, keys: &[ChunkKey], dst: Destination, deadline: Instant) -> Transfer {
-        if self.check_open().is_err() {
-            return Transfer::failed(PeerError::ShuttingDown);
-        }
-        let dst = match self.held(dst) {
-            Ok(d) => d,
-            Err(f) => return Transfer::failed(f.error),
-        };
-        self.inner
-            .consumer
-            .start_pull(&self.resolve_peer(peer), keys, dst, deadline)
+        self.transfer(Fetch::Pull { peer, keys }, dst, deadline)
     }
 
     /// Releases a staged lease without pulling it.

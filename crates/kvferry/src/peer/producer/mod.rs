@@ -241,7 +241,7 @@ impl Producer {
     ) -> Result<Producer, PeerError> {
         if cfg.default_ttl.is_zero() || cfg.max_ttl.is_zero() || cfg.default_ttl > cfg.max_ttl {
             return Err(PeerError::InvalidArgument(format!(
-                "TTLs must be > 0 and default ({:?}) <= max ({:?})",
+                "TTLs must be > 0 and the default TTL ({:?}; Python `ttl`, `--ttl`) at most the longest ({:?}; `max_ttl`, `--max-ttl`)",
                 cfg.default_ttl, cfg.max_ttl
             )));
         }
