@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry::engine::ChunkKey;
-use kvferry::engine::DeviceKvCache;
 use kvferry::engine::Engine;
 use kvferry::engine::Region;
 use kvferry::engine::{Destination, TransferPath};
@@ -36,6 +35,16 @@ use parking_lot::Mutex;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+
+mod convert;
+mod device_memory;
+mod fetching;
+mod staged;
+mod start;
+
+pub(crate) use convert::required;
+pub use convert::{byte_buffer, duration, key_of};
+pub use staged::PyStaged;
 
 use crate::block_ids::{self, BlockIdsArg};
 use crate::device::{dev_err, EngineDevice, PyDeviceMemory};
@@ -48,114 +57,16 @@ use crate::transfer::{PyTransfer, Waiting};
 
 static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
 
-/// Seconds from Python as a duration: positive and finite, or `None`.
-pub fn duration(secs: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
-    match secs {
-        None => Ok(None),
-        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(ErrInfo::invalid(format!("{what} must be a positive number of seconds, got {s}")).into()),
-    }
-}
-
-fn required(secs: f64, what: &str) -> PyResult<Duration> {
-    Ok(duration(Some(secs), what)?.expect("Some in, Some out"))
-}
-
-/// A chunk key from Python: a `str` (hashed) or 32 raw `bytes`.
-pub fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<ChunkKey> {
-    if let Ok(s) = obj.extract::<&str>() {
-        if s.is_empty() {
-            return Err(ErrInfo::invalid("a key must not be empty").into());
-        }
-        return Ok(ChunkKey::from_name(s));
-    }
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        let b = b.as_bytes();
-        return <[u8; 32]>::try_from(b)
-            .map(ChunkKey)
-            .map_err(|_| ErrInfo::invalid(format!("a bytes key must be 32 bytes, got {}", b.len())).into());
-    }
-    Err(ErrInfo::invalid(format!(
-        "a key must be str or 32 bytes, got {}",
-        obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-    ))
-    .into())
-}
-
-/// A C-contiguous byte view of a buffer-protocol object (the Python layer passes
-/// `memoryview(obj).cast("B")`).
-pub fn byte_buffer(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PyBuffer<u8>> {
-    let buf = PyBuffer::<u8>::get(obj).map_err(|e| ErrInfo::invalid(format!("{what}: not a byte buffer ({e})")))?;
-    if !buf.is_c_contiguous() {
-        return Err(ErrInfo::invalid(format!("{what}: buffer is not C-contiguous")).into());
-    }
-    Ok(buf)
-}
-
 /// The kind of memory an engine's `DeviceMemory` holds (`"sim"`, `"cuda"`).
 fn buf_kind(device: Option<&EngineDevice>) -> String {
     device.map_or_else(|| "host".to_string(), |d| d.device.kind().to_string())
 }
 
 /// Registered Python memory: the buffer (holding its exporter) keeps it alive.
-struct HeldBuffer(#[allow(dead_code)] PyBuffer<u8>);
+pub(crate) struct HeldBuffer(#[allow(dead_code)] PyBuffer<u8>);
 
 /// Raw memory handed out by another engine: kept alive by `owner` (any object).
 struct HeldObject(#[allow(dead_code)] Py<PyAny>);
-
-/// A staged lease on a peer (delayed pull), from `Engine.stage`.
-#[pyclass(name = "Staged", module = "kvferry._kvferry", frozen)]
-pub struct PyStaged {
-    handle: kvferry::engine::StagedHandle,
-}
-
-#[pymethods]
-impl PyStaged {
-    /// The peer holding the lease.
-    #[getter]
-    fn peer(&self) -> String {
-        self.handle.peer.clone()
-    }
-
-    /// The peer's incarnation that granted it.
-    #[getter]
-    fn incarnation(&self) -> u64 {
-        self.handle.incarnation
-    }
-
-    /// Chunks staged (a prefix of the keys asked for; with a selection, every key).
-    #[getter]
-    fn chunks(&self) -> usize {
-        match &self.handle.selection {
-            Some(s) => s.keys,
-            None => self.handle.chunks.len(),
-        }
-    }
-
-    /// Bytes staged for a selection (what a resolve moves), else None.
-    #[getter]
-    fn selected_bytes(&self) -> Option<u64> {
-        self.handle.selection.as_ref().map(|s| s.shape.total())
-    }
-
-    /// Seconds left on the lease (by this side's conservative clock).
-    #[getter]
-    fn ttl_left(&self) -> f64 {
-        self.handle
-            .expires
-            .saturating_duration_since(tokio::time::Instant::now())
-            .as_secs_f64()
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Staged(peer={:?}, chunks={}, incarnation={:#x})",
-            self.handle.peer,
-            self.handle.chunks.len(),
-            self.handle.incarnation
-        )
-    }
-}
 
 /// The kvferry engine.
 #[pyclass(name = "Engine", module = "kvferry._kvferry", frozen)]
@@ -238,42 +149,7 @@ impl PyEngine {
 impl PyEngine {
     #[new]
     fn new(py: Python<'_>, options: PyRef<'_, PyEngineOptions>) -> PyResult<PyEngine> {
-        let o = options.inner.clone();
-        drop(options);
-        // Every value is checked once, by the library's options (named as the caller
-        // wrote them); what the binding owns — runtime, device, directory connection —
-        // it reads from the same options.
-        let mut cfg = o
-            .to_config()
-            .map_err(|e| PyErr::from(ErrInfo::new(e.code, e.to_string())))?;
-        let runtime = RuntimeRef::get(o.runtime_threads, o.shared_runtime)
-            .map_err(|e| ErrInfo::new(ErrorCode::Io, format!("starting the engine's runtime: {e}")))?;
-        let handle = runtime.handle().clone();
-        let device = EngineDevice::open(&o.device, o.device_latency_us, o.device_timeout, handle.clone())?;
-        if let (Some(d), true) = (&device, o.pinned) {
-            cfg.staging = d.staging(o.arena_bytes, o.page_size)?;
-        }
-        if let Some(url) = &o.etcd {
-            let wait = cfg.net.connect_timeout;
-            let (namespace, ttl) = (o.namespace.as_str(), o.directory_ttl);
-            cfg.directory =
-                Some(py.detach(|| handle.block_on(crate::directory::connect_etcd(url, namespace, ttl, wait)))?);
-        }
-        let wait_spin_us = o.wait_spin_us;
-        let engine = py.detach(|| handle.block_on(Engine::start(cfg))).map_err(py_err)?;
-        let waiting = Waiting {
-            runtime: handle.clone(),
-            spin: Arc::new(crate::spin::AdaptiveSpin::new(Duration::from_micros(wait_spin_us))),
-            linger: runtime.linger().clone(),
-        };
-        Ok(PyEngine {
-            runtime: Mutex::new(Some(runtime)),
-            waiting,
-            engine,
-            id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
-            published: Mutex::new(HashMap::new()),
-            device,
-        })
+        PyEngine::start(py, options)
     }
 
     /// `"host:port"` peers reach this engine on (None for a client-only engine).
@@ -486,26 +362,7 @@ impl PyEngine {
         path: &str,
         select: Option<PySelection>,
     ) -> PyResult<usize> {
-        let keys = Self::keys(keys)?;
-        let dst = self.destination(region, block_ids, path, None, select)?;
-        let t = required(timeout, "timeout")?;
-        let _guard = self.handle().enter();
-        // One fence for both steps, fired by the library once nothing writes `dst`:
-        // a Ctrl-C returns only after the drain.
-        let transfer = self
-            .engine
-            .start_pull(&peer, &keys, dst, tokio::time::Instant::now() + t);
-        let fence = transfer.fence();
-        let fut = transfer;
-        let tr = PyTransfer::spawn(&self.waiting, peer.clone(), fence, fut);
-        match tr.wait_outcome(py, None)? {
-            Some(Ok(n)) => Ok(n),
-            Some(Err(mut e)) => {
-                e.op = Some("pull".into());
-                Err(e.to_py(py))
-            }
-            None => unreachable!("waits without a bound"),
-        }
+        self.pull_blocking(py, keys, peer, region, block_ids, timeout, path, select)
     }
 
     /// Delayed pull, step one: asks `peer` to stage `keys` under a lease (copied or
@@ -519,32 +376,7 @@ impl PyEngine {
         timeout: f64,
         select: Option<PySelection>,
     ) -> PyResult<PyStaged> {
-        let keys = Self::keys(keys)?;
-        let t = required(timeout, "timeout")?;
-        let select = selection(select)?;
-        let e = &self.engine;
-        let h = py
-            .detach(|| {
-                self.handle()
-                    .block_on(async {
-                        let deadline = tokio::time::Instant::now() + t;
-                        match &select {
-                            None => e.stage(&peer, &keys, deadline).await,
-                            Some(s) => e.stage_selected(&peer, &keys, s, deadline).await,
-                        }
-                    })
-                    .map_err(|err| ErrInfo::from(&err).peer(&peer).op("stage"))
-            })
-            .map_err(PyErr::from)?;
-        if h.chunks.is_empty() {
-            return Err(
-                ErrInfo::new(ErrorCode::NotFound, format!("{peer} holds none of the keys"))
-                    .peer(&peer)
-                    .op("stage")
-                    .into(),
-            );
-        }
-        Ok(PyStaged { handle: h })
+        self.stage_blocking(py, peer, keys, timeout, select)
     }
 
     /// Delayed pull, step two: moves a staged handle's chunks into `block_ids` of
@@ -561,24 +393,7 @@ impl PyEngine {
         path: &str,
         select: Option<PySelection>,
     ) -> PyResult<usize> {
-        let dst = self.destination(region, block_ids, path, None, select)?;
-        let t = required(timeout, "timeout")?;
-        let h = staged.handle.clone();
-        let peer = h.peer.clone();
-        let _guard = self.handle().enter();
-        // The library's fence: it fires once nothing writes `dst` (see `pull`).
-        let transfer = self.engine.start_resolve(h, dst, tokio::time::Instant::now() + t);
-        let fence = transfer.fence();
-        let fut = transfer;
-        let tr = PyTransfer::spawn(&self.waiting, peer, fence, fut);
-        match tr.wait_outcome(py, None)? {
-            Some(Ok(n)) => Ok(n),
-            Some(Err(mut e)) => {
-                e.op = Some("resolve".into());
-                Err(e.to_py(py))
-            }
-            None => unreachable!("waits without a bound"),
-        }
+        self.resolve_blocking(py, staged, region, block_ids, timeout, path, select)
     }
 
     /// Test hook (not API): arms the producer's fault switches. `send_delay_us` delays
@@ -703,35 +518,7 @@ impl PyEngine {
     /// and on this engine's GPU. The memory holds `obj` (and its DLPack capsule) until
     /// it and every transfer touching it are gone.
     fn wrap_dlpack(&self, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<PyDeviceMemory> {
-        let dev = self.dev()?;
-        let Some(ordinal) = dev.cuda_ordinal() else {
-            return Err(ErrInfo::invalid(format!(
-                "{name}: wrapping a device tensor needs a CUDA engine (Engine(device='cuda:N')), not {:?}",
-                dev.spec()
-            ))
-            .into());
-        };
-        let t = crate::dlpack::read(obj, name)?;
-        if t.device_type != crate::dlpack::KDL_CUDA {
-            return Err(ErrInfo::invalid(format!(
-                "{name}: the tensor is on DLPack device type {}, not CUDA device memory (type {})",
-                t.device_type,
-                crate::dlpack::KDL_CUDA
-            ))
-            .into());
-        }
-        if usize::try_from(t.device_id).ok() != Some(ordinal) {
-            return Err(ErrInfo::invalid(format!(
-                "{name}: the tensor is on cuda:{}, this engine uses cuda:{ordinal}",
-                t.device_id
-            ))
-            .into());
-        }
-        // SAFETY: the DLPack exporter keeps the tensor's memory alive until the capsule's
-        // deleter runs, which happens only when the capsule (held by `owner`) is
-        // collected; the buffer holds `owner` until no operation targets it.
-        let buf = unsafe { dev.wrap(t.ptr, t.nbytes, t.owner) }?;
-        Ok(self.device_memory(buf, Some(t.shape)))
+        self.wrap_dlpack_memory(name, obj)
     }
 
     /// Wraps raw device memory (`ptr`, `nbytes` on `device`, `"cuda:N"`) on a CUDA
@@ -748,23 +535,7 @@ impl PyEngine {
         device: &str,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<PyDeviceMemory> {
-        let dev = self.dev()?;
-        let ordinal = crate::device::cuda_ordinal(device)?;
-        if dev.cuda_ordinal() != Some(ordinal) {
-            return Err(ErrInfo::invalid(format!(
-                "{name}: memory on {device:?}, but this engine's device is {:?}",
-                dev.spec()
-            ))
-            .into());
-        }
-        if ptr == 0 || nbytes == 0 {
-            return Err(ErrInfo::invalid(format!("{name}: ptr and nbytes must be non-zero")).into());
-        }
-        let owner = owner.unwrap_or_else(|| py.None());
-        // SAFETY: the caller of this documented entry point promises the memory stays
-        // allocated while `owner` lives; the buffer holds `owner`.
-        let buf = unsafe { dev.wrap(ptr, nbytes, owner) }?;
-        Ok(self.device_memory(buf, None))
+        self.wrap_device_memory(py, name, ptr, nbytes, device, owner)
     }
 
     /// On a sim engine: host memory (any writable buffer, such as a torch CPU tensor)
@@ -778,19 +549,7 @@ impl PyEngine {
         obj: &Bound<'_, PyAny>,
         shape: Option<Vec<usize>>,
     ) -> PyResult<PyDeviceMemory> {
-        let sim = self.dev()?.sim()?;
-        let buf = byte_buffer(obj, name)?;
-        if buf.readonly() {
-            return Err(ErrInfo::invalid(format!("{name}: read-only memory cannot be device memory")).into());
-        }
-        let len = buf.len_bytes();
-        let ptr =
-            NonNull::new(buf.buf_ptr() as *mut u8).ok_or_else(|| ErrInfo::invalid(format!("{name}: empty buffer")))?;
-        // SAFETY: `ptr` is the buffer's memory, valid for `len` bytes while the
-        // `PyBuffer` is held; the region holds it (and so the exporting object) until the
-        // device buffer and every copy targeting it have dropped the region.
-        let region = unsafe { Region::from_raw(name.to_string(), ptr, len, Box::new(HeldBuffer(buf))) };
-        Ok(self.device_memory(sim.adopt_host(Arc::new(region)), shape))
+        self.adopt_host(name, obj, shape)
     }
 
     /// Registers device memory `parts` — `[(DeviceMemory, [(offset, stride, length),
@@ -804,26 +563,7 @@ impl PyEngine {
         parts: Vec<(Bound<'_, PyDeviceMemory>, Vec<(usize, usize, usize)>)>,
         blocks: u32,
     ) -> PyResult<PyRegion> {
-        let dev = self.dev()?;
-        if parts.is_empty() {
-            return Err(ErrInfo::invalid("nothing to register").into());
-        }
-        let mut bufs = Vec::with_capacity(parts.len());
-        for (mem, spans) in &parts {
-            let mem = mem.get();
-            if mem.engine_id != self.id {
-                return Err(ErrInfo::invalid(format!("{name}: device memory of another engine")).into());
-            }
-            let spans = spans
-                .iter()
-                .map(|&(offset, stride, len)| Span { offset, stride, len })
-                .collect();
-            bufs.push((mem.buf.clone(), spans));
-        }
-        let cache = DeviceKvCache::new(name, dev.device.clone(), bufs, blocks, dev.op_timeout)
-            .map_err(|e| PyErr::from(dev_err(&e)))?;
-        let reg = self.engine.register(cache).map_err(py_err)?;
-        Ok(PyRegion::new(reg, false, self.id, self.engine.clone()))
+        self.register_device_parts(name, parts, blocks)
     }
 
     /// Tells `peer` this engine will not fetch `keys` (a request was aborted): the peer
@@ -843,55 +583,7 @@ impl PyEngine {
         retry_miss: f64,
         incarnation: Option<u64>,
     ) -> PyResult<PyTransfer> {
-        let keys = Self::keys(keys)?;
-        let t = required(timeout, "timeout")?;
-        if !(retry_miss.is_finite() && retry_miss >= 0.0) {
-            return Err(ErrInfo::invalid(format!("retry_miss must be >= 0 seconds, got {retry_miss}")).into());
-        }
-        let retry = Duration::from_secs_f64(retry_miss.min(t.as_secs_f64()));
-        let (e, p2) = (self.engine.clone(), peer.clone());
-        // The call's instant, not the first poll's: the deadline, and a timeout's
-        // `waited`, run from when the caller asked (one clock, as for transfers).
-        let start = tokio::time::Instant::now();
-        let fut = async move {
-            let (deadline, retry_until) = (start + t, start + retry);
-            let fail = |mut error| {
-                if let kvferry::engine::PeerError::Timeout { waited, .. } = &mut error {
-                    *waited = start.elapsed();
-                }
-                kvferry::engine::GetFailure {
-                    error,
-                    fence: kvferry::engine::DrainFence::ready(),
-                    dirty: false,
-                }
-            };
-            let mut backoff = Duration::from_millis(2);
-            let mut left = keys;
-            let mut released = 0;
-            loop {
-                let got = e.release_keys(&p2, &left, incarnation, deadline).await.map_err(fail)?;
-                released += got.iter().filter(|&&r| r).count();
-                left = left.into_iter().zip(got).filter(|(_, r)| !r).map(|(k, _)| k).collect();
-                let now = tokio::time::Instant::now();
-                if left.is_empty() || now + backoff > retry_until {
-                    return Ok(kvferry::engine::Landed {
-                        chunks: released,
-                        bytes: 0,
-                        checksum: 0,
-                    });
-                }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(50));
-            }
-        };
-        let _guard = self.handle().enter();
-        Ok(PyTransfer::spawn_op(
-            &self.waiting,
-            peer,
-            kvferry::engine::DrainFence::ready(),
-            fut,
-            "release_remote",
-        ))
+        self.spawn_release_remote(keys, peer, timeout, retry_miss, incarnation)
     }
 
     /// Test hook (not API): arms a sim device fault (`never_complete`, `fail_copy`,
