@@ -8,6 +8,8 @@ here is skipped with the reason, unless ``KVFERRY_REQUIRE_SGLANG=1`` (then they 
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import select
@@ -35,11 +37,9 @@ def _find_sglang() -> str | None:
         return f"sglang is not installed ({e}); {_HOW}"
     if version != PINNED:
         return f"kvferry's SGLang backend is pinned to sglang=={PINNED}, found {version}; {_HOW}"
-    try:
-        import torch  # noqa: F401
-        import zmq  # noqa: F401
-    except ImportError as e:
-        return f"sglang {version} lacks torch or zmq here ({e}); {_HOW}"
+    missing = [m for m in ("torch", "zmq") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"sglang {version} lacks {' and '.join(missing)} here; {_HOW}"
     return None
 
 
