@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from . import preemption, sleep
 
 from .config import VLLM_VERSION
 from .metadata import KvferryConnectorMetadata
@@ -24,6 +28,9 @@ from .worker import KvferryConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp, KVConnectorWorkerMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -42,7 +49,26 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     One class, two roles (vLLM creates it once in the scheduler and once per worker);
     each role delegates to :class:`KvferryConnectorScheduler` or
     :class:`KvferryConnectorWorker`. Configuration: see this module's docstring.
+    What each of vLLM 0.33's hooks does here, beside NixlConnector: docs/vllm.md,
+    "Compatibility with vLLM 0.33's connector hooks".
     """
+
+    # Remote hits are another instance's KV pulled over the network: vLLM's prefix
+    # cache stats count them as ``p2p`` (PrefixCacheStats.hits_by_source).
+    _cache_hit_source = CacheHitSource.P2P
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """True: :mod:`.sleep` drains and deregisters the KV cache, then registers it
+        again on wake-up; the engine (address, incarnation) stays up."""
+        return True
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: nothing runs inside the forward (``wait_for_layer_load`` and
+        ``save_kv_layer`` do nothing; pulls land between steps and publications are
+        zero copy), so full CUDA graphs capture nothing of kvferry's."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -110,7 +136,52 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._s().set_xfer_handshake_metadata(metadata)
 
+    def has_pending_block_frees(self) -> bool:
+        """False: vLLM then preempts rather than waits. Blocks kvferry holds are
+        publications (freed when a decode reads or releases them, or at lease
+        expiry, up to ``lease_ttl``) and pulls (which become the request's own when
+        they land): neither frees in a time the scheduler could wait for without
+        stalling every request behind a decode that never comes."""
+        return False
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """None: kvferry keeps no cache of its own. A publication is one request's
+        blocks for one reader (not a prefix another request can hit), and pulled
+        blocks enter vLLM's prefix cache, whose own ``BlockStored`` events announce
+        them once the load completes."""
+        return ()
+
     # worker side
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Stops every pull into, and every publication of, the step's preempted
+        requests' blocks before the forward may overwrite them (:mod:`.preemption`)."""
+        if self.connector_worker is not None:
+            preemption.handle_preemptions(self.connector_worker, kv_connector_metadata)
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: drain (bounded), withdraw, deregister (:mod:`.sleep`)."""
+        if self.connector_worker is not None:
+            sleep.unregister(self.connector_worker)
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the KV cache registered again (:mod:`.sleep`)."""
+        if self.connector_worker is not None:
+            sleep.restore(self.connector_worker)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        """Unused: kvferry stages device KV through its own pinned host arena with its
+        own bounded device copies (docs/vllm.md, "Host buffers")."""
+        return
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """None: everything the scheduler half needs travels in the transfer results
+        (finished and failed sets, load errors) and the stats."""
+        return None
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """None: no events of kvferry's own (see :meth:`take_events`)."""
+        return None
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._w().register_kv_caches(kv_caches)
 

@@ -25,6 +25,11 @@ is in exactly one state:
 - ``aborted``: vLLM finished the request while it pulled; its blocks are handed back
   (``finished_recving``) once the transfer drained, never before.
 
+A pull of a request vLLM takes its blocks back from while it pulls (preempted, or the
+worker going to sleep: :meth:`RequestLedger.preempt`) is ``failed`` at once, its
+transfer cancelled and its unread slots released; the worker waits (bounded) for the
+drain before vLLM may reuse the blocks, and it is reported as a failed load.
+
 A pull leaves the ledger when it is reported (:meth:`RequestLedger.poll`'s ``ready``,
 then :meth:`RequestLedger.report`), exactly once: ``finished_recving``, with
 ``failed_recving`` and its blocks as load errors if it failed. Blocks go back to vLLM
@@ -44,7 +49,10 @@ incarnation during a step and sent as messages of at most ``max_keys`` keys
 given up past ``give_up_at``), then ``published`` under its reader-slot keys, then
 ``released`` once every slot was released (each reader's ``Done``, the decode's
 releases, lease expiry, shutdown) — each slot counted once, a second report of the
-same key ignored. It is reported ``finished_sending`` — its blocks vLLM's again — once
+same key ignored. A publication whose blocks vLLM takes back (preempted, sleep:
+:meth:`RequestLedger.preempt_publication`) has every slot withdrawn at once (still
+counted as each is reported released, once its sends stopped), and one still
+computing is given up unpublished. It is reported ``finished_sending`` — its blocks vLLM's again — once
 it is released *and* vLLM said it finished, exactly once.
 
 Cancellation
@@ -76,7 +84,7 @@ enforces the deadline; this is the backstop)."""
 
 # The reason a request's publication reports once all its slots are released: the most
 # telling of its slots' (a lease that ran out first, then a read, then the rest).
-_REASON_RANK = {"expired": 0, "done": 1, "declined": 2, "released": 3, "shutdown": 4}
+_REASON_RANK = {"expired": 0, "done": 1, "declined": 2, "released": 3, "shutdown": 4, "preempted": 5}
 
 
 @dataclass
@@ -195,6 +203,42 @@ class RequestLedger:
             self._give_up(rec, seen)
         rec.state = "aborted"
         return rec, seen.started and not seen.done
+
+    def preempt(self, req_id: str, seen: Seen) -> tuple[PullRecord | None, bool]:
+        """vLLM takes ``req_id``'s blocks back while it pulls (preempted, or the worker
+        goes to sleep): ``(record, cancel)`` as :meth:`abort`, but the pull is failed —
+        reported, once drained, as a load error (``finished_recving`` with
+        ``failed_recving``), whether or not its bytes landed, since the blocks are no
+        longer the request's. Its unread slots are released (once). None: not a pull
+        (or already aborted: its blocks come back when it drains, as before)."""
+        rec = self.pulls.get(req_id)
+        if rec is None or rec.state == "aborted":
+            return None, False
+        landed = seen.started and seen.done and seen.error is None
+        if not landed:
+            self._give_up(rec, seen)
+        rec.given_up = True  # landed: its reads sent Done; nothing left to release
+        if rec.error is None:
+            rec.error = errors.CancelledError(f"{req_id}: its blocks were taken back by vLLM (preempted or asleep)")
+        rec.state = "failed"
+        rec.retry_at = None
+        return rec, seen.started and not seen.done
+
+    def preempt_publication(self, req_id: str) -> list[str]:
+        """vLLM takes ``req_id``'s published blocks back: the slot keys to withdraw now
+        (the worker unpublishes them and waits, bounded, until the engine reports each
+        released — its sends stopped). One still computing (CUDA) is given up
+        unpublished. Slots are then counted as before (:meth:`slot_released`)."""
+        rec = self.pubs.get(req_id)
+        if rec is None:
+            return []
+        if rec.state == "computing":
+            rec.state = "released"
+            rec.reason = "preempted"
+            return []
+        if rec.state != "published":
+            return []
+        return [k for k, owner in self.slot_owner.items() if owner == req_id]
 
     def poll(self, now: float, seen_of: Any) -> Polled:
         """One step over every pull: ``seen_of(record)`` returns its :class:`Seen`.

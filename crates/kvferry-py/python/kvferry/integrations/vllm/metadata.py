@@ -86,6 +86,8 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     expires_at: dict[str, float] = field(default_factory=dict)  # wall clock, per pull
     reqs_to_release: dict[str, ReleaseSpec] = field(default_factory=dict)
     idle: bool = False  # this step schedules no tokens: no forward pass runs
+    # SchedulerOutput.preempted_req_ids: their blocks are vLLM's again (preemption.py)
+    preempted: set[str] = field(default_factory=set)
 
 
 def _flat_block_ids(ids: Any) -> list[int]:

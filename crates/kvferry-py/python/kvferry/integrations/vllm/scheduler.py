@@ -162,6 +162,7 @@ class KvferryConnectorScheduler:
             expires_at=self._need_expiry,
             reqs_to_release=self._need_release,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            preempted=set(scheduler_output.preempted_req_ids or ()),
         )
         self._need_recv = {}
         self._need_send = {}
@@ -232,7 +233,10 @@ class KvferryConnectorScheduler:
                 keys = [planned.key, *planned.release_also]
                 per_rank = [[(r, k) for k in keys] for r in range(len(planned.peers))]
             self._need_release[req_id] = ReleaseSpec(key=planned.key, peers=planned.peers, expires_at=expires, per_rank=per_rank)
-        elif params and params.get("do_remote_prefill") and self._valid_remote(params):
+        elif params and params.get("do_remote_prefill") and (self._valid_remote(params) or self._adopt_foreign(req_id, params)):
+            # Never allocated: aborted while waiting, or rejected before admission
+            # (vLLM's notify_kv_transfer_request_rejected adds it pre-aborted so that
+            # this hook frees the prefill's blocks), NIXL-style params included.
             params["do_remote_prefill"] = False
             exp = params.get("kvferry_expires_at")
             self._need_release[req_id] = ReleaseSpec(

@@ -92,6 +92,8 @@ class KvferryConnectorWorker:
         self._pieces: list[Any] = []  # raw per-layer pieces [num_blocks, piece_bytes] (hetero.py)
         self._geo: dict[str, Any] = {}
         self._read_defer: list[Any] | None = None  # vllm_hetero.batched_gets
+        self.phys: dict[str, torch.Tensor] = {}  # what is registered (sleep.py registers it again)
+        self.asleep = False  # sleep.py: the KV cache is deregistered
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -131,7 +133,7 @@ class KvferryConnectorWorker:
             device=self.device or "host",
             device_timeout=cfg.device_timeout or cfg.timeout,
         )
-        self.caches = caches
+        self.caches, self.phys = caches, phys
         self.region = self._register(phys, nb, "vllm-kv")
         logger.info(
             "KvferryConnector worker tp%d: %s, %d blocks of %d bytes in %s memory, incarnation %#x",
@@ -437,18 +439,26 @@ class KvferryConnectorWorker:
             self._reap_releases()
             # Publications released (decode's Done, abort, lease expiry, shutdown): the
             # blocks are free once the request was reported finished to this worker.
-            if self.engine is not None:
-                for key, reason in self.engine.released():
-                    if reason == "replaced":
-                        continue
-                    k = key if isinstance(key, str) else bytes(key).decode(errors="replace")
-                    done = led.slot_released(k, str(reason))
-                    if done is not None:
-                        self.stats.record_publication_released(done[1])
-                        logger.debug("KvferryConnector: %s released (%s)", *done)
+            self.take_released()
         res.finished_recving, res.failed_recving = led.take_recving()
         res.finished_sending |= led.finished_sending()
         return res
+
+    def take_released(self) -> set[str]:
+        """Feeds the engine's released publications to the ledger; returns their keys."""
+        keys: set[str] = set()
+        if self.engine is None:
+            return keys
+        for key, reason in self.engine.released():
+            if reason == "replaced":
+                continue
+            k = key if isinstance(key, str) else bytes(key).decode(errors="replace")
+            keys.add(k)
+            done = self.ledger.slot_released(k, str(reason))
+            if done is not None:
+                self.stats.record_publication_released(done[1])
+                logger.debug("KvferryConnector: %s released (%s)", *done)
+        return keys
 
     def _finish(self, pull: PullRecord) -> None:
         """A pull whose transfer drained: landed (its scratch copied in) or failed;
