@@ -14,6 +14,9 @@ transfers; a simulated prefill tracks every slot. Checked after every step:
   restarted) — in messages of at most ``max_keys`` keys;
 - a publication is reported ``finished_sending`` once, only after every slot was
   released and vLLM reported it finished; every slot is counted once;
+- a pull preempted (vLLM takes its blocks back) is reported as a failed load, once,
+  only once drained, and its unread slots are released; a publication preempted
+  withdraws exactly the slots still out (one still computing is given up unpublished);
 - at quiescence (every transfer settled, the clock past every deadline) the ledger
   holds nothing and every request was reported exactly once.
 
@@ -75,6 +78,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.finished_seen: set[str] = set()
         self.sent_reported: dict[str, int] = {}
         self.computing: set[str] = set()
+        self.preempted: set[str] = set()
 
     # -- the simulated I/O (as worker.py) ------------------------------------------
 
@@ -129,6 +133,8 @@ class LedgerModel(RuleBasedStateMachine):
             assert self.reported[r] == 1, f"{r} reported twice"
             sp = self.pulls[r]
             assert sp.transfer is None or sp.transfer.drained
+            if r in self.preempted:
+                assert r in failed, f"{r} preempted but reported as landed"
             given_up = r in failed or sp.rec.state == "aborted"
             if given_up and not sp.restarted:
                 landed = sp.transfer.landed if sp.transfer is not None else set()
@@ -169,10 +175,39 @@ class LedgerModel(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         sp = data.draw(st.sampled_from(self.live()))
         rec, cancel = self.led.abort(sp.rec.req_id, self.seen(sp.rec, unread=True), self.now)
+        if rec is not None:
+            self.preempted.discard(rec.req_id)  # finished after all: reported as aborted
         if cancel:
             assert sp.transfer is not None
             self.cancel(sp.transfer)
         self.flush()
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        sp = data.draw(st.sampled_from(self.live()))
+        was_aborted = sp.rec.state == "aborted"
+        rec, cancel = self.led.preempt(sp.rec.req_id, self.seen(sp.rec, unread=True))
+        assert (rec is None) == was_aborted
+        if rec is None:
+            return
+        self.preempted.add(rec.req_id)
+        if cancel:
+            assert sp.transfer is not None
+            self.cancel(sp.transfer)
+        self.flush()
+
+    @precondition(lambda self: any(q in self.led.pubs for q in self.pubs))
+    @rule(data=st.data())
+    def preempt_publication(self, data: st.DataObject) -> None:
+        r = data.draw(st.sampled_from(sorted(q for q in self.pubs if q in self.led.pubs)))
+        keys = self.led.preempt_publication(r)
+        if r in self.computing:
+            assert keys == []
+            self.computing.discard(r)
+            self.slot_out[r] = set()
+            return
+        assert set(keys) == self.slot_out.get(r, set()), (r, keys, self.slot_out.get(r))
 
     @rule(dt=st.sampled_from([0.001, 0.01, 0.05, 0.5, 3.0, 12.0]))
     def clock(self, dt: float) -> None:
