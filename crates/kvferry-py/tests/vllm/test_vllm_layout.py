@@ -85,7 +85,7 @@ def test_every_head_vector_is_where_the_connector_computes_it(need_vllm, backend
     import torch
 
     from kvferry.integrations.vllm.alloc import allocate, backend_class, kv_views
-    from kvferry.integrations.vllm.mapping import KvDescriptor, _offset
+    from kvferry.integrations._kv_layout import KvDescriptor, _offset
 
     nb = 6
     cfg = _config(block_size=bs)
@@ -118,7 +118,7 @@ def test_mla_latent_is_one_vector_per_token(need_vllm):
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     from kvferry.integrations.vllm.alloc import allocate, kv_views
-    from kvferry.integrations.vllm.mapping import KvDescriptor, _offset
+    from kvferry.integrations._kv_layout import KvDescriptor, _offset
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 
     nb = 5

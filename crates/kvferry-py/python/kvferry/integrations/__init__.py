@@ -13,6 +13,11 @@ Each integration lives in its own module and imports its server lazily, so
   ``kvferry_bounded_output``, bounding the worker's output-copy waits (also importable
   by its former name ``kvferry.integrations.vllm_bounded_output``, as
   ``kvferry.integrations.vllm_bench`` still runs the connector's bench).
+- :mod:`kvferry.integrations.sglang`: a transfer backend for SGLang's prefill/decode
+  disaggregation (needs ``sglang==0.5.23``; see ``docs/sglang.md``).
+- :mod:`kvferry.integrations._kv_layout`: what both the vLLM connector and the SGLang
+  backend share, pure: the KV descriptor, which heads a rank holds, and the byte ranges
+  of one token and head inside a piece. Integrations import it; it imports none of them.
 - :mod:`kvferry.integrations.lmcache`: LMCache's remote tier and P2P/PD channel (needs
   ``lmcache==0.5.6``; see ``docs/lmcache.md``).
 """

@@ -6,7 +6,7 @@ SGLang's MHA pools keep one buffer per layer for K and one for V, each page a
 piece order); an MLA pool keeps one latent buffer per layer, replicated on every rank.
 A kvferry region here is the list of those buffers; one page is one block, one
 per-layer buffer's page is one piece. The head arithmetic and the byte ranges inside a
-piece come from the vLLM connector's pure mapping (:func:`heads_of`,
+piece come from the descriptor module both integrations share (:func:`heads_of`,
 :func:`piece_ranges`), which this module imports rather than restates.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..vllm.mapping import KvDescriptor, heads_of, piece_ranges
+from .._kv_layout import KvDescriptor, heads_of, piece_ranges
 
 
 class PairingError(ValueError):

@@ -4,17 +4,18 @@ mismatches, MLA and prefix hits. No vLLM, no torch, no I/O: descriptors in, a pl
 
 Semantics
 ---------
-A :class:`KvDescriptor` says how one vLLM instance lays out its KV cache: model, cache
-dtype, attention kind (``MHA``, which covers GQA/MQA, or ``MLA``), the *total* number of
-KV heads, head size, tokens per block, tensor-parallel size, per-rank layout — the
-order of the head vectors inside one *piece* (the contiguous bytes of one layer of one
-block), outermost first, over ``H`` (head), ``N`` (token) and ``K`` (K or V), ending in
-``D`` (the head vector): ``HNKD`` is vLLM 0.33's packed ``LBHNC`` cache, ``NHKD`` its
-``LBNHC``, ``HKND`` the CPU backend's K and V planes, ``NHD`` MLA's latent (no ``K``:
-one vector per cell); an order without ``K`` (``NHD``, ``HND``) means K and V are
-separate pieces — as ``layout`` derives it from vLLM's own description —, the
-number of per-layer pieces per block, and the KV cache groups (kind and sliding
-window). A prefill instance advertises its descriptor in
+A :class:`KvDescriptor` (defined in :mod:`kvferry.integrations._kv_layout`, shared with
+the SGLang backend, as are :func:`heads_of` and :func:`piece_ranges`) says how one vLLM
+instance lays out its KV cache: model, cache dtype, attention kind (``MHA``, which
+covers GQA/MQA, or ``MLA``), the *total* number of KV heads, head size, tokens per
+block, tensor-parallel size, per-rank layout — the order of the head vectors inside one
+*piece* (the contiguous bytes of one layer of one block), outermost first, over ``H``
+(head), ``N`` (token) and ``K`` (K or V), ending in ``D`` (the head vector): ``HNKD`` is
+vLLM 0.33's packed ``LBHNC`` cache, ``NHKD`` its ``LBNHC``, ``HKND`` the CPU backend's K
+and V planes, ``NHD`` MLA's latent (no ``K``: one vector per cell); an order without
+``K`` (``NHD``, ``HND``) means K and V are separate pieces — as ``layout`` derives it
+from vLLM's own description —, the number of per-layer pieces per block, and the KV
+cache groups (kind and sliding window). A prefill instance advertises its descriptor in
 ``kv_transfer_params["kvferry_desc"]``; the decode instance calls :func:`check` the
 first time it meets that prefill (one verdict per remote engine): an impossible pair
 raises :class:`IncompatibleError` listing *every* difference at once; a possible one
@@ -52,8 +53,11 @@ up. A plan needing more reads of one prefill rank than it has slots is refused.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+
+# The descriptor and its byte arithmetic are shared with the SGLang backend; the names
+# stay importable from here (the connector's modules and tests use them).
+from .._kv_layout import GroupDesc, IncompatibleError, KvDescriptor, heads_of, piece_ranges
 
 __all__ = [
     "IncompatibleError",
@@ -67,104 +71,6 @@ __all__ = [
     "slot_key",
     "plan_request",
 ]
-
-
-class IncompatibleError(ValueError):
-    """A prefill/decode pair that cannot exchange KV: ``differences`` lists each
-    reason (the message names them all)."""
-
-    def __init__(self, differences: list[str], prefill: str = "prefill", decode: str = "decode") -> None:
-        self.differences = list(differences)
-        super().__init__(
-            f"KvferryConnector: {prefill} and {decode} KV caches are incompatible: " + "; ".join(self.differences)
-        )
-
-
-@dataclass(frozen=True)
-class GroupDesc:
-    """One KV cache group: ``kind`` ``"full"``, ``"sliding_window"`` or ``"chunked_local"``
-    (others are refused at start-up), ``window`` tokens (0 for full attention)."""
-
-    kind: str = "full"
-    window: int = 0
-
-
-@dataclass(frozen=True)
-class KvDescriptor:
-    """How one instance lays out its KV cache (see the module docs)."""
-
-    model: str
-    dtype: str
-    attention: str  # "MHA" or "MLA"
-    num_kv_heads: int  # total, over all ranks (1 for MLA)
-    head_size: int
-    block_size: int
-    tp_size: int
-    layout: str = "NHD"  # a piece's cell order (module docs): "HNKD", "NHKD", "HKND", "NHD", "HND"
-    pieces: int = 0  # per-layer pieces per block (2 x layers for MHA, layers for MLA); 0 = unknown
-    elem_size: int = 2
-    groups: tuple[GroupDesc, ...] = (GroupDesc(),)
-    slots: int = 1  # reader slots per request and rank (prefill side)
-    cache_layout: str = ""  # backend/KVCacheLayout (order): names the layout in refusals
-
-    def to_params(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["groups"] = [asdict(g) for g in self.groups]
-        return d
-
-    @classmethod
-    def from_params(cls, d: Any) -> KvDescriptor:
-        if not isinstance(d, dict):
-            raise IncompatibleError([f"the prefill's kvferry_desc is not a mapping ({type(d).__name__})"])
-        try:
-            groups = tuple(GroupDesc(str(g["kind"]), int(g.get("window", 0))) for g in d.get("groups") or [{}])
-            return cls(
-                model=str(d["model"]),
-                dtype=str(d["dtype"]),
-                attention=str(d["attention"]),
-                num_kv_heads=int(d["num_kv_heads"]),
-                head_size=int(d["head_size"]),
-                block_size=int(d["block_size"]),
-                tp_size=int(d["tp_size"]),
-                layout=str(d.get("layout", "NHD")),
-                pieces=int(d.get("pieces", 0)),
-                elem_size=int(d.get("elem_size", 2)),
-                groups=groups,
-                slots=int(d.get("slots", 1)),
-                cache_layout=str(d.get("cache_layout", "")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise IncompatibleError([f"the prefill's kvferry_desc is malformed ({e!r})"]) from None
-
-    @property
-    def heads_per_rank(self) -> int:
-        if self.attention == "MLA":
-            return 1
-        return max(1, self.num_kv_heads // self.tp_size)
-
-    @property
-    def kv_in_piece(self) -> bool:
-        """K and V share each per-layer piece (``K`` in :attr:`layout`)."""
-        return "K" in self.layout
-
-    @property
-    def piece_bytes(self) -> int:
-        """Bytes of one per-layer piece of one block on one rank."""
-        return self.block_size * self.heads_per_rank * self.head_size * self.elem_size * (2 if self.kv_in_piece else 1)
-
-    @property
-    def layout_name(self) -> str:
-        return self.cache_layout or self.layout
-
-
-def heads_of(rank: int, tp: int, heads: int) -> tuple[int, int]:
-    """The global KV heads ``[a, b)`` rank ``rank`` of ``tp`` holds (replicated when
-    ``tp > heads``)."""
-    if tp <= heads:
-        per = heads // tp
-        return rank * per, (rank + 1) * per
-    h = rank * heads // tp
-    return h, h + 1
 
 
 def slot_key(key: str, slot: int) -> str:
@@ -186,6 +92,12 @@ def _self_check(d: KvDescriptor, who: str) -> list[str]:
     if d.attention == "MHA" and d.tp_size > d.num_kv_heads and d.tp_size % max(1, d.num_kv_heads):
         out.append(f"{who} TP {d.tp_size} is not a multiple of its {d.num_kv_heads} KV heads")
     return out
+
+
+def _valid_order(order: str) -> bool:
+    """A cell order: ``H`` and ``N`` once each, ``K`` at most once, then ``D``."""
+    body = order[:-1]
+    return order.endswith("D") and sorted(body) in (["H", "N"], ["H", "K", "N"])
 
 
 @dataclass(frozen=True)
@@ -265,51 +177,6 @@ def _reads_per_prefill_rank(p: KvDescriptor, d: KvDescriptor) -> int:
         for q, _, _ in _sources(p, d, r):
             count[q] = count.get(q, 0) + _phases(p, d)
     return max(count.values(), default=1)
-
-
-def _valid_order(order: str) -> bool:
-    """A cell order: ``H`` and ``N`` once each, ``K`` at most once, then ``D``."""
-    body = order[:-1]
-    return order.endswith("D") and sorted(body) in (["H", "N"], ["H", "K", "N"])
-
-
-def _offset(desc: KvDescriptor, tok: int, head: int, kv: int = 0) -> int:
-    """Byte offset of the head vector of (token, rank-local head, K=0/V=1) inside one
-    piece of ``desc``: the piece's cells in the order :attr:`KvDescriptor.layout`
-    names, outermost first (``HNKD``: heads, then tokens, then K and V)."""
-    size = {"H": desc.heads_per_rank, "N": desc.block_size, "K": 2}
-    index = {"H": head, "N": tok, "K": kv}
-    off = 0
-    for dim in desc.layout[:-1]:
-        off = off * size[dim] + index[dim]
-    return off * desc.head_size * desc.elem_size
-
-
-def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for off, n in runs:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
-
-
-def piece_ranges(
-    p: KvDescriptor, d: KvDescriptor, src_tok0: int, dst_tok0: int, ntok: int, src_head0: int, dst_head0: int, nheads: int
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """``(src_ranges, dst_ranges)`` moving tokens ``src_tok0..+ntok`` × rank-local heads
-    ``src_head0..+nheads`` of a prefill piece to tokens ``dst_tok0..`` × heads
-    ``dst_head0..`` of a decode piece, in the decode piece's byte order."""
-    hs = p.head_size * p.elem_size
-    atoms = []
-    kvs = (0, 1) if p.kv_in_piece else (0,)
-    for t in range(ntok):
-        for h in range(nheads):
-            for kv in kvs:
-                atoms.append((_offset(d, dst_tok0 + t, dst_head0 + h, kv), _offset(p, src_tok0 + t, src_head0 + h, kv)))
-    atoms.sort()
-    return _coalesce([(s, hs) for _, s in atoms]), _coalesce([(o, hs) for o, _ in atoms])
 
 
 @dataclass
