@@ -62,7 +62,16 @@ class Instance:
     """A vLLM instance minus the model: the real Scheduler, and the connector's worker
     half called the way vLLM's model runner calls it."""
 
-    def __init__(self, role: str, extra: dict[str, Any], num_blocks: int = 512, salt: int = 0, policy: str = "recompute") -> None:
+    def __init__(
+        self,
+        role: str,
+        extra: dict[str, Any],
+        num_blocks: int = 512,
+        salt: int = 0,
+        policy: str = "recompute",
+        log_stats: bool = False,
+        kv_events: Any = None,
+    ) -> None:
         import torch
         from vllm.config import (
             CacheConfig,
@@ -95,6 +104,7 @@ class Instance:
                 kv_connector_extra_config=extra,
                 kv_load_failure_policy=policy,
             ),
+            kv_events_config=kv_events,  # a vllm.config.KVEventsConfig, or None
         )
         # The KV cache as vLLM makes it: flash-attn's real layers, the layout vLLM
         # resolves (the connector asks for LBHNC), allocated by allocate_kv_cache.
@@ -108,7 +118,7 @@ class Instance:
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=BLOCK_SIZE,
-            log_stats=False,
+            log_stats=log_stats,
         )
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -166,6 +176,8 @@ class Instance:
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # this process's worker
         so = self.scheduler.schedule()
         self.last_output = so
+        # GPUModelRunner.execute_model (and MRV2's pre_forward): before the forward.
+        self.connector.handle_preemptions(so.kv_connector_metadata)
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         with (

@@ -381,6 +381,7 @@ class Instance:
             kv_transfer_state._KV_CONNECTOR_AGENT = conn  # this "process"'s worker
             sampled: list[list[int]] = []
             a = self.first_head(rank)
+            conn.handle_preemptions(so.kv_connector_metadata)  # as the model runner, before the forward
             with (
                 set_forward_context(None, self.vllm_config),
                 KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
