@@ -139,6 +139,7 @@ class Instance:
         self.invalid_blocks: set[int] = set()
         self.landed: dict[str, list[list[bytes]]] = {}  # req_id -> prompt slots when it landed
         self.stats = type(self.connector).build_kv_connector_stats()  # every step's, combined
+        self.scheduler_stats: list[Any] = []  # vLLM's SchedulerStats per step (log_stats)
 
     @property
     def worker(self):
@@ -212,6 +213,8 @@ class Instance:
         if kvo.kv_connector_stats is not None:
             self.stats.aggregate(kvo.kv_connector_stats)
         for outs in self.scheduler.update_from_output(so, mro).values():
+            if outs.scheduler_stats is not None:  # log_stats: what vLLM's stat loggers get
+                self.scheduler_stats.append(outs.scheduler_stats)
             for o in outs.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

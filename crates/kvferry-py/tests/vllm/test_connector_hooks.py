@@ -192,7 +192,7 @@ def test_a_real_preemption_reaches_the_worker_and_costs_no_byte(pair):
     step's metadata names it (``preempted``), the hook leaves the other requests'
     pulls alone, the preempted request is recomputed (its params were spent: no
     second pull), and every pulled byte is the prefill's."""
-    p, d = pair("kv_producer"), pair("kv_consumer", num_blocks=12)
+    p, d = pair("kv_producer"), pair("kv_consumer", num_blocks=66)  # 65 hold one 1,024-token request
     reqs = {f"pre-real-{i}": _prompt(40, 10 + i) for i in range(2)}
     params = {r: _prefill(p, r, pr) for r, pr in reqs.items()}
     seen: list[set[str]] = []
@@ -204,7 +204,7 @@ def test_a_real_preemption_reaches_the_worker_and_costs_no_byte(pair):
 
     d.connector.handle_preemptions = watch  # type: ignore[method-assign]
     for r, pr in reqs.items():
-        d.add(r, pr, max_tokens=120, params=params[r])
+        d.add(r, pr, max_tokens=520, params=params[r])  # 35 blocks each: both cannot fit
     preempted: set[str] = set()
     t0 = time.monotonic()
     while not set(reqs) <= set(d.final):
@@ -272,13 +272,13 @@ def test_a_request_rejected_before_admission_frees_the_prefill(pair, kind):
 _BATCHES: list[Any] = []
 
 
-def _collector() -> str:
-    """A KV event publisher registered with vLLM's factory (the way a deployment adds
-    one): keeps every ``KVEventBatch`` the scheduler publishes."""
-    from vllm.distributed.kv_events import EventPublisher, EventPublisherFactory
+def _collector() -> Any:
+    """A KV event publisher (vLLM's ``EventPublisher`` interface) keeping every
+    ``KVEventBatch`` the scheduler publishes; it stands in for the ``zmq`` one."""
+    from vllm.distributed.kv_events import EventPublisher
 
     class Collect(EventPublisher):
-        def __init__(self, data_parallel_rank: int = 0, **_: Any) -> None:
+        def __init__(self) -> None:
             pass
 
         def publish(self, events: Any) -> None:
@@ -287,9 +287,7 @@ def _collector() -> str:
         def shutdown(self) -> None:
             pass
 
-    if "kvferry-test" not in EventPublisherFactory._registry:
-        EventPublisherFactory.register_publisher("kvferry-test", Collect)
-    return "kvferry-test"
+    return Collect()
 
 
 def test_remote_hits_are_p2p_and_pulled_blocks_announced_by_vllm_events(pair):
@@ -298,22 +296,29 @@ def test_remote_hits_are_p2p_and_pulled_blocks_announced_by_vllm_events(pair):
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.metrics.stats import PrefixCacheStats
 
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher=_collector())
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     p, d = pair("kv_producer"), pair("kv_consumer", log_stats=True, kv_events=events)
+    d.scheduler.kv_event_publisher = _collector()  # where vLLM's zmq publisher would be
     rid, prompt = "hits", _prompt(BLOCK_SIZE * 3 + 5, 4)
     params = _prefill(p, rid, prompt)
     _BATCHES.clear()
     d.add(rid, prompt, max_tokens=2, params=params)
     d.step()
-    stats = d.scheduler.make_stats().connector_prefix_cache_stats
-    assert isinstance(stats, PrefixCacheStats)
-    assert stats.hits == len(prompt) and stats.hits_by_source == {CacheHitSource.P2P: len(prompt)}, stats
     # Nothing announced while the blocks are being written: they enter vLLM's prefix
     # cache (and its events) only once the pull landed.
     assert not [e for b in _BATCHES for e in b.events if isinstance(e, BlockStored)]
     assert list(d.scheduler.get_kv_connector().take_events()) == []
     d.run_until(lambda: rid in d.finished_recving, 10, "the pull")
     d.run_until(lambda: rid in d.last_output.num_scheduled_tokens, 5, "the request to run")
+    # vLLM's SchedulerStats, as its stat loggers receive them with each step's outputs.
+    per_step = [s.connector_prefix_cache_stats for s in d.scheduler_stats if s.connector_prefix_cache_stats is not None]
+    assert per_step and all(isinstance(s, PrefixCacheStats) for s in per_step)
+    hits = sum(s.hits for s in per_step)
+    by_source: dict[Any, int] = {}
+    for s in per_step:
+        for src, n in s.hits_by_source.items():
+            by_source[src] = by_source.get(src, 0) + n
+    assert hits == len(prompt) and by_source == {CacheHitSource.P2P: len(prompt)}, per_step
     stored = [e for b in _BATCHES for e in b.events if isinstance(e, BlockStored)]
     full = len(prompt) // BLOCK_SIZE
     hashes = [bytes(h) if isinstance(h, bytes) else h for e in stored for h in e.block_hashes]
@@ -391,7 +396,7 @@ def test_hooks_answer_as_documented(need_vllm):
     from kvferry.integrations.vllm import KvferryConnector
 
     assert KvferryConnector.requires_piecewise_for_cudagraph({}) is False
-    d = Instance("kv_consumer", {"timeout": TIMEOUT}, num_blocks=64)
+    d = Instance("kv_consumer", {"timeout": TIMEOUT}, num_blocks=66)
     try:
         sc = d.scheduler.get_kv_connector()
         assert sc.has_pending_block_frees() is False
