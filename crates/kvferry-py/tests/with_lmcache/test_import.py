@@ -47,9 +47,9 @@ def test_adapter_parses_kvferry_and_plugin_urls():
 @pytest.mark.usefixtures("need_lmcache")
 def test_install_refuses_another_lmcache_version(monkeypatch):
     import kvferry.integrations.lmcache._channel as ch
-    import kvferry.integrations.lmcache._remote as rem
+    import kvferry.integrations.lmcache._version as ver
 
-    monkeypatch.setattr(rem, "installed_version", lambda: "0.9.9")
+    monkeypatch.setattr(ver, "installed_version", lambda: "0.9.9")
     monkeypatch.setattr(ch, "_installed", {})
     with pytest.raises(RuntimeError, match="pinned to lmcache==0.5.6.*found lmcache 0.9.9"):
         ch.install()

@@ -40,7 +40,9 @@ except ImportError as e:  # pragma: no cover - exercised by the test of the mess
     raise ImportError(f"{_HOW} ({e})") from e
 
 from ._channel import ChannelError, KvferryTransferChannel, install
-from ._remote import KvferryConnectorAdapter, KvferryRemoteConnector, RemoteOptions, installed_version
+from ._options import RemoteOptions
+from ._remote import KvferryConnectorAdapter, KvferryRemoteConnector
+from ._version import installed_version
 
 __all__ = [
     "LMCACHE_VERSION",

@@ -49,7 +49,7 @@ from lmcache.v1.transfer_channel.transfer_utils import InitSideMsgBase, InitSide
 
 import kvferry
 
-from ._remote import settle
+from ._settle import settle
 
 logger = init_logger(__name__)
 
@@ -509,7 +509,7 @@ def install() -> None:
     import importlib
 
     from . import LMCACHE_VERSION
-    from ._remote import installed_version
+    from ._version import installed_version
 
     have = installed_version()
     if have != LMCACHE_VERSION:

@@ -29,22 +29,21 @@ the kvferry transfer touching the memory object has stopped (``Transfer.cancel``
 it; a push runs to its own deadline), however often it is cancelled; only then is an
 allocated object released and the cancellation re-raised. Buffers are never handed back
 to LMCache's allocator while a socket may still write them.
+
+Its parts, one module each: the settings (:mod:`._options`), a chunk's keys and
+metadata record (:mod:`._records`), landing a get in LMCache's buffer
+(:mod:`._landing`), and waits that outlast cancellation (:mod:`._settle`, shared with
+the transfer channel). This module is the connector LMCache calls, and the adapter
+that makes LMCache build it for ``kvferry://`` URLs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import math
-import struct
-import threading
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, List, Optional, TypeVar
-from urllib.parse import parse_qs, urlparse
 
-import lmcache
 import numpy as np
 import torch
 from lmcache.logging import init_logger
@@ -56,238 +55,16 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 import kvferry
 
+from ._landing import Landing
+from ._options import RemoteOptions
+from ._records import META_SLOT, data_key, decode_meta, encode_meta, meta_key
+from ._settle import as_future, settle
+
 logger = init_logger(__name__)
 
 T = TypeVar("T")
 
-PREFIX = "kvferry."
-"""Prefix of this connector's keys in LMCache's ``extra_config``."""
-
-META_SLOT = 512
-"""Bytes reserved for one chunk's metadata record on a get."""
-
-_META_MAGIC = b"KVFLMC1\0"
 _DRAIN_GRACE = 2.0
-
-
-def installed_version() -> str:
-    """The installed lmcache version."""
-    return str(getattr(lmcache, "__version__", None) or _dist_version())
-
-
-def _dist_version() -> str:
-    import importlib.metadata as md
-
-    return md.version("lmcache")
-
-
-@dataclass
-class RemoteOptions:
-    """The connector's settings, from LMCache's ``extra_config`` (``kvferry.*``) and the URL.
-
-    ``server``: ``HOST:PORT`` of a ``kvferry serve`` (or a peer id with ``directory``).
-    ``timeout``: bound on every call, seconds. ``connect_timeout``: bound on connecting.
-    ``secret`` / ``secret_file``: the shared secret the server requires.
-    ``directory``: ``etcd://HOST:PORT[,...]`` to find ``server`` by peer id.
-    ``tls_cert`` / ``tls_key`` / ``tls_ca``: PEM files for mutual TLS with a server
-    started with ``--tls-cert/--tls-key/--tls-ca`` (all three or none).
-    ``threads``: threads running pushes and lookups off LMCache's event loop.
-    ``parallel``: concurrent transfers a batched get is cut into.
-    """
-
-    server: str
-    timeout: float = 5.0
-    connect_timeout: float = 2.0
-    secret: Optional[bytes] = None
-    directory: Optional[str] = None
-    tls_cert: Optional[str] = None
-    tls_key: Optional[str] = None
-    tls_ca: Optional[str] = None
-    threads: int = 4
-    parallel: int = 4
-
-    @staticmethod
-    def from_config(config: Any, url: Optional[str] = None) -> "RemoteOptions":
-        extra = dict(getattr(config, "extra_config", None) or {})
-        opts: dict[str, Any] = {k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)}
-        if url and url.startswith("kvferry://"):
-            parsed = urlparse(url)
-            if not parsed.hostname or not parsed.port:
-                raise ValueError(f"{url!r}: a kvferry URL is kvferry://HOST:PORT[?timeout=S]")
-            opts["server"] = f"{parsed.hostname}:{parsed.port}"
-            for k, v in parse_qs(parsed.query).items():
-                opts[k] = v[-1]
-        known = {
-            "server",
-            "timeout",
-            "connect_timeout",
-            "secret",
-            "secret_file",
-            "directory",
-            "threads",
-            "parallel",
-            "tls_cert",
-            "tls_key",
-            "tls_ca",
-        }
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise ValueError(f"unknown kvferry option(s) {unknown}; known: {sorted(known)}")
-        server = opts.get("server")
-        if not server:
-            raise ValueError(
-                "the kvferry remote tier needs a server: extra_config 'kvferry.server: HOST:PORT' "
-                "(or remote_url kvferry://HOST:PORT)"
-            )
-        secret: Optional[bytes] = None
-        if opts.get("secret_file"):
-            with open(str(opts["secret_file"]), "rb") as f:
-                secret = f.read().strip()
-        elif opts.get("secret") is not None:
-            s = opts["secret"]
-            secret = s.encode() if isinstance(s, str) else bytes(s)
-        timeout = float(opts.get("timeout", 5.0))
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"kvferry.timeout must be a positive number of seconds, got {opts.get('timeout')!r}")
-        tls = [opts.get(k) for k in ("tls_cert", "tls_key", "tls_ca")]
-        if any(t is not None for t in tls) and not all(t is not None for t in tls):
-            raise ValueError("kvferry.tls_cert, kvferry.tls_key and kvferry.tls_ca go together")
-        return RemoteOptions(
-            server=str(server),
-            timeout=timeout,
-            connect_timeout=float(opts.get("connect_timeout", min(timeout, 2.0))),
-            secret=secret,
-            directory=opts.get("directory"),
-            tls_cert=None if tls[0] is None else str(tls[0]),
-            tls_key=None if tls[1] is None else str(tls[1]),
-            tls_ca=None if tls[2] is None else str(tls[2]),
-            threads=int(opts.get("threads", 4)),
-            parallel=int(opts.get("parallel", 4)),
-        )
-
-
-def _data_key(key: CacheEngineKey) -> str:
-    return "lmc/" + str(key.to_string())
-
-
-def _meta_key(key: CacheEngineKey) -> str:
-    return "lmc-meta/" + str(key.to_string())
-
-
-_DTYPES = {
-    str(d): d
-    for d in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        getattr(torch, "float8_e4m3fn", torch.uint8),
-        getattr(torch, "float8_e5m2", torch.uint8),
-    )
-}
-
-
-def encode_meta(obj: MemoryObj) -> bytes:
-    """The metadata record of ``obj``: magic, length, then JSON of shapes/dtypes/format."""
-    body = json.dumps(
-        {
-            "shapes": [list(s) for s in obj.get_shapes()],
-            "dtypes": [str(d) for d in obj.get_dtypes()],
-            "fmt": int(obj.get_memory_format().value),
-        },
-        separators=(",", ":"),
-    ).encode()
-    rec = _META_MAGIC + struct.pack("<QI", obj.get_size(), len(body)) + body
-    if len(rec) > META_SLOT:
-        raise ValueError(f"chunk metadata of {len(rec)} bytes exceeds {META_SLOT}")
-    return rec
-
-
-def decode_meta(rec: memoryview | bytes) -> tuple[int, list[torch.Size], list[torch.dtype], MemoryFormat]:
-    """``(length, shapes, dtypes, fmt)`` of a record; ``ValueError`` if it is not one."""
-    rec = bytes(rec)
-    if rec[: len(_META_MAGIC)] != _META_MAGIC:
-        raise ValueError("not a kvferry LMCache metadata record")
-    length, n = struct.unpack_from("<QI", rec, len(_META_MAGIC))
-    start = len(_META_MAGIC) + 12
-    d = json.loads(rec[start : start + n])
-    return (
-        int(length),
-        [torch.Size(s) for s in d["shapes"]],
-        [_DTYPES[x] for x in d["dtypes"]],
-        MemoryFormat(int(d["fmt"])),
-    )
-
-
-async def settle(fut: Awaitable[T], on_cancel: Optional[Callable[[], object]] = None) -> T:
-    """Awaits ``fut`` to its end even if the caller is cancelled (any number of times),
-    then re-raises the cancellation. ``on_cancel`` runs once, at the first cancel (e.g.
-    ``Transfer.cancel`` on a thread), so that the end comes sooner. A single shielded
-    await would not do: ``shield`` keeps the work alive but resumes the caller at once."""
-    task = asyncio.ensure_future(fut)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                break
-            if not cancelled and on_cancel is not None:
-                on_cancel()
-            cancelled = True
-        except BaseException:  # the work failed: task.result() below raises it
-            break
-    if cancelled:
-        if not task.cancelled() and task.exception() is not None:
-            logger.debug("kvferry: work ended with %r after a cancel", task.exception())
-        raise asyncio.CancelledError()
-    return task.result()
-
-
-class _Landing:
-    """LMCache's CPU buffer(s) registered with the engine once, cut into the
-    allocator's aligned blocks, so a get lands straight into an allocated object."""
-
-    def __init__(self, engine: kvferry.Engine, align: int) -> None:
-        self._engine = engine
-        self._align = align
-        self._regions: dict[int, tuple[int, int, Any, Any]] = {}  # base ptr -> (nbytes, block, region, view)
-        self._lock = threading.Lock()
-
-    def place(self, obj: MemoryObj, length: int) -> tuple[Any, list[int]] | None:
-        """``(region, block_ids)`` receiving ``length`` bytes at ``obj``, or None when
-        ``obj`` cannot be landed in place (then the caller uses a scratch region)."""
-        raw = getattr(obj, "raw_data", None)
-        if not isinstance(raw, torch.Tensor) or raw.device.type != "cpu":
-            return None
-        storage = raw.untyped_storage()
-        base, nbytes = storage.data_ptr(), storage.nbytes()
-        with self._lock:
-            entry = self._regions.get(base)
-            if entry is None or entry[0] != nbytes:
-                block = self._align
-                usable = nbytes // block * block
-                if usable == 0:
-                    return None
-                # The buffer's whole aligned blocks, shared (no copy); the region holds
-                # the view, so the memory outlives every transfer into it.
-                view = torch.empty(0, dtype=torch.uint8).set_(storage)[:usable]
-                region = self._engine.register_kv_cache(view, block_bytes=block, name="lmcache-cpu")
-                entry = (nbytes, block, region, view)
-                self._regions[base] = entry
-        _, block, region, view = entry
-        off = raw.data_ptr() - base
-        phys = raw.numel() * raw.element_size()
-        nblocks = -(-length // block)
-        # land only inside this object: aligned start, whole blocks within its physical size
-        if off % block or nblocks * block > phys or length > phys or off + nblocks * block > view.numel():
-            return None
-        first = off // block
-        return region, list(range(first, first + nblocks))
 
 
 class KvferryRemoteConnector(RemoteConnector):
@@ -319,7 +96,7 @@ class KvferryRemoteConnector(RemoteConnector):
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.threads, thread_name_prefix="kvferry-lmc")
         align = int(getattr(getattr(local_cpu_backend, "memory_allocator", None), "align_bytes", 0) or 4096)
-        self._landing = _Landing(self.engine, align)
+        self._landing = Landing(self.engine, align)
         self._closed = False
         self._check_server()
 
@@ -360,7 +137,7 @@ class KvferryRemoteConnector(RemoteConnector):
     def _pairs(keys: List[CacheEngineKey]) -> list[str]:
         out: list[str] = []
         for k in keys:
-            out += [_meta_key(k), _data_key(k)]
+            out += [meta_key(k), data_key(k)]
         return out
 
     # -- RemoteConnector ------------------------------------------------------
@@ -415,8 +192,8 @@ class KvferryRemoteConnector(RemoteConnector):
         def push_all() -> None:
             for key, obj, meta in items:
                 data = obj.byte_array
-                self.engine.push(self.opts.server, _data_key(key), data, timeout=self.opts.timeout)
-                self.engine.push(self.opts.server, _meta_key(key), meta, timeout=self.opts.timeout)
+                self.engine.push(self.opts.server, data_key(key), data, timeout=self.opts.timeout)
+                self.engine.push(self.opts.server, meta_key(key), meta, timeout=self.opts.timeout)
 
         try:
             await settle(self._run(push_all))
@@ -457,7 +234,7 @@ class KvferryRemoteConnector(RemoteConnector):
             return out
         landed = 0
         try:
-            landed = await self._get_data([_data_key(k) for k in keys[: len(objs)]], places)
+            landed = await self._get_data([data_key(k) for k in keys[: len(objs)]], places)
         except kvferry.NotFoundError:
             landed = 0
         except kvferry.Error as e:
@@ -481,7 +258,7 @@ class KvferryRemoteConnector(RemoteConnector):
         try:
             t = self.engine.get(
                 self.opts.server,
-                [_meta_key(k) for k in keys],
+                [meta_key(k) for k in keys],
                 region,
                 [[i] for i in range(len(keys))],
                 timeout=self.opts.timeout,
@@ -544,7 +321,7 @@ class KvferryRemoteConnector(RemoteConnector):
 
     async def _bounded(self, t: kvferry.Transfer) -> int:
         try:
-            return await asyncio.wait_for(asyncio.shield(_as_future(t)), self.opts.timeout + _DRAIN_GRACE)
+            return await asyncio.wait_for(asyncio.shield(as_future(t)), self.opts.timeout + _DRAIN_GRACE)
         except asyncio.TimeoutError:
             await asyncio.to_thread(t.cancel)
             raise kvferry.TimeoutError(f"kvferry remote tier: get from {self.opts.server} outlived its deadline") from None
@@ -589,15 +366,6 @@ class KvferryRemoteConnector(RemoteConnector):
 
     def __repr__(self) -> str:
         return f"<KvferryRemoteConnector server={self.opts.server}>"
-
-
-def _as_future(t: kvferry.Transfer) -> "asyncio.Future[int]":
-    """An asyncio future of a transfer's outcome (``await transfer``, as a future)."""
-
-    async def run() -> int:
-        return await t
-
-    return asyncio.ensure_future(run())
 
 
 class KvferryConnectorAdapter(ConnectorAdapter):
