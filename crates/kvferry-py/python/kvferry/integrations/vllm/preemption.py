@@ -78,16 +78,17 @@ def withdraw(worker: KvferryConnectorWorker, req_ids: Iterable[str], why: str) -
     assert worker.engine is not None
     for k in keys:
         worker.engine.release(k)  # False: already released, reported below all the same
-    for p in pulls:
-        if not p.transfer.drained():
-            p.transfer.cancel(timeout=max(0.0, deadline - time.monotonic()))
+    # A cancelled transfer is done() at once but drained() only once its socket and
+    # device copies stopped (a batched get: once it ended for every request riding it).
     pending = set(keys)
+    live = list(pulls)
     while True:
         pending -= worker.take_released()
-        if not pending or time.monotonic() >= deadline:
+        live = [p for p in live if not p.transfer.drained()]
+        if (not pending and not live) or time.monotonic() >= deadline:
             break
         time.sleep(0.001)
-    stuck = sorted(p.req_id for p in pulls if not p.transfer.drained())
+    stuck = sorted(p.req_id for p in live)
     if stuck or pending:
         raise errors.TimeoutError(
             f"KvferryConnector ({why}): within {worker.config.timeout}s, pulls of {stuck} did not drain and "
