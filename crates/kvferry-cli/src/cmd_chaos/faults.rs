@@ -43,13 +43,12 @@ impl CopyBody for FlakyBody {
             if roll < self.ppm {
                 self.injected.fetch_add(1, Ordering::Relaxed);
                 if roll % 2 == 0 {
-                    work.copy();
+                    let _ = work.copy();
                 }
                 return Err("injected slice failure".into());
             }
         }
-        work.copy();
-        Ok(())
+        work.copy()
     }
 }
 

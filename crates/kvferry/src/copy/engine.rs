@@ -35,6 +35,8 @@ pub struct SliceWork<'a> {
     pieces: &'a [Piece],
     partials: Option<&'a Mutex<Vec<Partial>>>,
     first_piece: usize,
+    remote_pid: Option<i32>,
+    remote_error: &'a Mutex<Option<super::RemoteReadError>>,
 }
 
 impl SliceWork<'_> {
@@ -48,17 +50,37 @@ impl SliceWork<'_> {
         self.pieces.len()
     }
 
+    /// Whether this slice reads another process's memory.
+    pub fn is_remote(&self) -> bool {
+        self.remote_pid.is_some()
+    }
+
     /// Performs the slice's copies (and, if the plan asked for them, checksums each
-    /// piece right after copying it, while it is in cache).
-    pub fn copy(&self) {
+    /// piece right after copying it, while it is in cache). A slice from another
+    /// process reads with `process_vm_readv` (at most `IOV_MAX` pieces a call), then
+    /// checksums what landed; a failed read is an `Err` (the job then fails with
+    /// [`CopyError::RemoteRead`](super::CopyError::RemoteRead)).
+    pub fn copy(&self) -> Result<(), String> {
+        if let Some(pid) = self.remote_pid {
+            // SAFETY: the destination pieces point into memory owned by the job's
+            // plan, alive until this slice is accounted; validated plans never write
+            // one byte twice, so nothing else touches them during the call.
+            if let Err(e) = unsafe { super::remote::read_pieces(pid, self.pieces) } {
+                let message = e.to_string();
+                self.remote_error.lock().get_or_insert(e);
+                return Err(message);
+            }
+        }
         let mut run: Option<Partial> = None;
         let mut out = Vec::new();
         for (i, p) in self.pieces.iter().enumerate() {
-            // SAFETY: pieces point into memory owned by the job's plan, which the engine
-            // keeps alive until this slice is accounted; plans are validated so no two
-            // destination ranges (or a destination and a source in the same memory)
-            // overlap.
-            unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) };
+            if self.remote_pid.is_none() {
+                // SAFETY: pieces point into memory owned by the job's plan, which the
+                // engine keeps alive until this slice is accounted; plans are validated
+                // so no two destination ranges (or a destination and a source in the
+                // same memory) overlap.
+                unsafe { std::ptr::copy_nonoverlapping(p.src, p.dst, p.len) };
+            }
             if self.partials.is_some() {
                 // SAFETY: as above; these destination bytes were just written by this
                 // thread and nothing else writes them.
@@ -85,6 +107,7 @@ impl SliceWork<'_> {
             out.extend(run);
             partials.lock().extend(out);
         }
+        Ok(())
     }
 }
 
@@ -101,8 +124,7 @@ pub struct MemcpyBody;
 
 impl CopyBody for MemcpyBody {
     fn run(&self, work: &SliceWork<'_>) -> Result<(), String> {
-        work.copy();
-        Ok(())
+        work.copy()
     }
 }
 
@@ -364,6 +386,8 @@ fn worker(shared: Arc<Shared>) {
                 pieces: &job.pieces[range.clone()],
                 partials: job.partials.as_ref(),
                 first_piece: range.start,
+                remote_pid: job.remote_pid,
+                remote_error: &job.remote_error,
             };
             let bytes = work.bytes();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.body.run(&work)));
@@ -371,7 +395,10 @@ fn worker(shared: Arc<Shared>) {
                 Ok(Ok(())) => {
                     shared.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
                 }
-                Ok(Err(message)) => job.fail(CopyError::SliceFailed { slice, message }),
+                Ok(Err(message)) => match job.remote_error.lock().take() {
+                    Some(error) => job.fail(CopyError::RemoteRead { slice, error }),
+                    None => job.fail(CopyError::SliceFailed { slice, message }),
+                },
                 Err(_) => job.fail(CopyError::SliceFailed {
                     slice,
                     message: "copy body panicked".into(),
@@ -396,12 +423,10 @@ fn worker(shared: Arc<Shared>) {
 
 /// Resolves the plan into pieces and groups them into slices of about `target` bytes.
 fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>), CopyError> {
-    let src = plan.src.memory();
-    let dst = plan.dst.memory();
+    let (src, dst) = (&plan.src, &plan.dst);
     let mut pieces = Vec::with_capacity(plan.segments().len());
     let mut src_runs: Vec<(*mut u8, usize)> = Vec::new();
     let mut dst_runs: Vec<(*mut u8, usize)> = Vec::new();
-    let oob = |e: crate::mem::MemError| CopyError::InvalidPlan(e.to_string());
     let groups = plan.checksum_groups();
     let mut group = 0u32;
     for (seg_index, seg) in plan.segments().iter().enumerate() {
@@ -412,23 +437,19 @@ fn cut(plan: &CopyPlan, target: usize) -> Result<(Vec<Piece>, Vec<Range<usize>>)
         }
         src_runs.clear();
         dst_runs.clear();
-        src.for_each_run(seg.src, seg.len, &mut |p, n| src_runs.push((p, n)))
-            .map_err(oob)?;
-        dst.for_each_run(seg.dst, seg.len, &mut |p, n| dst_runs.push((p, n)))
-            .map_err(oob)?;
+        src.for_each_run(seg.src, seg.len, &mut |p, n| src_runs.push((p, n)))?;
+        dst.for_each_run(seg.dst, seg.len, &mut |p, n| dst_runs.push((p, n)))?;
         let (mut si, mut di) = (0, 0);
         let (mut so, mut doff) = (0, 0);
         while si < src_runs.len() && di < dst_runs.len() {
             let (sp, sl) = src_runs[si];
             let (dp, dl) = dst_runs[di];
             let n = (sl - so).min(dl - doff).min(target);
-            // Address arithmetic only (nothing is read or written here).
+            // Address arithmetic only (nothing is read or written here; a remote
+            // source's addresses are not ours, hence wrapping arithmetic).
             let piece = Piece {
-                // SAFETY: `so < sl`, so `sp + so` stays inside the source run of `sl`
-                // bytes that `for_each_run` reported as one allocation.
-                src: unsafe { sp.add(so) },
-                // SAFETY: `doff < dl`, so `dp + doff` stays inside the destination run.
-                dst: unsafe { dp.add(doff) },
+                src: sp.wrapping_add(so),
+                dst: dp.wrapping_add(doff),
                 len: n,
                 group,
             };

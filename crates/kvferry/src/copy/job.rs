@@ -103,6 +103,10 @@ pub(crate) struct Job {
     /// Partial checksums reported by slices, when the plan asked for checksums.
     pub(crate) partials: Option<Mutex<Vec<Partial>>>,
     groups: usize,
+    /// The process a remote source reads (`process_vm_readv` instead of memcpy).
+    pub(crate) remote_pid: Option<i32>,
+    /// The typed failure of a remote read, picked up by the thread that fails the job.
+    pub(crate) remote_error: Mutex<Option<super::RemoteReadError>>,
     error: Mutex<Option<CopyError>>,
     slot: Mutex<PlanSlot>,
     waker: AtomicWaker,
@@ -116,6 +120,8 @@ impl Job {
         Job {
             partials,
             groups,
+            remote_pid: plan.src.remote_pid(),
+            remote_error: Mutex::new(None),
             id,
             ledger: SliceLedger::new(slices.len()),
             pieces,

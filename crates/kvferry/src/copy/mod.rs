@@ -27,11 +27,13 @@ mod engine;
 mod job;
 mod ledger;
 mod plan;
+mod remote;
 mod stage;
 
 pub use engine::{CopyBody, CopyConfig, CopyEngine, CopyStats, MemcpyBody, SliceWork};
 pub use job::{CopyFailure, CopyJob, DrainFence, DrainSignal};
 pub use plan::{CopyPlan, Endpoint, RawBuffer, Segment};
+pub use remote::{RemoteReadError, RemoteSource};
 pub use stage::{stage, StageError, Staged};
 
 #[cfg(kvferry_loom)]
@@ -55,6 +57,15 @@ pub enum CopyError {
         /// What the slice body reported.
         message: String,
     },
+    /// A slice reading another process's memory failed (see [`RemoteSource`]); its
+    /// siblings were drained before this was reported.
+    #[error("copy slice {slice} failed: {error}")]
+    RemoteRead {
+        /// Index of the failing slice.
+        slice: usize,
+        /// What the kernel said.
+        error: RemoteReadError,
+    },
     /// The engine was shut down before the copy could run.
     #[error("copy engine is shut down")]
     ShutDown,
@@ -72,6 +83,8 @@ impl CopyError {
             CopyError::InvalidConfig(_) => C::InvalidConfig,
             CopyError::Cancelled => C::Cancelled,
             CopyError::SliceFailed { .. } => C::Internal,
+            CopyError::RemoteRead { error, .. } if error.is_refused() => C::Internal,
+            CopyError::RemoteRead { .. } => C::PeerLost,
             CopyError::ShutDown => C::Closed,
         }
     }

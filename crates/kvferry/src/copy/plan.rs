@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::mem::{HostMemory, Lease, MemError, Region};
 
+use super::remote::RemoteSource;
 use super::CopyError;
 
 /// One contiguous copy: `len` bytes from `src` offset to `dst` offset.
@@ -79,6 +80,9 @@ pub enum Endpoint {
     Memory(Arc<dyn HostMemory>),
     /// Caller memory under [`RawBuffer::new`]'s contract.
     Raw(RawBuffer),
+    /// Another process's memory, read with `process_vm_readv` (a source only; see
+    /// [`RemoteSource`]).
+    Remote(RemoteSource),
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -88,17 +92,57 @@ impl std::fmt::Debug for Endpoint {
             Endpoint::Region(r) => write!(f, "Region({})", r.name()),
             Endpoint::Memory(m) => write!(f, "Memory({} bytes)", m.size()),
             Endpoint::Raw(r) => write!(f, "Raw({} bytes)", r.len),
+            Endpoint::Remote(r) => write!(f, "Remote(pid {}, {} bytes)", r.pid(), r.size()),
         }
     }
 }
 
 impl Endpoint {
-    pub(crate) fn memory(&self) -> &dyn HostMemory {
+    /// Local memory, or `None` for a remote source.
+    fn local(&self) -> Option<&dyn HostMemory> {
         match self {
-            Endpoint::Lease(l) => l,
-            Endpoint::Region(r) => &**r,
-            Endpoint::Memory(m) => &**m,
-            Endpoint::Raw(r) => r,
+            Endpoint::Lease(l) => Some(l),
+            Endpoint::Region(r) => Some(&**r),
+            Endpoint::Memory(m) => Some(&**m),
+            Endpoint::Raw(r) => Some(r),
+            Endpoint::Remote(_) => None,
+        }
+    }
+
+    /// Bytes addressable through this endpoint.
+    pub(crate) fn size(&self) -> usize {
+        match (self.local(), self) {
+            (Some(m), _) => m.size(),
+            (None, Endpoint::Remote(r)) => r.size(),
+            (None, _) => 0,
+        }
+    }
+
+    /// Calls `f` with each contiguous run covering `offset..offset + len`. For a
+    /// remote source the pointers are the other process's addresses: they go to the
+    /// kernel and are never dereferenced here.
+    pub(crate) fn for_each_run(
+        &self,
+        offset: usize,
+        len: usize,
+        f: &mut dyn FnMut(*mut u8, usize),
+    ) -> Result<(), CopyError> {
+        match self {
+            Endpoint::Remote(r) => r.for_each_run(offset, len, &mut |addr, n| f(addr as *mut u8, n)),
+            _ => match self.local() {
+                Some(m) => m
+                    .for_each_run(offset, len, f)
+                    .map_err(|e| CopyError::InvalidPlan(e.to_string())),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// The process a remote source reads, if this endpoint is one.
+    pub(crate) fn remote_pid(&self) -> Option<i32> {
+        match self {
+            Endpoint::Remote(r) => Some(r.pid() as i32),
+            _ => None,
         }
     }
 
@@ -116,7 +160,7 @@ impl Endpoint {
             Endpoint::Region(r) => Some(Arc::as_ptr(r) as *const ()),
             Endpoint::Memory(m) => Some(Arc::as_ptr(m) as *const ()),
             Endpoint::Raw(r) => Some(r.ptr as *const ()),
-            Endpoint::Lease(_) => None,
+            Endpoint::Lease(_) | Endpoint::Remote(_) => None,
         }
     }
 }
@@ -215,7 +259,12 @@ impl CopyPlan {
     /// source and destination are the same memory) the source ranges: concurrent
     /// slices writing the same bytes would make the result depend on timing.
     pub(crate) fn validate(&self) -> Result<(), CopyError> {
-        let (ss, ds) = (self.src.memory().size(), self.dst.memory().size());
+        if matches!(self.dst, Endpoint::Remote(_)) {
+            return Err(CopyError::InvalidPlan(
+                "another process's memory is only ever a copy's source".into(),
+            ));
+        }
+        let (ss, ds) = (self.src.size(), self.dst.size());
         for (i, s) in self.segments.iter().enumerate() {
             let ok = |off: usize, size: usize| off.checked_add(s.len).is_some_and(|e| e <= size);
             if !ok(s.src, ss) {

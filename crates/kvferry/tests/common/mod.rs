@@ -74,14 +74,14 @@ impl CopyBody for ParkingBody {
         }
         self.inside.fetch_add(1, Ordering::SeqCst);
         self.ran.fetch_add(1, Ordering::SeqCst);
-        work.copy();
+        let copied = work.copy();
         let mut open = self.open.lock();
         while !*open {
             self.cv.wait(&mut open);
         }
         drop(open);
         self.inside.fetch_sub(1, Ordering::SeqCst);
-        Ok(())
+        copied
     }
 }
 
