@@ -173,6 +173,43 @@ def metric(c: dict[str, Any]) -> dict[str, Any]:
     return {"metric": out}
 
 
+def polls(c: dict[str, Any]) -> dict[str, Any]:
+    """Each rank's own poll of one request, ``n`` times in a row (as a scheduler polls a
+    waiting request once per loop): the states each rank saw."""
+    g = GROUPS[c["group"]]
+    seen = {}
+    for rank, st in g["ranks"].items():
+        req = st["reqs"][c["room"]]
+        seen[str(rank)] = sorted({int(req.poll()) for _ in range(int(c["n"]))})
+    return {"seen": seen}
+
+
+def clear(c: dict[str, Any]) -> dict[str, Any]:
+    """``clear()`` on every rank's request; whether each rank's manager still tracks the
+    room afterwards."""
+    g = GROUPS[c["group"]]
+    tracked = {}
+    for rank, st in g["ranks"].items():
+        st["reqs"][c["room"]].clear()
+        mgr = st["mgr"]
+        with mgr.lock:
+            tracked[str(rank)] = c["room"] in (mgr.senders if g["mode"] == "prefill" else mgr.receivers)
+    return {"tracked": tracked}
+
+
+def untouched(c: dict[str, Any]) -> dict[str, Any]:
+    """Decode: the destination pages and auxiliary row that still hold only zeros (the
+    state :func:`setup` left them in), per rank."""
+    g = GROUPS[c["group"]]
+    ps = g["page_size"]
+    out = {}
+    for rank, st in g["ranks"].items():
+        pages = [dp for dp in c["dst_pages"] if not any(bool(t[dp * ps : (dp + 1) * ps].any()) for t in st["kv"])]
+        aux = not any(bool(a[c["dst_aux"]].any()) for a in st["aux"])
+        out[str(rank)] = {"pages": pages, "aux": aux}
+    return {"untouched": out}
+
+
 def check(c: dict[str, Any]) -> dict[str, Any]:
     """Decode: every byte of every destination page and of the auxiliary rows equals
     what the prefill pages hold, for this rank's heads."""
@@ -198,7 +235,10 @@ def check(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ops = {"setup": setup, "start": start, "send": send, "poll": poll, "failure": failure, "abort": abort, "metric": metric, "check": check}
+    ops = {
+        "setup": setup, "start": start, "send": send, "poll": poll, "polls": polls, "failure": failure, "abort": abort,
+        "clear": clear, "metric": metric, "check": check, "untouched": untouched,
+    }
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         c = json.loads(line)
