@@ -44,6 +44,10 @@ pub struct PeerArgs {
     tls: crate::engine_args::TlsArgs,
     #[command(flatten)]
     dir: DirectoryArgs,
+    /// "auto": read a server on this host from its memory (process_vm_readv) when the
+    /// kernel allows it, else the socket; "tcp": the socket only.
+    #[arg(long, default_value = "auto")]
+    transport: kvferry::peer::Transport,
 }
 
 /// Without `--peer`: the default address, with a static directory.
@@ -114,6 +118,7 @@ async fn consumer(p: &PeerArgs, arena_bytes: usize) -> anyhow::Result<Engine> {
     cfg.net.connections_per_peer = 1;
     cfg.net.tls = p.tls.config()?;
     cfg.copy.threads = 1;
+    cfg.producer.transport = p.transport;
     cfg.store = StoreConfig::Bytes {
         bytes: 64 << 10,
         block_bytes: 64 << 10,
@@ -196,7 +201,7 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let (peer, landed, bytes) = rt.block_on(async {
+    let (peer, landed, bytes, mover) = rt.block_on(async {
         let c = consumer(&args.peer, layout.region_bytes()).await?;
         let region = Arc::new(Region::host("get", layout.region_bytes())?);
         let dst = Destination::from_layout(region.clone(), &layout, vec![(0..args.max_blocks).collect()])
@@ -219,7 +224,15 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         })?;
         // Fully contiguous layout with blocks 0..n: the chunk is the region's prefix.
         let bytes = region.to_vec(0, landed.bytes)?;
-        anyhow::Ok((peer, landed, bytes))
+        let mover = match c.consumer().movers().into_iter().next() {
+            Some(m) => match (m.mover, m.fallback) {
+                (kvferry::peer::Mover::Cma, _) => "cma".to_string(),
+                (_, Some(why)) => format!("socket; same-host read not used: {why}"),
+                (_, None) => "socket".to_string(),
+            },
+            None => "socket".to_string(),
+        };
+        anyhow::Ok((peer, landed, bytes, mover))
     })?;
     if landed.chunks == 0 {
         anyhow::bail!("miss: {peer} does not hold {}", args.peer.key);
@@ -228,7 +241,7 @@ pub fn get(args: GetArgs) -> anyhow::Result<()> {
         Some("-") => std::io::stdout().write_all(&bytes)?,
         Some(path) => std::fs::write(path, &bytes).with_context(|| format!("writing {path}"))?,
         None => println!(
-            "got {} bytes, crc32c {:#010x}",
+            "got {} bytes, crc32c {:#010x}, via {mover}",
             bytes.len(),
             kvferry::checksum::checksum(&bytes)
         ),

@@ -93,6 +93,11 @@ pub struct EngineArgs {
     /// Accepted connections at once; more are refused.
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
+    /// Which movers carry bytes: "auto" lets a consumer on this host read granted
+    /// bytes from this process with process_vm_readv (one copy, every chunk verified),
+    /// the socket elsewhere; "tcp" puts every byte on the connection.
+    #[arg(long, default_value = "auto")]
+    pub transport: kvferry::peer::Transport,
     #[command(flatten)]
     pub tls: TlsArgs,
 }
@@ -174,6 +179,7 @@ impl EngineArgs {
             max_connections: self.max_connections,
             max_control_bytes: self.max_control.bytes(),
             max_bulk_bytes: self.max_bulk.bytes(),
+            transport: self.transport,
             ..EngineOptions::serving()
         })
     }

@@ -146,6 +146,33 @@ fn message() -> impl Strategy<Value = Message> {
                     shape: SelectedShape { blocks, pieces },
                 }
             }),
+        "[0-9a-f-]{0,36}".prop_map(|boot_id| Message::MoverHello { boot_id }),
+        (
+            any::<u64>(),
+            proptest::option::of((any::<u32>(), any::<u64>(), any::<[u8; 32]>())),
+            ".{0,40}"
+        )
+            .prop_map(|(incarnation, cma, refused)| Message::MoverOffer {
+                incarnation,
+                cma: cma.map(|(pid, probe_addr, probe)| kvferry::wire::CmaOffer { pid, probe_addr, probe }),
+                refused,
+            }),
+        (keys(), any::<u32>(), proptest::option::of(selection()))
+            .prop_map(|(keys, ttl_ms, select)| { Message::GetMapped { keys, ttl_ms, select } }),
+        (
+            any::<u128>(),
+            any::<u64>(),
+            vec(chunk_meta(), 0..10),
+            proptest::option::of((0u32..1000, vec(any::<u64>(), 0..20))),
+            vec((any::<u64>(), any::<u64>()), 0..20)
+        )
+            .prop_map(|(lease_id, incarnation, chunks, shape, runs)| Message::StagedMapped {
+                lease_id,
+                incarnation,
+                chunks,
+                shape: shape.map(|(blocks, pieces)| SelectedShape { blocks, pieces }),
+                runs,
+            }),
     ]
 }
 

@@ -33,7 +33,7 @@ mod stage;
 pub use engine::{CopyBody, CopyConfig, CopyEngine, CopyStats, MemcpyBody, SliceWork};
 pub use job::{CopyFailure, CopyJob, DrainFence, DrainSignal};
 pub use plan::{CopyPlan, Endpoint, RawBuffer, Segment};
-pub use remote::{RemoteReadError, RemoteSource};
+pub use remote::{read_remote, RemoteReadError, RemoteSource};
 pub use stage::{stage, StageError, Staged};
 
 #[cfg(kvferry_loom)]

@@ -220,6 +220,19 @@ pub(crate) unsafe fn read_pieces(pid: i32, pieces: &[Piece]) -> Result<(), Remot
     Ok(())
 }
 
+/// Reads `out.len()` bytes at `addr` of process `pid` (a probe: small, one call).
+pub fn read_remote(pid: u32, addr: u64, out: &mut [u8]) -> Result<(), RemoteReadError> {
+    let pid_i = i32::try_from(pid).map_err(|_| RemoteReadError::new(0, out.len(), 0, Some(libc::ESRCH)))?;
+    let piece = Piece {
+        src: addr as usize as *const u8,
+        dst: out.as_mut_ptr(),
+        len: out.len(),
+        group: 0,
+    };
+    // SAFETY: `out` is borrowed mutably for the call: writable and unshared.
+    unsafe { read_pieces(pid_i, &[piece]) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -250,6 +250,7 @@ impl Engine {
         ccfg.lease_ttl = cfg.lease_ttl;
         ccfg.lease_guard = cfg.lease_guard;
         ccfg.done_timeout = cfg.done_timeout;
+        ccfg.transport = cfg.producer.transport;
         let consumer = Consumer::new(arena.clone(), copy.clone(), ccfg)?;
         let (server, address) = match &cfg.listen {
             Some(addr) => {

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{EngineConfig, StoreConfig};
 use crate::net::{NetConfig, TlsConfig};
-use crate::peer::ProducerConfig;
+use crate::peer::{ProducerConfig, Transport};
 use crate::wire::Limits;
 
 /// A setting that cannot be used; the message names it as the caller wrote it.
@@ -146,6 +146,11 @@ pub struct EngineOptions {
     pub max_control_bytes: u64,
     /// Largest bulk frame (chunk) accepted, in bytes.
     pub max_bulk_bytes: u64,
+    /// Which movers carry bytes: `"auto"` (the default) reads a producer on the same
+    /// host with `process_vm_readv`, one copy, and uses the socket elsewhere (or when
+    /// the kernel refuses, with the reason in the stats); `"tcp"` puts every byte on
+    /// the connection, as a producer and as a consumer.
+    pub transport: Transport,
 
     // -- the directory ---------------------------------------------------------------
     /// `etcd://HOST:PORT[,HOST:PORT…]` of the peer directory, or `None`.
@@ -218,6 +223,7 @@ impl Default for EngineOptions {
             max_connections: net.max_connections,
             max_control_bytes: limits.max_control_bytes,
             max_bulk_bytes: limits.max_bulk_bytes,
+            transport: Transport::Auto,
             etcd: None,
             namespace: "kvferry".into(),
             directory_ttl: Duration::from_secs(10),
@@ -370,6 +376,7 @@ impl EngineOptions {
                 max_staged_pages_per_source: self.source_quota_pages,
                 max_unproven_staged_pages: self.unproven_quota_pages,
                 lease_grace: self.lease_grace,
+                transport: self.transport,
             },
             role: self.role.parse().map_err(|e: String| OptionError::new("role", e))?,
             advertise: self.advertise.clone(),

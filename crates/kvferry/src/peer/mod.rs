@@ -20,6 +20,7 @@
 mod consumer;
 mod error;
 mod ledger;
+pub mod mover;
 mod producer;
 pub mod publish;
 mod quota;
@@ -32,6 +33,7 @@ pub use consumer::{
 };
 pub use error::PeerError;
 pub use ledger::LeaseRefusal;
+pub use mover::{Mover, PeerMover, Transport};
 pub(crate) use producer::DeregisterError;
 pub use producer::{
     ChunkLocation, ChunkPins, ChunkStore, Hold, PinnedRegion, Producer, ProducerConfig, ProducerFaults, ProducerStats,

@@ -14,6 +14,10 @@
 //!   `StagedSelected` (then as above); see [`super::selection`]. A selection that does
 //!   not fit is answered `Error { kind: BadSelection }`, the connection kept.
 //! - Push: `Put` + one bulk frame → `PutAck`.
+//! - Mover probe: `MoverHello` → `MoverOffer` (which movers besides the socket the
+//!   producer offers this consumer; see `peer::mover`).
+//! - Mapped get (the CMA mover): `GetMapped` → `StagedMapped` (the lease and where its
+//!   bytes are); the consumer reads them itself, then `Done` → `DoneAck`.
 //! - Liveness: `Ping` → `Pong`.
 //! - Release without pulling: `Release` → `ReleaseAck` (a consumer that will not pull
 //!   `once` publications tells the producer to free them; nothing is staged).
@@ -58,6 +62,23 @@ pub struct ChunkMeta {
     pub len: u64,
     /// crc32c of its bytes.
     pub checksum: u32,
+}
+
+/// Most runs one [`Message::StagedMapped`] may name.
+pub const MAX_MAPPED_RUNS: usize = 1 << 16;
+/// Longest accepted boot id, in bytes.
+pub const MAX_BOOT_ID_BYTES: usize = 64;
+
+/// What a producer offers a consumer on the same host for reading its granted bytes
+/// with cross-memory attach (`process_vm_readv`), carried by [`Message::MoverOffer`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CmaOffer {
+    /// The producer's process id, as the producer sees it.
+    pub pid: u32,
+    /// Where 32 bytes of the producer's probe pattern live in its memory.
+    pub probe_addr: u64,
+    /// The probe pattern: a read of `probe_addr` must return exactly these bytes.
+    pub probe: [u8; 32],
 }
 
 /// Why a request failed, carried by [`Message::Error`].
@@ -288,6 +309,49 @@ pub enum Message {
         /// Selected blocks and per-piece bytes of the stream.
         shape: SelectedShape,
     },
+    /// Consumer → producer: which bulk movers besides the socket could carry this
+    /// pair's bytes. Reply: [`Message::MoverOffer`].
+    MoverHello {
+        /// The consumer's boot id (`/proc/sys/kernel/random/boot_id`), empty when
+        /// unknown: equal boot ids mean the same running kernel, so the same host.
+        boot_id: String,
+    },
+    /// Producer → consumer: the movers it offers this consumer.
+    MoverOffer {
+        /// The producer incarnation the offer belongs to.
+        incarnation: u64,
+        /// Cross-memory attach, when on the same host and allowed here.
+        cma: Option<CmaOffer>,
+        /// Why `cma` is not offered (empty when it is).
+        refused: String,
+    },
+    /// Eager get whose bytes the consumer reads itself from the producer's memory
+    /// (the CMA mover), optionally of a selection. Reply: [`Message::StagedMapped`];
+    /// the consumer then reads the named runs and sends `Done`.
+    GetMapped {
+        /// Keys, in prefix order.
+        keys: Vec<ChunkKey>,
+        /// TTL of the lease: the runs stay valid until `Done` or this.
+        ttl_ms: u32,
+        /// What to read, for a selected get.
+        select: Option<WireSelection>,
+    },
+    /// Reply to [`Message::GetMapped`]: the lease, its chunks (or frames of a
+    /// selected stream) with their checksums, and where their bytes are in the
+    /// producer's memory. Empty `chunks` (lease 0) is a miss.
+    StagedMapped {
+        /// The lease pinning the runs until `Done` or its TTL.
+        lease_id: LeaseId,
+        /// The producer incarnation the lease belongs to.
+        incarnation: u64,
+        /// The chunks or frames, in stream order.
+        chunks: Vec<ChunkMeta>,
+        /// A selected stream's shape (`None` for whole chunks).
+        shape: Option<SelectedShape>,
+        /// `(address, length)` runs in the producer's memory whose concatenation is
+        /// the stream (the chunks' bytes, in order).
+        runs: Vec<(u64, u64)>,
+    },
 }
 
 impl Message {
@@ -323,6 +387,27 @@ impl Message {
             }
             Message::Put { len, .. } => check_u64("chunk", *len, limits.max_bulk_bytes),
             Message::Error { message, .. } => check("error message", message.len(), MAX_ERROR_MESSAGE_BYTES),
+            Message::MoverHello { boot_id } => check("boot id", boot_id.len(), MAX_BOOT_ID_BYTES),
+            Message::MoverOffer { refused, .. } => check("mover refusal", refused.len(), MAX_ERROR_MESSAGE_BYTES),
+            Message::GetMapped { keys, select, .. } => {
+                check("key list", keys.len(), limits.max_keys)?;
+                match select {
+                    Some(s) => s.check_bounds().map_err(selection_oversize),
+                    None => Ok(()),
+                }
+            }
+            Message::StagedMapped {
+                chunks, shape, runs, ..
+            } => {
+                if let Some(shape) = shape {
+                    shape.validate().map_err(selection_oversize)?;
+                }
+                check("chunk list", chunks.len(), limits.max_keys)?;
+                check("mapped runs", runs.len(), MAX_MAPPED_RUNS)?;
+                chunks
+                    .iter()
+                    .try_for_each(|c| check_u64("chunk", c.len, limits.max_bulk_bytes))
+            }
             Message::Auth { .. }
             | Message::Welcome
             | Message::LookupReply { .. }
@@ -364,6 +449,10 @@ impl Message {
             Message::GetSelected { .. } => "GetSelected",
             Message::StageSelected { .. } => "StageSelected",
             Message::StagedSelected { .. } => "StagedSelected",
+            Message::MoverHello { .. } => "MoverHello",
+            Message::MoverOffer { .. } => "MoverOffer",
+            Message::GetMapped { .. } => "GetMapped",
+            Message::StagedMapped { .. } => "StagedMapped",
         }
     }
 }

@@ -39,6 +39,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::super::error::PeerError;
+use super::super::mover::PeerMover;
 use super::peer_watch::{PeerGone, PeerWatch};
 use super::shared::{Request, OUTCOMES};
 use super::types::{ConsumerConfig, ConsumerStats};
@@ -60,6 +61,9 @@ pub(super) struct Counters {
     pub(super) chunks_received: AtomicU64,
     pub(super) chunks_landed: AtomicU64,
     pub(super) device_unconfirmed: AtomicU64,
+    pub(super) cma_transfers: AtomicU64,
+    pub(super) cma_bytes: AtomicU64,
+    pub(super) mover_fallbacks: AtomicU64,
 }
 
 pub(super) struct Inner {
@@ -76,6 +80,8 @@ pub(super) struct Inner {
     /// Per peer address: the token that fails its transfers when the directory says
     /// it restarted or left.
     pub(super) watches: Mutex<HashMap<String, Arc<PeerWatch>>>,
+    /// The mover chosen per peer address, for the incarnation it names (see `mapped`).
+    pub(super) movers: Mutex<HashMap<String, PeerMover>>,
 }
 
 /// A consumer. Cheap to clone.
@@ -112,6 +118,7 @@ impl Consumer {
                 latency: Default::default(),
                 next_transfer: AtomicU64::new(1),
                 watches: Mutex::new(HashMap::new()),
+                movers: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -136,6 +143,9 @@ impl Consumer {
             chunks_received: c.chunks_received.load(Ordering::Relaxed),
             chunks_landed: c.chunks_landed.load(Ordering::Relaxed),
             device_unconfirmed: c.device_unconfirmed.load(Ordering::Relaxed),
+            cma_transfers: c.cma_transfers.load(Ordering::Relaxed),
+            cma_bytes: c.cma_bytes.load(Ordering::Relaxed),
+            mover_fallbacks: c.mover_fallbacks.load(Ordering::Relaxed),
         }
     }
 

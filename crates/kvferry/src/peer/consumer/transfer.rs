@@ -29,7 +29,7 @@ use super::super::selection::LandingPlan;
 use super::client::Consumer;
 use super::shared::{check_frames, unexpected, Request, TaskError, OUTCOMES};
 use super::types::{Destination, Landed, TransferPath};
-use crate::copy::{CopyPlan, DrainSignal, Endpoint};
+use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
 use crate::device::{DeviceError, DeviceKvCache, KvCacheRef};
 use crate::layout::KvCache;
 use crate::mem::{HostMemory, Lease};
@@ -48,32 +48,37 @@ fn inner_done_timeout(c: &Consumer) -> std::time::Duration {
 type ScatterPlan = Vec<(usize, Vec<(usize, usize)>)>;
 
 /// Where a chunk's received bytes go.
-enum Sink {
+pub(super) enum Sink {
     /// Receiver staging pages, chunk `i` at `offsets[i]`.
     Staging { lease: Lease, offsets: Vec<usize> },
     /// Straight into the destination blocks of a host cache (a device cache is
     /// always staged, so only a host cache is ever a direct sink).
     Direct(Arc<KvCache>),
+    /// The staging pages are lent to a same-host read (`mapped`) in progress.
+    Lent,
 }
 
 /// Everything one transfer needs, owned by its task.
-struct TransferCtx<'a> {
-    consumer: &'a Consumer,
-    pool: Pool,
-    dst: Destination,
+pub(super) struct TransferCtx<'a> {
+    pub(super) consumer: &'a Consumer,
+    pub(super) pool: Pool,
+    pub(super) dst: Destination,
     /// Upper bound for the connection pool's checkout (the transfer's deadline, which
     /// `run_fenced` enforces by cancelling `cancel`).
     connect_bound: Instant,
     cancel: CancellationToken,
     /// The producer lease to release with `Done` if the transfer did not already.
-    lease_to_release: Option<crate::wire::LeaseId>,
+    pub(super) lease_to_release: Option<crate::wire::LeaseId>,
     /// Set once bytes may have been written into the destination blocks.
-    dirty: bool,
+    pub(super) dirty: bool,
     /// A device copy into the destination that had not settled when the transfer
     /// ended: the fence waits for it.
     unconfirmed: Option<crate::device::Event>,
     /// A selected transfer's landing (set once the producer announced its stream).
-    landing: Option<LandingPlan>,
+    pub(super) landing: Option<LandingPlan>,
+    /// A same-host read's copy job: started reads may outlive a cancelled receive,
+    /// and the transfer's fence waits for this one first.
+    pub(super) copy_fence: Option<DrainFence>,
 }
 
 impl Consumer {
@@ -109,6 +114,7 @@ impl Consumer {
             dirty: false,
             unconfirmed: None,
             landing: None,
+            copy_fence: None,
         };
         let result = ctx.run(req).await;
         let outcome = match &result {
@@ -149,11 +155,17 @@ impl Consumer {
             }
         }
         let (dirty, lease_to_release, unconfirmed) = (ctx.dirty, ctx.lease_to_release.take(), ctx.unconfirmed.take());
+        let copy_fence = ctx.copy_fence.take();
         // The destination's registration stays held until the fence fires.
         let hold = ctx.dst.hold.take();
         // Everything that touched the destination or the staging pages has finished:
         // the connection, the staging lease and the landing job are gone with `ctx`.
         drop(ctx);
+        // A same-host read dropped mid-way: its started slices end first (each is one
+        // bounded system call).
+        if let Some(fence) = copy_fence {
+            fence.wait().await;
+        }
         if let Some(event) = unconfirmed {
             // Destination blocks are quiet only once the device settled the copy: a
             // background task (so the caller has its result now) waits for that,
@@ -384,6 +396,15 @@ impl TransferCtx<'_> {
     /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
     /// metadata (a prefix of what was asked; empty on a miss).
     async fn receive(&mut self, req: Request, sink: &mut Sink, caps: &[usize]) -> Result<Vec<ChunkMeta>, PeerError> {
+        // Same host: the bytes may be read from the producer's memory (`mapped`);
+        // decided before the checkout, on a connection of its own.
+        let cma = match &req {
+            Request::Get { .. } => {
+                let peer = self.pool.addr().to_string();
+                self.consumer.cma_target(&peer, self.connect_bound).await
+            }
+            Request::Pull { .. } => None,
+        };
         let mut conn: PooledConnection = self.pool.checkout(self.connect_bound).await?;
         let id = conn.next_request_id();
         let chunks = match req {
@@ -397,6 +418,9 @@ impl TransferCtx<'_> {
                         handle: expected,
                         current,
                     });
+                }
+                if let Some((_, pid)) = cma.filter(|(incarnation, _)| *incarnation == current) {
+                    return self.receive_mapped(conn, id, keys, select, sink, caps, pid).await;
                 }
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
                 let selected = select.is_some();
@@ -493,6 +517,7 @@ impl TransferCtx<'_> {
                         let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
                         conn.recv_bulk(id, &mut parts).await
                     }
+                    Sink::Lent => return Err(lent()),
                 };
                 self.verify(meta, received)?;
                 continue;
@@ -520,6 +545,7 @@ impl TransferCtx<'_> {
                     let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
                     conn.recv_bulk(id, &mut parts).await
                 }
+                Sink::Lent => return Err(lent()),
             };
             self.verify(meta, received)?;
         }
@@ -573,7 +599,7 @@ impl TransferCtx<'_> {
 
     /// Checks a selected stream the producer announced against the destination and
     /// its selection, and keeps the landing plan.
-    fn plan_landing(&mut self, chunks: &[ChunkMeta], shape: &SelectedShape) -> Result<(), PeerError> {
+    pub(super) fn plan_landing(&mut self, chunks: &[ChunkMeta], shape: &SelectedShape) -> Result<(), PeerError> {
         let select =
             self.dst.select.as_ref().ok_or_else(|| {
                 SelectionError::Stream("a selected stream for a destination without a selection".into())
@@ -583,4 +609,9 @@ impl TransferCtx<'_> {
         self.landing = Some(plan);
         Ok(())
     }
+}
+
+/// A receive found its staging pages lent to a same-host read (never expected).
+fn lent() -> PeerError {
+    PeerError::Net(NetError::Protocol("staging pages are lent to a same-host read".into()))
 }

@@ -13,6 +13,7 @@ use crate::device::KvCacheRef;
 use crate::layout::{BlockMap, KvCache, KvLayout};
 use crate::mem::Region;
 use crate::net::NetConfig;
+use crate::peer::mover::Transport;
 use crate::wire::{ChunkMeta, SelectedShape, WireSelection};
 
 /// Consumer settings.
@@ -26,6 +27,9 @@ pub struct ConsumerConfig {
     pub lease_guard: Duration,
     /// Bound on sending `Done` after a transfer.
     pub done_timeout: Duration,
+    /// Which movers to use: with [`Transport::Auto`] (the default), a producer on the
+    /// same host is read with `process_vm_readv` (see [`crate::peer::mover`]).
+    pub transport: Transport,
 }
 
 impl ConsumerConfig {
@@ -36,6 +40,7 @@ impl ConsumerConfig {
             lease_ttl: Duration::from_secs(10),
             lease_guard: Duration::from_millis(100),
             done_timeout: Duration::from_secs(1),
+            transport: Transport::Auto,
         }
     }
 }
@@ -376,4 +381,12 @@ pub struct ConsumerStats {
     /// Landing copies into device memory the device never confirmed: their
     /// destination blocks stay reported busy (their fences never fire).
     pub device_unconfirmed: u64,
+    /// Transfers whose bytes were read from the producer's memory (CMA mover).
+    pub cma_transfers: u64,
+    /// Bytes read from producers' memory (CMA mover), verified or not.
+    pub cma_bytes: u64,
+    /// Producer incarnations for which the socket was chosen although CMA was allowed
+    /// (another host, the kernel refused, a wrong probe…: see
+    /// [`Consumer::movers`](super::Consumer::movers)).
+    pub mover_fallbacks: u64,
 }

@@ -53,7 +53,7 @@ pub(super) fn kind_of(msg: &Message) -> RequestKind {
         Message::Ping => RequestKind::Ping,
         Message::Lookup { .. } => RequestKind::Lookup,
         Message::Stage { .. } | Message::StageSelected { .. } => RequestKind::Stage,
-        Message::Get { .. } | Message::GetSelected { .. } => RequestKind::Get,
+        Message::Get { .. } | Message::GetSelected { .. } | Message::GetMapped { .. } => RequestKind::Get,
         Message::Pull { .. } => RequestKind::Pull,
         // A release without a pull frees publications as `Done` frees leases.
         Message::Done { .. } | Message::Release { .. } => RequestKind::Done,

@@ -49,6 +49,8 @@
 //! - `serving`: the request handler (the [`Handler`](crate::net::Handler) impl) and the
 //!   socket writes;
 //! - `puts`: pushes into the store (remote and local);
+//! - `mapped`: the same-host offer and mapped gets (the CMA mover: the grant names
+//!   where the bytes are, and the consumer reads them itself);
 //! - `guards`: the guards that report to the ledger when they drop (`Staging`,
 //!   `Sending`, [`Hold`]);
 //! - `registrations`: registered caches and their deregistration;
@@ -67,6 +69,7 @@
 mod accounting;
 mod fault_hooks;
 mod guards;
+mod mapped;
 mod publishing;
 mod puts;
 mod registrations;
@@ -90,6 +93,7 @@ use self::state::{sweeper, ProducerLedger};
 pub use self::store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 use super::error::PeerError;
 use super::ledger::{Ledger, LedgerLimits};
+use super::mover::Transport;
 use super::publish::{Publication, ReleaseQueue};
 use super::quota::{QuotaLimits, Quotas};
 use crate::copy::CopyEngine;
@@ -124,6 +128,11 @@ pub struct ProducerConfig {
     /// without `Done` (then it is released, however long its TTL). Leases staged for a
     /// later pull (`Stage`) are meant to outlive their connection and keep their TTL.
     pub lease_grace: Duration,
+    /// Which movers this producer offers: with [`Transport::Auto`] (the default), a
+    /// consumer on the same host may read granted bytes from this process with
+    /// `process_vm_readv` (see [`super::mover`]); with [`Transport::Tcp`], every byte
+    /// goes on the connection.
+    pub transport: Transport,
 }
 
 impl Default for ProducerConfig {
@@ -137,6 +146,7 @@ impl Default for ProducerConfig {
             max_staged_pages_per_source: None,
             max_unproven_staged_pages: None,
             lease_grace: Duration::from_secs(2),
+            transport: Transport::Auto,
         }
     }
 }
@@ -212,6 +222,9 @@ struct Inner {
     /// blocks may share while it is live ([`Producer::live_sums_of`]). Weak: it keeps
     /// neither the publication nor its cache alive.
     last_host_pub: Mutex<std::sync::Weak<Publication>>,
+    /// The same-host offer: this host's boot id and the probe pattern a consumer
+    /// reads through the kernel to prove it can (see `mapped`).
+    same_host: mapped::SameHost,
 }
 
 /// A producer. Cheap to clone; serve it with [`crate::net::Server`] (it implements
@@ -281,6 +294,7 @@ impl Producer {
             faults: ProducerFaults::default(),
             stop: CancellationToken::new(),
             last_host_pub: Mutex::new(std::sync::Weak::new()),
+            same_host: mapped::SameHost::new(),
         });
         tokio::spawn(sweeper(Arc::downgrade(&inner), inner.stop.clone()));
         Ok(Producer { inner })

@@ -31,7 +31,7 @@ use tracing::Instrument;
 
 use super::accounting;
 use super::fault_hooks::corrupted;
-use super::state::{StagedData, StagedLease};
+use super::state::StagedLease;
 use super::Producer;
 use crate::net::{Connection, Handler, NetError};
 use crate::peer::error::PeerError;
@@ -117,7 +117,12 @@ impl Producer {
                 ttl_ms,
             },
         };
-        if self.inner.refusing.load(Ordering::Acquire) && matches!(msg, Message::Stage { .. } | Message::Get { .. }) {
+        if self.inner.refusing.load(Ordering::Acquire)
+            && matches!(
+                msg,
+                Message::Stage { .. } | Message::Get { .. } | Message::GetMapped { .. }
+            )
+        {
             self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
             let why = "not registered in the peer directory (its lease was lost; registering again)";
             return refuse(conn, id, ErrorKind::Busy, why.into()).await;
@@ -218,6 +223,27 @@ impl Producer {
                 conn.send(id, &Message::ReleaseAck { released }).await
             }
             Message::Put { key, len } => self.receive_put(conn, id, key, len, &holder).await,
+            Message::MoverHello { boot_id } => conn.send(id, &self.mover_offer(&boot_id)).await,
+            Message::GetMapped { keys, ttl_ms, select } => {
+                if keys.is_empty() {
+                    return refuse(conn, id, ErrorKind::BadRequest, "empty key list".into()).await;
+                }
+                let Ok(_permit) = self.inner.gets.try_acquire() else {
+                    self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+                    return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
+                };
+                let ttl = Duration::from_millis(ttl_ms as u64);
+                let staged = self.stage_for(&keys, ttl, &holder, incarnation, select.as_ref()).await;
+                let (lease_id, chunks, _ttl_ms, shape) = match staged {
+                    Ok(s) => s,
+                    Err(e) => return refuse(conn, id, kind_of(&e), e.to_string()).await,
+                };
+                accounting::note_found(!chunks.is_empty());
+                match self.map_lease(lease_id, chunks, shape, &who, conn.id()) {
+                    Ok(reply) => conn.send(id, &reply).await,
+                    Err((kind, message)) => refuse(conn, id, kind, message).await,
+                }
+            }
             other => {
                 let m = format!("unexpected request {}", other.name());
                 refuse(conn, id, ErrorKind::BadRequest, m).await
@@ -240,16 +266,7 @@ impl Producer {
         let faults = &self.inner.faults;
         for (i, meta) in entry.chunks.iter().enumerate() {
             faults.before_frame(conn.peer()).await?;
-            let parts = match &entry.data {
-                StagedData::Store { chunks } => chunks.io_slices(i),
-                StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], meta.len as usize),
-                // Published blocks: straight from the engine's cache (the lease holds
-                // the publication, and so the cache, until this write stopped).
-                StagedData::Pinned { caches } => caches[i].io_slices(&entry.publications[i].ranges),
-                // A selection: frame `i`'s ranges of the (one) host cache.
-                StagedData::Selected { plan, cache } => cache.io_slices(&plan.frame_ranges(i)),
-            }
-            .map_err(|e| NetError::Protocol(e.to_string()))?;
+            let parts = entry.parts(i).map_err(|e| NetError::Protocol(e.to_string()))?;
             if meta.len > 0 && faults.corrupt_frame() {
                 conn.send_bulk(request_id, &[&corrupted(&parts)]).await?;
             } else {

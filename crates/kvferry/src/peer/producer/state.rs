@@ -61,6 +61,22 @@ pub(super) struct StagedLease {
     pub(super) publications: Vec<Arc<Publication>>,
 }
 
+impl StagedLease {
+    /// Chunk (or frame) `i`'s bytes, as slices of the memory they are served from:
+    /// the store, staging pages, or the engine's cache (the lease holds the
+    /// publication, and so the cache, while the slices are used).
+    pub(super) fn parts(&self, i: usize) -> Result<Vec<&[u8]>, crate::mem::MemError> {
+        let len = self.chunks[i].len as usize;
+        match &self.data {
+            StagedData::Store { chunks } => chunks.io_slices(i),
+            StagedData::Pages { lease, offsets } => lease.io_slices(offsets[i], len),
+            StagedData::Pinned { caches } => caches[i].io_slices(&self.publications[i].ranges),
+            // A selection: frame `i`'s ranges of the (one) host cache.
+            StagedData::Selected { plan, cache } => cache.io_slices(&plan.frame_ranges(i)),
+        }
+    }
+}
+
 /// The ledger of a producer.
 pub(super) type ProducerLedger = Ledger<StagedLease, Arc<Publication>>;
 

@@ -1,0 +1,340 @@
+//! The consumer's side of the CMA mover (see [`crate::peer::mover`]): choosing the
+//! mover per producer incarnation, and the mapped get, in which the consumer reads the
+//! granted bytes from the producer's memory itself.
+//!
+//! # Choosing
+//!
+//! Once per producer incarnation the consumer asks (`MoverHello`, on a connection of
+//! its own, bounded by the transfer's deadline and one second) and, when offered,
+//! reads the producer's probe pattern through the kernel. The result — CMA with the
+//! producer's pid, or the socket and why — is kept per peer address and replaced when
+//! the incarnation changes. A transfer whose connection reached another incarnation
+//! than the one chosen for uses the socket.
+//!
+//! # A mapped get
+//!
+//! `GetMapped` → `StagedMapped` (the lease, chunk checksums, and the `(address,
+//! length)` runs of the producer's memory holding the stream). The consumer builds a
+//! [`CopyPlan`] from a [`RemoteSource`] over those runs into the same destination a
+//! socket receive would fill — the destination blocks (direct path) or staging pages
+//! (staged path, landed afterwards exactly as received bytes are) — with one checksum
+//! group per chunk, and runs it on its copy engine: slices of about 1 MiB on the copy
+//! threads, each read checksummed while in cache. Every chunk is verified against the
+//! grant's checksum before the transfer reports anything landed; a mismatch (a
+//! producer that wrote its published blocks) is a `ChecksumMismatch`, and the
+//! destination is reported dirty. `Done` then follows on the same connection.
+//!
+//! A producer that dies mid-read turns the reads into `ESRCH`/`EFAULT` or short
+//! reads: the transfer fails with `PeerLost`, never hangs (a read is one system call).
+//!
+//! # Cancellation
+//!
+//! The transfer task may drop the read (its cancel, or its deadline). Started slices
+//! still run to their end: the copy job's [`DrainFence`](crate::copy::DrainFence) is
+//! kept in the transfer context, and the transfer's own fence fires only after it
+//! (see `transfer`), so no read writes a destination that was reported quiet.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::super::error::PeerError;
+use super::super::mover::{boot_id, Mover, PeerMover, Transport};
+use super::client::Consumer;
+use super::shared::unexpected;
+use super::transfer::{Sink, TransferCtx};
+use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
+use crate::mem::HostMemory;
+use crate::net::{NetError, PooledConnection};
+use crate::wire::{ChunkKey, ChunkMeta, Message, WireSelection};
+
+/// Longest the mover probe may take (besides the transfer's own deadline).
+const PROBE_BOUND: Duration = Duration::from_secs(1);
+
+impl Consumer {
+    /// The mover chosen for each peer so far, and why (sorted by peer address).
+    pub fn movers(&self) -> Vec<PeerMover> {
+        let mut v: Vec<PeerMover> = self.inner.movers.lock().values().cloned().collect();
+        v.sort_by(|a, b| a.peer.cmp(&b.peer));
+        v
+    }
+
+    /// The producer's incarnation and pid when `peer`'s bytes are read by CMA; asks
+    /// and probes once per incarnation. `None`: use the socket.
+    pub(super) async fn cma_target(&self, peer: &str, deadline: Instant) -> Option<(u64, u32)> {
+        if self.inner.cfg.transport == Transport::Tcp {
+            return None;
+        }
+        let known = self.pool(peer).map(|p| p.incarnation()).unwrap_or(0);
+        if let Some(m) = self.inner.movers.lock().get(peer) {
+            if known == 0 || m.incarnation == known {
+                return m.pid.map(|pid| (m.incarnation, pid));
+            }
+        }
+        let choice = self
+            .choose_mover(peer, deadline.min(Instant::now() + PROBE_BOUND))
+            .await?;
+        match &choice.fallback {
+            Some(why) => {
+                self.inner.counters.mover_fallbacks.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(target: "kvferry::peer", peer, reason = %why, "mover: socket (same-host read not available)");
+            }
+            None => tracing::debug!(target: "kvferry::peer", peer, pid = choice.pid, "mover: cma"),
+        }
+        let target = choice.pid.map(|pid| (choice.incarnation, pid));
+        self.inner.movers.lock().insert(peer.to_string(), choice);
+        target
+    }
+
+    /// Asks `peer` for its offer and probes it. `None` when the peer could not be
+    /// asked in time (nothing is recorded; the socket is used this once).
+    async fn choose_mover(&self, peer: &str, deadline: Instant) -> Option<PeerMover> {
+        let socket = |incarnation, why: String| PeerMover {
+            peer: peer.to_string(),
+            incarnation,
+            mover: Mover::Socket,
+            fallback: Some(why),
+            pid: None,
+        };
+        let Some(mine) = boot_id() else {
+            let incarnation = self.pool(peer).map(|p| p.incarnation()).unwrap_or(0);
+            return Some(socket(incarnation, "this host's boot id cannot be read".into()));
+        };
+        let reply = self
+            .simple_request(peer, &Message::MoverHello { boot_id: mine }, deadline)
+            .await;
+        let incarnation = self.pool(peer).map(|p| p.incarnation()).unwrap_or(0);
+        match reply {
+            Ok(Message::MoverOffer {
+                incarnation,
+                cma: Some(offer),
+                ..
+            }) => {
+                let mut got = [0u8; 32];
+                let probe = crate::copy::read_remote(offer.pid, offer.probe_addr, &mut got);
+                Some(match probe {
+                    Ok(()) if got == offer.probe => PeerMover {
+                        peer: peer.to_string(),
+                        incarnation,
+                        mover: Mover::Cma,
+                        fallback: None,
+                        pid: Some(offer.pid),
+                    },
+                    Ok(()) => socket(
+                        incarnation,
+                        format!(
+                            "pid {} is another process from here (another pid namespace?)",
+                            offer.pid
+                        ),
+                    ),
+                    Err(e) => socket(incarnation, format!("the kernel refused the probe read: {e}")),
+                })
+            }
+            Ok(Message::MoverOffer {
+                incarnation, refused, ..
+            }) => Some(socket(incarnation, refused)),
+            Ok(other) => Some(socket(
+                incarnation,
+                format!("the producer does not offer movers (it answered {})", other.name()),
+            )),
+            Err(PeerError::Timeout { .. }) => None,
+            Err(e) => Some(socket(
+                incarnation,
+                format!("the producer did not answer the mover probe: {e}"),
+            )),
+        }
+    }
+}
+
+impl TransferCtx<'_> {
+    /// A mapped get on `conn` (request `id`): the producer grants and names its
+    /// memory, the copy engine reads it into `sink`. Returns the chunk metadata, as
+    /// the socket receive does.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn receive_mapped(
+        &mut self,
+        mut conn: PooledConnection,
+        id: u64,
+        keys: Vec<ChunkKey>,
+        select: Option<WireSelection>,
+        sink: &mut Sink,
+        caps: &[usize],
+        pid: u32,
+    ) -> Result<Vec<ChunkMeta>, PeerError> {
+        let inner = &self.consumer.inner;
+        let ttl_ms = inner.cfg.lease_ttl.as_millis() as u32;
+        let selected = select.is_some();
+        let msg = Message::GetMapped {
+            keys: keys.clone(),
+            ttl_ms,
+            select,
+        };
+        conn.send(id, &msg).await?;
+        let (lease_id, chunks, shape, runs) = match conn.recv_reply(id).await? {
+            Message::StagedMapped {
+                lease_id,
+                chunks,
+                shape,
+                runs,
+                ..
+            } => (lease_id, chunks, shape, runs),
+            other => return Err(unexpected("StagedMapped", &other)),
+        };
+        if lease_id != 0 {
+            self.lease_to_release = Some(lease_id);
+        }
+        if chunks.is_empty() {
+            conn.finish();
+            return Ok(chunks);
+        }
+        let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
+        match (selected, &shape) {
+            (true, Some(shape)) => self.plan_landing(&chunks, shape)?,
+            (false, None) => {
+                if chunks.len() > keys.len() || chunks.iter().zip(&keys).any(|(c, k)| c.key != *k) {
+                    return Err(protocol("staged chunks do not match the keys"));
+                }
+            }
+            _ => return Err(protocol("a mapped grant's shape does not match the request")),
+        }
+        let source = RemoteSource::new(pid, runs).map_err(PeerError::Copy)?;
+        let total: u64 = chunks.iter().map(|c| c.len).sum();
+        if source.size() as u64 != total {
+            return Err(protocol("a mapped grant's runs do not hold its chunks' bytes"));
+        }
+        // Where each chunk lands, in the memory the plan writes.
+        let targets = self.mapped_targets(&chunks, sink, caps)?;
+        let (dst, offsets) = match std::mem::replace(sink, Sink::Lent) {
+            Sink::Staging { lease, offsets } => (Endpoint::Lease(lease), Some(offsets)),
+            Sink::Direct(cache) => {
+                let memory: Arc<dyn HostMemory> = cache.memory().clone();
+                *sink = Sink::Direct(cache);
+                self.dirty = true;
+                (Endpoint::Memory(memory), None)
+            }
+            Sink::Lent => return Err(protocol("staging pages already lent")),
+        };
+        let mut plan = CopyPlan::new(Endpoint::Remote(source), dst);
+        let (mut at, mut ends, mut groups) = (0usize, Vec::new(), Vec::new());
+        for (i, ranges) in targets.iter().enumerate() {
+            for &(off, n) in ranges {
+                plan.push(at, off, n);
+                at += n;
+            }
+            if chunks[i].len > 0 {
+                ends.push(plan.segments().len());
+                groups.push(i);
+            }
+        }
+        let mut job = inner.engine.copy(plan.with_checksum_groups(ends));
+        // Kept until the transfer ends: its fence waits for started reads.
+        self.copy_fence = Some(job.fence());
+        let plan = match (&mut job).await {
+            Ok(plan) => plan,
+            Err(failure) => return Err(copy_failure(self.pool.addr(), failure.error)),
+        };
+        inner.counters.cma_transfers.fetch_add(1, Ordering::Relaxed);
+        inner.counters.cma_bytes.fetch_add(total, Ordering::Relaxed);
+        inner.counters.bytes_received.fetch_add(total, Ordering::Relaxed);
+        inner
+            .counters
+            .chunks_received
+            .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        let sums = plan.group_checksums().unwrap_or_default().to_vec();
+        for (&i, actual) in groups.iter().zip(sums) {
+            if actual != chunks[i].checksum {
+                return Err(PeerError::ChecksumMismatch {
+                    key: chunks[i].key,
+                    expected: chunks[i].checksum,
+                    actual,
+                });
+            }
+        }
+        // An empty chunk's checksum is that of no bytes.
+        if let Some(c) = chunks.iter().find(|c| c.len == 0 && c.checksum != 0) {
+            return Err(PeerError::ChecksumMismatch {
+                key: c.key,
+                expected: c.checksum,
+                actual: 0,
+            });
+        }
+        if let Some(offsets) = offsets {
+            let (_, dst) = plan.into_parts();
+            let lease = dst
+                .into_lease()
+                .ok_or_else(|| protocol("staging lease not handed back"))?;
+            *sink = Sink::Staging { lease, offsets };
+        }
+        // Every byte is here and verified: release the producer's lease on the same
+        // connection, as the socket receive does.
+        if let Some(lease_id) = self.lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(unexpected("DoneAck", &other)),
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
+                    return Ok(chunks);
+                }
+            }
+        }
+        conn.finish();
+        Ok(chunks)
+    }
+
+    /// The destination ranges of each chunk, in the memory the read writes: staging
+    /// pages (offsets in the lease) or the host cache's memory (direct).
+    fn mapped_targets(
+        &mut self,
+        chunks: &[ChunkMeta],
+        sink: &Sink,
+        caps: &[usize],
+    ) -> Result<Vec<Vec<(usize, usize)>>, PeerError> {
+        let mut out = Vec::with_capacity(chunks.len());
+        if let Some(landing) = self.landing.take() {
+            let mut cursor = landing.cursor();
+            let mut at = 0;
+            for meta in chunks {
+                let len = meta.len as usize;
+                out.push(match sink {
+                    Sink::Direct(_) => cursor.take(len)?,
+                    _ => {
+                        at += len;
+                        vec![(at - len, len)]
+                    }
+                });
+            }
+            // Kept for the landing copy of a staged selected stream.
+            self.landing = Some(landing);
+            return Ok(out);
+        }
+        for (i, meta) in chunks.iter().enumerate() {
+            let len = meta.len as usize;
+            if len > caps[i] {
+                return Err(PeerError::InvalidArgument(format!(
+                    "chunk {} is {} bytes but its destination blocks hold {}",
+                    meta.key, meta.len, caps[i]
+                )));
+            }
+            out.push(match sink {
+                Sink::Staging { offsets, .. } => vec![(offsets[i], len)],
+                Sink::Direct(cache) => cache.chunk_ranges(&self.dst.chunks[i], len)?,
+                Sink::Lent => Vec::new(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// A failed read as the transfer reports it: the producer gone (its process exited,
+/// or it unmapped what it granted) is `PeerLost`.
+fn copy_failure(peer: &str, error: CopyError) -> PeerError {
+    match error {
+        CopyError::RemoteRead { error, .. } if error.is_gone() => PeerError::PeerLost {
+            peer: peer.to_string(),
+            reason: format!("its memory can no longer be read: {error}"),
+        },
+        other => PeerError::Copy(other),
+    }
+}
