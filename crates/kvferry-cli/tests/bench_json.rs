@@ -218,3 +218,58 @@ fn bench_json_names_the_checksum_implementation_and_the_override_takes_effect() 
         String::from_utf8_lossy(&stderr)
     );
 }
+
+/// The mover: on one host (one boot id) `--mover auto` (the default) runs the producers
+/// in a process of their own and the consumer reads their granted bytes with
+/// `process_vm_readv` (`mover` "cma", with the one-copy limit measured in the same
+/// run); `--mover tcp` keeps every byte on the socket. Both land every byte right and
+/// leak nothing (the producer process counts its own pages).
+#[test]
+fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
+    for (extra, want) in [(None, "cma"), (Some("tcp"), "socket")] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+        cmd.args([
+            "bench",
+            "--json",
+            "--quiet",
+            "--model",
+            "tiny",
+            "--blocks-per-chunk",
+            "64",
+            "--requests",
+            "4",
+            "--bytes",
+            "8MiB",
+        ]);
+        if let Some(m) = extra {
+            cmd.args(["--mover", m]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["mover"], want, "--mover {extra:?}: {v}");
+        assert_eq!(v["corrupted_bytes"], 0, "{v}");
+        assert_eq!(v["leaked_pages"], 0, "{v}");
+        assert_eq!(v["errors"], 0, "{v}");
+        let limit = v["cma_limit_gbps"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("one-copy limit measured: {v}"));
+        assert!(limit > 0.0, "{v}");
+        let ratio = v["ratio_cma_limit"].as_f64().unwrap();
+        assert!(
+            (ratio - v["best_round_gbps"].as_f64().unwrap() / limit).abs() < 1e-9,
+            "{v}"
+        );
+        if want == "cma" {
+            assert_eq!(v["mover_fallback"], serde_json::Value::Null, "{v}");
+            assert_eq!(v["producer_process"], true, "producers in a process of their own: {v}");
+            assert_eq!(
+                v["cma_bytes"], v["bytes"],
+                "every byte read by the same-host mover: {v}"
+            );
+        } else {
+            assert_eq!(v["producer_process"], false, "{v}");
+            assert_eq!(v["cma_bytes"], 0, "{v}");
+        }
+    }
+}

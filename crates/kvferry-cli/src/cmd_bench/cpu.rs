@@ -88,10 +88,49 @@ fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Reads the benchmark's own CPU time: the process's, less the contention threads'.
+/// Reads the benchmark's own CPU time: the process's, less the contention threads',
+/// plus a producer child's (see [`CpuClock::with_child`]).
 #[derive(Clone, Default)]
 pub struct CpuClock {
     contention: Option<Arc<Used>>,
+    /// The producer process, when the producers run in one: its threads are the
+    /// benchmark's too.
+    child: Option<u32>,
+}
+
+/// CPU seconds and context switches of every live thread of process `pid`, from
+/// `/proc/PID/task/*/schedstat` (nanoseconds on CPU) and `.../status`; zero where they
+/// cannot be read.
+fn process_usage(pid: u32) -> Usage {
+    let mut u = Usage::default();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return u;
+    };
+    for t in tasks.flatten() {
+        let dir = t.path();
+        if let Some(ns) = std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
+        {
+            u.cpu_s += ns as f64 / 1e9;
+        }
+        if let Ok(status) = std::fs::read_to_string(dir.join("status")) {
+            for line in status.lines() {
+                let num = |l: &str| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(0)
+                };
+                if line.starts_with("voluntary_ctxt_switches:") {
+                    u.wakeups += num(line);
+                } else if line.starts_with("nonvoluntary_ctxt_switches:") {
+                    u.preemptions += num(line);
+                }
+            }
+        }
+    }
+    u
 }
 
 /// What the contention threads used, as they publish it.
@@ -115,10 +154,30 @@ impl CpuClock {
                 c.preemptions.load(Ordering::Acquire),
             )
         });
-        Usage {
+        let own = Usage {
             cpu_s: tv(u.ru_utime) + tv(u.ru_stime) - ns as f64 / 1e9,
             wakeups: (u.ru_nvcsw as u64).saturating_sub(w),
             preemptions: (u.ru_nivcsw as u64).saturating_sub(p),
+        };
+        match self.child {
+            Some(pid) => {
+                let c = process_usage(pid);
+                Usage {
+                    cpu_s: own.cpu_s + c.cpu_s,
+                    wakeups: own.wakeups + c.wakeups,
+                    preemptions: own.preemptions + c.preemptions,
+                }
+            }
+            None => own,
+        }
+    }
+
+    /// The same clock, also counting every thread of process `pid` (the producer
+    /// process: what the producers spend is part of a transfer's cost).
+    pub fn with_child(&self, pid: u32) -> CpuClock {
+        CpuClock {
+            contention: self.contention.clone(),
+            child: Some(pid),
         }
     }
 }
@@ -173,6 +232,7 @@ impl Contention {
     pub fn clock(&self) -> CpuClock {
         CpuClock {
             contention: Some(self.used.clone()),
+            child: None,
         }
     }
 
@@ -250,6 +310,13 @@ mod tests {
         drop(c);
         assert!(all > 0.03, "the busy thread ran: {all}");
         assert!(own < all / 2.0, "its CPU is subtracted: own {own}, process {all}");
+    }
+
+    #[test]
+    fn a_child_process_cpu_is_counted() {
+        let me = process_usage(std::process::id());
+        assert!(me.cpu_s > 0.0, "this process ran: {me:?}");
+        assert_eq!(process_usage(u32::MAX), Usage::default(), "no such process: zero");
     }
 
     #[test]

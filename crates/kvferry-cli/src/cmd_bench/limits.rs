@@ -6,6 +6,8 @@
 //!   Measured twice: sending the producers' amount of memory chunk by chunk (the same
 //!   bytes, as cold in cache as the transfers') and re-sending one hot 4 MiB buffer.
 //! - **memcpy** ([`memcpy_limit`]): one thread copying a large buffer.
+//! - **one-copy same-host** ([`cma_limit`]): plain `process_vm_readv` of the same
+//!   chunks from the producer process, as many threads as the consumer copies with.
 //! - **staged pipeline** ([`pipeline_limit`]): the per-byte work the design mandates and
 //!   nothing else — per chunk the sender gathers the chunk's pieces from a source region
 //!   into a staging buffer with `memcpy` and writes it to a plain socket; the receiver
@@ -209,4 +211,89 @@ pub fn pipeline_limit(
     }
     let secs = t.elapsed().as_secs_f64();
     Ok((chunks_per_conn * conns as u64 * chunk_bytes as u64) as f64 / secs / 1e9)
+}
+
+/// The one-copy same-host limit: `threads` plain threads reading `bytes` in all from
+/// process `pid` with `process_vm_readv`, chunk by chunk (`chunks[i]` is chunk `i`'s
+/// `(remote address, length)` runs, all of them in turn, thread `t` taking chunks `t`,
+/// `t + threads`, …), into `slots` chunk-sized destination slots in all (the
+/// consumer's destination: one slot per transfer in flight), each thread rotating
+/// over its share. No protocol, no
+/// checksums, no verification: what the kernel's one copy costs on this machine.
+/// Returns GB/s.
+pub fn cma_limit(
+    pid: u32,
+    chunks: &Arc<Vec<Vec<(usize, usize)>>>,
+    threads: usize,
+    slots: usize,
+    bytes: u64,
+) -> anyhow::Result<f64> {
+    anyhow::ensure!(!chunks.is_empty() && threads >= 1, "cma limit: no chunks or threads");
+    let chunk_bytes: usize = chunks[0].iter().map(|r| r.1).sum();
+    anyhow::ensure!(chunk_bytes > 0, "cma limit: empty chunks");
+    let per_thread = (bytes / chunk_bytes as u64 / threads as u64).max(1);
+    let start = Arc::new(std::sync::Barrier::new(threads + 1));
+    let mut handles = Vec::new();
+    for t in 0..threads {
+        let (chunks, start) = (chunks.clone(), start.clone());
+        handles.push(std::thread::spawn(move || -> anyhow::Result<u64> {
+            let share = (slots / threads).max(1);
+            let mut slots = vec![1u8; share * chunk_bytes]; // touched: no page faults in the timing
+            start.wait();
+            let mut moved = 0u64;
+            for n in 0..per_thread {
+                let s = n as usize % share;
+                let dst = &mut slots[s * chunk_bytes..(s + 1) * chunk_bytes];
+                let runs = &chunks[(t as u64 + n * threads as u64) as usize % chunks.len()];
+                let mut at = 0usize;
+                for batch in runs.chunks(1024) {
+                    let len: usize = batch.iter().map(|r| r.1).sum();
+                    let remote: Vec<libc::iovec> = batch
+                        .iter()
+                        .map(|&(addr, len)| libc::iovec {
+                            iov_base: addr as *mut libc::c_void,
+                            iov_len: len,
+                        })
+                        .collect();
+                    anyhow::ensure!(at + len <= dst.len(), "cma limit: chunks of different sizes");
+                    let local = libc::iovec {
+                        iov_base: dst[at..].as_mut_ptr().cast(),
+                        iov_len: len,
+                    };
+                    // SAFETY: `local` names `len` bytes of `dst`, ours and unshared for
+                    // the call; `remote` names the other process's memory, which the
+                    // kernel checks and reads on our behalf (never dereferenced here);
+                    // both arrays outlive the call, `remote` holds at most IOV_MAX.
+                    let n = unsafe {
+                        libc::process_vm_readv(
+                            pid as libc::pid_t,
+                            &local,
+                            1,
+                            remote.as_ptr(),
+                            remote.len() as libc::c_ulong,
+                            0,
+                        )
+                    };
+                    if n < 0 {
+                        anyhow::bail!(
+                            "process_vm_readv from process {pid}: {}",
+                            std::io::Error::last_os_error()
+                        );
+                    }
+                    anyhow::ensure!(n as usize == len, "process_vm_readv from process {pid}: short read");
+                    at += len;
+                }
+                std::hint::black_box(&*dst);
+                moved += at as u64;
+            }
+            Ok(moved)
+        }));
+    }
+    start.wait();
+    let t = Instant::now();
+    let mut moved = 0u64;
+    for h in handles {
+        moved += h.join().map_err(|_| anyhow::anyhow!("cma-limit thread panicked"))??;
+    }
+    Ok(moved as f64 / t.elapsed().as_secs_f64() / 1e9)
 }

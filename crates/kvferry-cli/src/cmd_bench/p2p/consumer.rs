@@ -80,6 +80,7 @@ pub(super) async fn start(args: &P2pBenchArgs, shape: &Shape, ca: Option<&Epheme
         arena: ByteSize((consumer_pages * staging_page) as u64),
         page_size: ByteSize(staging_page as u64),
         copy_threads: args.copy_threads,
+        transport: args.mover,
         ..EngineArgs::default()
     };
     let mut ccfg = cnode.config(None, "bench-consumer")?;

@@ -1,5 +1,6 @@
-//! `kvferry bench` (the main job): producers and a consumer in one process over real
-//! loopback sockets. Producers are filled with a model preset's KV for many requests,
+//! `kvferry bench` (the main job): producers and a consumer over real loopback sockets,
+//! the producers in a process of their own by default with the same-host mover
+//! (`--mover auto`, see `child`), in the benchmark's process with `--mover tcp`. Producers are filled with a model preset's KV for many requests,
 //! each request with its own byte pattern; the consumer pulls them through host staging
 //! with many transfers in flight and verifies every landed byte (a crc32c of the landed
 //! chunk against the pattern's, and an exact comparison on mismatch — another request's
@@ -8,6 +9,12 @@
 //! over the same number of connections. Also reported: TCP from one hot 4 MiB buffer,
 //! memcpy, and the staged-pipeline limit (see `limits`).
 //!
+//! With `--mover auto` the consumer reads the producers' granted bytes with
+//! `process_vm_readv` when the engines choose the same-host mover (the point names the
+//! mover chosen, or why not), and the one-copy limit is measured in the same rounds:
+//! plain `process_vm_readv` of the same chunks from the producer process, as many
+//! threads as the consumer copies with (`limits::cma_limit`).
+//!
 //! A point runs in phases, one file each: `producers` (start and fill), `consumer`
 //! (start, destination slots), `rounds` (the transfer rounds interleaved with raw-TCP
 //! runs, every landed byte verified), then here: the staging backing, leak accounting
@@ -15,6 +22,7 @@
 //! `point` the result, `report` the printed summaries.
 
 mod args;
+mod child;
 mod consumer;
 mod point;
 mod producers;
@@ -73,6 +81,9 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
     }
     if let Some(n) = args.in_flight_arg {
         args.in_flight = n;
+    }
+    if args.serve_producers {
+        return child::serve(args);
     }
     anyhow::ensure!(args.in_flight >= 1, "--in-flight must be at least 1");
     anyhow::ensure!(args.connections >= 1, "--connections must be at least 1");
@@ -188,7 +199,8 @@ fn on_workers(
     rt.block_on(async move { tokio::spawn(async move { run_point(&args, &cpu, contend).await }).await? })
 }
 
-async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyhow::Result<Point> {
+/// The sizes of a point with these options.
+fn shape(args: &P2pBenchArgs) -> anyhow::Result<Shape> {
     let probe = EngineArgs {
         model: args.model.clone(),
         blocks: 1,
@@ -202,7 +214,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
     let staged = args.path == BenchPath::Staged;
     let on_device = args.path == BenchPath::DeviceSim;
     let producer_blocks = (per_producer_reqs * args.chunks_per_request * bpc) as u32;
-    let shape = Shape {
+    Ok(Shape {
         bpc,
         chunk_bytes,
         per_producer_reqs,
@@ -210,12 +222,26 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         staged,
         on_device,
         producer_blocks,
-    };
+    })
+}
+
+async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyhow::Result<Point> {
+    let shape = shape(args)?;
+    let chunk_bytes = shape.chunk_bytes;
     let ca = match args.tls {
         true => Some(super::tls::EphemeralCa::new()?),
         false => None,
     };
-    let producers = producers::start(args, &shape, ca.as_ref()).await?;
+    let mut producers = match args.in_child() {
+        true => producers::start_child(args, &shape, ca.as_ref()).await?,
+        false => producers::start(args, &shape, ca.as_ref()).await?,
+    };
+    // The producer process's threads are the benchmark's too.
+    let cpu = match &producers.child {
+        Some(_) => cpu.with_child(producers.pid),
+        None => cpu.clone(),
+    };
+    let cpu = &cpu;
     let side = consumer::start(args, &shape, ca.as_ref()).await?;
     let rounds::Rounds {
         total_chunks,
@@ -238,8 +264,24 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         src_layout,
         from_receive,
         moved,
+        cma_limit,
+        cma_threads,
     } = rounds::run(args, &shape, cpu, &producers, &side).await?;
+    // The mover the consumer chose per producer: `cma` when every producer's bytes were
+    // read from its memory, `socket` when none, else `mixed`; the first reason given
+    // for a socket the options did not ask for.
+    let movers = side.engine.consumer().movers();
+    let cma_bytes = side.engine.stats().consumer.cma_bytes;
+    let mover = if !movers.is_empty() && movers.iter().all(|m| m.mover == kvferry::peer::Mover::Cma) {
+        "cma"
+    } else if movers.iter().any(|m| m.mover == kvferry::peer::Mover::Cma) {
+        "mixed"
+    } else {
+        "socket"
+    };
+    let mover_fallback = movers.iter().find_map(|m| m.fallback.clone());
     let transfer_cpu = transfer_usage.cpu_s;
+    let producers_in_child = producers.child.is_some();
     let consumer::Consumer {
         engine: consumer,
         arena,
@@ -254,6 +296,13 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         let a = p.arena();
         if pinned && !is_pinned(a) {
             staging = (a.backing_kind().to_string(), a.fallback_reason());
+            pinned = false;
+        }
+    }
+    // The producer process's arenas, as it reported them (it noted why itself).
+    if let Some((kind, why, child_pinned)) = producers.child_staging.clone() {
+        if pinned && !child_pinned {
+            staging = (kind, why.clone());
             pinned = false;
         }
     }
@@ -275,6 +324,12 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
+    // The producer process counts its own arenas' pages once its stdin closes.
+    let mut leaked = leaked;
+    if let Some(child) = producers.child.take() {
+        let bye = tokio::task::spawn_blocking(move || child.finish()).await??;
+        leaked += bye.leaked_pages;
+    }
     for p in producers.engines {
         p.close(tokio::time::Instant::now() + Duration::from_secs(5)).await;
     }
@@ -353,6 +408,13 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         staging_pinned: pinned,
         checksum_impl: kvferry::checksum::backend().name().to_string(),
         staging_fallback: staging.1,
+        mover: mover.to_string(),
+        mover_fallback,
+        producer_process: producers_in_child,
+        cma_bytes,
+        cma_limit_gbps: cma_limit,
+        cma_threads,
+        ratio_cma_limit: cma_limit.map(|l| best_round / l),
     })
 }
 

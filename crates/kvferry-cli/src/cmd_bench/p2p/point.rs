@@ -87,6 +87,27 @@ pub struct Point {
     pub preemptions_per_chunk: f64,
     /// Voluntary context switches of the raw-TCP phase per chunk-sized write.
     pub tcp_wakeups_per_chunk: f64,
+    /// The mover the consumer's engine chose for the producers (`cma`: it read their
+    /// granted bytes from their memory with `process_vm_readv`; `socket`; `mixed`
+    /// when producers differ), from `Consumer::movers()`.
+    pub mover: String,
+    /// Why the socket carried bytes the same-host mover could have (null when it did
+    /// not, or when `--mover tcp` asked for the socket).
+    pub mover_fallback: Option<String>,
+    /// Whether the producers ran in a process of their own (`--producer-process`):
+    /// their CPU is then read from /proc and counted in `cpu_s_per_gb`, and their
+    /// arenas' leaked pages are counted by that process and reported to this one.
+    pub producer_process: bool,
+    /// Bytes the consumer read with the same-host mover (0 on the socket).
+    pub cma_bytes: u64,
+    /// The one-copy same-host limit: plain `process_vm_readv` of the same chunks from
+    /// the producer process, `cma_threads` threads, no protocol, no verification, best
+    /// of one run after each round (null when the kernel refused the read).
+    pub cma_limit_gbps: Option<f64>,
+    /// Threads of the one-copy limit: the consumer's copy threads.
+    pub cma_threads: usize,
+    /// `best_round_gbps / cma_limit_gbps`.
+    pub ratio_cma_limit: Option<f64>,
     /// With `--contend N`: the same point measured again with N busy threads beside it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub contended: Option<Box<Point>>,

@@ -81,6 +81,23 @@ fn setup_line(p: &Point) -> String {
     format!("path {path}{tls}; {staging}; crc32c: {}", p.checksum_impl)
 }
 
+/// `mover cma (…); producers in a process of their own` or the socket and why.
+fn mover_line(p: &Point) -> String {
+    let mover = match (p.mover.as_str(), &p.mover_fallback) {
+        ("cma", _) => {
+            "cma (the consumer reads granted bytes from the producers' memory with process_vm_readv)".to_string()
+        }
+        (m, Some(why)) => format!("{m} (same-host mover not used: {why})"),
+        (m, None) => format!("{m} (--mover tcp)"),
+    };
+    let place = if p.producer_process {
+        "producers in a process of their own (their CPU counted, their pages accounted there)"
+    } else {
+        "producers in this process"
+    };
+    format!("mover {mover}; {place}")
+}
+
 /// What a ratio to same-bytes raw TCP means.
 const CEILING: &str = "1.00 is the ceiling: kvferry costing nothing over plain sockets \
                        (no framing, checksums or copies)";
@@ -103,6 +120,7 @@ pub(super) fn print_point_summary(p: &Point) {
 
 fn print_one_point(p: &Point) {
     println!("{}", setup_line(p));
+    println!("{}", mover_line(p));
     println!(
         "moved {} in {} chunks over loopback, every byte verified: {:.2} GB/s",
         ByteSize(p.bytes),
@@ -124,6 +142,15 @@ fn print_one_point(p: &Point) {
         "  {CEILING}; target >= {TARGET_RATIO:.2}: {}",
         if p.ratio >= TARGET_RATIO { "met" } else { "not met" }
     );
+    match (p.cma_limit_gbps, p.ratio_cma_limit) {
+        (Some(l), Some(r)) => println!(
+            "one-copy same-host limit {l:.2} GB/s (plain process_vm_readv of the same chunks from the producer \
+             process, {} thread(s), no protocol, no verification; best of {}): best round {r:.2} of it",
+            p.cma_threads,
+            p.round_gbps.len()
+        ),
+        _ => println!("one-copy same-host limit not measured (the kernel refused process_vm_readv)"),
+    }
     println!(
         "CPU {:.3} s per GB moved (raw TCP {:.3} s per GB: {:.2}x; user + system, every thread of the benchmark)",
         p.cpu_s_per_gb, p.tcp_cpu_s_per_gb, p.cpu_ratio

@@ -20,7 +20,7 @@ use super::consumer::Consumer;
 use super::producers::{key, pattern, Producers};
 use super::Shape;
 use crate::cmd_bench::cpu::{perf_phase, CpuClock, Usage};
-use crate::cmd_bench::limits::{huge_source, tcp_limit};
+use crate::cmd_bench::limits::{cma_limit, huge_source, tcp_limit};
 
 /// Transfer rounds per point, each followed by one raw-TCP run of the limit.
 const ROUNDS: u64 = 3;
@@ -60,6 +60,10 @@ pub(super) struct Rounds {
     pub(super) from_receive: bool,
     /// Bytes landed and verified.
     pub(super) moved: u64,
+    /// The best one-copy same-host run (`limits::cma_limit`) after each round, GB/s
+    /// (`None`: refused by the kernel), and its threads.
+    pub(super) cma_limit: Option<f64>,
+    pub(super) cma_threads: usize,
 }
 
 /// This process's resident memory in MiB (0 where /proc is not available).
@@ -141,6 +145,12 @@ pub(super) async fn run(
     // bytes (taken over the destination blocks themselves) is compared as is.
     let from_receive = args.verify == Verify::Receive && args.path == BenchPath::Direct;
     let mut rss_warm = 0.0;
+    // The one-copy limit reads with as many threads as the consumer copies with.
+    let cma_threads = args
+        .copy_threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .max(1);
+    let mut cma: Option<f64> = Some(0.0);
     for round in 0..rounds {
         let first_chunk = total_chunks * round / rounds;
         let end_chunk = total_chunks * (round + 1) / rounds;
@@ -251,6 +261,19 @@ pub(super) async fn run(
         perf_phase("tcp", false);
         tcp_usage += cpu.usage() - u0;
         tcp_hot = tcp_hot.max(tcp_limit(conns, limit_bytes, None).await?);
+        if let Some(best) = cma {
+            let chunks = producers.limit_chunks.clone();
+            let pid = producers.pid;
+            cma =
+                match tokio::task::block_in_place(|| cma_limit(pid, &chunks, cma_threads, args.in_flight, limit_bytes))
+                {
+                    Ok(g) => Some(best.max(g)),
+                    Err(e) => {
+                        tracing::warn!("one-copy limit not measured: {e:#}");
+                        None
+                    }
+                };
+        }
     }
     let rss_end = rss_mib();
     bar.finish_and_clear();
@@ -277,5 +300,7 @@ pub(super) async fn run(
         src_layout,
         from_receive,
         moved,
+        cma_limit: cma,
+        cma_threads,
     })
 }
