@@ -30,11 +30,13 @@ pub struct Serve {
 }
 
 impl Serve {
-    /// `kvferry serve --listen LISTEN --model tiny` (this crate's binary), for
-    /// [`Serve::spawn`]; the caller adds the rest.
+    /// `kvferry serve --listen LISTEN --model tiny --transport tcp` (this crate's
+    /// binary), for [`Serve::spawn`]; the caller adds the rest. The socket mover: the
+    /// suites built on it count, shape and cut bytes on the wire (`p2p_process` also
+    /// tests the same-host mover, which `serve` offers by default).
     pub fn command_on(listen: &str) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-        cmd.args(["serve", "--listen", listen, "--model", "tiny"]);
+        cmd.args(["serve", "--listen", listen, "--model", "tiny", "--transport", "tcp"]);
         cmd
     }
 

@@ -120,6 +120,11 @@ class Engine:
         max_connections: accepted connections at once; more are refused.
         max_control_bytes, max_bulk_bytes: the largest control frame and the largest
             bulk frame (chunk) accepted, in bytes.
+        transport: ``"auto"`` (the default): a producer on this host is read straight
+            from its memory (``process_vm_readv``: one copy, every chunk verified
+            against the producer's checksums), the socket elsewhere or when the kernel
+            refuses (the reason is in ``stats()["movers"]``); ``"tcp"``: every byte on
+            the connection, as a producer and as a consumer.
 
     Each option's default and check live once, in the library
     (``kvferry::engine::EngineOptions``; ``_kvferry.EngineOptions.defaults()``): a
@@ -171,6 +176,7 @@ class Engine:
         max_connections: int = 4096,
         max_control_bytes: int = 1 << 20,
         max_bulk_bytes: int = 256 << 20,
+        transport: str = "auto",
     ) -> None:
         device = str(device)  # also a torch.device
         if isinstance(secret, str):
@@ -216,6 +222,7 @@ class Engine:
                 max_connections=max_connections,
                 max_control_bytes=max_control_bytes,
                 max_bulk_bytes=max_bulk_bytes,
+                transport=transport,
                 pinned=bool(pinned),
                 runtime_threads=runtime_threads,
                 shared_runtime=bool(shared_runtime),
@@ -262,7 +269,10 @@ class Engine:
         (I/O polls a worker made lingering after short waits, see ``wait_spin_us``);
         absent once closed. ``consumer.bytes_received`` and ``producer.bytes_sent``
         count payload bytes on the wire (frame headers not counted): a selected get
-        (:class:`Selection`) adds exactly its selected bytes to both."""
+        (:class:`Selection`) adds exactly its selected bytes to both. ``movers`` lists,
+        per producer read from, the mover chosen (``"cma"`` or ``"socket"``), its
+        ``fallback`` reason and ``pid``; ``consumer.cma_transfers`` and
+        ``consumer.cma_bytes`` count same-host reads."""
         stats: dict[str, Any] = json.loads(self._e.stats_json())
         device = json.loads(self._e.device_stats_json())
         if device:

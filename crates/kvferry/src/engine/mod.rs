@@ -90,7 +90,7 @@ use crate::peer::{
 };
 
 /// Everything an engine counts, in one snapshot.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct EngineStats {
     /// The staging arena.
     pub arena: ArenaStats,
@@ -106,6 +106,9 @@ pub struct EngineStats {
     pub server: ServerStats,
     /// Caches registered now.
     pub registered: usize,
+    /// The mover chosen per producer this engine has read from, and why (see
+    /// [`crate::peer::mover`]).
+    pub movers: Vec<crate::peer::PeerMover>,
 }
 
 /// What [`Engine::close`] found at its deadline.
@@ -348,6 +351,7 @@ impl Engine {
             copy: self.inner.copy.stats(),
             server: self.server_stats(),
             registered: self.inner.registered.lock().len(),
+            movers: self.inner.consumer.movers(),
         }
     }
 

@@ -9,8 +9,12 @@ use kvferry::engine::{Engine, EngineConfig, StoreConfig};
 
 /// A small engine: 2 MiB staging arena of 64 KiB pages (not pinned), one copy thread
 /// of 256 KiB slices, a 1 MiB store of 16 KiB blocks, loopback on an ephemeral port.
+/// Its bytes go on the socket (`transport = tcp`): the suites built on it test the
+/// socket mover (bytes on the wire, connection faults); `p2p_cma` tests the same-host
+/// one, which an engine picks by default.
 pub fn small_config(peer_id: &str) -> EngineConfig {
     let mut cfg = EngineConfig::default().peer_id(peer_id).arena(2 << 20, 64 << 10);
+    cfg.producer.transport = kvferry::peer::Transport::Tcp;
     cfg.pinned = false;
     cfg.copy = CopyConfig {
         threads: 1,

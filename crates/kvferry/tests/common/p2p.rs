@@ -119,6 +119,8 @@ pub async fn producer_node(opts: NodeOpts) -> ProducerNode {
         max_ttl: opts.ttl,
         max_concurrent_gets: opts.max_gets,
         max_staged_pages_per_peer: Some(usize::MAX / 2),
+        // The socket mover: these suites count and corrupt bytes on the wire.
+        transport: kvferry::peer::Transport::Tcp,
         ..ProducerConfig::default()
     };
     let producer = Producer::new(store, arena, engine, cfg, net.incarnation).unwrap();
@@ -160,6 +162,7 @@ pub fn consumer_with_engine(engine: CopyEngine, blocks: u32, pages: usize, secre
     net.secret = secret;
     net.io_timeout = Duration::from_secs(2);
     let mut cfg = ConsumerConfig::new(net);
+    cfg.transport = kvferry::peer::Transport::Tcp;
     cfg.lease_guard = Duration::from_millis(50);
     let consumer = Consumer::new(arena, engine, cfg).unwrap();
     ConsumerNode {

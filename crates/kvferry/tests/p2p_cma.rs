@@ -1,0 +1,211 @@
+//! The same-host (CMA) mover through the engine's front door: the consumer reads the
+//! producer's granted bytes with `process_vm_readv` (here the two engines share a
+//! process, which the kernel treats like any other target; `kvferry-cli`'s
+//! `p2p_process` tests use two processes), and what it promises:
+//!
+//! - chosen by default on one host, named in `stats().movers` with the producer's
+//!   pid; no byte of the grant goes on the socket;
+//! - the direct path (into the destination blocks) and the staged path land exactly,
+//!   for published blocks and store chunks;
+//! - a producer that writes its published blocks after publishing is caught by the
+//!   checksums, on this mover as on the socket: `ChecksumMismatch`, never wrong bytes
+//!   reported landed;
+//! - `transport = tcp` on either side keeps every byte on the socket, and a
+//!   consumer that was refused says why.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::engines::{config, pair_with};
+use kvferry::engine::EngineConfig;
+use kvferry::layout::KvCache;
+use kvferry::mem::Region;
+use kvferry::peer::{Destination, Mover, PeerError, TransferPath, Transport};
+use kvferry::wire::ChunkKey;
+use tokio::time::Instant;
+
+const BLOCK: usize = 8192;
+const BLOCKS: u32 = 32;
+
+fn in_secs(s: u64) -> Instant {
+    Instant::now() + Duration::from_secs(s)
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// A contiguous host cache, block `b` filled with `pattern(seed * 1000 + b)`.
+fn cache(name: &str, seed: Option<u64>) -> (Arc<Region>, KvCache) {
+    let region = Arc::new(Region::host(name, BLOCKS as usize * BLOCK).unwrap());
+    if let Some(seed) = seed {
+        for b in 0..BLOCKS {
+            region
+                .write(b as usize * BLOCK, &pattern(seed * 1000 + u64::from(b), BLOCK))
+                .unwrap();
+        }
+    }
+    let cache = KvCache::contiguous(region.clone(), BLOCK).unwrap();
+    (region, cache)
+}
+
+fn block(region: &Region, b: u32) -> Vec<u8> {
+    region.to_vec(b as usize * BLOCK, BLOCK).unwrap()
+}
+
+fn with_transport(t: Transport) -> impl Fn(&str) -> EngineConfig {
+    move |id| {
+        let mut c = config(id);
+        c.producer.transport = t;
+        c
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_get_is_read_from_the_producers_memory_and_lands_exact() {
+    let p = pair_with(with_transport(Transport::Auto)).await;
+    let (_src, c) = cache("prefill-kv", Some(3));
+    let src = p.prefill.register(c).unwrap();
+    let (a, b) = (ChunkKey::from_name("cma/a"), ChunkKey::from_name("cma/b"));
+    p.prefill.publish(a, &src, &[1, 2, 9], Duration::ZERO, false).unwrap();
+    p.prefill.publish(b, &src, &[20], Duration::ZERO, false).unwrap();
+    let (out, c) = cache("decode-kv", None);
+    let dst = p.decode.register(c).unwrap();
+
+    // Direct path.
+    let d = Destination::new(dst.cache.clone(), vec![vec![4, 5, 6], vec![30]]);
+    let landed = p.decode.get(&p.addr, &[a, b], d, in_secs(5)).await.unwrap();
+    assert_eq!((landed.chunks, landed.bytes), (2, 4 * BLOCK));
+    for (d, s) in [(4, 1), (5, 2), (6, 9), (30, 20)] {
+        assert!(
+            block(&out, d) == pattern(3000 + s, BLOCK),
+            "block {d} differs from source {s}"
+        );
+    }
+    let stats = p.decode.stats();
+    assert_eq!(stats.consumer.cma_transfers, 1);
+    assert_eq!(stats.consumer.cma_bytes, 4 * BLOCK as u64);
+    assert_eq!(stats.movers.len(), 1);
+    assert_eq!(stats.movers[0].mover, Mover::Cma, "{:?}", stats.movers[0]);
+    assert_eq!(stats.movers[0].pid, Some(std::process::id()));
+    // Nothing of the grant went on the socket.
+    assert_eq!(p.prefill.stats().producer.bytes_sent, 0);
+
+    // Staged path: into staging pages first, then landed.
+    let d = Destination::new(dst.cache.clone(), vec![vec![10, 11, 12]]).with_path(TransferPath::Staged);
+    p.decode.get(&p.addr, &[a], d, in_secs(5)).await.unwrap();
+    for (d, s) in [(10, 1), (11, 2), (12, 9)] {
+        assert!(block(&out, d) == pattern(3000 + s, BLOCK), "staged block {d} differs");
+    }
+    assert_eq!(p.decode.stats().consumer.cma_transfers, 2);
+    // Everything released on both sides.
+    let arena = p.decode.stats().arena;
+    assert_eq!(arena.free_pages, arena.total_pages);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.prefill.stats().producer.staged_now > 0 {
+        assert!(Instant::now() < deadline, "the producer's leases were never released");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_chunks_go_by_cma_too() {
+    let p = pair_with(with_transport(Transport::Auto)).await;
+    let k = ChunkKey::from_name("cma/store");
+    let bytes = pattern(77, 3 * BLOCK);
+    p.prefill.put(k, &bytes).unwrap();
+    let (out, c) = cache("decode-kv", None);
+    let dst = p.decode.register(c).unwrap();
+    let d = Destination::new(dst.cache.clone(), vec![vec![7, 8, 9]]);
+    let landed = p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap();
+    assert_eq!(landed.bytes, 3 * BLOCK);
+    assert!(out.to_vec(7 * BLOCK, 3 * BLOCK).unwrap() == bytes);
+    assert_eq!(p.decode.stats().consumer.cma_transfers, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_writing_published_blocks_is_caught_on_both_movers() {
+    for transport in [Transport::Auto, Transport::Tcp] {
+        let p = pair_with(with_transport(transport)).await;
+        let (src_region, c) = cache("prefill-kv", Some(5));
+        let src = p.prefill.register(c).unwrap();
+        let k = ChunkKey::from_name("cma/rewritten");
+        p.prefill.publish(k, &src, &[2, 3], Duration::ZERO, false).unwrap();
+        // A buggy producer writes a published block (the checksums were taken at
+        // publish time).
+        src_region.write(3 * BLOCK + 100, b"overwritten after publish").unwrap();
+        let (_out, c) = cache("decode-kv", None);
+        let dst = p.decode.register(c).unwrap();
+        let d = Destination::new(dst.cache.clone(), vec![vec![0, 1]]);
+        let failure = p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap_err();
+        assert!(
+            matches!(failure.error, PeerError::ChecksumMismatch { .. }),
+            "{transport}: {}",
+            failure.error
+        );
+        assert!(failure.dirty, "{transport}: the destination was written");
+        let movers = p.decode.stats().movers;
+        match transport {
+            Transport::Auto => assert_eq!(movers[0].mover, Mover::Cma),
+            Transport::Tcp => assert!(movers.is_empty(), "a tcp consumer asks nobody"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_tcp_keeps_every_byte_on_the_socket_and_says_why() {
+    // The producer refuses: the consumer records why and uses the socket.
+    let producer_tcp = |id: &str| {
+        let mut c = config(id);
+        c.producer.transport = Transport::Auto;
+        if id == "prefill" {
+            c.producer.transport = Transport::Tcp;
+        }
+        c
+    };
+    // The consumer refuses: it never asks.
+    let consumer_tcp = |id: &str| {
+        let mut c = config(id);
+        c.producer.transport = Transport::Auto;
+        if id == "decode" {
+            c.producer.transport = Transport::Tcp;
+        }
+        c
+    };
+    for (side, p) in [
+        ("producer", pair_with(producer_tcp).await),
+        ("consumer", pair_with(consumer_tcp).await),
+    ] {
+        let (_src, c) = cache("prefill-kv", Some(9));
+        let src = p.prefill.register(c).unwrap();
+        let k = ChunkKey::from_name("cma/tcp");
+        p.prefill.publish(k, &src, &[0, 1], Duration::ZERO, false).unwrap();
+        let (out, c) = cache("decode-kv", None);
+        let dst = p.decode.register(c).unwrap();
+        let d = Destination::new(dst.cache.clone(), vec![vec![2, 3]]);
+        p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap();
+        assert!(block(&out, 3) == pattern(9001, BLOCK), "{side}");
+        let stats = p.decode.stats();
+        assert_eq!(stats.consumer.cma_transfers, 0, "{side}");
+        assert_eq!(p.prefill.stats().producer.bytes_sent, 2 * BLOCK as u64, "{side}");
+        match side {
+            "producer" => {
+                assert_eq!(stats.movers.len(), 1);
+                let why = stats.movers[0].fallback.clone().unwrap_or_default();
+                assert!(why.contains("transport is tcp"), "{why}");
+                assert_eq!(stats.consumer.mover_fallbacks, 1);
+            }
+            _ => assert!(stats.movers.is_empty(), "a tcp consumer asks nobody"),
+        }
+    }
+}
