@@ -19,7 +19,8 @@ BLOCK = 4096
 
 def producer_main(conn: Connection, listen: str, secret: bytes | None, nblocks: int, send_delay_us: int) -> None:
     """Runs in a spawned process: publishes chunks on request and reports back."""
-    eng = kvferry.Engine(listen=listen, secret=secret, max_ttl=60.0, ttl=60.0)
+    # The socket mover: callers delay its sends and kill it mid-send.
+    eng = kvferry.Engine(listen=listen, secret=secret, max_ttl=60.0, ttl=60.0, transport="tcp")
     eng._e._inject_faults(send_delay_us=send_delay_us)
     kv = np.arange(nblocks * BLOCK, dtype=np.uint32).astype(np.uint8).reshape(nblocks, BLOCK)
     kv += np.uint8(eng.incarnation % 251)

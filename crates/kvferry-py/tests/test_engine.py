@@ -23,7 +23,9 @@ Pair = tuple[kvferry.Engine, kvferry.Engine]
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
-    with kvferry.Engine(peer_id="prefill") as p, kvferry.Engine(peer_id="decode") as d:
+    # The socket mover: several tests here delay or corrupt the producer's socket
+    # sends. test_same_host.py tests the same-host mover an engine picks by default.
+    with kvferry.Engine(peer_id="prefill", transport="tcp") as p, kvferry.Engine(peer_id="decode") as d:
         yield p, d
 
 
@@ -414,7 +416,10 @@ def test_wait_spin_and_runtime_options_are_checked() -> None:
 def test_waits_return_the_same_outcomes_spinning_or_not(spin_us: int) -> None:
     # Hits, misses and timeouts come out the same whether a waiter spins first or
     # sleeps at once; a wait that times out is bounded either way.
-    with kvferry.Engine(wait_spin_us=spin_us) as p, kvferry.Engine(wait_spin_us=spin_us, listen=None) as d:
+    # A socket producer: the timeouts below come from delaying its sends.
+    with kvferry.Engine(wait_spin_us=spin_us, transport="tcp") as p, kvferry.Engine(
+        wait_spin_us=spin_us, listen=None
+    ) as d:
         assert p.address is not None
         src_arr = kv(8)
         p.publish("hit", p.register_kv_cache(src_arr, block_bytes=BLOCK), [0], once=False)

@@ -48,7 +48,7 @@ def _dead_port() -> int:
 
 def test_real_failures_carry_their_codes() -> None:
     kv = np.arange(8 * BLOCK, dtype=np.uint8).reshape(8, BLOCK)
-    with kvferry.Engine(peer_id="p") as p, kvferry.Engine(peer_id="d") as d:
+    with kvferry.Engine(peer_id="p", transport="tcp") as p, kvferry.Engine(peer_id="d") as d:
         assert p.address is not None
         src = p.register_kv_cache(kv, block_bytes=BLOCK)
         out = np.zeros_like(kv)

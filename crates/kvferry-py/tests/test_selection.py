@@ -24,7 +24,7 @@ Pair = tuple[kvferry.Engine, kvferry.Engine]
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
-    with kvferry.Engine(peer_id="prefill") as p, kvferry.Engine(peer_id="decode") as d:
+    with kvferry.Engine(peer_id="prefill", transport="tcp") as p, kvferry.Engine(peer_id="decode") as d:
         yield p, d
 
 
@@ -178,7 +178,10 @@ def test_pull_and_stage_resolve_move_only_the_selection(pair: Pair) -> None:
 
 
 def test_sim_device_selection() -> None:
-    with kvferry.Engine(device="sim", device_latency_us=100) as p, kvferry.Engine(device="sim") as d:
+    # The socket mover: the test counts the selected bytes on the wire.
+    with kvferry.Engine(device="sim", device_latency_us=100, transport="tcp") as p, kvferry.Engine(
+        device="sim"
+    ) as d:
         assert p.address is not None
         nb, piece = 8, 2048
         raw = {}

@@ -30,7 +30,7 @@ Pair = tuple[kvferry.Engine, kvferry.Engine]
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
-    with kvferry.Engine(peer_id="prefill") as p, kvferry.Engine(peer_id="decode") as d:
+    with kvferry.Engine(peer_id="prefill", transport="tcp") as p, kvferry.Engine(peer_id="decode") as d:
         yield p, d
 
 
