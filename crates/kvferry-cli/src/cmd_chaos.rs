@@ -104,6 +104,12 @@ pub struct ChaosArgs {
     /// Print the ledger as one JSON object.
     #[arg(long)]
     json: bool,
+    /// The consumer's movers: "auto" reads the producer processes (on this host)
+    /// from their memory with process_vm_readv, so producer kills land mid-read and
+    /// copy-thread faults hit the reads; "tcp" receives every byte on the socket,
+    /// where the producers' send delays and corrupted frames apply.
+    #[arg(long, default_value = "auto")]
+    transport: kvferry::peer::Transport,
     /// Break one promise on purpose, to prove the checks catch it (for tests).
     #[arg(long, hide = true, value_enum)]
     sabotage: Option<Sabotage>,
@@ -217,6 +223,7 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
         slice_bytes: 64 << 10,
     };
     cfg.copy_body = Some(body.clone());
+    cfg.producer.transport = args.transport;
     cfg.store = StoreConfig::Bytes {
         bytes: 64 << 10,
         block_bytes: 64 << 10,
@@ -345,6 +352,8 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
         fault_rate: rate,
         concurrency: args.concurrency,
         wall: started.elapsed(),
+        transport: args.transport.to_string(),
+        cma_transfers: ctx.consumer.stats().cma_transfers,
     }))
 }
 

@@ -234,6 +234,8 @@ impl Ledger {
             fault_rate: end.fault_rate,
             concurrency: end.concurrency,
             wall_s: end.wall.as_secs_f64(),
+            transport: end.transport,
+            cma_transfers: end.cma_transfers,
         }
     }
 }
@@ -298,6 +300,10 @@ pub struct EndState {
     pub concurrency: usize,
     /// Wall time.
     pub wall: Duration,
+    /// The consumer's transport (`auto` or `tcp`).
+    pub transport: String,
+    /// Transfers whose bytes were read from a producer's memory (CMA).
+    pub cma_transfers: u64,
 }
 
 /// The printed ledger.
@@ -377,6 +383,10 @@ pub struct Summary {
     pub concurrency: usize,
     /// Wall time.
     pub wall_s: f64,
+    /// The consumer's transport (`auto`: same-host reads; `tcp`: the socket).
+    pub transport: String,
+    /// Transfers whose bytes were read from a producer's memory (CMA).
+    pub cma_transfers: u64,
 }
 
 impl Summary {
@@ -396,6 +406,10 @@ impl Summary {
         s += &format!(
             "  outcomes    completed {} (misses {}, partial {}), cancelled {}, timed out {}, failed {}\n",
             self.completed, self.misses, self.partial_hits, self.cancelled, self.timed_out, self.failed
+        );
+        s += &format!(
+            "  mover       transport {}: {} transfers read from producer memory (cma)\n",
+            self.transport, self.cma_transfers
         );
         s += &format!(
             "  faults      {} injected: {}\n",
