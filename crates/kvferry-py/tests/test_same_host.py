@@ -9,13 +9,14 @@ import os
 
 import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 import kvferry
 
 BLOCK = 4096
 
 
-def _kv(seed: int) -> np.ndarray:  # type: ignore[type-arg]
+def _kv(seed: int) -> NDArray[np.uint8]:
     return np.random.default_rng(seed).integers(0, 255, (32, BLOCK), dtype=np.uint8)
 
 
