@@ -15,6 +15,7 @@ the module is skipped, unless ``KVFERRY_REQUIRE_VLLM=1`` (then it fails).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,9 @@ class Instance:
         kv_events: Any = None,
     ) -> None:
         import torch
+
+        # The socket mover (send delays and wire counts below), unless a test says.
+        extra = {"transport": os.environ.get("KVFERRY_TEST_TRANSPORT", "tcp"), **extra}
         from vllm.config import (
             CacheConfig,
             DeviceConfig,

@@ -153,6 +153,11 @@ from kvferry.integrations.vllm.alloc import (  # noqa: E402 - after the environm
     kv_views,
 )
 
+# The socket mover unless KVFERRY_TEST_TRANSPORT says otherwise: the suites inject
+# socket send delays and count bytes on the wire; test_connector_same_host.py runs the
+# connector with the same-host mover its users get by default.
+TRANSPORT = os.environ.get("KVFERRY_TEST_TRANSPORT", "tcp")
+
 
 def on_backend(kw: dict[str, Any], backend: str) -> dict[str, Any]:
     """A case's instance arguments on ``backend``: ``layout`` HND/NHD as vLLM's
@@ -233,7 +238,7 @@ class Instance:
         self.hpr = 1 if mla else max(1, kv_heads // tp)
         self.kvs = (0,) if mla else (0, 1)  # K and V per layer (MLA: one latent)
         self.salt = salt if salt is not None else (PREFILL_SALT if role == "kv_producer" else DECODE_SALT)
-        extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, **(extra or {})}
+        extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, "transport": TRANSPORT, **(extra or {})}
         engine_id = f"h-{role}-{tp}-{block_size}-{backend}-{kv_layout}-{tag}-{os.getpid()}-{id(self)}"
 
         def config(rank: int) -> VllmConfig:
@@ -720,3 +725,4 @@ def needed(p_bs: int, d: Instance, ntok: int, skip_tokens: int = 0) -> int:
     g = min(p_bs, d.bs)
     slots = (-(-ntok // g) - skip_tokens // g) * g
     return d.tp * slots * len(d.kvs) * len(LAYERS) * d.hpr * d.hs * 2
+

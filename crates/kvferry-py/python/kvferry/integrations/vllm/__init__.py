@@ -81,6 +81,11 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
     ratios) refuses the pair at the handshake naming this key: set it to
     ``ceil(D_TP / P_TP)`` x the block-size ratio. See docs/vllm.md, "Heterogeneous
     prefill and decode".
+``transport`` (``"auto"`` or ``"tcp"``, default ``"auto"``; both sides)
+    ``"auto"``: a decode rank on the prefill's host reads the published blocks
+    straight from the prefill process's memory (``process_vm_readv``: one copy, every
+    chunk verified), the socket elsewhere or when the kernel refuses (the reason is
+    in the engine's ``stats()["movers"]``); ``"tcp"``: every byte on the connection.
 ``read_batch`` (int, default ``8``, at most 64; decode side)
     The most requests one kvferry get carries. The reads a step starts from one
     prefill rank that share their byte ranges (the same heads of every block) ride

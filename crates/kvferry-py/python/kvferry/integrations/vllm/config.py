@@ -28,6 +28,7 @@ _DEFAULTS: dict[str, Any] = {
     "idle_wait": 0.001,
     "reader_slots": "auto",
     "read_batch": 8,
+    "transport": "auto",
 }
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class KvferryConfig:
     idle_wait: float = 0.001
     reader_slots: int | None = None  # None: "auto" (vllm_hetero.auto_reader_slots)
     read_batch: int = 8
+    transport: str = "auto"
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvferryConfig:
@@ -76,6 +78,7 @@ class KvferryConfig:
             idle_wait=float(extra.get("idle_wait", _DEFAULTS["idle_wait"])),
             reader_slots=_reader_slots(extra.get("reader_slots", _DEFAULTS["reader_slots"])),
             read_batch=_read_batch(extra.get("read_batch", _DEFAULTS["read_batch"])),
+            transport=_transport(extra.get("transport", _DEFAULTS["transport"])),
         )
         for name in ("timeout", "lease_ttl", "io_timeout", "connect_timeout"):
             if not getattr(cfg, name) > 0:
@@ -91,6 +94,12 @@ class KvferryConfig:
         if not 0 <= cfg.port < 65536:
             raise ValueError(f"KvferryConnector: port out of range: {cfg.port}")
         return cfg
+
+def _transport(v: Any) -> str:
+    if v not in ("auto", "tcp"):
+        raise ValueError(f"KvferryConnector: transport must be 'auto' or 'tcp', got {v!r}")
+    return str(v)
+
 
 def _read_batch(v: Any) -> int:
     """``read_batch`` from the config: an int in 1..64."""

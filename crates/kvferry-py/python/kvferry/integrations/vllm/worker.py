@@ -132,6 +132,7 @@ class KvferryConnectorWorker:
             connect_timeout=cfg.connect_timeout,
             device=self.device or "host",
             device_timeout=cfg.device_timeout or cfg.timeout,
+            transport=cfg.transport,
         )
         self.caches, self.phys = caches, phys
         self.region = self._register(phys, nb, "vllm-kv")
