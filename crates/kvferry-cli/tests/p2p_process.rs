@@ -210,23 +210,51 @@ fn put_and_get_commands_round_trip_and_fail_clearly() {
 fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "4096"])
-        .args(["--arena", "16MiB", "--page-size", "64KiB"])
-        .stderr(Stdio::piped());
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        "tiny",
+        "--blocks",
+        "4096",
+    ])
+    .args(["--arena", "16MiB", "--page-size", "64KiB"])
+    .stderr(Stdio::piped());
     let p = Serve::start(&mut cmd, Duration::from_secs(30), false);
     let dir = std::env::temp_dir().join(format!("kvferry-cma-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.bin");
-    let data: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..200_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     std::fs::write(&input, &data).unwrap();
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let out = Command::new(bin)
-        .args(["put", "--peer", &p.addr, "--key", "cma-doc", "--file", input.to_str().unwrap()])
+        .args([
+            "put",
+            "--peer",
+            &p.addr,
+            "--key",
+            "cma-doc",
+            "--file",
+            input.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let crc = format!("crc32c {:#010x}", kvferry::checksum::checksum(&data));
-    let get = ["get", "--peer", &p.addr, "--key", "cma-doc", "--model", "tiny", "--max-blocks", "128"];
+    let get = [
+        "get",
+        "--peer",
+        &p.addr,
+        "--key",
+        "cma-doc",
+        "--model",
+        "tiny",
+        "--max-blocks",
+        "128",
+    ];
     let text = |o: &std::process::Output| {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).to_string()
@@ -234,7 +262,13 @@ fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() 
     let out = text(&Command::new(bin).args(get).output().unwrap());
     assert!(out.contains("got 200000 bytes") && out.contains(&crc), "{out}");
     assert!(out.trim_end().ends_with("via cma"), "{out}");
-    let out = text(&Command::new(bin).args(get).args(["--transport", "tcp"]).output().unwrap());
+    let out = text(
+        &Command::new(bin)
+            .args(get)
+            .args(["--transport", "tcp"])
+            .output()
+            .unwrap(),
+    );
     assert!(out.contains(&crc) && out.trim_end().ends_with("via socket"), "{out}");
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
