@@ -209,3 +209,47 @@ async fn transport_tcp_keeps_every_byte_on_the_socket_and_says_why() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_with_too_many_runs_to_name_goes_over_the_socket() {
+    // 33,000 scattered 64-byte blocks: more memory runs than one reply may name
+    // (`MAX_MAPPED_RUNS`). The producer refuses the mapped grant; the consumer gets the
+    // same bytes over the socket in the same transfer.
+    const SMALL: usize = 64;
+    const N: u32 = 33_000;
+    assert!(N as usize > kvferry::wire::MAX_MAPPED_RUNS);
+    let p = pair_with(|id: &str| {
+        let mut c = config(id);
+        c.producer.transport = Transport::Auto;
+        c.arena_bytes = 8 << 20;
+        c
+    })
+    .await;
+    let src_region = Arc::new(Region::host("prefill-small", 2 * N as usize * SMALL).unwrap());
+    let src_bytes = pattern(41, 2 * N as usize * SMALL);
+    src_region.write(0, &src_bytes).unwrap();
+    let src = p
+        .prefill
+        .register(KvCache::contiguous(src_region.clone(), SMALL).unwrap())
+        .unwrap();
+    let k = ChunkKey::from_name("cma/scattered");
+    let blocks: Vec<u32> = (0..N).map(|b| 2 * b).collect();
+    p.prefill.publish(k, &src, &blocks, Duration::ZERO, false).unwrap();
+    let out = Arc::new(Region::host("decode-small", N as usize * SMALL).unwrap());
+    let dst = p
+        .decode
+        .register(KvCache::contiguous(out.clone(), SMALL).unwrap())
+        .unwrap();
+    let d = Destination::new(dst.cache.clone(), vec![(0..N).collect()]);
+    let landed = p.decode.get(&p.addr, &[k], d, in_secs(20)).await.unwrap();
+    assert_eq!(landed.bytes, N as usize * SMALL);
+    let got = out.to_vec(0, N as usize * SMALL).unwrap();
+    for b in 0..N as usize {
+        let want = &src_bytes[2 * b * SMALL..(2 * b + 1) * SMALL];
+        assert!(&got[b * SMALL..(b + 1) * SMALL] == want, "block {b}");
+    }
+    let stats = p.decode.stats();
+    assert_eq!(stats.consumer.cma_transfers, 0);
+    assert_eq!(stats.movers[0].mover, Mover::Cma, "the pair still qualifies");
+    assert_eq!(p.prefill.stats().producer.bytes_sent, (N as usize * SMALL) as u64);
+}

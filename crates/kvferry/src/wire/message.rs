@@ -64,8 +64,11 @@ pub struct ChunkMeta {
     pub checksum: u32,
 }
 
-/// Most runs one [`Message::StagedMapped`] may name.
-pub const MAX_MAPPED_RUNS: usize = 1 << 16;
+/// Most runs one [`Message::StagedMapped`] may name: at most about 20 bytes each, so a
+/// reply with its chunk list stays well inside the default 1 MiB control frame. A
+/// grant that needs more is refused `TooLarge`, and the consumer gets it over the
+/// socket.
+pub const MAX_MAPPED_RUNS: usize = 1 << 15;
 /// Longest accepted boot id, in bytes.
 pub const MAX_BOOT_ID_BYTES: usize = 64;
 

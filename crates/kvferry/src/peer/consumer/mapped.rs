@@ -48,10 +48,20 @@ use super::transfer::{Sink, TransferCtx};
 use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
 use crate::mem::HostMemory;
 use crate::net::{NetError, PooledConnection};
-use crate::wire::{ChunkKey, ChunkMeta, Message, WireSelection};
+use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message, WireSelection};
 
 /// Longest the mover probe may take (besides the transfer's own deadline).
 const PROBE_BOUND: Duration = Duration::from_secs(1);
+
+/// How a mapped get ended.
+pub(super) enum Mapped {
+    /// Landed and verified; `reuse`: the connection is at a frame boundary and may go
+    /// back to the pool.
+    Landed { chunks: Vec<ChunkMeta>, reuse: bool },
+    /// The producer could not grant these bytes by memory (`TooLarge`: more runs than
+    /// a reply may name); nothing was staged or written: get them over the socket.
+    Socket,
+}
 
 impl Consumer {
     /// The mover chosen for each peer so far, and why (sorted by peer address).
@@ -155,24 +165,34 @@ impl TransferCtx<'_> {
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn receive_mapped(
         &mut self,
-        mut conn: PooledConnection,
+        conn: &mut PooledConnection,
         id: u64,
-        keys: Vec<ChunkKey>,
+        keys: &[ChunkKey],
         select: Option<WireSelection>,
         sink: &mut Sink,
         caps: &[usize],
         pid: u32,
-    ) -> Result<Vec<ChunkMeta>, PeerError> {
+    ) -> Result<Mapped, PeerError> {
         let inner = &self.consumer.inner;
         let ttl_ms = inner.cfg.lease_ttl.as_millis() as u32;
         let selected = select.is_some();
         let msg = Message::GetMapped {
-            keys: keys.clone(),
+            keys: keys.to_vec(),
             ttl_ms,
             select,
         };
         conn.send(id, &msg).await?;
-        let (lease_id, chunks, shape, runs) = match conn.recv_reply(id).await? {
+        let reply = match conn.recv_reply(id).await {
+            Err(NetError::Remote {
+                kind: ErrorKind::TooLarge,
+                message,
+            }) => Message::Error {
+                kind: ErrorKind::TooLarge,
+                message,
+            },
+            other => other?,
+        };
+        let (lease_id, chunks, shape, runs) = match reply {
             Message::StagedMapped {
                 lease_id,
                 chunks,
@@ -180,20 +200,26 @@ impl TransferCtx<'_> {
                 runs,
                 ..
             } => (lease_id, chunks, shape, runs),
+            Message::Error {
+                kind: ErrorKind::TooLarge,
+                message,
+            } => {
+                tracing::debug!(target: "kvferry::peer", reason = %message, "mapped get refused: over the socket");
+                return Ok(Mapped::Socket);
+            }
             other => return Err(unexpected("StagedMapped", &other)),
         };
         if lease_id != 0 {
             self.lease_to_release = Some(lease_id);
         }
         if chunks.is_empty() {
-            conn.finish();
-            return Ok(chunks);
+            return Ok(Mapped::Landed { chunks, reuse: true });
         }
         let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
         match (selected, &shape) {
             (true, Some(shape)) => self.plan_landing(&chunks, shape)?,
             (false, None) => {
-                if chunks.len() > keys.len() || chunks.iter().zip(&keys).any(|(c, k)| c.key != *k) {
+                if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
                     return Err(protocol("staged chunks do not match the keys"));
                 }
             }
@@ -275,12 +301,11 @@ impl TransferCtx<'_> {
                 Ok(other) => return Err(unexpected("DoneAck", &other)),
                 Err(e) => {
                     tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
-                    return Ok(chunks);
+                    return Ok(Mapped::Landed { chunks, reuse: false });
                 }
             }
         }
-        conn.finish();
-        Ok(chunks)
+        Ok(Mapped::Landed { chunks, reuse: true })
     }
 
     /// The destination ranges of each chunk, in the memory the read writes: staging

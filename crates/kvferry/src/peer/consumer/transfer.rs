@@ -406,7 +406,7 @@ impl TransferCtx<'_> {
             Request::Pull { .. } => None,
         };
         let mut conn: PooledConnection = self.pool.checkout(self.connect_bound).await?;
-        let id = conn.next_request_id();
+        let mut id = conn.next_request_id();
         let chunks = match req {
             Request::Get { keys, select } => {
                 // A connection's handshake names the incarnation it reached: a restarted
@@ -420,7 +420,20 @@ impl TransferCtx<'_> {
                     });
                 }
                 if let Some((_, pid)) = cma.filter(|(incarnation, _)| *incarnation == current) {
-                    return self.receive_mapped(conn, id, keys, select, sink, caps, pid).await;
+                    let mapped = self
+                        .receive_mapped(&mut conn, id, &keys, select.clone(), sink, caps, pid)
+                        .await?;
+                    match mapped {
+                        super::mapped::Mapped::Landed { chunks, reuse } => {
+                            if reuse {
+                                conn.finish();
+                            }
+                            return Ok(chunks);
+                        }
+                        // The producer cannot grant this one by memory: the socket,
+                        // on the same connection.
+                        super::mapped::Mapped::Socket => id = conn.next_request_id(),
+                    }
                 }
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
                 let selected = select.is_some();
