@@ -55,6 +55,8 @@ class Side:
             peer_lookup_url=f"127.0.0.1:{_port()}",
             event_loop=loop,
             kvferry_timeout=10.0,
+            # The socket: the tests below slow down and corrupt its sends.
+            kvferry_transport="tcp",
         )
         self.objs = []
         for i in range(PAGES):

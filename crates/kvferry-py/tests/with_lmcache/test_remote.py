@@ -235,7 +235,10 @@ def test_cancelled_get_returns_only_after_its_transfers_drained(lmc):
     import kvferry
 
     secret = "kvferry-lmcache-test-secret-0123456789"  # conftest's SECRET
-    server = kvferry.Engine(secret=secret, store_bytes=64 << 20, store_block_bytes=4096, arena_bytes=64 << 20)
+    # A socket server: the test slows its sends to catch the get in flight.
+    server = kvferry.Engine(
+        secret=secret, store_bytes=64 << 20, store_block_bytes=4096, arena_bytes=64 << 20, transport="tcp"
+    )
     try:
         e = lmc(server.address, timeout=10.0)
         conn = e.connector

@@ -165,6 +165,9 @@ class KvferryTransferChannel(BaseTransferChannel):
         self.peer_lookup_url = kw.get("peer_lookup_url")
         self.timeout = float(kw.get("kvferry_timeout") or os.environ.get("KVFERRY_CHANNEL_TIMEOUT") or DEFAULT_TIMEOUT)
         self._secret: Optional[str] = kw.get("kvferry_secret") or os.environ.get("KVFERRY_SECRET")
+        # "auto": a peer on this host is read from its memory (process_vm_readv);
+        # "tcp": every byte on the socket.
+        self._transport = str(kw.get("kvferry_transport") or os.environ.get("KVFERRY_TRANSPORT") or "auto")
         self._engine: Optional[kvferry.Engine] = None
         self._region: Optional[kvferry.Region] = None
         self._releases: Optional[_Releases] = None
@@ -200,6 +203,7 @@ class KvferryTransferChannel(BaseTransferChannel):
                     ttl=self.timeout,
                     max_ttl=self.timeout,
                     io_timeout=self.timeout,
+                    transport=self._transport,
                 )
                 self._region = engine.register_kv_cache(
                     (self.buffer_ptr, self.pages * self.align_bytes, "cpu"), block_bytes=self.align_bytes, name="lmcache-channel"

@@ -31,6 +31,8 @@ class RemoteOptions:
     started with ``--tls-cert/--tls-key/--tls-ca`` (all three or none).
     ``threads``: threads running pushes and lookups off LMCache's event loop.
     ``parallel``: concurrent transfers a batched get is cut into.
+    ``transport``: ``"auto"`` (read a server on this host from its memory with
+    ``process_vm_readv``, the socket elsewhere) or ``"tcp"`` (the socket only).
     """
 
     server: str
@@ -43,6 +45,7 @@ class RemoteOptions:
     tls_ca: Optional[str] = None
     threads: int = 4
     parallel: int = 4
+    transport: str = "auto"
 
     @staticmethod
     def from_config(config: Any, url: Optional[str] = None) -> "RemoteOptions":
@@ -67,6 +70,7 @@ class RemoteOptions:
             "tls_cert",
             "tls_key",
             "tls_ca",
+            "transport",
         }
         unknown = sorted(set(opts) - known)
         if unknown:
@@ -101,4 +105,5 @@ class RemoteOptions:
             tls_ca=None if tls[2] is None else str(tls[2]),
             threads=int(opts.get("threads", 4)),
             parallel=int(opts.get("parallel", 4)),
+            transport=str(opts.get("transport", "auto")),
         )

@@ -89,6 +89,7 @@ class KvferryRemoteConnector(RemoteConnector):
             store_block_bytes=64 << 10,
             io_timeout=self.opts.timeout,
             connect_timeout=self.opts.connect_timeout,
+            transport=self.opts.transport,
             directory=directory,
             tls_cert=self.opts.tls_cert,
             tls_key=self.opts.tls_key,
