@@ -59,7 +59,10 @@ impl Serve {
         let t = Instant::now();
         loop {
             let mut cmd = host.command(env!("CARGO_BIN_EXE_kvferry"));
+            // The socket mover: these tests shape and cut the links between hosts
+            // (network namespaces share one kernel, so `auto` would read memory).
             cmd.args(["serve", "--listen", &format!("0.0.0.0:{PORT}"), "--model", MODEL])
+                .args(["--transport", "tcp"])
                 .args(["--blocks", "8192", "--arena", "32MiB", "--page-size", "64KiB"])
                 .args(["--metrics", &format!("0.0.0.0:{METRICS_PORT}"), "--peer-id", &peer_id])
                 .args(extra)

@@ -162,7 +162,7 @@ def test_no_spurious_prefix_caching(prefill, decode):
     remote = _prompt("spurious-remote", n, seed=0, ones=True)
     local = _prompt("spurious-local", n, seed=0, ones=True)
     params = prefill.prefill([remote])[remote[0]]
-    prefill.faults(send_delay_us=300_000)
+    prefill.faults(send_delay_us=1_000_000)  # the pull stays in flight over two steps, even on a loaded host
     try:
         d.add(remote[0], remote[1], max_tokens=2, params=params)
         d.step()

@@ -234,7 +234,8 @@ pub(super) async fn start_local(
             cfg.net.tls = Some(t);
         }
         let e = Engine::start(cfg).await?;
-        if let Some(why) = e.arena().fallback_reason() {
+        // A producer child reports its backing to the parent, which says it once.
+        if let (Some(why), false) = (e.arena().fallback_reason(), args.serve_producers) {
             crate::engine_args::note_unpinned(&e.arena().backing_kind().to_string(), &why);
         }
         producers.push(e);

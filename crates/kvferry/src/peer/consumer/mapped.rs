@@ -4,9 +4,10 @@
 //!
 //! # Choosing
 //!
-//! Once per producer incarnation the consumer asks (`MoverHello`, on a connection of
-//! its own, bounded by the transfer's deadline and one second) and, when offered,
-//! reads the producer's probe pattern through the kernel. The result — CMA with the
+//! Once per producer incarnation the consumer asks (`MoverHello`, on the connection
+//! its transfer checked out, so under the transfer's deadline and with no second
+//! handshake) and, when offered, reads the producer's probe pattern through the
+//! kernel. The result — CMA with the
 //! producer's pid, or the socket and why — is kept per peer address and replaced when
 //! the incarnation changes. A transfer whose connection reached another incarnation
 //! than the one chosen for uses the socket.
@@ -36,9 +37,6 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
-
-use tokio::time::Instant;
 
 use super::super::error::PeerError;
 use super::super::mover::{boot_id, Mover, PeerMover, Transport};
@@ -49,9 +47,6 @@ use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
 use crate::mem::HostMemory;
 use crate::net::{NetError, PooledConnection};
 use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message, WireSelection};
-
-/// Longest the mover probe may take (besides the transfer's own deadline).
-const PROBE_BOUND: Duration = Duration::from_secs(1);
 
 /// How a mapped get ended.
 pub(super) enum Mapped {
@@ -71,21 +66,22 @@ impl Consumer {
         v
     }
 
-    /// The producer's incarnation and pid when `peer`'s bytes are read by CMA; asks
-    /// and probes once per incarnation. `None`: use the socket.
-    pub(super) async fn cma_target(&self, peer: &str, deadline: Instant) -> Option<(u64, u32)> {
+    /// The producer's pid when `peer`'s bytes are read by CMA on `conn` (a connection
+    /// checked out for a transfer): asks and probes once per producer incarnation, on
+    /// that connection (one handshake per transfer, as before). `Ok(None)`: the socket.
+    /// An error is the connection's (the transfer fails as it would have on its
+    /// request); nothing is recorded then.
+    pub(super) async fn cma_on(&self, peer: &str, conn: &mut PooledConnection) -> Result<Option<u32>, PeerError> {
         if self.inner.cfg.transport == Transport::Tcp {
-            return None;
+            return Ok(None);
         }
-        let known = self.pool(peer).map(|p| p.incarnation()).unwrap_or(0);
+        let incarnation = conn.peer().incarnation;
         if let Some(m) = self.inner.movers.lock().get(peer) {
-            if known == 0 || m.incarnation == known {
-                return m.pid.map(|pid| (m.incarnation, pid));
+            if m.incarnation == incarnation {
+                return Ok(m.pid);
             }
         }
-        let choice = self
-            .choose_mover(peer, deadline.min(Instant::now() + PROBE_BOUND))
-            .await?;
+        let choice = self.choose_mover(peer, conn, incarnation).await?;
         match &choice.fallback {
             Some(why) => {
                 self.inner.counters.mover_fallbacks.fetch_add(1, Ordering::Relaxed);
@@ -93,15 +89,19 @@ impl Consumer {
             }
             None => tracing::debug!(target: "kvferry::peer", peer, pid = choice.pid, "mover: cma"),
         }
-        let target = choice.pid.map(|pid| (choice.incarnation, pid));
+        let pid = choice.pid;
         self.inner.movers.lock().insert(peer.to_string(), choice);
-        target
+        Ok(pid)
     }
 
-    /// Asks `peer` for its offer and probes it. `None` when the peer could not be
-    /// asked in time (nothing is recorded; the socket is used this once).
-    async fn choose_mover(&self, peer: &str, deadline: Instant) -> Option<PeerMover> {
-        let socket = |incarnation, why: String| PeerMover {
+    /// Asks the producer on `conn` for its offer and probes it.
+    async fn choose_mover(
+        &self,
+        peer: &str,
+        conn: &mut PooledConnection,
+        incarnation: u64,
+    ) -> Result<PeerMover, PeerError> {
+        let socket = |why: String| PeerMover {
             peer: peer.to_string(),
             incarnation,
             mover: Mover::Socket,
@@ -109,22 +109,22 @@ impl Consumer {
             pid: None,
         };
         let Some(mine) = boot_id() else {
-            let incarnation = self.pool(peer).map(|p| p.incarnation()).unwrap_or(0);
-            return Some(socket(incarnation, "this host's boot id cannot be read".into()));
+            return Ok(socket("this host's boot id cannot be read".into()));
         };
-        let reply = self
-            .simple_request(peer, &Message::MoverHello { boot_id: mine }, deadline)
-            .await;
-        let incarnation = self.pool(peer).map(|p| p.incarnation()).unwrap_or(0);
-        match reply {
-            Ok(Message::MoverOffer {
-                incarnation,
-                cma: Some(offer),
-                ..
-            }) => {
+        let reply = match conn.request(&Message::MoverHello { boot_id: mine }).await {
+            Ok(reply) => reply,
+            // A refusal leaves the connection usable (an older producer, say).
+            Err(NetError::Remote { kind, message }) => {
+                return Ok(socket(format!(
+                    "the producer refused the mover probe ({kind:?}: {message})"
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(match reply {
+            Message::MoverOffer { cma: Some(offer), .. } => {
                 let mut got = [0u8; 32];
-                let probe = crate::copy::read_remote(offer.pid, offer.probe_addr, &mut got);
-                Some(match probe {
+                match crate::copy::read_remote(offer.pid, offer.probe_addr, &mut got) {
                     Ok(()) if got == offer.probe => PeerMover {
                         peer: peer.to_string(),
                         incarnation,
@@ -132,29 +132,19 @@ impl Consumer {
                         fallback: None,
                         pid: Some(offer.pid),
                     },
-                    Ok(()) => socket(
-                        incarnation,
-                        format!(
-                            "pid {} is another process from here (another pid namespace?)",
-                            offer.pid
-                        ),
-                    ),
-                    Err(e) => socket(incarnation, format!("the kernel refused the probe read: {e}")),
-                })
+                    Ok(()) => socket(format!(
+                        "pid {} is another process from here (another pid namespace?)",
+                        offer.pid
+                    )),
+                    Err(e) => socket(format!("the kernel refused the probe read: {e}")),
+                }
             }
-            Ok(Message::MoverOffer {
-                incarnation, refused, ..
-            }) => Some(socket(incarnation, refused)),
-            Ok(other) => Some(socket(
-                incarnation,
-                format!("the producer does not offer movers (it answered {})", other.name()),
+            Message::MoverOffer { refused, .. } => socket(refused),
+            other => socket(format!(
+                "the producer does not offer movers (it answered {})",
+                other.name()
             )),
-            Err(PeerError::Timeout { .. }) => None,
-            Err(e) => Some(socket(
-                incarnation,
-                format!("the producer did not answer the mover probe: {e}"),
-            )),
-        }
+        })
     }
 }
 

@@ -396,15 +396,6 @@ impl TransferCtx<'_> {
     /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
     /// metadata (a prefix of what was asked; empty on a miss).
     async fn receive(&mut self, req: Request, sink: &mut Sink, caps: &[usize]) -> Result<Vec<ChunkMeta>, PeerError> {
-        // Same host: the bytes may be read from the producer's memory (`mapped`);
-        // decided before the checkout, on a connection of its own.
-        let cma = match &req {
-            Request::Get { .. } => {
-                let peer = self.pool.addr().to_string();
-                self.consumer.cma_target(&peer, self.connect_bound).await
-            }
-            Request::Pull { .. } => None,
-        };
         let mut conn: PooledConnection = self.pool.checkout(self.connect_bound).await?;
         let mut id = conn.next_request_id();
         let chunks = match req {
@@ -419,7 +410,12 @@ impl TransferCtx<'_> {
                         current,
                     });
                 }
-                if let Some((_, pid)) = cma.filter(|(incarnation, _)| *incarnation == current) {
+                // Same host: the bytes may be read from the producer's memory
+                // (`mapped`); chosen once per incarnation, on this connection.
+                let peer = self.pool.addr().to_string();
+                let cma = self.consumer.cma_on(&peer, &mut conn).await?;
+                id = conn.next_request_id(); // past the probe's, if one was sent
+                if let Some(pid) = cma {
                     let mapped = self
                         .receive_mapped(&mut conn, id, &keys, select.clone(), sink, caps, pid)
                         .await?;
