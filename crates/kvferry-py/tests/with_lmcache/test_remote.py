@@ -322,3 +322,54 @@ def test_mutual_tls_to_the_server(serve, lmc, tmp_path):
     assert "RemoteBackend-kvferry" not in rogue.backends
     with pytest.raises(IrrecoverableException, match="TLS certificate"):
         KvferryRemoteConnector(None, rogue.backends["LocalCPUBackend"], rogue.engine.config)
+
+
+@pytest.mark.parametrize("how", ["auto", "tcp", "env-tcp"])
+def test_a_server_on_this_host_is_read_from_its_memory_unless_tcp(serve, lmc, monkeypatch, how):
+    """``kvferry.transport`` (or ``KVFERRY_TRANSPORT`` when the key is unset): ``auto``
+    reads a ``kvferry serve`` on this host with ``process_vm_readv`` (the tier's engine
+    names the CMA mover and counts its bytes); ``tcp`` keeps every byte on the socket.
+    The bytes are identical either way."""
+    import torch
+
+    srv = serve()
+    if how == "env-tcp":
+        monkeypatch.setenv("KVFERRY_TRANSPORT", "tcp")
+        extra = {}
+    else:
+        # An explicit key wins over the environment (CI reruns this suite with
+        # KVFERRY_TRANSPORT=tcp).
+        extra = {"kvferry.transport": how}
+    e = lmc(srv.address, extra=extra)
+    tokens = torch.arange(3 * e.chunk)
+    kv = e.kv(len(tokens), seed=7)
+    e.store(tokens, kv)
+    e.drop_local()
+    n, out = e.retrieve(tokens)
+    assert n == len(tokens) and torch.equal(out, kv)
+    s = e.connector.engine.stats()
+    if how == "auto":
+        [m] = s["movers"]
+        assert m["mover"] == "cma" and m["fallback"] is None, m
+        assert s["consumer"]["cma_transfers"] >= 1 and s["consumer"]["cma_bytes"] > 0
+    else:
+        assert s["movers"] == [] and s["consumer"]["cma_transfers"] == 0, s["movers"]
+
+
+
+def test_a_bad_transport_is_named(monkeypatch):
+    from kvferry.integrations.lmcache import RemoteOptions
+
+    class Cfg:
+        extra_config = {"kvferry.server": "h:1", "kvferry.transport": "rdma"}
+
+    with pytest.raises(ValueError, match="kvferry.transport.*'rdma'"):
+        RemoteOptions.from_config(Cfg(), None)
+    Cfg.extra_config = {"kvferry.server": "h:1"}
+    monkeypatch.setenv("KVFERRY_TRANSPORT", "shm")
+    with pytest.raises(ValueError, match="KVFERRY_TRANSPORT.*'shm'"):
+        RemoteOptions.from_config(Cfg(), None)
+    monkeypatch.setenv("KVFERRY_TRANSPORT", "tcp")
+    assert RemoteOptions.from_config(Cfg(), None).transport == "tcp"
+    Cfg.extra_config = {"kvferry.server": "h:1", "kvferry.transport": "auto"}
+    assert RemoteOptions.from_config(Cfg(), None).transport == "auto"  # the key wins

@@ -11,6 +11,7 @@ whitespace.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import parse_qs, urlparse
@@ -32,7 +33,8 @@ class RemoteOptions:
     ``threads``: threads running pushes and lookups off LMCache's event loop.
     ``parallel``: concurrent transfers a batched get is cut into.
     ``transport``: ``"auto"`` (read a server on this host from its memory with
-    ``process_vm_readv``, the socket elsewhere) or ``"tcp"`` (the socket only).
+    ``process_vm_readv``, the socket elsewhere) or ``"tcp"`` (the socket only); unset,
+    the environment's ``KVFERRY_TRANSPORT`` (as for the channel), else ``"auto"``.
     """
 
     server: str
@@ -105,5 +107,12 @@ class RemoteOptions:
             tls_ca=None if tls[2] is None else str(tls[2]),
             threads=int(opts.get("threads", 4)),
             parallel=int(opts.get("parallel", 4)),
-            transport=str(opts.get("transport", "auto")),
+            transport=_transport(opts.get("transport") or os.environ.get("KVFERRY_TRANSPORT") or "auto"),
         )
+
+
+def _transport(v: Any) -> str:
+    t = str(v)
+    if t not in ("auto", "tcp"):
+        raise ValueError(f"kvferry.transport (or KVFERRY_TRANSPORT) must be 'auto' or 'tcp', got {t!r}")
+    return t
