@@ -100,6 +100,17 @@ class Role:
         assert "error" not in out, out.get("trace", out)
         return out
 
+    def fails(self, op: str, timeout: float = 60, **kw: Any) -> str:
+        """Runs ``op`` expecting it to raise in the worker; the exception's type and
+        message."""
+        self.wait_ready()
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.p.stdin.flush()
+        out = self._read(timeout)
+        assert "error" in out, f"{op} succeeded: {out}"
+        return str(out["error"])
+
     def close(self) -> None:
         if self.p.poll() is None:
             self.p.kill()

@@ -45,7 +45,8 @@ def pair(pre: Role, dec: Role, name: str, p_tp: int, d_tp: int, *, mla: bool = F
     return {"name": name, "p_tp": p_tp, "d_tp": d_tp, "mla": mla}
 
 
-def run_transfer(pre: Role, dec: Role, g: dict[str, Any], chunks: list[list[int]], dst: list[int]) -> int:
+def run_transfer(pre: Role, dec: Role, g: dict[str, Any], chunks: list[list[int]], dst: list[int],
+                 aux_src: dict[str, int] | None = None) -> int:
     room = next(_rooms)
     src = [p for c in chunks for p in c]
     pre("start", group=g["name"], room=room, pages=src, aux_index=2)
@@ -56,7 +57,8 @@ def run_transfer(pre: Role, dec: Role, g: dict[str, Any], chunks: list[list[int]
     assert wait_for(dec, g["name"], room, {SUCCESS, FAILED}) == SUCCESS, dec("failure", group=g["name"], room=room)
     assert wait_for(pre, g["name"], room, {SUCCESS, FAILED}) == SUCCESS, pre("failure", group=g["name"], room=room)
     # The auxiliary row comes from the decode rank's first source rank.
-    aux_src = {str(d): d % g["p_tp"] if g["mla"] else d * g["p_tp"] // g["d_tp"] for d in range(g["d_tp"])}
+    if aux_src is None:
+        aux_src = {str(d): d % g["p_tp"] if g["mla"] else d * g["p_tp"] // g["d_tp"] for d in range(g["d_tp"])}
     out = dec("check", group=g["name"], room=room, src_pages=src, dst_pages=dst, src_aux=2, dst_aux=5, aux_src=aux_src)
     assert out["nbad"] == 0, out["bad"]
     return room
@@ -82,6 +84,71 @@ def test_tp2_to_tp1(roles: tuple[Role, Role]) -> None:
     pre, dec = roles
     g = pair(pre, dec, "tp21", 2, 1)
     run_transfer(pre, dec, g, [[6, 7, 8]], [1, 2, 3])
+
+
+def _replicated(pre: Role, dec: Role, p_tp: int, d_tp: int, aux_src: dict[str, int]) -> None:
+    """Two KV heads over a TP wider than them on at least one side (SGLang replicates
+    a head over ``TP / 2`` ranks there): two chunks, every byte of the destination pages
+    and the auxiliary row compared with the prefill's, and every other decode page
+    still zero (no rank wrote outside its pages). ``aux_src``: the prefill rank each
+    decode rank reads its first head from (where a head has several replicas, decode
+    rank ``r`` reads replica ``r % replicas``), whose auxiliary row it gets."""
+    name = f"rep{p_tp}{d_tp}"
+    g = pair(pre, dec, name, p_tp, d_tp, heads=2)
+    dst = [30, 2, 7, 8, 11]
+    run_transfer(pre, dec, g, [[3, 4], [9, 1, 20]], dst, aux_src=aux_src)
+    others = [p for p in range(32) if p not in dst]
+    left = dec("untouched", group=name, dst_pages=others, dst_aux=0)["untouched"]
+    assert all(v["pages"] == others for v in left.values()), left
+
+
+def test_replicated_heads_tp1_to_tp4(roles: tuple[Role, Role]) -> None:
+    """Decode ranks 0, 1 hold head 0 and 2, 3 head 1; all read prefill rank 0's two."""
+    pre, dec = roles
+    _replicated(pre, dec, 1, 4, {"0": 0, "1": 0, "2": 0, "3": 0})
+
+
+def test_replicated_heads_tp2_to_tp4(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    _replicated(pre, dec, 2, 4, {"0": 0, "1": 0, "2": 1, "3": 1})
+
+
+def test_replicated_heads_tp4_to_tp1(roles: tuple[Role, Role]) -> None:
+    """Prefill ranks 0, 1 hold head 0 and 2, 3 head 1: the decode reads head 0 from
+    rank 0 and head 1 from rank 2; ranks 1 and 3, read by nobody, conclude too."""
+    pre, dec = roles
+    _replicated(pre, dec, 4, 1, {"0": 0})
+
+
+def test_replicated_heads_tp4_to_tp2(roles: tuple[Role, Role]) -> None:
+    """Decode rank 0 reads head 0 from prefill rank 0, decode rank 1 head 1 from
+    prefill rank 3 (its replica ``1 % 2``)."""
+    pre, dec = roles
+    _replicated(pre, dec, 4, 2, {"0": 0, "1": 3})
+
+
+def _refused_at_startup(role: Role, mode: str, **setting: int) -> str:
+    port = next(_ports)
+    return role.fails(
+        "setup", name=f"refuse{port}", mode=mode, tp=1, ranks_here=[0], page_size=4, heads=2, head_dim=8, pages=4,
+        layers=1, mla=False, seed=1, aux_rows=2, port=port, no_server=True, **setting,
+    )
+
+
+def test_pipeline_parallelism_refused_at_startup(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    for role, mode in ((pre, "prefill"), (dec, "decode")):
+        err = _refused_at_startup(role, mode, pp_size=2)
+        assert err.startswith("NotImplementedError") and "pipeline parallelism (--pp-size 2)" in err, err
+
+
+def test_context_parallelism_refused_at_startup(roles: tuple[Role, Role]) -> None:
+    pre, dec = roles
+    for role, mode in ((pre, "prefill"), (dec, "decode")):
+        err = _refused_at_startup(role, mode, attn_cp_size=2)
+        assert err.startswith("NotImplementedError") and "attention context parallelism (--attn-cp-size 2)" in err, err
+        err = _refused_at_startup(role, mode, dcp_size=4)
+        assert "decode context parallelism (--dcp-size 4)" in err, err
 
 
 def test_mla_tp2_to_tp1_and_tp1_to_tp2(roles: tuple[Role, Role]) -> None:

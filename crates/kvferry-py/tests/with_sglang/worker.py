@@ -40,18 +40,29 @@ def reference(g: dict[str, Any]) -> list[torch.Tensor]:
     return [torch.randint(-30000, 30000, (n, heads, g["head_dim"]), generator=gen, dtype=torch.int16) for _ in range(count)]
 
 
+def rank_heads(g: dict[str, Any], rank: int) -> tuple[int, int]:
+    """``(first global head, heads)`` of ``rank``, as SGLang's attention layers place
+    them: ``heads / tp`` each, or with ``tp > heads`` one replicated head, rank ``r``
+    holding head ``r // (tp / heads)``. MLA: the one latent."""
+    tp, heads = g["tp"], g["heads"]
+    if g["mla"]:
+        return 0, 1
+    if tp <= heads:
+        return rank * (heads // tp), heads // tp
+    return rank // (tp // heads), 1
+
+
 def setup(c: dict[str, Any]) -> dict[str, Any]:
     g = dict(c)
     tp, mla = g["tp"], g["mla"]
-    heads_local = 1 if mla else g["heads"] // tp
     ref = reference(g) if g["mode"] == "prefill" else None
-    if g["mode"] == "prefill":
+    if g["mode"] == "prefill" and not g.get("no_server"):
         g["server"] = KvferryKVBootstrapServer("127.0.0.1", g["port"])
     g["ranks"] = {}
     for rank in g["ranks_here"]:
-        h0 = rank * heads_local
+        h0, heads_local = rank_heads(g, rank)
         if ref is not None:
-            kv = [t[:, (0 if mla else h0) : (1 if mla else h0 + heads_local), :].contiguous() for t in ref]
+            kv = [t[:, h0 : h0 + heads_local, :].contiguous() for t in ref]
             aux = [torch.full((g["aux_rows"], 48), rank + 7, dtype=torch.uint8), torch.arange(g["aux_rows"] * 4, dtype=torch.int32).reshape(-1, 4) * (rank + 3)]
         else:
             kv = [torch.zeros((g["pages"] * g["page_size"], heads_local, g["head_dim"]), dtype=torch.int16) for _ in range(g["layers"] * (1 if mla else 2))]
@@ -71,7 +82,10 @@ def setup(c: dict[str, Any]) -> dict[str, Any]:
         args.kv_cache_dtype_str = g.get("dtype", "int16")
         args.gpu_id = 0
         args.pp_rank = 0
-        sa = SimpleNamespace(tp_size=tp, dp_size=1, pp_size=1, host="127.0.0.1", disaggregation_bootstrap_port=g["port"])
+        sa = SimpleNamespace(
+            tp_size=tp, dp_size=1, pp_size=g.get("pp_size", 1), attn_cp_size=g.get("attn_cp_size", 1),
+            dcp_size=g.get("dcp_size", 1), host="127.0.0.1", disaggregation_bootstrap_port=g["port"],
+        )
         mode = DisaggregationMode.PREFILL if g["mode"] == "prefill" else DisaggregationMode.DECODE
         mgr = KvferryKVManager(args, mode, sa, is_mla_backend=mla)
         g["ranks"][rank] = {"mgr": mgr, "kv": kv, "aux": aux, "reqs": {}}
@@ -215,11 +229,10 @@ def check(c: dict[str, Any]) -> dict[str, Any]:
     what the prefill pages hold, for this rank's heads."""
     g = GROUPS[c["group"]]
     ref = reference(g)
-    ps, mla = g["page_size"], g["mla"]
+    ps = g["page_size"]
     bad = []
     for rank, st in g["ranks"].items():
-        heads_local = 1 if mla else g["heads"] // g["tp"]
-        h0 = 0 if mla else rank * heads_local
+        h0, heads_local = rank_heads(g, rank)
         for b, (dst_t, ref_t) in enumerate(zip(st["kv"], ref)):
             for sp, dp in zip(c["src_pages"], c["dst_pages"]):
                 want = ref_t[sp * ps : (sp + 1) * ps, h0 : h0 + heads_local, :]

@@ -20,7 +20,11 @@ not parse raises :class:`IncompatibleError`.
 
 Heads (:func:`heads_of`): with TP size ``t <= H`` KV heads, rank ``r`` holds heads
 ``[r*H/t, (r+1)*H/t)`` (``H % t == 0``); with ``t > H`` the heads are replicated and
-rank ``r`` holds head ``r*H // t``.
+rank ``r`` holds head ``r*H // t``. A decode rank reads each of its heads from a prefill
+rank that holds it (:func:`head_sources`): the one rank that holds it when the prefill
+splits its heads; where ``t/H`` prefill ranks hold a replicated head, decode ranks
+spread over those replicas (decode rank ``r`` reads replica ``r % (t/H)``). MLA caches
+are whole on every rank: decode rank ``r`` reads prefill rank ``r % t``.
 
 Byte ranges (:func:`piece_ranges`): moving tokens × rank-local heads of a prefill piece
 into a decode piece is a list of ``src_ranges`` on the prefill piece and ``dst_ranges``
@@ -39,6 +43,7 @@ __all__ = [
     "GroupDesc",
     "KvDescriptor",
     "heads_of",
+    "head_sources",
     "piece_ranges",
 ]
 
@@ -139,6 +144,28 @@ def heads_of(rank: int, tp: int, heads: int) -> tuple[int, int]:
         return rank * per, (rank + 1) * per
     h = rank * heads // tp
     return h, h + 1
+
+
+def head_sources(prefill: KvDescriptor, decode: KvDescriptor, rank: int) -> list[tuple[int, int, int]]:
+    """``[(prefill rank, first global head, last+1)]`` decode rank ``rank`` reads, one
+    entry per prefill rank, in head order (module docs: replicated heads spread over
+    their replicas; MLA ``[(rank % P, 0, 1)]``)."""
+    if decode.attention == "MLA":
+        return [(rank % prefill.tp_size, 0, 1)]
+    heads = prefill.num_kv_heads
+    a, b = heads_of(rank, decode.tp_size, decode.num_kv_heads)
+    out: list[tuple[int, int, int]] = []
+    for h in range(a, b):
+        if prefill.tp_size <= heads:
+            q = h // (heads // prefill.tp_size)
+        else:
+            rep = prefill.tp_size // heads  # prefill ranks holding head h: h*rep .. h*rep+rep-1
+            q = h * rep + rank % rep
+        if out and out[-1][0] == q and out[-1][2] == h:
+            out[-1] = (q, out[-1][1], h + 1)
+        else:
+            out.append((q, h, h + 1))
+    return out
 
 
 def _offset(desc: KvDescriptor, tok: int, head: int, kv: int = 0) -> int:

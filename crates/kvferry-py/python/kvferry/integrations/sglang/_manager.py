@@ -58,22 +58,36 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             raise ValueError(f"kvferry backend: disaggregation mode {self.mode!r} is neither prefill nor decode")
         self.opts = Options.from_env()
         self.topo: Topology = topology(server_args, args)
-        if self.topo.pp_size != 1:
-            raise NotImplementedError(f"kvferry backend: pipeline parallelism (pp_size={self.topo.pp_size}) is not supported")
+        refused = [
+            f"{what} ({flag} {n})"
+            for what, flag, n in (
+                ("pipeline parallelism", "--pp-size", self.topo.pp_size),
+                ("attention context parallelism", "--attn-cp-size", self.topo.cp_size),
+                ("decode context parallelism", "--dcp-size", self.topo.dcp_size),
+            )
+            if n != 1
+        ]
+        if refused:
+            raise NotImplementedError(
+                "kvferry backend: " + ", ".join(refused) + " is not supported: the kvferry transfer backend pairs "
+                "prefill and decode ranks by attention TP only; run with --pp-size 1 --attn-cp-size 1 --dcp-size 1 "
+                "or use another --disaggregation-transfer-backend"
+            )
         if any(len(p) for p in (getattr(args, "state_data_ptrs", None) or [])):
             raise NotImplementedError(
                 "kvferry backend: state buffers (mamba, SWA, DSA, ...) are not moved by the kvferry backend; "
                 "use it with models whose KV lives in the paged KV pool only"
             )
         mla = bool(is_mla_backend)
+        heads = (1, 1) if mla else self._kv_heads(args)
         self.layout = Layout(
             page_size=int(args.page_size),
             dtype=str(getattr(args, "kv_cache_dtype_str", "auto")),
             mla=mla,
             tp_size=self.topo.tp_size,
             tp_rank=self.topo.tp_rank,
-            kv_head_num=1 if mla else int(args.kv_head_num),
-            total_kv_head_num=1 if mla else int(getattr(args, "total_kv_head_num", args.kv_head_num * self.topo.tp_size)),
+            kv_head_num=1 if mla else heads[0],
+            total_kv_head_num=1 if mla else heads[1],
             item_lens=tuple(int(x) for x in args.kv_item_lens),
             aux_item_lens=tuple(int(x) for x in args.aux_item_lens),
         )
@@ -135,6 +149,29 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             return str(get_local_ip_auto("127.0.0.1"))
         except Exception:
             return "127.0.0.1"
+
+    def _kv_heads(self, args: KVArgs) -> tuple[int, int]:
+        """``(KV heads on this rank, KV heads in all)``. SGLang's prefill sets both in
+        its ``KVArgs``; its decode sets them only with staging, so they are otherwise
+        read off the model config (rank heads ``max(1, total // attention TP)``, as
+        SGLang sizes its pool)."""
+        total = getattr(args, "total_kv_head_num", None)
+        local = getattr(args, "kv_head_num", None)
+        if total is None:
+            try:
+                from sglang.srt import runtime_context as rc
+
+                total = int(rc.process_model_config().get_total_num_kv_heads())
+            except Exception as e:
+                if local is None:
+                    raise ValueError(
+                        "kvferry backend: the KV args carry no KV head count (kv_head_num, total_kv_head_num) "
+                        f"and the model config is not available ({type(e).__name__}: {e})"
+                    ) from None
+                total = int(local) * self.topo.tp_size
+        if local is None:
+            local = max(1, int(total) // self.topo.tp_size)
+        return int(local), int(total)
 
     def _register(self, ptrs: list[int], lens: list[int], items: list[int], name: str, device: str) -> Any:
         pages = {n // i for n, i in zip(lens, items)}
@@ -378,8 +415,9 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
                 why.append(f"page size differs: prefill {int(info['page_size'])} tokens, decode {self.layout.page_size}")
             if info.get("kv_cache_dtype") is not None and str(info["kv_cache_dtype"]) != self.layout.dtype:
                 why.append(f"KV cache dtype differs: prefill {info['kv_cache_dtype']}, decode {self.layout.dtype}")
-            if int(info.get("pp_size", 1)) != 1 or int(info.get("attn_cp_size", 1)) != 1:
-                why.append("the prefill runs pipeline or context parallelism, which the kvferry backend does not pair")
+            for what, flag, key in (("pipeline parallelism", "--pp-size", "pp_size"), ("context parallelism", "--attn-cp-size", "attn_cp_size")):
+                if int(info.get(key) or 1) != 1:
+                    why.append(f"the prefill runs {what} ({flag} {info[key]}), which the kvferry backend does not pair")
             if why:
                 raise PairingError("; ".join(why))
             pre = Layout(**{**self.layout.__dict__, "tp_size": int(info["attn_tp_size"]), "tp_rank": 0})

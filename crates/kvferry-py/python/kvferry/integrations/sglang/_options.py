@@ -70,7 +70,8 @@ class Options:
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this rank sits: attention TP, DP and PP, and the bootstrap server."""
+    """Where this rank sits: attention TP, DP, PP and context parallelism (attention CP
+    and decode CP, ``--attn-cp-size`` and ``--dcp-size``), and the bootstrap server."""
 
     tp_size: int
     tp_rank: int
@@ -80,12 +81,15 @@ class Topology:
     pp_rank: int
     bootstrap_host: str
     bootstrap_port: int
+    cp_size: int = 1
+    dcp_size: int = 1
 
 
 def topology(server_args: Any, kv_args: Any) -> Topology:
     """From SGLang's runtime context when the scheduler set it up (its server args are
     the ones given), else from ``server_args``' own fields (``tp_size``, ``dp_size``,
-    ``pp_size``, ``host``, ``disaggregation_bootstrap_port``) with ``kv_args.engine_rank``
+    ``pp_size``, ``attn_cp_size``, ``dcp_size``, ``host``, ``disaggregation_bootstrap_port``)
+    with ``kv_args.engine_rank``
     as the TP rank: what a process driving the backend without a scheduler passes."""
     try:
         from sglang.srt import runtime_context as rc
@@ -104,6 +108,8 @@ def topology(server_args: Any, kv_args: Any) -> Topology:
             pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0),
             bootstrap_host=str(rc.get_serving().host),
             bootstrap_port=int(rc.get_disagg().disaggregation_bootstrap_port),
+            cp_size=int(getattr(par, "attn_cp_size", 1) or 1),
+            dcp_size=int(getattr(par, "attn_dcp_size", 1) or 1),
         )
     return Topology(
         tp_size=int(getattr(server_args, "tp_size", 1)),
@@ -114,4 +120,6 @@ def topology(server_args: Any, kv_args: Any) -> Topology:
         pp_rank=int(getattr(kv_args, "pp_rank", 0) or 0),
         bootstrap_host=str(getattr(server_args, "host", "127.0.0.1")),
         bootstrap_port=int(getattr(server_args, "disaggregation_bootstrap_port", 8998)),
+        cp_size=int(getattr(server_args, "attn_cp_size", 1) or 1),
+        dcp_size=int(getattr(server_args, "dcp_size", 1) or 1),
     )

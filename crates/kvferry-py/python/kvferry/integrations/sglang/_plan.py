@@ -7,7 +7,19 @@ piece order); an MLA pool keeps one latent buffer per layer, replicated on every
 A kvferry region here is the list of those buffers; one page is one block, one
 per-layer buffer's page is one piece. The head arithmetic and the byte ranges inside a
 piece come from the descriptor module both integrations share (:func:`heads_of`,
-:func:`piece_ranges`), which this module imports rather than restates.
+:func:`head_sources`, :func:`piece_ranges`), which this module imports rather than
+restates.
+
+Heads: with TP size ``t <= H`` KV heads a rank holds ``H/t`` of them (``H % t == 0``);
+with ``t > H`` (``t % H == 0``) they are replicated, rank ``r`` holding head
+``r // (t/H)`` as SGLang's attention layers place them. A decode rank reads each of its
+heads from one prefill rank that holds it — where several prefill ranks hold a
+replicated head, decode ranks spread over the replicas — with a byte selection inside
+every piece unless both sides hold the same heads. A prefill rank no decode rank reads
+(replicas left over, or an MLA prefill wider than the decode) is told so by one decode
+rank and concludes without moving anything. SGLang's mooncake backend pairs the same
+TP sizes; where it writes a replicated head from every replica into the same decode
+bytes, kvferry reads it once.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._kv_layout import KvDescriptor, heads_of, piece_ranges
+from .._kv_layout import KvDescriptor, head_sources, heads_of, piece_ranges
 
 
 class PairingError(ValueError):
@@ -91,7 +103,8 @@ class Layout:
 def check_pairing(prefill: Layout, decode: Layout) -> None:
     """Raises :class:`PairingError` naming every difference kvferry's SGLang backend
     does not bridge: page size, KV dtype, MLA against MHA, layer or auxiliary buffer
-    count, head size, heads not splitting evenly over either TP size."""
+    count, head size, heads that neither split evenly over a TP size nor replicate over
+    it (TP a multiple of the heads)."""
     why: list[str] = []
     if prefill.page_size != decode.page_size:
         why.append(f"page size differs: prefill {prefill.page_size} tokens, decode {decode.page_size}")
@@ -109,11 +122,13 @@ def check_pairing(prefill: Layout, decode: Layout) -> None:
         if prefill.total_kv_head_num != decode.total_kv_head_num:
             why.append(f"total KV heads differ: prefill {prefill.total_kv_head_num}, decode {decode.total_kv_head_num}")
         for side, lay in (("prefill", prefill), ("decode", decode)):
-            if lay.total_kv_head_num % lay.tp_size:
-                why.append(
-                    f"{lay.total_kv_head_num} KV heads do not split evenly over the {side}'s TP {lay.tp_size} "
-                    "(replicated heads are not supported by the kvferry backend)"
-                )
+            heads, tp = lay.total_kv_head_num, lay.tp_size
+            if tp <= heads and heads % tp:
+                why.append(f"{heads} KV heads do not split evenly over the {side}'s TP {tp}")
+            elif tp > heads and tp % heads:
+                why.append(f"the {side}'s TP {tp} is not a multiple of its {heads} KV heads (replicated heads need one)")
+            elif lay.kv_head_num != max(1, heads // tp):
+                why.append(f"the {side} rank holds {lay.kv_head_num} KV heads, but {heads} heads over TP {tp} give {max(1, heads // tp)}")
     if why:
         raise PairingError("; ".join(why))
 
@@ -129,9 +144,10 @@ class Source:
 
 
 def sources(prefill: Layout, decode: Layout, decode_rank: int) -> list[Source]:
-    """The reads of ``decode_rank``: each KV head it holds from the prefill rank that
-    holds it (MLA: prefill rank ``decode_rank % P`` whole). Equal TP sizes read
-    whole pieces from the same rank."""
+    """The reads of ``decode_rank``, one per prefill rank it reads (:func:`head_sources`:
+    each KV head from a prefill rank that holds it, replicas spread over; MLA: prefill
+    rank ``decode_rank % P`` whole). A read that covers whole pieces on both sides
+    (equal TP sizes, or one replicated head each) selects no bytes."""
     p_tp, d_tp = prefill.tp_size, decode.tp_size
     if prefill.mla:
         return [Source(decode_rank % p_tp, None, None)]
@@ -139,15 +155,15 @@ def sources(prefill: Layout, decode: Layout, decode_rank: int) -> list[Source]:
         return [Source(decode_rank, None, None)]
     heads = decode.total_kv_head_num
     pd, dd = prefill.descriptor(), decode.descriptor()
-    d0, d1 = heads_of(decode_rank, d_tp, heads)
+    d0 = heads_of(decode_rank, d_tp, heads)[0]
     out = []
-    for r in range(p_tp):
-        p0, p1 = heads_of(r, p_tp, heads)
-        a, b = max(p0, d0), min(p1, d1)
-        if a >= b:
-            continue
+    for q, a, b in head_sources(pd, dd, decode_rank):
+        p0 = heads_of(q, p_tp, heads)[0]
         src, dst = piece_ranges(pd, dd, 0, 0, decode.page_size, a - p0, a - d0, b - a)
-        out.append(Source(r, tuple(src), tuple(dst)))
+        if src == [(0, pd.piece_bytes)] and dst == [(0, dd.piece_bytes)]:
+            out.append(Source(q, None, None))
+        else:
+            out.append(Source(q, tuple(src), tuple(dst)))
     return out
 
 
