@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from typing import Any
 import zmq
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs, KVPoll
 
-from ... import Engine, Selection
+from ... import Engine, Selection, Transfer
 from . import _bootstrap
 from ._options import Options, Topology, topology
 from ._plan import Layout, PairingError, check_pairing, readers, sources, unread_notified_by
@@ -132,6 +133,12 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
         self.prefill_info_table: dict[str, Any] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
+        # Finished reads wake the control thread through this pipe (see _loop).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._landed: list[int] = []
+        self._recheck = False
         self._thread = threading.Thread(target=self._loop, name="kvferry-sglang-control", daemon=True)
         self._thread.start()
         self._prober = threading.Thread(target=self._probe_loop, name="kvferry-sglang-probe", daemon=True)
@@ -229,6 +236,9 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
         if self._executor is not None:
             self._executor.shutdown(wait=False)
         self.engine.close()
+        w, self._wake_w = self._wake_w, -1
+        for fd in (self._wake_r, w):
+            os.close(fd)
 
     teardown = close
 
@@ -252,26 +262,63 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
                 log.warning("kvferry: control queue to %s full; message %s dropped", endpoint, msg.get("t"))
 
     def _loop(self) -> None:
+        """The rank's control thread. It wakes on a control message, or on a read of
+        this rank that finished (each read's done-callback queues its room and writes
+        one byte to a pipe the poller watches): only those rooms are advanced then, so
+        a read's landing is seen at once and costs no periodic polling. Timeouts of
+        every room are checked every 10 ms; a read that finished but has not drained
+        yet (a device copy that outlived a failure) is rechecked every millisecond."""
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = 0.0
         while not self._stop.is_set():
-            # Reads in flight are checked every millisecond (their landing is what
-            # the decode waits on); an idle rank wakes on a message or every 10 ms.
-            busy = any(r.inflight for r in self.receivers.values())
             try:
-                if poller.poll(1 if busy else 10):
+                events = dict(poller.poll(1 if self._recheck else 10))
+                if self._pull in events:
                     while True:
                         try:
                             raw = self._pull.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._dispatch(json.loads(raw))
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                now = time.monotonic()
                 with self.lock:
-                    self._tick()
+                    landed, self._landed = self._landed, []
+                    for room in dict.fromkeys(landed):
+                        r = self.receivers.get(room)
+                        if r is not None:
+                            self._advance(r, now)
+                    if self._recheck or now >= next_tick:
+                        self._recheck = False
+                        self._tick()
+                        next_tick = now + 0.01
             except zmq.ContextTerminated:
                 return
             except Exception:  # keep the rank's other rooms going
                 log.exception("kvferry: control loop error")
+
+    def _watch(self, r: RecvRoom, t: Transfer) -> None:
+        """Queues ``r`` for the control thread once ``t`` finishes. The callback runs on
+        an engine thread: it takes no lock of the manager (the control thread may be
+        waiting on that engine under it), only appends (atomic) and writes a byte."""
+        room = r.room
+
+        def landed() -> None:
+            if self._wake_w < 0:  # closed (a callback after close)
+                return
+            self._landed.append(room)
+            try:
+                os.write(self._wake_w, b"\0")
+            except OSError:  # the pipe is full (a wake-up is pending anyway) or closed
+                pass
+
+        t._t.add_done_callback(landed)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         t, room = msg.get("t"), int(msg.get("room", -1))
@@ -290,6 +337,7 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
                     return
                 if t == "chunk":
                     self._on_chunk(r, msg)
+                    self._advance(r, time.monotonic())
                 elif t in ("refuse", "abort"):
                     what = "refused pairing" if t == "refuse" else "aborted by prefill"
                     self.fail_recv(r, f"{what} (prefill rank {msg.get('rank')}): {msg.get('reason', '')}", tell=False)
@@ -493,9 +541,11 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
                     timeout=self.opts.timeout, path=self.opts.path, incarnation=inc, select=sel,
                 )
                 r.inflight.append((t, p, str(msg["key"])))
+                self._watch(r, t)
             for i, key in enumerate(msg.get("aux") or []):
                 t = self.engine.get(addr, str(key), self.aux_regions[i], [r.aux_index], timeout=self.opts.timeout, incarnation=inc)
                 r.inflight.append((t, p, str(key)))
+                self._watch(r, t)
         except Exception as e:
             self.fail_recv(r, f"{type(e).__name__}: {e}")
             return
@@ -530,9 +580,11 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
                     self.fail_recv(r, f"read of {key} from prefill rank {p} failed: {type(e).__name__}: {e}")
                 if not t.drained():
                     still.append((t, p, key))
+                    self._recheck = True
                 continue
             if not t.drained():
                 still.append((t, p, key))
+                self._recheck = True
                 continue
             r.progress = now
             if "/aux" in key:
