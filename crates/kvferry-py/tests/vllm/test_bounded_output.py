@@ -35,18 +35,11 @@ import kvferry
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
-# Why vLLM 0.33.0 is unusable here (None when it is), and whether that is a failure:
-# the same check as the connector tests.
-from test_connector import REQUIRED, WHY_NOT  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def need_vllm() -> None:
-    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) when vLLM 0.33.0 is missing."""
-    if WHY_NOT is not None:
-        if REQUIRED:
-            pytest.fail(f"KVFERRY_REQUIRE_VLLM=1 but {WHY_NOT}", pytrace=False)
-        pytest.skip(WHY_NOT)
+def _vllm(need_vllm: None) -> None:
+    """Every test here needs vLLM 0.33.0 (conftest's ``need_vllm``)."""
 
 
 @pytest.fixture

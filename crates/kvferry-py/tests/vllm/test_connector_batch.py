@@ -14,11 +14,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
+from vllm_harness import (
     Instance,
     RemoteInstance,
-    made,
-    need_vllm,
     needed,
     prefill,
     prompts,
@@ -101,7 +99,7 @@ def test_a_member_never_published_fails_alone(made, case):
     ghost_blocks = {b for w in d.workers() for b in w._pulls["ghost"].spec.load_block_ids}
     d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs) and "ghost" in d.failed_recving, 20, "the pulls")
     assert set(d.failed_recving) == {"ghost"}, d.failed_recving
-    assert d.invalid == ghost_blocks, "exactly the ghost's blocks are reported"
+    assert d.invalid_blocks == ghost_blocks, "exactly the ghost's blocks are reported"
     _check_landed(d, reqs)
     d.run_until(lambda: all(r in d.final for r, _ in order), 20, "the decodes (the ghost recomputed)")
     p.run_until(lambda: not (p.held() & {r for r, _ in reqs}), 10, "the prefill to free every request")

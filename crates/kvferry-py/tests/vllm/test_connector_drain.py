@@ -13,7 +13,7 @@
   (docs/benchmarks.md records them).
 
 The harness (real vLLM 0.33.0 scheduler, worker halves over torch CPU tensors, the
-prefill in its own process) is the one of ``test_connector.py``.
+prefill in its own process) is ``vllm_harness.py``'s.
 """
 
 from __future__ import annotations
@@ -22,16 +22,11 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from test_connector import (  # noqa: F401 - need_vllm is a fixture
-    Instance,
-    Prefill,
-    check_landed,
-    need_vllm,
-    prompts,
-)
+from vllm_harness import Instance, RemoteInstance, check_landed, one_rank, prefill_process, prompts
 
 LEASE_TTL = 20.0  # far above every bound asserted below
 RELEASE_BOUND = 2.0  # "within a round trip", with slack for a loaded 2-core host
@@ -43,22 +38,15 @@ SIM = {"device": "sim"}
 
 
 def _decode(made: list[Instance], **extra) -> Instance:
-    d = Instance("kv_consumer", {**SIM, **extra}, num_blocks=1024, salt=2, policy="recompute")
+    d = one_rank("kv_consumer", {**SIM, **extra}, num_blocks=1024, policy="recompute")
     made.append(d)
     return d
 
 
-@pytest.fixture
-def decodes(need_vllm):
-    made: list[Instance] = []
-    yield made
-    for d in made:
-        d.close()
-
-
 @pytest.fixture(scope="module")
-def prefill(need_vllm):
-    p = Prefill({**SIM, "lease_ttl": LEASE_TTL, "timeout": 10.0})
+def prefill(need_vllm: None) -> Iterator[RemoteInstance]:
+    """This module's prefill: on the sim device only (conftest's runs host and sim)."""
+    p = prefill_process({**SIM, "lease_ttl": LEASE_TTL, "timeout": 10.0})
     yield p
     p.stop()
 
@@ -113,7 +101,7 @@ def _figures(name: str, values: list[float]) -> dict[str, float]:
 # -- 1. a failed pull is reported only after its drain ----------------------------------
 
 
-def test_failed_pull_is_reported_only_after_its_drain(prefill, decodes):
+def test_failed_pull_is_reported_only_after_its_drain(prefill, made):
     """The decode's host-to-device scatter stalls (the sim device's ``stall``: it runs,
     writing the blocks, only once released). The transfer fails at ``device_timeout``
     — known at once (``done()``, its error) — but its destination is still being
@@ -122,7 +110,7 @@ def test_failed_pull_is_reported_only_after_its_drain(prefill, decodes):
     Before ``Transfer.drained()`` the connector reported it at ``device_timeout``."""
     from vllm.v1.request import RequestStatus
 
-    d = _decode(decodes, timeout=10.0, device_timeout=0.5)
+    d = _decode(made, timeout=10.0, device_timeout=0.5)
     (rid, prompt), = prompts(1, seed=70, lo=60, hi=61)
     params = prefill.prefill([(rid, prompt)])[rid]
     d.worker.engine._e._inject_device_fault("stall", "next")
@@ -149,14 +137,14 @@ def test_failed_pull_is_reported_only_after_its_drain(prefill, decodes):
     d.run_until(lambda: rid in d.finished_recving, 5, "the failure, once drained")
     assert d.finished_recving[rid] >= released_at
     assert d.failed_recving == {rid} and d.invalid_blocks
-    assert d.stats.data["failed"]["device"] == 1
+    assert d.kv_stats.data["failed"]["device"] == 1
     d.run_until(lambda: rid in d.final, 10, "the request, recomputed")
     assert len(d.tokens[rid]) == 2
     prefill.wait_freed({rid}, timeout=RELEASE_BOUND)  # the give-up released the prefill
     assert d.free_blocks() == d.free_at_start
 
 
-def test_abort_of_a_failed_undrained_pull_frees_the_prefill_at_once(prefill, decodes):
+def test_abort_of_a_failed_undrained_pull_frees_the_prefill_at_once(prefill, made):
     """The pull failed (its scatter stalled past ``device_timeout``) and has not
     drained when vLLM aborts the request: the prefill is freed at once — not left
     pinned until its lease ends (20 s) — while the decode's blocks still wait for the
@@ -164,7 +152,7 @@ def test_abort_of_a_failed_undrained_pull_frees_the_prefill_at_once(prefill, dec
     an error; on this path the consumer's ``Done``, sent once the bytes arrived before
     the stalled scatter, frees the prefill as well, so this test guards the outcome
     rather than reproducing the defect.)"""
-    d = _decode(decodes, timeout=10.0, device_timeout=0.5)
+    d = _decode(made, timeout=10.0, device_timeout=0.5)
     (rid, prompt), = prompts(1, seed=72, lo=50, hi=51)
     params = prefill.prefill([(rid, prompt)])[rid]
     d.worker.engine._e._inject_device_fault("stall", "next")
@@ -186,10 +174,10 @@ def test_abort_of_a_failed_undrained_pull_frees_the_prefill_at_once(prefill, dec
     assert d.free_blocks() == d.free_at_start
 
 
-def test_abort_of_an_undrained_pull_waits_for_the_drain_without_blocking(prefill, decodes):
+def test_abort_of_an_undrained_pull_waits_for_the_drain_without_blocking(prefill, made):
     """Aborted while its scatter is stalled: the abort returns at once (the cancel is
     asked, not awaited), and the blocks go back to vLLM only after the drain."""
-    d = _decode(decodes, timeout=10.0, device_timeout=5.0)
+    d = _decode(made, timeout=10.0, device_timeout=5.0)
     (rid, prompt), = prompts(1, seed=71, lo=40, hi=41)
     params = prefill.prefill([(rid, prompt)])[rid]
     d.worker.engine._e._inject_device_fault("stall", "next")
@@ -215,7 +203,7 @@ def test_abort_of_an_undrained_pull_waits_for_the_drain_without_blocking(prefill
 # -- 2. releasing needs no staging ------------------------------------------------------
 
 
-def test_release_under_staging_pressure_frees_the_prefill(need_vllm, decodes):
+def test_release_under_staging_pressure_frees_the_prefill(made):
     """The prefill's staging is full: every ``Stage`` (and so every pull, which needs a
     device-to-host gather into staging) is refused ``Busy``. The decode's pull fails
     with that, and its release still reaches the prefill (``Release`` stages
@@ -224,10 +212,10 @@ def test_release_under_staging_pressure_frees_the_prefill(need_vllm, decodes):
     pinned for ``lease_ttl``."""
     from kvferry import Engine, errors
 
-    p = Prefill({**SIM, "lease_ttl": LEASE_TTL, "timeout": 10.0, "arena_bytes": 8 << 20})  # 8 pages of 1 MiB
+    p = prefill_process({**SIM, "lease_ttl": LEASE_TTL, "timeout": 10.0, "arena_bytes": 8 << 20})  # 8 pages of 1 MiB
     hogs = [Engine(listen=None, peer_id=f"hog-{i}", arena_bytes=4 << 20, store_bytes=1 << 20, lease_ttl=30.0) for i in range(2)]
     try:
-        d = _decode(decodes, timeout=5.0)
+        d = _decode(made, timeout=5.0)
         reqs = prompts(7, seed=72, lo=30, hi=31)
         params = p.prefill(reqs)
         (rid, prompt), held = reqs[0], reqs[1:]
@@ -252,7 +240,7 @@ def test_release_under_staging_pressure_frees_the_prefill(need_vllm, decodes):
         d.run_until(lambda: rid in d.finished_recving, 5, "the refused pull")
         gave_up = d.finished_recving[rid]
         assert d.failed_recving == {rid}
-        assert d.stats.data["failed"]["other"] + d.stats.data["failed"].get("busy", 0) >= 1
+        assert d.kv_stats.data["failed"]["other"] + d.kv_stats.data["failed"].get("busy", 0) >= 1
         st = p.wait_freed({rid}, timeout=RELEASE_BOUND)
         pinned = time.monotonic() - gave_up
         print(f"\nBusy release: prefill blocks freed {pinned * 1e3:.0f} ms after the decode gave up (lease {LEASE_TTL:.0f} s)")
@@ -293,12 +281,12 @@ def _run_48_with_one_stuck(prefill, d: Instance, reqs, params, at: dict[str, flo
     return stuck, at[stuck] - deadlines[stuck]
 
 
-def test_stuck_event_on_the_decode_fails_within_the_bound(prefill, decodes):
+def test_stuck_event_on_the_decode_fails_within_the_bound(prefill, made):
     """Decode side: of 48 pulls, the 5th device operation (a host-to-device scatter)
     never completes. Its transfer fails within ``timeout`` + the bound; the 47 others
     land, bytes verified; the stuck one is handed back to vLLM once the device
     confirms (here: when the test releases the sim device)."""
-    d = _decode(decodes, timeout=T)
+    d = _decode(made, timeout=T)
     at = _record_outcomes(d)
     reqs = prompts(48, seed=73, lo=20, hi=100)
     params = prefill.prefill(reqs)
@@ -322,11 +310,11 @@ def test_stuck_event_on_the_decode_fails_within_the_bound(prefill, decodes):
     assert d.free_blocks() == d.free_at_start
 
 
-def test_stuck_event_on_the_prefill_fails_within_the_bound(prefill, decodes):
+def test_stuck_event_on_the_prefill_fails_within_the_bound(prefill, made):
     """Prefill side: the next device-to-host gather never completes. The decode's pull
     of that request fails within ``timeout`` + the bound (nothing was written into its
     blocks, so vLLM gets the load error at once); the 47 others land."""
-    d = _decode(decodes, timeout=T)
+    d = _decode(made, timeout=T)
     at = _record_outcomes(d)
     reqs = prompts(48, seed=74, lo=20, hi=100)
     params = prefill.prefill(reqs)
@@ -344,7 +332,7 @@ def test_stuck_event_on_the_prefill_fails_within_the_bound(prefill, decodes):
             if rid != stuck:
                 check_landed(d, rid, prompt)
     finally:
-        prefill._call("device_release")
+        prefill.device_release()
     d.run_until(lambda: all(r in d.final for r, _ in reqs), 30, "the decodes (the stuck one recomputed)")
     prefill.wait_freed({r for r, _ in reqs}, timeout=5)
     assert d.free_blocks() == d.free_at_start

@@ -20,16 +20,13 @@ import time
 from typing import Any
 
 import pytest
-from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
+from vllm_harness import (
     BACKENDS,
     HEAD32,
     KV2,
-    KV4,
     MLA_MODEL,
     Instance,
     RemoteInstance,
-    made,
-    need_vllm,
     needed,
     on_backend,
     prefill,
@@ -38,75 +35,7 @@ from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
     released_by_rank,
     wire,
 )
-
-
-def _transfer(
-    made: list[Any],
-    p_kw: dict[str, Any],
-    d_kw: dict[str, Any],
-    n: int = 3,
-    seed: int = 31,
-    lo: int = 20,
-    hi: int = 90,
-    remote: bool = False,
-):
-    """Prefill ``n`` prompts on a ``p_kw`` instance, pull them into a ``d_kw`` one,
-    check every decode rank's every head of every token and that both sides end
-    empty. ``remote``: the prefill runs in a process of its own (its engine loop, its
-    kvferry engines), as vLLM deploys it; its state is then read over a pipe."""
-    p_tp, p_bs = p_kw.get("tp", 1), p_kw.get("block_size", 16)
-    p: Any = RemoteInstance("kv_producer", **p_kw, tag="p") if remote else Instance("kv_producer", **p_kw, tag="p")
-    made.append(p)
-    d = Instance("kv_consumer", **d_kw, tag="d")
-    made.append(d)
-    reqs = prompts(n, seed=seed, lo=lo, hi=hi)
-    rids = {r for r, _ in reqs}
-    params = p.prefill(reqs) if remote else prefill(p, reqs)
-    wire0 = wire(d)
-    for rid, prompt in reqs:
-        assert params[rid]["kvferry_desc"]["tp_size"] == p_tp
-        d.add(rid, prompt, max_tokens=2, params=params[rid])
-    d.run_until(lambda: all(r in d.finished_recving for r, _ in reqs), 20, "the pulls on every rank")
-    assert not d.failed_recving, d.failed_recving
-    for rid, prompt in reqs:
-        for rank in range(d.tp):
-            for pos in range(len(prompt)):
-                assert d.landed[rid][rank][pos] == d.expected(prompt, rank, pos), (rid, rank, pos)
-    d.run_until(lambda: all(r in d.final for r, _ in reqs), 10, "the decodes")
-    # Every reader's Done (and the releases of the unused slots) arrived: every prefill
-    # rank reports finished sending, and only then the scheduler frees the blocks.
-    if remote:
-        st = p.wait_freed(rids, 10)
-        assert rids <= set(st["finished_sending"])
-        assert st["leaks"] == [] and st["free"] == st["free_at_start"], st
-        assert d.leaks() == [] and d.free_blocks() == d.free_at_start
-    else:
-        p.run_until(lambda: not (p.held() & rids), 10, "the prefill to free every request")
-        assert rids <= p.finished_sending
-        assert p.leaks() == [] and d.leaks() == []
-        assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
-    for w in (d.workers() if remote else p.workers() + d.workers()):
-        assert w.engine.stats()["consumer"]["draining"] == 0
-    need = sum(needed(p_bs, d, len(pr)) for _, pr in reqs)
-    return p, d, reqs, need, wire(d) - wire0
-
-
-CASES = {
-    "tp1-to-tp2": ({"tp": 1}, {"tp": 2}),
-    "tp2-to-tp1": ({"tp": 2}, {"tp": 1}),
-    "tp2-to-tp4": ({"tp": 2, "layout": "HND"}, {"tp": 4, "layout": "HND"}),
-    "tp4-to-tp2": ({"tp": 4, "layout": "HND"}, {"tp": 2, "layout": "HND"}),
-    "tp2-to-tp4-replicated": ({"tp": 2, "model": KV2, "kv_heads": 2}, {"tp": 4, "model": KV2, "kv_heads": 2}),
-    "tp4-to-tp1-replicated": ({"tp": 4, "model": KV2, "kv_heads": 2}, {"tp": 1, "model": KV2, "kv_heads": 2}),
-    "bs16-to-bs32-tp2-to-tp4": ({"tp": 2, "block_size": 16}, {"tp": 4, "block_size": 32}),
-    "bs32-to-bs16-tp2-to-tp4": ({"tp": 2, "block_size": 32}, {"tp": 4, "block_size": 16}),
-    "hnd-to-nhd-tp2-to-tp4": ({"tp": 2, "layout": "HND"}, {"tp": 4, "layout": "NHD"}),
-    # The CPU backend's K and V planes (HKND) into flash-attn's packed LBNHC cells (NHKD).
-    "cpu-planes-to-flash-nhd-tp2-to-tp4": (
-        {"tp": 2, "backend": "CPU_ATTN", "block_size": 32},
-        {"tp": 4, "backend": "FLASH_ATTN", "layout": "NHD", "block_size": 32},
-    ),
-}
+from vllm_pairs import CASES, transfer
 
 
 def _cases() -> list[Any]:
@@ -130,7 +59,7 @@ def test_every_decode_rank_holds_its_heads(made, backend, case):
     same connector code: only the memory layout differs), which keeps the suite's
     time within CI's budget."""
     p_kw, d_kw = (on_backend(kw, backend) for kw in CASES[case])
-    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw, remote=backend == "CPU_ATTN")
+    p, d, reqs, need, moved = transfer(made, p_kw, d_kw, remote=backend == "CPU_ATTN")
     assert pulled(d)[0] == need  # the bytes the connector reports pulled: what the decode needs
     assert moved == need, (moved, need)  # partial gets: the wire carries exactly those bytes
 
@@ -138,7 +67,7 @@ def test_every_decode_rank_holds_its_heads(made, backend, case):
 @pytest.mark.parametrize("case", ["tp2-to-tp4", "bs32-to-bs16-tp2-to-tp4"])
 def test_wire_carries_only_the_head_slices(made, case):
     p_kw, d_kw = CASES[case]
-    _, _, _, need, moved = _transfer(made, p_kw, d_kw, n=2)
+    _, _, _, need, moved = transfer(made, p_kw, d_kw, n=2)
     assert moved == need, (moved, need)
 
 
@@ -288,7 +217,7 @@ def test_prefill_sigkilled_mid_pull_tp2_to_tp4_is_a_load_error_on_every_rank(mad
             assert failed[rid] - killed < timeout, (rank, rid, failed[rid] - killed)
     worst = max(t - killed for failed in d.rank_failed for t in failed.values())
     print(f"every decode rank's load error within {worst * 1e3:.0f} ms of the SIGKILL (bound {timeout} s)")
-    assert d.invalid == loading, "exactly the blocks the pulls were loading are reported"
+    assert d.invalid_blocks == loading, "exactly the blocks the pulls were loading are reported"
     d.run_until(lambda: all(r in d.final for r in rids), 20, "vLLM to recompute the requests")
     assert all(str(d.final[r].finish_reason) == "length" for r in rids)
     d.run_until(lambda: not d.held(), 10, "the decode to free every request")
@@ -310,7 +239,7 @@ def test_reader_slots_need_no_config(made, case):
     from kvferry.integrations.vllm.hetero import auto_reader_slots
 
     p_kw, d_kw = CASES[case]
-    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw)
+    p, d, reqs, need, moved = transfer(made, p_kw, d_kw)
     for inst in (p, d):
         assert "reader_slots" not in inst.vllm_config.kv_transfer_config.kv_connector_extra_config
     slots = auto_reader_slots("MHA", 4, p.tp)
@@ -391,7 +320,7 @@ def test_mla_one_reader_per_decode_rank(made, d_tp):
         p.run_until(rank1_released, 5, "prefill rank 1 (read by nobody) to release its slots")
         assert rids <= r0._sending, "rank 0 is still sending (its sends are slowed)"
         r0.engine._e._inject_faults(send_delay_us=0, corrupt_next_sends=None)
-    d.run_until(lambda: rids <= d.finished_recving, 20, "the pulls on every decode rank")
+    d.run_until(lambda: rids <= d.finished_recving.keys(), 20, "the pulls on every decode rank")
     assert not d.failed_recving
     for rid, prompt in reqs:
         for rank in range(d.tp):

@@ -11,12 +11,10 @@ Also: a KV cache kind kvferry cannot move (Mamba state) is refused at start-up."
 from __future__ import annotations
 
 import pytest
-from vllm_harness import (  # noqa: F401 - need_vllm and made are fixtures
+from vllm_harness import (
     BACKENDS,
     LAYERS,
     HybridInstance,
-    made,
-    need_vllm,
     on_backend,
     pattern,
     prefill,

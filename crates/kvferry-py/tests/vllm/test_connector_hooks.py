@@ -1,5 +1,5 @@
 """vLLM 0.33's connector hooks beyond the transfer itself (issue 45), on the real
-``Scheduler`` with real kvferry transfers (the harness of ``test_connector.py``: a
+``Scheduler`` with real kvferry transfers (the harness of ``vllm_harness.py``: a
 prefill and a decode instance, each a real scheduler plus the worker half called the
 way vLLM's model runner calls it — ``handle_preemptions`` before the forward
 included):
@@ -28,13 +28,7 @@ from typing import Any
 
 import pytest
 
-from test_connector import (  # noqa: F401 - need_vllm is a fixture
-    BLOCK_SIZE,
-    Instance,
-    check_landed,
-    need_vllm,
-    scheduler_leaks,
-)
+from vllm_harness import BLOCK_SIZE, Instance, check_landed, one_rank, scheduler_leaks
 
 LEASE_TTL = 20.0  # long: every release below must come far sooner
 TIMEOUT = 10.0
@@ -44,21 +38,18 @@ DELAY_US = 400_000  # the prefill's sends, slowed: a transfer is caught in fligh
 
 
 @pytest.fixture(params=["host", "sim"])
-def pair(request, need_vllm):
-    """A prefill and a decode instance (in this process), KV in host memory or on
+def pair(request, made):
+    """Makes prefill and decode instances (in this process), KV in host memory or on
     kvferry's sim device."""
     dev = {"device": "sim"} if request.param == "sim" else {}
-    made: list[Instance] = []
 
     def make(role: str, **kw: Any) -> Instance:
         extra = {"timeout": TIMEOUT, "lease_ttl": LEASE_TTL, **dev, **kw.pop("extra", {})}
-        inst = Instance(role, extra, salt=1 if role == "kv_producer" else 2, **kw)
+        inst = one_rank(role, extra, **kw)
         made.append(inst)
         return inst
 
-    yield make
-    for i in made:
-        i.close()
+    return make
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -85,7 +76,7 @@ def _fill(inst: Instance, blocks: list[int]) -> None:
     """Writes the sentinel into these blocks of every layer, as vLLM's next use would."""
     import torch
 
-    for t in inst.kv.values():
+    for t in inst.kv[0].values():
         for b in blocks:
             t[b].view(torch.uint8).fill_(SENTINEL)
 
@@ -93,7 +84,7 @@ def _fill(inst: Instance, blocks: list[int]) -> None:
 def _intact(inst: Instance, blocks: list[int]) -> bool:
     import torch
 
-    return all(bool((t[b].view(torch.uint8) == SENTINEL).all()) for t in inst.kv.values() for b in blocks)
+    return all(bool((t[b].view(torch.uint8) == SENTINEL).all()) for t in inst.kv[0].values() for b in blocks)
 
 
 def _delay(inst: Instance, us: int) -> None:
@@ -396,7 +387,7 @@ def test_hooks_answer_as_documented(need_vllm):
     from kvferry.integrations.vllm import KvferryConnector
 
     assert KvferryConnector.requires_piecewise_for_cudagraph({}) is False
-    d = Instance("kv_consumer", {"timeout": TIMEOUT}, num_blocks=66)
+    d = one_rank("kv_consumer", {"timeout": TIMEOUT}, num_blocks=66)
     try:
         sc = d.scheduler.get_kv_connector()
         assert sc.has_pending_block_frees() is False

@@ -11,8 +11,8 @@ import os
 from typing import Any
 
 import pytest
-from test_connector_hetero import CASES, _transfer
-from vllm_harness import made, need_vllm, on_backend, pulled  # noqa: F401 - fixtures
+from vllm_pairs import CASES, transfer
+from vllm_harness import on_backend, pulled
 
 AUTO = {"timeout": 10.0, "transport": "auto"}
 
@@ -33,7 +33,7 @@ def test_decode_ranks_read_the_prefill_process_memory(made, case, backend, remot
     p_kw, d_kw = (on_backend(kw, backend) for kw in CASES[case])
     p_kw = {**p_kw, "extra": {**AUTO, **p_kw.get("extra", {})}}
     d_kw = {**d_kw, "extra": {**AUTO, **d_kw.get("extra", {})}}
-    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw, remote=remote)
+    p, d, reqs, need, moved = transfer(made, p_kw, d_kw, remote=remote)
     assert pulled(d)[0] == need
     assert moved == need, (moved, need)  # received bytes count the same-host reads too
     cma = sum(w.engine.stats()["consumer"]["cma_bytes"] for w in d.workers())
@@ -48,7 +48,7 @@ def test_a_tcp_prefill_keeps_the_socket_and_says_why(made):
     p_kw, d_kw = CASES["tp2-to-tp1"]
     p_kw = {**p_kw, "extra": {"timeout": 10.0, "transport": "tcp"}}
     d_kw = {**d_kw, "extra": AUTO}
-    p, d, reqs, need, moved = _transfer(made, p_kw, d_kw)
+    p, d, reqs, need, moved = transfer(made, p_kw, d_kw)
     assert moved == need
     assert sum(w.engine.stats()["consumer"]["cma_bytes"] for w in d.workers()) == 0
     movers = _movers(d)

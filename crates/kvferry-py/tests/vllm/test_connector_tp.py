@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from vllm_harness import MODEL_DIR, Instance, need_vllm, prefill, prompts  # noqa: F401 - need_vllm is a fixture
+from vllm_harness import MODEL_DIR, Instance, prefill, prompts
 
 TP = 2
 
 
 @pytest.fixture
-def pair(need_vllm: None) -> Iterator[tuple[Instance, Instance]]:  # noqa: F811 - the fixture imported above
+def pair(need_vllm: None) -> Iterator[tuple[Instance, Instance]]:
     made: list[Instance] = []
     kw = {"tp": TP, "model": MODEL_DIR, "kv_heads": 2, "num_blocks": 256}
     p = Instance("kv_producer", extra={"lease_ttl": 30.0, "timeout": 10.0}, tag="tp-p", **kw)  # type: ignore[arg-type]
@@ -55,7 +55,7 @@ def test_tp2_each_rank_pulls_its_own_shard(pair):
     # Every rank's Done arrived: each prefill rank reports finished sending, and only
     # then (the aggregator waits for both) the scheduler frees the blocks.
     p.run_until(lambda: not (p.held() & {r for r, _ in reqs}), 5, "prefill to free the blocks")
-    assert {r for r, _ in reqs} <= p.finished_sending
+    assert {r for r, _ in reqs} <= p.finished_sending.keys()
     assert p.free_blocks() == p.free_at_start and d.free_blocks() == d.free_at_start
     assert p.leaks() == [] and d.leaks() == []
     for w in p.workers() + d.workers():

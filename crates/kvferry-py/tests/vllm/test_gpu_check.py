@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from test_connector import need_vllm  # noqa: F401 - a fixture
-
 SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "gpu_connector_check.py"
 SMALL = ["--requests", "8", "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--timeout", "20"]
 

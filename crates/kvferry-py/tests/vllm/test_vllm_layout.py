@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm_harness import KV4, LAYERS, MLA_MODEL, Instance, need_vllm  # noqa: F401 - need_vllm is a fixture
+from vllm_harness import KV4, LAYERS, MLA_MODEL
 
 HS = 16
 

@@ -7,9 +7,9 @@ given 0 external tokens) drive a bare scheduler and hand it made-up ``finished_r
 / ``finished_sending`` sets. Here the same scheduler assertions are kept — request
 states, blocks allocated but not cached while waiting, hashed blocks and ref counts
 after the load, the scheduled token counts, and vLLM's ``assert_scheduler_empty``
-(:func:`test_connector.scheduler_leaks`) on both instances at the end — while every
+(:func:`vllm_harness.scheduler_leaks`) on both instances at the end — while every
 finished set comes from real kvferry transfers between a prefill instance in its own
-process and a decode instance in this one (the harness of ``test_connector.py``).
+process and a decode instance in this one (the harness of ``vllm_harness.py``).
 
 Beyond the originals, each give-up case asserts the bound the connector promises: a
 prefill instance's blocks are freed within about one round trip of the decode giving up
@@ -26,42 +26,13 @@ import time
 
 import pytest
 
-from test_connector import (  # noqa: F401 - need_vllm and kv_device are fixtures
-    BLOCK_SIZE,
-    Instance,
-    Prefill,
-    check_landed,
-    kv_device,
-    need_vllm,
-    scheduler_leaks,
-    with_device,
-)
+from vllm_harness import BLOCK_SIZE, Instance, RemoteInstance, check_landed, scheduler_leaks
 
+# The conftest fixtures ``prefill`` and ``decode`` read these.
 LEASE_TTL = 20.0  # long: every release below must come far sooner
 TIMEOUT = 10.0
+DECODE_BLOCKS = 256
 RELEASE_BOUND = 2.0  # seconds: "within a round trip", with slack for a loaded 2-core host
-
-
-@pytest.fixture(scope="module")
-def prefill(need_vllm, kv_device):
-    p = Prefill(with_device({"lease_ttl": LEASE_TTL, "timeout": TIMEOUT}, kv_device))
-    yield p
-    p.stop()
-
-
-@pytest.fixture
-def decode(need_vllm, kv_device):
-    made: list[Instance] = []
-
-    def make(**kw) -> Instance:
-        kw["extra"] = with_device(kw.get("extra", {"timeout": TIMEOUT}), kv_device)
-        d = Instance("kv_consumer", num_blocks=kw.pop("num_blocks", 256), salt=2, **kw)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        d.close()
 
 
 def _prompt(rid: str, n: int, seed: int, ones: bool = False) -> tuple[str, list[int]]:
@@ -80,7 +51,7 @@ def _req_blocks(d: Instance, rid: str):
     return d.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[rid]
 
 
-def _finish_and_check_empty(d: Instance, prefill: Prefill, rids: set[str]) -> None:
+def _finish_and_check_empty(d: Instance, prefill: RemoteInstance, rids: set[str]) -> None:
     d.run_until(lambda: rids <= set(d.final), 20, "the requests to finish")
     d.step()  # vLLM's tests end with one more schedule(): finished ids are cleared
     assert scheduler_leaks(d.scheduler) == []
@@ -267,11 +238,11 @@ def test_decode_gives_up_before_a_slow_prefill_publishes(prefill, decode, policy
     d.run_until(lambda: rid in d.finished_recving, 5, "the pull to give up")
     assert d.failed_recving == {rid} and d.invalid_blocks
     assert rid in prefill.state()["held"], "the prefill has not published yet"
-    failed = d.stats.data["failed"]
+    failed = d.kv_stats.data["failed"]
     assert failed["miss"] + failed["timeout"] == 1 and sum(failed.values()) == 1, failed
     # One Release of the slots the plan does not read (reader_slots "auto" publishes
     # several; sent as the pull starts), one when the decode gives up.
-    assert d.stats.data["releases"] == 2
+    assert d.kv_stats.data["releases"] == 2
     t0 = time.monotonic()
     st = prefill.wait_freed({rid}, timeout=3.0 + RELEASE_BOUND)
     assert time.monotonic() - t0 < LEASE_TTL / 4, "freed by the release, not the lease"
@@ -347,7 +318,7 @@ def test_unusable_params_are_computed_locally_with_a_warning(prefill, decode, ca
 # -- every kind of give-up: how long the prefill's blocks stay pinned ------------------
 
 
-def _pinned(prefill: Prefill, rid: str, since: float, kind: str, kv_device: str, extra: float = 0.0) -> float:
+def _pinned(prefill: RemoteInstance, rid: str, since: float, kind: str, kv_device: str, extra: float = 0.0) -> float:
     """Waits until the prefill freed ``rid``; returns how long after ``since`` (the
     decode's give-up, monotonic: one clock for both processes) the prefill reported it
     ``finished_sending``. Printed, and added to ``$KVFERRY_BOUNDS_JSON`` when set."""
@@ -382,7 +353,7 @@ def test_each_give_up_frees_the_prefill_within_a_round_trip(prefill, decode, kv_
             prefill.faults(send_delay_us=1_500_000)
             slack = 1.5  # the send in progress holds the blocks until it stops
         elif kind == "failed":  # a corrupted chunk: ChecksumError, a load error
-            prefill._call("corrupt", 1)
+            prefill.corrupt(1)
         elif kind == "abort_mid_pull":
             prefill.faults(send_delay_us=300_000)
         d.add(rid, prompt, max_tokens=2, params=params, **({"prompt_logprobs": 1} if kind == "zero_tokens" else {}))

@@ -20,17 +20,21 @@ replicated heads (TP > KV heads), MLA (:class:`Instance` with ``mla=True``: one 
 cache per layer, the same on every rank) and the hybrid allocator
 (:class:`HybridInstance`: a full-attention and a sliding-window group).
 
-:class:`RemoteInstance` runs an instance in a spawned process (its own engine loop,
-answering commands between steps), so a test can SIGKILL it.
+:class:`RemoteInstance` (:mod:`vllm_process`) runs an instance in a spawned process (its
+own engine loop, answering commands between steps), so a test can SIGKILL it.
+:func:`one_rank` and :func:`prefill_process` make the lifecycle suites' instance: one
+rank of tiny-llama with the connector's own option defaults.
 
-Needs vLLM: without it ``need_vllm`` skips, unless ``KVFERRY_REQUIRE_VLLM=1`` (then it
-fails).
+The pytest fixtures (``need_vllm``, ``made``, ``kv_device``, ``prefill``, ``decode``) live
+in ``conftest.py``; a test file imports what it calls from here and never another test
+file. Needs vLLM: without it ``need_vllm`` skips, unless ``KVFERRY_REQUIRE_VLLM=1`` (then
+it fails).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import multiprocessing as mp
 import os
 import random
 import time
@@ -68,9 +72,9 @@ WHY_NOT = _find_vllm()
 REQUIRED = os.environ.get("KVFERRY_REQUIRE_VLLM") == "1"
 
 
-@pytest.fixture(scope="module")
 def need_vllm() -> None:
-    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) when vLLM 0.33.0 is missing."""
+    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) the calling test when vLLM 0.33.0
+    is missing: the body of conftest.py's fixture of the same name."""
     if WHY_NOT is not None:
         if REQUIRED:
             pytest.fail(f"KVFERRY_REQUIRE_VLLM=1 but {WHY_NOT}", pytrace=False)
@@ -152,11 +156,14 @@ from kvferry.integrations.vllm.alloc import (  # noqa: E402 - after the environm
     backend_class,
     kv_views,
 )
+from vllm_process import RemoteInstance  # noqa: E402 - re-exported: the harness's instance in a process
 
 # The socket mover unless KVFERRY_TEST_TRANSPORT says otherwise: the suites inject
 # socket send delays and count bytes on the wire; test_connector_same_host.py runs the
 # connector with the same-host mover its users get by default.
 TRANSPORT = os.environ.get("KVFERRY_TEST_TRANSPORT", "tcp")
+# ``kv_connector_extra_config`` an :class:`Instance` starts from, unless told otherwise.
+EXTRA_DEFAULTS: dict[str, Any] = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20}
 
 
 def on_backend(kw: dict[str, Any], backend: str) -> dict[str, Any]:
@@ -189,8 +196,18 @@ class Instance:
     ``LBHNC``/``LBNHC``. Every rank's KV tensors are allocated by vLLM's
     own code (:func:`allocate`) and written and read through the backend's own K/V
     views (:func:`kv_views`). ``mla``: one latent cache per layer, identical on every
-    rank. ``extra``: ``kv_connector_extra_config`` (``timeout`` 10 s, ``lease_ttl``
-    30 s and a 4 MiB arena unless given)."""
+    rank. ``extra``: ``kv_connector_extra_config`` over ``extra_defaults`` (default
+    :data:`EXTRA_DEFAULTS`: ``timeout`` 10 s, ``lease_ttl`` 30 s and a 4 MiB arena; ``{}``:
+    the connector's own defaults). ``log_stats``: vLLM's ``SchedulerStats`` per step in
+    :attr:`scheduler_stats`; ``kv_events``: a ``vllm.config.KVEventsConfig``.
+
+    What a test reads after steps: ``final`` (rid -> the output that finished it),
+    ``tokens`` (rid -> tokens sampled), ``finished_sending``/``finished_recving`` (rid ->
+    when it was first reported, monotonic), ``failed_recving``, ``invalid_blocks``,
+    ``landed`` (rid -> rank -> prompt position -> the slot's bytes when it landed),
+    ``stats`` (the combined connector stats of every step, as dicts) and ``kv_stats``
+    (the same, aggregated by the connector's stats class), ``last_output`` (the last
+    ``SchedulerOutput``). :attr:`worker`/:attr:`connector`: rank 0's."""
 
     def __init__(
         self,
@@ -211,6 +228,11 @@ class Instance:
         salt: int | None = None,
         tag: str = "",
         windows: dict[str, int] | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        log_stats: bool = False,
+        kv_events: Any = None,
+        extra_defaults: dict[str, Any] | None = None,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -238,7 +260,8 @@ class Instance:
         self.hpr = 1 if mla else max(1, kv_heads // tp)
         self.kvs = (0,) if mla else (0, 1)  # K and V per layer (MLA: one latent)
         self.salt = salt if salt is not None else (PREFILL_SALT if role == "kv_producer" else DECODE_SALT)
-        extra = {"timeout": 10.0, "lease_ttl": 30.0, "arena_bytes": 4 << 20, "transport": TRANSPORT, **(extra or {})}
+        defaults = EXTRA_DEFAULTS if extra_defaults is None else extra_defaults
+        extra = {**defaults, "transport": TRANSPORT, **(extra or {})}
         engine_id = f"h-{role}-{tp}-{block_size}-{backend}-{kv_layout}-{tag}-{os.getpid()}-{id(self)}"
 
         def config(rank: int) -> VllmConfig:
@@ -246,7 +269,10 @@ class Instance:
                 model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=1024, seed=0),
                 cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
                 scheduler_config=SchedulerConfig(
-                    max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=1024, is_encoder_decoder=False
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_model_len=1024,
+                    is_encoder_decoder=False,
                 ),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp),
                 device_config=DeviceConfig("cpu"),
@@ -258,6 +284,7 @@ class Instance:
                     kv_load_failure_policy=policy,
                     engine_id=engine_id,
                 ),
+                kv_events_config=kv_events,
             )
             cfg.parallel_config.rank = rank  # as vLLM sets it in each worker process
             if windows:
@@ -280,7 +307,7 @@ class Instance:
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=block_size,
-            log_stats=False,
+            log_stats=log_stats,
         )
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
@@ -300,18 +327,22 @@ class Instance:
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.free_at_start = self.free_blocks()
         self.final: dict[str, Any] = {}
-        self.finished_sending: set[str] = set()
-        self.finished_recving: set[str] = set()
+        self.tokens: dict[str, list[int]] = {}
+        self.finished_sending: dict[str, float] = {}
+        self.finished_recving: dict[str, float] = {}
         self.failed_recving: set[str] = set()
         # Per rank, before vLLM's aggregator: when each rank reported a request failed.
         self.rank_failed: list[dict[str, float]] = [{} for _ in range(tp)]
         self.rank_stats: list[list[dict[str, Any]]] = [[] for _ in range(tp)]  # per rank, per step
-        self.invalid: set[int] = set()
+        self.invalid_blocks: set[int] = set()
         self.landed: dict[str, list[list[list[bytes]]]] = {}  # rid -> rank -> pos -> per (layer, kv, head)
         self.landed_groups: dict[str, list[list[int]]] = {}  # rid -> its blocks per group when it landed
         # rid -> [rank][layer][pos] -> that slot's bytes when it landed (several groups)
         self.landed_layers: dict[str, list[list[list[list[bytes] | None]]]] = {}
         self.stats: list[dict[str, Any]] = []
+        self.kv_stats = type(self.ranks[0]).build_kv_connector_stats()
+        self.scheduler_stats: list[Any] = []  # vLLM's SchedulerStats per step (log_stats)
+        self.last_output: Any = None
 
     # -- what a subclass may change -----------------------------------------------------
 
@@ -350,12 +381,32 @@ class Instance:
         self.step()
         return scheduler_leaks(self.scheduler)
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
+    def add(
+        self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, **sampling: Any
+    ) -> None:
+        """Adds a request (``sampling``: more ``SamplingParams``)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None)
+        sp = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params} if params else None, **sampling
+        )
         self.scheduler.add_request(Request(req_id, list(prompt), sp, None, block_hasher=self.hasher))
+
+    def status(self, req_id: str) -> Any:
+        """The request's ``RequestStatus``, or None once the scheduler dropped it."""
+        r = self.scheduler.requests.get(req_id)
+        return None if r is None else r.status
+
+    @property
+    def connector(self) -> Any:
+        """Rank 0's worker-side connector (the only one at ``tp=1``)."""
+        return self.ranks[0]
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's connector worker (the only one at ``tp=1``)."""
+        return self.ranks[0].connector_worker
 
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -379,6 +430,7 @@ class Instance:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         so = self.scheduler.schedule()
+        self.last_output = so
         req_ids = list(so.num_scheduled_tokens)
         outs = []
         now = time.monotonic()
@@ -425,12 +477,19 @@ class Instance:
         kvo = mro.kv_connector_output
         if kvo.kv_connector_stats is not None:  # every rank's stats, combined by vLLM
             self.stats.append(kvo.kv_connector_stats.to_dict())
-        self.finished_sending |= kvo.finished_sending or set()
-        self.finished_recving |= kvo.finished_recving or set()
+            self.kv_stats.aggregate(kvo.kv_connector_stats)
+        now = time.monotonic()
+        for rid in kvo.finished_sending or ():
+            self.finished_sending[rid] = now
+        for rid in kvo.finished_recving or ():
+            self.finished_recving[rid] = now
         self.failed_recving |= kvo.failed_recving or set()
-        self.invalid |= kvo.invalid_block_ids or set()
+        self.invalid_blocks |= kvo.invalid_block_ids or set()
         for outs_ in self.scheduler.update_from_output(so, mro).values():
+            if outs_.scheduler_stats is not None:  # log_stats: what vLLM's stat loggers get
+                self.scheduler_stats.append(outs_.scheduler_stats)
             for o in outs_.outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.final[o.request_id] = o
         for rid in kvo.finished_recving or ():
@@ -493,7 +552,11 @@ class Instance:
         t0 = time.monotonic()
         while not pred():
             if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+                pulls = [{r: (p.attempts, p.transfer, p.error) for r, p in w._pulls.items()} for w in self.workers()]
+                raise AssertionError(
+                    f"timed out after {timeout}s waiting for {what}; pulls in flight per rank: {pulls}; "
+                    f"received: {sorted(self.finished_recving)}; failed: {sorted(self.failed_recving)}"
+                )
             self.step()
             time.sleep(0.002)
         return time.monotonic() - t0
@@ -525,162 +588,62 @@ class HybridInstance(Instance):
         super().__init__(role, **kw)
 
 
-# -- in a process of its own -------------------------------------------------------------
-
-_KINDS: dict[str, type[Instance]] = {"Instance": Instance, "HybridInstance": HybridInstance}
-
-
-def _serve(conn: Any, kind: str, role: str, kw: dict[str, Any]) -> None:
-    """An instance's engine loop in its own process: steps while the scheduler holds
-    requests (as EngineCore does), answering commands between steps."""
-    inst = _KINDS[kind](role, **kw)
-    conn.send(("ready", [w.engine.address for w in inst.workers()], inst.free_at_start))
-    reported: set[str] = set()
-    while True:
-        has = inst.scheduler.has_requests()
-        busy = has or bool(inst.held())
-        while conn.poll(0 if busy else 0.005):
-            msg = conn.recv()
-            cmd = msg[0]
-            if cmd == "add":
-                for rid, prompt in msg[1]:
-                    inst.add(rid, prompt, 1, {"do_remote_decode": True})
-                conn.send(("ok",))
-            elif cmd == "faults":
-                for w in inst.workers():
-                    w.engine._e._inject_faults(send_delay_us=msg[1], corrupt_next_sends=None)
-                conn.send(("ok",))
-            elif cmd == "state":
-                st = {
-                    "held": sorted(inst.held()),
-                    "free": inst.free_blocks(),
-                    "free_at_start": inst.free_at_start,
-                    "finished_sending": sorted(inst.finished_sending),
-                    "leaks": inst.leaks(),
-                    "released": [dict(w.stats.data.get("published_released", {})) for w in inst.workers()],
-                    "publishing": [sorted(w._sending) for w in inst.workers()],
-                }
-                conn.send(("state", st))
-            elif cmd == "stop":
-                inst.close()
-                conn.send(("stopped",))
-                return
-        if busy:
-            inst.step()
-            new = {r: o.kv_transfer_params for r, o in inst.final.items() if r not in reported}
-            if new:
-                reported |= set(new)
-                conn.send(("finished", new))
-            if not has:
-                time.sleep(0.002)  # only waiting for releases: don't spin
-
-
-class RemoteInstance:
-    """An :class:`Instance` (or ``kind``) in a spawned process: a prefill that a test
-    can SIGKILL (:meth:`kill`)."""
-
-    def __init__(self, role: str = "kv_producer", kind: str = "Instance", **kw: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, kind, role, kw), daemon=True)
-        self.proc.start()
-        deadline = time.monotonic() + 300
-        while not self.conn.poll(0.2):
-            if not self.proc.is_alive() or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"instance process did not start (exit code {self.proc.exitcode})")
-        _, self.addresses, self.free_at_start = self.conn.recv()
-        self.finished: dict[str, dict[str, Any]] = {}
-
-    def _poll(self, deadline: float) -> bool:
-        while not self.conn.poll(0.05):
-            if not self.proc.is_alive() or time.monotonic() > deadline:
-                return False
-        return True
-
-    def _call(self, *msg: Any, timeout: float = 60.0) -> tuple[Any, ...]:
-        self.conn.send(msg)
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self._poll(deadline):
-                raise AssertionError(f"instance did not answer {msg[0]!r} (alive: {self.proc.is_alive()})")
-            r = self.conn.recv()
-            if r[0] == "finished":
-                self.finished.update(r[1])
-                continue
-            return tuple(r)
-
-    def prefill(self, reqs: list[tuple[str, list[int]]], timeout: float = 60.0) -> dict[str, dict[str, Any]]:
-        """Runs these requests' prefill; returns their kv_transfer_params."""
-        self._call("add", reqs)
-        deadline = time.monotonic() + timeout
-        want = {r for r, _ in reqs}
-        while not want <= set(self.finished):
-            if not self._poll(deadline):
-                raise AssertionError(f"prefill of {sorted(want - set(self.finished))} did not finish")
-            r = self.conn.recv()
-            assert r[0] == "finished", r
-            self.finished.update(r[1])
-        return {r: self.finished[r] for r in want}
-
-    def wait_published(self, req_ids: set[str], timeout: float = 10.0) -> None:
-        """Waits until every rank has published these requests (the prefill publishes
-        one engine step after it returned their params): a decode that starts its pulls
-        after this meets no miss, whatever the load on the machine."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.state()
-            if all(req_ids <= set(pub) for pub in st["publishing"]):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"prefill did not publish {sorted(req_ids)} on every rank: {st['publishing']}")
-            time.sleep(0.01)
-
-    def faults(self, send_delay_us: int) -> None:
-        """Delays every rank's sends by this much per chunk."""
-        self._call("faults", send_delay_us)
-
-    def state(self) -> dict[str, Any]:
-        return dict(self._call("state")[1])
-
-    def wait_freed(self, req_ids: set[str], timeout: float) -> dict[str, Any]:
-        """Waits until the instance freed these requests' blocks; returns its state."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.state()
-            if not req_ids & set(st["held"]):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"still held: {sorted(req_ids & set(st['held']))}; state {st}")
-            time.sleep(0.02)
-
-    def kill(self) -> int | None:
-        """SIGKILL, as a crashed or OOM-killed worker; returns the exit code (-9)."""
-        self.proc.kill()
-        self.proc.join(10)
-        return self.proc.exitcode
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self._call("stop", timeout=30)
-            except (AssertionError, OSError, EOFError):
-                pass
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.kill()
-
-
-@pytest.fixture
-def made(need_vllm: None) -> Iterator[list[Any]]:
-    """A list the test appends its instances to; each is closed (or stopped) after it."""
+@contextlib.contextmanager
+def made() -> Iterator[list[Any]]:
+    """A list to append instances to; on exit each is closed (a :class:`RemoteInstance`
+    stopped): the body of conftest.py's fixture of the same name."""
     out: list[Any] = []
-    yield out
-    for i in out:
-        if isinstance(i, RemoteInstance):
-            i.stop()
-        else:
-            i.close()
+    try:
+        yield out
+    finally:
+        for i in out:
+            if isinstance(i, RemoteInstance):
+                i.stop()
+            else:
+                i.close()
+
+
+# -- one rank of tiny-llama, the instance of the lifecycle suites -------------------------
+
+BLOCK_SIZE = 16
+# test_connector.py, test_connector_drain.py, test_connector_hooks.py and
+# test_vllm_lifecycle.py: one rank of tiny-llama (2 KV heads), room for many requests,
+# and the connector's own option defaults.
+ONE_RANK: dict[str, Any] = {
+    "model": KV2,
+    "kv_heads": 2,
+    "block_size": BLOCK_SIZE,
+    "num_blocks": 512,
+    "max_num_seqs": 128,
+    "max_num_batched_tokens": 8192,
+    "extra_defaults": {},
+}
+
+
+def one_rank(role: str, extra: dict[str, Any], **kw: Any) -> Instance:
+    """A :data:`ONE_RANK` instance in this process (``kw``: any other
+    :class:`Instance` argument)."""
+    return Instance(role, extra=extra, **{**ONE_RANK, **kw})
+
+
+def prefill_process(extra: dict[str, Any], num_blocks: int = 1024) -> RemoteInstance:
+    """A :data:`ONE_RANK` prefill instance in a process of its own."""
+    return RemoteInstance("kv_producer", extra=extra, **{**ONE_RANK, "num_blocks": num_blocks})
+
+
+def with_device(extra: dict[str, Any], kv_device: str) -> dict[str, Any]:
+    """``extra`` with ``device="sim"`` when ``kv_device`` is ``sim`` (KV in host
+    memory, adopted as kvferry's sim device memory)."""
+    return {**extra, "device": "sim"} if kv_device == "sim" else dict(extra)
+
+
+def check_landed(d: Instance, rid: str, prompt: list[int]) -> None:
+    """When the pull landed, every prompt position of every rank held the prefill's
+    bytes (salt 1; the decode writes salt 2, so nothing it computed itself can pass)."""
+    for rank, slots in enumerate(d.landed[rid]):
+        assert len(slots) == len(prompt)
+        for pos in range(len(prompt)):
+            assert slots[pos] == d.expected(prompt, rank, pos), f"{rid}: rank {rank}, position {pos} differs"
 
 
 def prefill(p: Instance, reqs: list[tuple[str, list[int]]]) -> dict[str, dict[str, Any]]:
