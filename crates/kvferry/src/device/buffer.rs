@@ -39,6 +39,20 @@ pub trait BufferBackend: Send + Sync + std::fmt::Debug + 'static {
 
     /// The concrete buffer, for backends that need their own handle (CUDA).
     fn as_any(&self) -> &dyn Any;
+
+    /// A handle another process of this host can open this memory by (device IPC:
+    /// a sim allocation's shared-memory handle, a CUDA IPC memory handle), or why
+    /// there is none.
+    fn export_handle(&self) -> Result<Vec<u8>, DeviceError> {
+        Err(DeviceError::InvalidArgument(
+            "this device memory cannot be exported to another process".into(),
+        ))
+    }
+
+    /// True for memory imported from another process: only ever a copy's source.
+    fn read_only(&self) -> bool {
+        false
+    }
 }
 
 /// Device memory. Cheap to clone; the memory is freed when the last clone and the last
@@ -105,6 +119,17 @@ impl DeviceBuffer {
         self.slice(0, self.len())
     }
 
+    /// A handle another process of this host can open this memory by (see
+    /// [`Device::open_ipc`](super::Device::open_ipc)), or why there is none.
+    pub fn export_handle(&self) -> Result<Vec<u8>, DeviceError> {
+        self.inner.export_handle()
+    }
+
+    /// True for memory imported from another process (never a copy's destination).
+    pub fn is_read_only(&self) -> bool {
+        self.inner.read_only()
+    }
+
     /// True when both handles are the same memory.
     pub fn same_buffer(&self, other: &DeviceBuffer) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -145,13 +170,35 @@ pub(crate) struct HostBuffer {
     device: u64,
     region: Arc<Region>,
     budget: Option<Arc<AtomicUsize>>,
+    /// Shared memory another process may open (sim allocations).
+    export: Option<super::shm::ShmHandle>,
+    /// Imported from another process: never written.
+    read_only: bool,
 }
 
 impl HostBuffer {
     /// Wraps `region` as memory of device `device`; `budget` is decremented by the
     /// region's size when the buffer is dropped.
     pub(crate) fn new(device: u64, region: Arc<Region>, budget: Option<Arc<AtomicUsize>>) -> HostBuffer {
-        HostBuffer { device, region, budget }
+        HostBuffer {
+            device,
+            region,
+            budget,
+            export: None,
+            read_only: false,
+        }
+    }
+
+    /// Marks the buffer exportable as `handle`.
+    pub(crate) fn exported(mut self, handle: super::shm::ShmHandle) -> HostBuffer {
+        self.export = Some(handle);
+        self
+    }
+
+    /// Marks the buffer imported (read-only).
+    pub(crate) fn imported(mut self) -> HostBuffer {
+        self.read_only = true;
+        self
     }
 }
 
@@ -177,6 +224,11 @@ impl BufferBackend for HostBuffer {
     }
 
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), DeviceError> {
+        if self.read_only {
+            return Err(DeviceError::InvalidArgument(
+                "device memory imported from another process is read-only".into(),
+            ));
+        }
         check_range(offset, data.len(), self.region.len(), "device buffer")?;
         Ok(self.region.write(offset, data)?)
     }
@@ -188,5 +240,18 @@ impl BufferBackend for HostBuffer {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+
+    fn export_handle(&self) -> Result<Vec<u8>, DeviceError> {
+        match &self.export {
+            Some(h) => Ok(h.to_bytes()),
+            None => Err(DeviceError::InvalidArgument(
+                "this memory is not shared (adopted host memory, host-device memory, or a sim allocation made without shared memory)".into(),
+            )),
+        }
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 }

@@ -177,6 +177,10 @@ async fn run(engine: CopyEngine, mut rx: UnboundedReceiver<(Queued, ())>) {
             Queued::Record { signal } => {
                 signal.complete();
             }
+            // Host streams refuse device-to-device copies at submission.
+            Queued::CopyD2d { signal, .. } => {
+                signal.fail("host streams do not copy device to device");
+            }
             Queued::Wait { event } => event.signal().settled().await,
         }
     }

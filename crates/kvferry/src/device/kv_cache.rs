@@ -19,12 +19,17 @@
 //! timeout or cancel the staging pages are quarantined until the device confirms (see
 //! the module docs of [`device`](super)).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Device, DeviceBuffer, DeviceError, DeviceSlice, GatherSegment, PendingCopy, ScatterSegment, Stream};
+use super::{
+    D2dSegment, Device, DeviceBuffer, DeviceError, DeviceSlice, Event, GatherSegment, PendingCopy, ScatterSegment,
+    Stream,
+};
 use crate::layout::{BlockMap, LayoutError, Span};
 use crate::mem::Lease;
 
@@ -38,7 +43,34 @@ pub struct DeviceKvCache {
     starts: Vec<usize>,
     map: BlockMap,
     op_timeout: Duration,
+    /// This cache's export to other processes (device IPC), made once, on first use.
+    export: OnceLock<Result<CacheExport, String>>,
+    /// Producers' exports opened on this cache's device, per peer address.
+    imports: Mutex<HashMap<String, Vec<Import>>>,
+    /// Exported allocations opened so far (each open counted once).
+    opens: AtomicU64,
 }
+
+/// How another process of this host reaches a cache's device memory (device IPC).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheExport {
+    /// Random, names this export (one registration) in grants.
+    pub id: u64,
+    /// The device-IPC kind (see [`Device::ipc_kind`]).
+    pub kind: &'static str,
+    /// Each buffer's handle and length, in the cache's buffer order.
+    pub buffers: Vec<(Vec<u8>, u64)>,
+}
+
+/// A producer's export opened here.
+struct Import {
+    incarnation: u64,
+    export_id: u64,
+    buffers: Arc<[DeviceBuffer]>,
+}
+
+/// Most exports of one peer kept open per cache (older ones close first).
+const MAX_IMPORTS_PER_PEER: usize = 64;
 
 impl std::fmt::Debug for DeviceKvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -111,6 +143,9 @@ impl DeviceKvCache {
             starts,
             map,
             op_timeout,
+            export: OnceLock::new(),
+            imports: Mutex::new(HashMap::new()),
+            opens: AtomicU64::new(0),
         })
     }
 
@@ -247,11 +282,191 @@ impl DeviceKvCache {
         self.streams.lock().len()
     }
 
+    /// This cache's export for other processes of this host (made once: one handle
+    /// per buffer), or why it has none (a device without IPC, a buffer not shared).
+    pub fn export(&self) -> Result<&CacheExport, String> {
+        self.export
+            .get_or_init(|| {
+                let kind = self
+                    .device
+                    .ipc_kind()
+                    .ok_or_else(|| format!("{} exports no memory", self.device.name()))?;
+                let mut buffers = Vec::with_capacity(self.buffers.len());
+                for (i, b) in self.buffers.iter().enumerate() {
+                    let h = b.export_handle().map_err(|e| format!("buffer {i}: {e}"))?;
+                    buffers.push((h, b.len() as u64));
+                }
+                Ok(CacheExport {
+                    id: rand::random(),
+                    kind,
+                    buffers,
+                })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// `ranges` of the cache's address space as `(buffer, offset in it, length)` runs
+    /// (cut at buffer boundaries), as a device-IPC grant names them.
+    pub fn export_runs(&self, ranges: &[(usize, usize)]) -> Result<Vec<(u32, u64, u64)>, DeviceError> {
+        let mut out: Vec<(u32, u64, u64)> = Vec::new();
+        let mut slices = Vec::new();
+        for &(off, len) in ranges {
+            slices.clear();
+            self.slices(off, len, &mut slices)?;
+            for s in &slices {
+                let i = self
+                    .buffers
+                    .iter()
+                    .position(|b| b.same_buffer(&s.buffer))
+                    .expect("a slice of one of the buffers") as u32;
+                match out.last_mut() {
+                    Some((b, o, l)) if *b == i && *o + *l == s.offset as u64 => *l += s.len as u64,
+                    _ => out.push((i, s.offset as u64, s.len as u64)),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The buffers of `peer`'s export `export_id` (incarnation `incarnation`) opened on
+    /// this cache's device: opened on first use and kept, so each producer
+    /// registration is opened once per incarnation here. Imports of `peer`'s other
+    /// incarnations are closed now (their copies keep what they read alive until
+    /// they settle). `buffers`: each handle and length, as exported.
+    pub fn import(
+        &self,
+        peer: &str,
+        incarnation: u64,
+        export_id: u64,
+        kind: &str,
+        buffers: &[(Vec<u8>, u64)],
+    ) -> Result<Arc<[DeviceBuffer]>, DeviceError> {
+        if self.device.ipc_kind() != Some(kind) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "the producer's memory is {kind:?} device IPC; {} speaks {:?}",
+                self.device.name(),
+                self.device.ipc_kind()
+            )));
+        }
+        let mut imports = self.imports.lock();
+        let list = imports.entry(peer.to_string()).or_default();
+        list.retain(|i| i.incarnation == incarnation);
+        if let Some(i) = list.iter().find(|i| i.export_id == export_id) {
+            return Ok(i.buffers.clone());
+        }
+        let mut opened = Vec::with_capacity(buffers.len());
+        for (handle, len) in buffers {
+            let b = self.device.open_ipc(handle)?;
+            if (b.len() as u64) < *len {
+                return Err(DeviceError::InvalidArgument(format!(
+                    "an imported buffer holds {} bytes, its export names {len}",
+                    b.len()
+                )));
+            }
+            self.opens.fetch_add(1, Ordering::Relaxed);
+            opened.push(b);
+        }
+        let buffers: Arc<[DeviceBuffer]> = opened.into();
+        if list.len() >= MAX_IMPORTS_PER_PEER {
+            list.remove(0);
+        }
+        list.push(Import {
+            incarnation,
+            export_id,
+            buffers: buffers.clone(),
+        });
+        Ok(buffers)
+    }
+
+    /// Closes every import of `peer` (say, when it is known gone).
+    pub fn close_imports(&self, peer: &str) {
+        self.imports.lock().remove(peer);
+    }
+
+    /// Exports of other processes currently open here, and how many allocations were
+    /// opened in all (for tests and stats).
+    pub fn imports_open(&self) -> (usize, u64) {
+        let n = self.imports.lock().values().map(Vec::len).sum();
+        (n, self.opens.load(Ordering::Relaxed))
+    }
+
+    /// Queues a device-to-device copy into this cache on its copy stream: the stream
+    /// made of `runs` of `sources` (`(buffer, offset, length)`, imported with
+    /// [`import`](Self::import)) lands in `dst` (ranges of this cache's address space,
+    /// the same total length), in order. Returns the copy's fresh event; until it
+    /// settles the destination ranges must be treated as busy.
+    pub fn copy_in(
+        &self,
+        sources: &[DeviceBuffer],
+        runs: &[(u32, u64, u64)],
+        dst: &[(usize, usize)],
+        op: &str,
+    ) -> Result<Event, DeviceError> {
+        let bad = |m: String| DeviceError::InvalidArgument(format!("{}: {m}", self.name));
+        let mut dst_slices = Vec::new();
+        for &(off, len) in dst {
+            self.slices(off, len, &mut dst_slices)?;
+        }
+        let mut src_slices = Vec::with_capacity(runs.len());
+        for &(b, off, len) in runs {
+            let buf = sources
+                .get(b as usize)
+                .ok_or_else(|| bad(format!("a run names buffer {b} of {}", sources.len())))?;
+            let (off, len) = (
+                usize::try_from(off).map_err(|_| bad("run offset".into()))?,
+                usize::try_from(len).map_err(|_| bad("run length".into()))?,
+            );
+            src_slices.push(buf.slice(off, len));
+        }
+        let total = |v: &[DeviceSlice]| v.iter().map(|s| s.len).sum::<usize>();
+        if total(&src_slices) != total(&dst_slices) {
+            return Err(bad(format!(
+                "the source holds {} bytes, the destination {}",
+                total(&src_slices),
+                total(&dst_slices)
+            )));
+        }
+        // Pair the two lists, cutting at both sides' boundaries.
+        let mut segments = Vec::new();
+        let (mut si, mut di, mut s_at, mut d_at) = (0, 0, 0, 0);
+        while si < src_slices.len() && di < dst_slices.len() {
+            let (s, d) = (&src_slices[si], &dst_slices[di]);
+            let n = (s.len - s_at).min(d.len - d_at);
+            if n > 0 {
+                segments.push(D2dSegment {
+                    src: s.buffer.slice(s.offset + s_at, n),
+                    dst: d.buffer.slice(d.offset + d_at, n),
+                });
+            }
+            s_at += n;
+            d_at += n;
+            if s_at == s.len {
+                si += 1;
+                s_at = 0;
+            }
+            if d_at == d.len {
+                di += 1;
+                d_at = 0;
+            }
+        }
+        self.on_stream_with(|st| st.copy_d2d(&segments, op), |e| e)
+    }
+
     /// Submits one copy on the stream the pool picks, and remembers its event.
     fn on_stream(
         &self,
         submit: impl FnOnce(&Stream) -> Result<PendingCopy, DeviceError>,
     ) -> Result<PendingCopy, DeviceError> {
+        self.on_stream_with(submit, PendingCopy::event)
+    }
+
+    /// [`on_stream`](Self::on_stream) for any submission with an event.
+    fn on_stream_with<T>(
+        &self,
+        submit: impl FnOnce(&Stream) -> Result<T, DeviceError>,
+        event_of: impl Fn(&T) -> &Event,
+    ) -> Result<T, DeviceError> {
         let mut slots = self.streams.lock();
         let now = tokio::time::Instant::now();
         let settled = |s: &StreamSlot| s.last.as_ref().is_none_or(|e| e.query().is_settled());
@@ -286,7 +501,7 @@ impl DeviceKvCache {
         let pending = submit(&slots[pick].stream)?;
         let seq = slots.iter().map(|s| s.used).max().unwrap_or(0) + 1;
         let slot = &mut slots[pick];
-        slot.last = Some(pending.event().clone());
+        slot.last = Some(event_of(&pending).clone());
         slot.used = seq;
         Ok(pending)
     }

@@ -76,6 +76,7 @@ mod executor;
 mod host;
 mod kv_cache;
 mod output;
+mod shm;
 mod sim;
 mod stream;
 
@@ -90,11 +91,13 @@ pub use event::{
     BoxFuture, Event, EventId, EventMeta, EventSignal, EventStatus, EventTrigger, PushSignal, SettleCallback,
 };
 pub use host::HostDevice;
-pub use kv_cache::{DeviceKvCache, MAX_STREAMS as KV_CACHE_MAX_STREAMS};
+pub use kv_cache::{CacheExport, DeviceKvCache, MAX_STREAMS as KV_CACHE_MAX_STREAMS};
 pub use output::{AsyncOutput, OutputBytes};
-pub use sim::{Fault, FaultRule, SimConfig, SimDevice, Trigger};
+pub use shm::{ShmError, ShmHandle};
+pub use sim::{Fault, FaultRule, SimConfig, SimDevice, Trigger, SIM_IPC};
 pub use stream::{
-    CopyDirection, CopyOp, CopyPart, GatherSegment, HostPages, PendingCopy, ScatterSegment, Stream, StreamBackend,
+    CopyDirection, CopyOp, CopyPart, D2dOp, D2dSegment, GatherSegment, HostPages, PendingCopy, ScatterSegment, Stream,
+    StreamBackend,
 };
 
 use std::time::Duration;
@@ -216,6 +219,25 @@ pub trait Device: Send + Sync + std::fmt::Debug + 'static {
 
     /// Creates a stream: an ordered queue of device work.
     fn create_stream(&self, name: &str) -> Result<Stream, DeviceError>;
+
+    /// The kind of device IPC this device's exported memory speaks (`"sim-shm"`,
+    /// `"cuda-ipc"`), `None` when it exports none. Two devices exchange memory only
+    /// when their kinds are equal.
+    fn ipc_kind(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Opens memory another process of this host exported
+    /// ([`DeviceBuffer::export_handle`]) as a read-only buffer of this device, usable
+    /// as the source of [`Stream::copy_d2d`]. The import is closed when the returned
+    /// buffer and every copy reading it are gone.
+    fn open_ipc(&self, handle: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        let _ = handle;
+        Err(DeviceError::InvalidArgument(format!(
+            "{} cannot open memory of another process",
+            self.name()
+        )))
+    }
 }
 
 /// Rejects a zero timeout (a deadline already past at submission is instead allowed and

@@ -1,7 +1,11 @@
 //! The sim backend: a simulated device with configurable latency and bandwidth, and
 //! fault injection, one per rank.
 //!
-//! Device memory is host memory (optionally under a capacity limit). A copy takes
+//! Device memory is host memory (optionally under a capacity limit): each allocation
+//! is a shared-memory file (`memfd`, see `shm`) that another process of this host may
+//! open read-only ([`Device::open_ipc`], device IPC: the analogue of CUDA IPC
+//! handles), or private memory where shared memory cannot be made. A device-to-device
+//! copy ([`Stream::copy_d2d`]) follows the same model and faults as any copy. A copy takes
 //! `latency + bytes / bandwidth` (times a [`Fault::Slow`] factor) on the tokio clock —
 //! so tests under paused time are exact — and its bytes land at the end of that time.
 //! Records complete when reached; waits block the stream until the awaited event
@@ -35,8 +39,8 @@ use crate::mem::Region;
 
 use super::buffer::{DeviceBuffer, HostBuffer};
 use super::event::{Event, EventMeta, PushSignal};
-use super::executor::{copy_inline, enqueue, Queued};
-use super::stream::{CopyOp, Stream, StreamBackend};
+use super::executor::{copy_inline, copy_inline_d2d, enqueue, Queued};
+use super::stream::{CopyOp, D2dOp, Stream, StreamBackend};
 use super::{next_device_id, Device, DeviceError, DeviceKind};
 
 /// A fault the sim device injects into one operation.
@@ -362,7 +366,14 @@ impl Device for SimDevice {
             used.fetch_add(len, Ordering::AcqRel);
         }
         let budget = Some(used.clone());
-        let region = match Region::host(format!("sim-device-{}", self.shared.id), len) {
+        // Shared memory first, so that another process of this host may open it
+        // (device IPC); private memory when shared memory is not available.
+        let name = format!("sim-device-{}", self.shared.id);
+        if let Ok((region, handle)) = super::shm::create(&name, len) {
+            let buf = HostBuffer::new(self.shared.id, region, budget).exported(handle);
+            return Ok(DeviceBuffer::new(Arc::new(buf)));
+        }
+        let region = match Region::host(name, len) {
             Ok(r) => r,
             Err(e) => {
                 used.fetch_sub(len, Ordering::AcqRel);
@@ -374,6 +385,19 @@ impl Device for SimDevice {
             Arc::new(region),
             budget,
         ))))
+    }
+
+    fn ipc_kind(&self) -> Option<&'static str> {
+        Some(SIM_IPC)
+    }
+
+    fn open_ipc(&self, handle: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        let shm_err = |e: super::shm::ShmError| DeviceError::Driver(format!("sim device IPC: {e}"));
+        let handle = super::shm::ShmHandle::from_bytes(handle).map_err(shm_err)?;
+        let region = super::shm::open(&handle).map_err(shm_err)?;
+        Ok(DeviceBuffer::new(Arc::new(
+            HostBuffer::new(self.shared.id, region, None).imported(),
+        )))
     }
 
     fn create_stream(&self, name: &str) -> Result<Stream, DeviceError> {
@@ -448,7 +472,20 @@ impl StreamBackend for SimStream {
         )?;
         Ok(())
     }
+
+    fn copy_d2d(&self, op: D2dOp) -> Result<Event, DeviceError> {
+        let meta = op.meta.clone();
+        let plan = self.shared.plan(true);
+        let item = Queued::CopyD2d {
+            op,
+            signal: PushSignal::new(),
+        };
+        Ok(enqueue(&self.tx, &self.name, item, Some(meta), plan)?.expect("copies have events"))
+    }
 }
+
+/// The device-IPC kind of sim devices: shared memory of one host.
+pub const SIM_IPC: &str = "sim-shm";
 
 /// The stream's executor: runs queued work in order, applying each item's plan.
 async fn run(shared: Arc<Shared>, mut rx: UnboundedReceiver<(Queued, Plan)>) {
@@ -467,6 +504,25 @@ async fn run(shared: Arc<Shared>, mut rx: UnboundedReceiver<(Queued, Plan)>) {
                     Err("injected fault: copy failed".to_string())
                 } else {
                     copy_inline(&op)
+                };
+                drop(op);
+                if plan.never {
+                    shared.held(plan.generation).await;
+                }
+                match result {
+                    Ok(()) => signal.complete(),
+                    Err(message) => signal.fail(message),
+                };
+            }
+            Queued::CopyD2d { op, signal } => {
+                let t = shared.copy_time(op.bytes()) * plan.slow.max(1);
+                if !t.is_zero() {
+                    tokio::time::sleep(t).await;
+                }
+                let result = if plan.fail {
+                    Err("injected fault: copy failed".to_string())
+                } else {
+                    copy_inline_d2d(&op)
                 };
                 drop(op);
                 if plan.never {
@@ -570,5 +626,53 @@ mod tests {
         ev.wait(Instant::now() + Duration::from_secs(1)).await.unwrap();
         assert_eq!(arena.stats().quarantined_pages, 0);
         assert_eq!(arena.stats().free_pages, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exported_memory_copies_device_to_device_on_the_importer_stream() {
+        use crate::device::D2dSegment;
+        let producer = SimDevice::new(SimConfig::new(0)).unwrap();
+        let consumer = SimDevice::new(SimConfig::new(1)).unwrap();
+        let src = producer.alloc(4096).unwrap();
+        src.write(0, &[7; 4096]).unwrap();
+        let imported = consumer.open_ipc(&src.export_handle().unwrap()).unwrap();
+        assert!(imported.is_read_only());
+        assert!(imported.write(0, &[1]).is_err(), "imports are never written");
+        let dst = consumer.alloc(4096).unwrap();
+        let s = consumer.create_stream("d2d").unwrap();
+        let seg = D2dSegment {
+            src: imported.slice(0, 4096),
+            dst: dst.slice(0, 4096),
+        };
+        // A read-only destination is refused before anything is queued.
+        let back = D2dSegment {
+            src: dst.slice(0, 10),
+            dst: imported.slice(0, 10),
+        };
+        assert!(matches!(
+            s.copy_d2d(&[back], "bad"),
+            Err(DeviceError::InvalidArgument(_))
+        ));
+        let ev = s.copy_d2d(std::slice::from_ref(&seg), "d2d").unwrap();
+        ev.wait(Instant::now() + Duration::from_secs(1)).await.unwrap();
+        assert_eq!(dst.to_vec(0, 4096).unwrap(), vec![7; 4096]);
+        // A stuck copy times out; its bytes may land, its event settles on release.
+        consumer
+            .inject(FaultRule {
+                fault: Fault::NeverComplete,
+                trigger: Trigger::Next,
+            })
+            .unwrap();
+        let ev = s.copy_d2d(&[seg], "stuck").unwrap();
+        assert!(matches!(
+            ev.wait(Instant::now() + Duration::from_millis(100)).await,
+            Err(DeviceError::Timeout { rank: 1, .. })
+        ));
+        consumer.release_stuck();
+        ev.wait(Instant::now() + Duration::from_secs(1)).await.unwrap();
+        // A host device refuses to open another process's memory.
+        let engine = crate::copy::CopyEngine::new(crate::copy::CopyConfig::default()).unwrap();
+        let host = crate::device::HostDevice::new(engine, 0).unwrap();
+        assert!(host.open_ipc(&src.export_handle().unwrap()).is_err());
     }
 }

@@ -108,6 +108,44 @@ pub trait StreamBackend: Send + Sync + std::fmt::Debug + 'static {
 
     /// Makes work queued after this call wait until `event` has settled.
     fn wait_event(&self, event: &Event) -> Result<(), DeviceError>;
+
+    /// Queues a device-to-device copy (validated as for `copy`); returns the event that
+    /// completes with it. Backends without device-to-device copies refuse it (nothing
+    /// queued).
+    fn copy_d2d(&self, op: D2dOp) -> Result<Event, DeviceError> {
+        let _ = op;
+        Err(DeviceError::InvalidArgument(format!(
+            "stream {:?} does not copy device to device",
+            self.name()
+        )))
+    }
+}
+
+/// One segment of a device-to-device copy: `src` into `dst`, of equal lengths.
+#[derive(Clone, Debug)]
+pub struct D2dSegment {
+    /// The bytes read (memory of this device, or imported onto it).
+    pub src: DeviceSlice,
+    /// Where they land (memory of this device, never imported memory).
+    pub dst: DeviceSlice,
+}
+
+/// A device-to-device copy as handed to a [`StreamBackend`]: validated (ranges in
+/// bounds, buffers of the stream's device, destinations writable and disjoint). It
+/// keeps every buffer it names alive until the backend drops it.
+#[derive(Debug)]
+pub struct D2dOp {
+    /// The operation's identity (use it for the returned event).
+    pub meta: EventMeta,
+    /// The segments, in order.
+    pub segments: Vec<D2dSegment>,
+}
+
+impl D2dOp {
+    /// Total bytes the copy moves.
+    pub fn bytes(&self) -> usize {
+        self.segments.iter().map(|s| s.dst.len).sum()
+    }
 }
 
 /// One segment of a gather: a device range copied to `dst_offset` in the lease.
@@ -229,6 +267,7 @@ impl Stream {
         op: &str,
     ) -> Result<PendingCopy, DeviceError> {
         self.check_buffer(dst)?;
+        check_writable(dst)?;
         check_range(dst_offset, len, dst.len(), "device buffer")?;
         check_range(src_offset, len, src.len(), "lease")?;
         let mut parts = Vec::new();
@@ -258,6 +297,7 @@ impl Stream {
         let mut dst_ranges: Vec<(u64, usize, usize)> = Vec::with_capacity(segments.len());
         for s in segments {
             self.check_buffer(&s.dst.buffer)?;
+            check_writable(&s.dst.buffer)?;
             s.dst.check()?;
             check_range(s.src_offset, s.dst.len, src.len(), "lease")?;
             if s.dst.len > 0 {
@@ -288,6 +328,48 @@ impl Stream {
             }
         }
         self.submit(CopyDirection::HostToDevice, src, parts, op)
+    }
+
+    /// Queues a device-to-device copy of `segments` (sources may be memory imported
+    /// from another process with [`Device::open_ipc`](super::Device::open_ipc)); returns
+    /// its fresh event. No host memory is involved, so nothing is quarantined here:
+    /// the caller must treat the destination ranges as busy until the event settles
+    /// (a timeout or cancel leaves them so until the device confirms).
+    pub fn copy_d2d(&self, segments: &[D2dSegment], op: &str) -> Result<Event, DeviceError> {
+        let mut dst_ranges: Vec<(u64, usize, usize)> = Vec::with_capacity(segments.len());
+        for s in segments {
+            self.check_buffer(&s.src.buffer)?;
+            self.check_buffer(&s.dst.buffer)?;
+            s.src.check()?;
+            s.dst.check()?;
+            if s.src.len != s.dst.len {
+                return Err(DeviceError::InvalidArgument(format!(
+                    "a device-to-device segment copies {} bytes into {}",
+                    s.src.len, s.dst.len
+                )));
+            }
+            if s.dst.buffer.is_read_only() {
+                return Err(DeviceError::InvalidArgument(
+                    "a device-to-device copy may not write imported (read-only) memory".into(),
+                ));
+            }
+            if s.dst.len > 0 {
+                let id = Arc::as_ptr(s.dst.buffer.backend()) as *const () as u64;
+                dst_ranges.push((id, s.dst.offset, s.dst.offset + s.dst.len));
+            }
+        }
+        dst_ranges.sort_unstable();
+        if let Some(w) = dst_ranges.windows(2).find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
+            return Err(DeviceError::InvalidArgument(format!(
+                "destination ranges overlap in a device buffer at offset {}",
+                w[1].1
+            )));
+        }
+        let segments = segments.iter().filter(|s| s.dst.len > 0).cloned().collect();
+        self.inner.copy_d2d(D2dOp {
+            meta: EventMeta::new(op, self.inner.rank()),
+            segments,
+        })
     }
 
     fn check_buffer(&self, b: &DeviceBuffer) -> Result<(), DeviceError> {
@@ -348,6 +430,15 @@ impl Stream {
     pub fn backend(&self) -> &Arc<dyn StreamBackend> {
         &self.inner
     }
+}
+
+fn check_writable(b: &DeviceBuffer) -> Result<(), DeviceError> {
+    if b.is_read_only() {
+        return Err(DeviceError::InvalidArgument(
+            "a copy may not write device memory imported from another process".into(),
+        ));
+    }
+    Ok(())
 }
 
 enum Holding {
