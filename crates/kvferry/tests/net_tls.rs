@@ -304,3 +304,46 @@ async fn wait_for(cond: impl Fn() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Under TLS a lease belongs to the certificate's identity, while the peer directory
+/// names peers by the id they claim. A decode that leaves the directory has its staged
+/// leases released at once (not at their TTL), and only its own: another decode
+/// presenting a certificate with the same identity keeps its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_peer_that_left_the_directory_has_only_its_leases_released_at_once() {
+    use kvferry::engine::StaticDirectory;
+
+    let ca = Ca::new("fleet CA");
+    let dir = Arc::new(StaticDirectory::default());
+    let mut cfg = common::engines::small_config("prefill");
+    cfg.net.tls = Some(ca.tls("prefill.node"));
+    cfg.directory = Some(dir.clone());
+    let prefill = Engine::start(cfg).await.unwrap();
+    let addr = prefill.address().unwrap().to_string();
+    // One certificate identity for the whole decode fleet.
+    let d1 = engine("decode-1", Some(ca.tls("decode.fleet"))).await;
+    let d2 = engine("decode-2", Some(ca.tls("decode.fleet"))).await;
+    dir.insert("decode-1", d1.address().unwrap().to_string());
+    dir.insert("decode-2", d2.address().unwrap().to_string());
+    let k = ChunkKey::from_name("tls/leaving");
+    d1.push(&addr, k, &pattern(3, 2 * (16 << 10)), deadline())
+        .await
+        .unwrap();
+    let h1 = d1.stage(&addr, &[k], deadline()).await.unwrap();
+    let h2 = d2.stage(&addr, &[k], deadline()).await.unwrap();
+    let held = prefill.producer().lease_pages_held_by("decode.fleet");
+    assert!(held >= 2, "{held}");
+    dir.remove("decode-1");
+    wait_for(|| prefill.producer().lease_pages_held_by("decode.fleet") == held / 2).await;
+    // decode-2's lease is intact: its pull lands the bytes; decode-1's is gone.
+    let region = Arc::new(Region::host("dst-leaving", 4 * (16 << 10)).unwrap());
+    let reg = d2
+        .register(KvCache::contiguous(region.clone(), 16 << 10).unwrap())
+        .unwrap();
+    let d = Destination::new(reg.cache.clone(), vec![vec![0, 1]]);
+    d2.resolve(h2, d, deadline()).await.unwrap();
+    assert_eq!(region.to_vec(0, 2 * (16 << 10)).unwrap(), pattern(3, 2 * (16 << 10)));
+    let d = Destination::new(reg.cache.clone(), vec![vec![2, 3]]);
+    assert!(d1.resolve(h1, d, deadline()).await.is_err());
+    wait_for(|| prefill.producer().lease_pages_held_by("decode.fleet") == 0).await;
+}

@@ -74,6 +74,11 @@ pub struct Holder {
     pub source: Option<IpAddr>,
     /// True when the identity is proven (a TLS certificate) or local.
     pub proven: bool,
+    /// Under TLS, the peer id the connection claimed when it differs from the
+    /// certificate's identity: the name the peer directory knows it by, so that a peer
+    /// the directory reports lost has its leases released (several peers may share one
+    /// certificate). Not an authority: only the owner's own leases carry it.
+    pub claimed: Option<String>,
 }
 
 impl Holder {
@@ -84,6 +89,7 @@ impl Holder {
             conn: None,
             source: None,
             proven: true,
+            claimed: None,
         }
     }
 }
@@ -289,6 +295,7 @@ mod tests {
             conn: Some(conn),
             source: Some(ip.parse().unwrap()),
             proven,
+            claimed: None,
         }
     }
 

@@ -20,6 +20,9 @@ pub(crate) struct LeaseTerms {
     /// Without TLS, the incarnation of the peer it is granted to (`None`: bound to a
     /// certificate identity, or granted locally).
     pub owner_incarnation: Option<u64>,
+    /// Under TLS, the peer id its owner's connection claimed, when it differs from the
+    /// certificate's identity (see [`Ledger::release_peer`]).
+    pub claimed_by: Option<String>,
     /// The publications it sends (held until it ends; empty for store chunks).
     pub publications: Vec<PubId>,
 }
@@ -281,12 +284,18 @@ impl<L, P> Ledger<L, P> {
     }
 
     /// Peer `owner` is gone: its staged leases end now, those being staged or sent
-    /// when they come back. Returns how many leases it had.
+    /// when they come back. Returns how many leases it had. `owner` is the name the
+    /// peer directory knows it by: the owner of its leases, or, under TLS, the peer id
+    /// its connections claimed beside their certificate's identity (only the leases
+    /// granted on such a connection end: others sharing that certificate keep theirs).
     pub(crate) fn release_peer(&mut self, owner: &str, now: Instant) -> (usize, Outcome<L, P>) {
         let ids: Vec<LeaseId> = self
             .leases
             .iter()
-            .filter(|(_, r)| r.terms.owner == owner)
+            .filter(|(_, r)| match &r.terms.claimed_by {
+                Some(claimed) => claimed == owner,
+                None => r.terms.owner == owner,
+            })
             .map(|(id, _)| *id)
             .collect();
         let mut out = Outcome::default();

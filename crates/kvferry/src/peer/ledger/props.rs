@@ -360,6 +360,7 @@ impl Harness {
                 let terms = LeaseTerms {
                     owner: owner(o),
                     owner_incarnation: None,
+                    claimed_by: None,
                     publications: found.clone(),
                 };
                 let next = &mut self.next_lease;

@@ -140,6 +140,7 @@ impl Producer {
         let terms = LeaseTerms {
             owner: holder.identity.clone(),
             owner_incarnation: incarnation,
+            claimed_by: holder.claimed.clone(),
             publications: pubs,
         };
         let id = self.inner.ledger.lock().begin(terms, rand::random::<LeaseId>);

@@ -81,6 +81,8 @@ impl Producer {
             conn: Some(conn.id()),
             source: peer.addr.map(|a| a.ip()),
             proven: peer.tls_identity.is_some(),
+            // The directory's name for it, when its certificate names it otherwise.
+            claimed: (peer.authenticated_id() != peer.peer_id).then(|| peer.peer_id.clone()),
         };
         let incarnation = (!holder.proven).then_some(peer.incarnation);
         let who = Who::Remote {

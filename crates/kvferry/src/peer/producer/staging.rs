@@ -214,6 +214,7 @@ impl Producer {
             let terms = LeaseTerms {
                 owner: holder.identity.clone(),
                 owner_incarnation: incarnation,
+                claimed_by: holder.claimed.clone(),
                 publications: pubs.iter().map(|(id, _)| *id).collect(),
             };
             let id = ledger.begin(terms, rand::random::<LeaseId>);
