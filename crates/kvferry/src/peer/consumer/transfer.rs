@@ -73,7 +73,7 @@ pub(super) struct TransferCtx<'a> {
     pub(super) dirty: bool,
     /// A device copy into the destination that had not settled when the transfer
     /// ended: the fence waits for it.
-    unconfirmed: Option<crate::device::Event>,
+    pub(super) unconfirmed: Option<crate::device::Event>,
     /// A selected transfer's landing (set once the producer announced its stream).
     pub(super) landing: Option<LandingPlan>,
     /// A same-host read's copy job: started reads may outlive a cancelled receive,
