@@ -1,31 +1,38 @@
 # mypy: disable-error-code="import-untyped,import-not-found"
 # (sglang ships no type information: its classes are Any here.)
 """A small throughput benchmark of the SGLang backend against kvferry's own transfer of
-the same bytes, in one process on loopback:
+the same bytes, on loopback, the prefill and the decode in two processes (as SGLang
+runs them, and as ``kvferry bench`` runs its producer):
 
-- ``backend``: a prefill and a decode :class:`KvferryKVManager` (TP 1, SGLang's real
-  bootstrap server), one request of ``--mib`` MiB of KV pages sent in ``--chunks``
-  ``send`` calls, timed from the first ``send`` to the decode's ``Success`` (pages
-  landed, verified and drained) and the prefill's ``Success``;
+- ``backend``: a prefill :class:`KvferryKVManager` with SGLang's real bootstrap server
+  in a child process, a decode manager in this one (TP 1), one request of ``--mib`` MiB
+  of KV pages sent in ``--chunks`` ``send`` calls, timed from the first ``send`` to the
+  later of the decode's ``Success`` (pages landed, verified and drained) and the
+  prefill's ``Success`` (every chunk acknowledged); both processes poll their request
+  every 0.2 ms, as a scheduler loop would;
 - ``engine``: the same two engines and regions, the same pages, one
-  :meth:`Engine.publish` and one :meth:`Engine.get` per chunk, all in flight at once,
-  timed to the last landing: what the backend costs above kvferry itself.
+  :meth:`Engine.publish` (in the child) and one :meth:`Engine.get` per chunk, all in
+  flight at once, timed from the first publish to the last landing: what the backend
+  costs above kvferry itself.
 
-``--kvferry-bin`` adds ``kvferry bench --bytes`` (the CLI's end-to-end figure) on the
-same byte count. ``--mooncake`` adds Mooncake's transfer engine over TCP (the transport
-under SGLang's ``mooncake_tcp`` backend; ``mooncake-transfer-engine-non-cuda``, which
-needs ``libibverbs1`` even for TCP): the same pages written with one
+The stamps of the two processes are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
+for the host). ``--kvferry-bin`` adds ``kvferry bench --bytes`` (the CLI's end-to-end
+figure) on the same byte count. ``--mooncake`` adds Mooncake's transfer engine over TCP
+(the transport under SGLang's ``mooncake_tcp`` backend;
+``mooncake-transfer-engine-non-cuda``, which needs ``libibverbs1`` even for TCP), both
+its engines in this process: the same pages written with one
 ``batch_transfer_sync_write`` per chunk, contiguous page runs of each buffer coalesced,
 as SGLang's mooncake backend issues them — its transport, not SGLang's mooncake
-manager, which needs a full SGLang runtime. Prints one JSON object: GB/s of each
-(medians), the process's CPU seconds per GB for the backend and the engines
-(``*_cpu_s_per_gb``, every thread), and the ratios measured in this one invocation:
-``backend_over_engine``, ``backend_over_mooncake_tcp`` (with ``--mooncake``) and
-``backend_over_kvferry_bench`` (with ``--kvferry-bin``; the targets are ≥ 2 and ≥ 0.9).
-Both roles share this process (and its GIL): the backend's control threads and the
-two engines compete for the same cores, which separate SGLang processes would not.
+manager, which needs a full SGLang runtime. Every landed byte is compared at the end.
+Prints one JSON object: GB/s of each (medians), the CPU seconds per GB of both
+processes for the backend and the engines (``*_cpu_s_per_gb``, every thread; the
+backend's includes both polling loops), and the ratios measured in this one
+invocation: ``backend_over_engine``, ``backend_over_mooncake_tcp`` (with ``--mooncake``)
+and ``backend_over_kvferry_bench`` (with ``--kvferry-bin``; the targets are ≥ 2 and
+≥ 0.9).
 
-    python -m kvferry.integrations.sglang.bench --mib 256 --reps 5
+    python -m kvferry.integrations.sglang.bench --mib 256 --reps 5 --mooncake \
+        --kvferry-bin target/release/kvferry
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import importlib
 import json
 import os
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -115,6 +123,80 @@ def _mooncake_tcp(
     return times
 
 
+def _source(pages: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The prefill's KV and auxiliary buffers, the same bytes in every process (seeded)."""
+    kv = [torch.empty((pages * PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+    for i, buf in enumerate(kv):
+        buf.view(torch.int16).copy_(torch.randint(-30000, 30000, buf.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(i)))
+    return kv, torch.arange(4 * 64, dtype=torch.uint8).reshape(4, 64)
+
+
+def _prefill_child(pages: int, port: int) -> None:
+    """The prefill process: SGLang's bootstrap server and a prefill manager over
+    :func:`_source`'s buffers, driven by JSON lines on stdin, answering on stdout with
+    ``time.perf_counter()`` stamps (CLOCK_MONOTONIC: comparable across processes)."""
+    src_kv, src_aux = _source(pages)
+    server = KvferryKVBootstrapServer("127.0.0.1", port)
+    sa = SimpleNamespace(tp_size=1, dp_size=1, pp_size=1, host="127.0.0.1", disaggregation_bootstrap_port=port)
+    pre = KvferryKVManager(_args(src_kv, src_aux), DisaggregationMode.PREFILL, sa)
+    print(json.dumps({"ready": pre.engine.address}), flush=True)
+    for line in sys.stdin:
+        c = json.loads(line)
+        if c["op"] == "backend":
+            s = KvferryKVSender(pre, f"127.0.0.1:{port}", c["room"])
+            deadline = time.monotonic() + 60
+            while s.poll() != KVPoll.WaitingForInput:
+                assert s.poll() != KVPoll.Failed and time.monotonic() < deadline, s.state.reason
+                time.sleep(0.0005)
+            s.init(pages, 2)
+            c0, t0 = time.process_time(), time.perf_counter()
+            for chunk in c["chunks"]:
+                s.send(chunk)
+            while s.poll() not in (KVPoll.Success, KVPoll.Failed):
+                assert time.monotonic() < deadline, "the prefill did not finish in 60 s"
+                time.sleep(0.0002)
+            t1 = time.perf_counter()
+            print(json.dumps({"t0": t0, "t1": t1, "cpu": time.process_time() - c0, "ok": s.poll() == KVPoll.Success, "why": s.state.reason}), flush=True)
+            s.clear()
+        elif c["op"] == "publish":
+            c0, t0 = time.process_time(), time.perf_counter()
+            for k, chunk in zip(c["keys"], c["chunks"]):
+                pre.engine.publish(k, pre.kv_region, chunk)
+            print(json.dumps({"t0": t0, "cpu": time.process_time() - c0}), flush=True)
+        elif c["op"] == "release":
+            for k in c["keys"]:
+                pre.engine.release(k)
+            print(json.dumps({"ok": True}), flush=True)
+        else:
+            break
+    pre.close()
+    server.close()
+    os._exit(0)  # the bootstrap server's loop thread has no clean stop in 0.5.23
+
+
+class _Child:
+    def __init__(self, pages: int, port: int) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "kvferry.integrations.sglang.bench", "--prefill-child", str(pages), "--port", str(port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the prefill process exited ({self.p.wait()})")
+            if line.startswith("{"):
+                out: dict[str, Any] = json.loads(line)
+                return out
+
+    def send(self, **c: Any) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(c) + "\n")
+        self.p.stdin.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="KV bytes per request (MiB)")
@@ -124,71 +206,68 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kvferry-bin", default=None, help="also run `kvferry bench --bytes` with this binary")
     ap.add_argument("--mooncake", action="store_true", help="also time Mooncake's transfer engine over TCP")
     ap.add_argument("--scatter", action="store_true", help="decode pages in a shuffled order (as a busy pool hands them out)")
+    ap.add_argument("--prefill-child", type=int, default=None, help=argparse.SUPPRESS)
     o = ap.parse_args(argv)
+    if o.prefill_child is not None:
+        _prefill_child(o.prefill_child, o.port)
+        return
     page_bytes = PAGE * HEADS * HEAD_DIM * 2 * 2 * LAYERS
     pages = max(o.chunks, (o.mib << 20) // page_bytes)
     total = pages * page_bytes
-
-    def mk() -> list[torch.Tensor]:
-        return [torch.empty((pages * PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
-
-    src_kv, dst_kv = mk(), mk()
-    for i, buf in enumerate(src_kv):
-        buf.view(torch.int16).copy_(torch.randint(-30000, 30000, buf.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(i)))
-    src_aux, dst_aux = torch.arange(4 * 64, dtype=torch.uint8).reshape(4, 64), torch.zeros((4, 64), dtype=torch.uint8)
-    server = KvferryKVBootstrapServer("127.0.0.1", o.port)
+    child = _Child(pages, o.port)
+    dst_kv = [torch.zeros((pages * PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+    dst_aux = torch.zeros((4, 64), dtype=torch.uint8)
+    prefill_addr = str(child.read()["ready"])
     sa = SimpleNamespace(tp_size=1, dp_size=1, pp_size=1, host="127.0.0.1", disaggregation_bootstrap_port=o.port)
-    pre = KvferryKVManager(_args(src_kv, src_aux), DisaggregationMode.PREFILL, sa)
     dec = KvferryKVManager(_args(dst_kv, dst_aux), DisaggregationMode.DECODE, sa)
     ids = list(range(pages))
     dst_ids = torch.randperm(pages, generator=torch.Generator().manual_seed(7)).tolist() if o.scatter else ids
     step = -(-pages // o.chunks)
     chunks = [ids[i : i + step] for i in range(0, pages, step)]
     dst_chunks = [dst_ids[i : i + step] for i in range(0, pages, step)]
-    out: dict[str, Any] = {"bytes": total, "pages": pages, "chunks": len(chunks), "scatter": o.scatter, "reps": o.reps, "cpus": os.cpu_count()}
+    out: dict[str, Any] = {
+        "bytes": total, "pages": pages, "chunks": len(chunks), "scatter": o.scatter, "reps": o.reps, "cpus": os.cpu_count(),
+        "processes": "prefill and decode in two processes",
+    }
     backend: list[float] = []
     engine: list[float] = []
-    backend_cpu: list[float] = []  # the process's CPU seconds (every thread) per request
+    backend_cpu: list[float] = []  # both processes' CPU seconds (every thread) per request
     engine_cpu: list[float] = []
     for rep in range(o.reps):
         room = 1 + rep
-        s = KvferryKVSender(pre, f"127.0.0.1:{o.port}", room)
         r = KvferryKVReceiver(dec, f"127.0.0.1:{o.port}", room)
         r.init(0)
         r.send_metadata(dst_ids, 1)
-        deadline = time.monotonic() + 60
-        while s.poll() != KVPoll.WaitingForInput:
-            assert s.poll() != KVPoll.Failed and time.monotonic() < deadline, s.state.reason
-            time.sleep(0.001)
-        s.init(pages, 2)
         c0 = time.process_time()
-        t0 = time.perf_counter()
-        for c in chunks:
-            s.send(c)
-        while r.poll() not in (KVPoll.Success, KVPoll.Failed) or s.poll() not in (KVPoll.Success, KVPoll.Failed):
+        child.send(op="backend", room=room, chunks=chunks)
+        deadline = time.monotonic() + 60
+        while r.poll() not in (KVPoll.Success, KVPoll.Failed):
             assert time.monotonic() < deadline, "backend transfer did not finish in 60 s"
             time.sleep(0.0002)
-        dt = time.perf_counter() - t0
-        backend_cpu.append(time.process_time() - c0)
-        assert r.poll() == KVPoll.Success and s.poll() == KVPoll.Success, (r.state.reason, s.state.reason)
-        backend.append(dt)
+        t_dec = time.perf_counter()
+        assert r.poll() == KVPoll.Success, r.state.reason
+        c = child.read()
+        assert c["ok"], c["why"]
+        backend.append(max(t_dec, float(c["t1"])) - float(c["t0"]))
+        backend_cpu.append(time.process_time() - c0 + float(c["cpu"]))
         r.clear()
-        s.clear()
-        # The same bytes through the two engines directly.
+        # The same bytes through the two engines directly: one publish and one get per
+        # chunk, all in flight, timed from the first publish to the last landing.
         keys = [f"raw/{rep}/{i}" for i in range(len(chunks))]
         c0 = time.process_time()
-        t0 = time.perf_counter()
-        for k, c in zip(keys, chunks):
-            pre.engine.publish(k, pre.kv_region, c)
-        addr = pre.engine.address
-        assert addr is not None
-        gets = [dec.engine.get(addr, k, dec.kv_region, c, timeout=60) for k, c in zip(keys, dst_chunks)]
+        child.send(op="publish", keys=keys, chunks=chunks)
+        c = child.read()
+        gets = [dec.engine.get(prefill_addr, k, dec.kv_region, dc, timeout=60) for k, dc in zip(keys, dst_chunks)]
         for g in gets:
             g.wait(60)
-        engine.append(time.perf_counter() - t0)
-        engine_cpu.append(time.process_time() - c0)
-        for k in keys:
-            pre.engine.release(k)
+        engine.append(time.perf_counter() - float(c["t0"]))
+        engine_cpu.append(time.process_time() - c0 + float(c["cpu"]))
+        child.send(op="release", keys=keys)
+        child.read()
+    child.send(op="quit")
+    child.p.wait(30)
+    dec.close()
+    src_kv, src_aux = _source(pages)
     assert all(_same(a, b, ids, dst_ids) for a, b in zip(src_kv, dst_kv)), "bytes differ"
     assert torch.equal(dst_aux[1], src_aux[2]), "aux row differs"
 
@@ -203,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     out["backend_s"] = [round(x, 4) for x in backend]
     out["engine_s"] = [round(x, 4) for x in engine]
     if o.mooncake:
+        for t in dst_kv:
+            t.zero_()
         mc = _mooncake_tcp(src_kv, dst_kv, chunks, dst_chunks, o.reps)
         out["mooncake_tcp_s"] = [round(x, 4) for x in mc]
         out["mooncake_tcp_gb_per_s"] = round(total / med(mc) / 1e9, 3)
@@ -211,15 +292,12 @@ def main(argv: list[str] | None = None) -> None:
         cli = subprocess.run([o.kvferry_bin, "bench", "--bytes", f"{o.mib}MiB", "--json"], capture_output=True, text=True, timeout=300)
         try:
             b = json.loads(cli.stdout)
-            out["kvferry_bench"] = {k: b.get(k) for k in ("bytes", "gbps", "best_round_gbps", "tcp_limit_gbps", "corrupted_bytes")}
+            out["kvferry_bench"] = {k: b.get(k) for k in ("bytes", "gbps", "best_round_gbps", "tcp_limit_gbps", "mover", "corrupted_bytes")}
             out["backend_over_kvferry_bench"] = round(out["backend_gb_per_s"] / float(b["gbps"]), 3)
         except (ValueError, KeyError, TypeError):
             out["kvferry_bench"] = {"error": (cli.stderr or cli.stdout)[-500:]}
-    pre.close()
-    dec.close()
-    server.close()
     print(json.dumps(out), flush=True)
-    os._exit(0)  # the bootstrap server's loop thread has no clean stop in 0.5.23
+    os._exit(0)
 
 
 if __name__ == "__main__":
