@@ -512,11 +512,11 @@ class Engine:
         ``TimeoutError``. A miss raises ``NotFoundError``; a partial hit returns how many
         leading chunks landed; a peer that is no longer ``incarnation`` raises
         ``PeerRestartedError``. The GIL is released while waiting. ``select``: as for
-        :meth:`get`."""
-        sel = _select(select)
-        keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
-        t = self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation), sel)
-        return t.wait(None)
+        :meth:`get`. It is :meth:`get`'s transfer waited for (as the library's
+        ``Engine::get_blocking`` is its ``start_get`` waited for): one transfer, one
+        deadline, and Ctrl-C cancels it, waits for its drain and raises
+        ``KeyboardInterrupt``."""
+        return self.get(peer, key, dst, block_ids, timeout=timeout, path=path, incarnation=incarnation, select=select).wait()
 
     def release_remote(
         self,

@@ -78,8 +78,11 @@ impl Engine {
         self.transfer(Fetch::Get { peer, keys }, dst, deadline)
     }
 
-    /// The synchronous get: returns within `timeout` (plus scheduling slack). Must be
-    /// called outside the engine's runtime (it blocks the thread).
+    /// The synchronous get: [`start_get`](Self::start_get)'s transfer, waited for from
+    /// this thread by the consumer's one blocking wait; returns within `timeout` (plus
+    /// scheduling slack). Must be called outside the engine's runtime (it blocks the
+    /// thread). Python's `Engine.get_blocking` is the same transfer, waited for by the
+    /// binding (which also answers Ctrl-C).
     pub fn get_blocking(
         &self,
         peer: &str,
@@ -87,17 +90,9 @@ impl Engine {
         dst: Destination,
         timeout: Duration,
     ) -> Result<Landed, GetFailure> {
-        if self.check_open().is_err() {
-            return Err(GetFailure {
-                error: PeerError::ShuttingDown,
-                fence: crate::copy::DrainFence::ready(),
-                dirty: false,
-            });
-        }
-        let dst = self.held(dst)?;
         self.inner
             .consumer
-            .get_blocking(&self.resolve_peer(peer), keys, dst, timeout)
+            .blocking(timeout, |deadline| self.start_get(peer, keys, dst, deadline))
     }
 
     /// Delayed pull, step one: `peer` stages `keys` (copies or pins them) and answers

@@ -7,7 +7,8 @@
 //! `transfer`) and come in two forms: `start_*`, which returns a
 //! [`Transfer`](super::Transfer) whose [`DrainFence`](crate::copy::DrainFence) exists
 //! before the transfer completes, and an `async fn` built on it.
-//! [`Consumer::get_blocking`] waits for `start_get`'s transfer from a plain thread.
+//! [`Consumer::get_blocking`] waits for `start_get`'s transfer from a plain thread
+//! (through `Consumer::blocking`, the one blocking wait).
 //!
 //! One clock: every `Timeout` reports the time waited since the caller's call began
 //! (`run_fenced` measures it once), whichever step — connect, stage, receive, land —

@@ -1,5 +1,6 @@
 //! The consumer's requests that land bytes in a destination: the eager `get` (and
-//! `get_blocking`, which waits for it from a plain thread), the delayed pull's second
+//! `get_blocking`, which waits for it from a plain thread through
+//! `Consumer::blocking`, the one blocking wait), the delayed pull's second
 //! step `resolve`, and the delayed pull in one call (`start_pull`). Each comes as
 //! `start_*`, a [`Transfer`] whose [`DrainFence`] exists before the transfer completes,
 //! and as an `async fn` built on it. All of them run their transfer task (see
@@ -30,7 +31,7 @@ use crate::copy::{DrainFence, DrainSignal};
 use crate::net::NetError;
 use crate::wire::{ChunkKey, SelectionError};
 
-/// How much later than its deadline [`Consumer::get_blocking`] gives up waiting for a
+/// How much later than its deadline [`Consumer::blocking`] gives up waiting for a
 /// transfer's own answer (which normally arrives at the deadline).
 const BLOCKING_SLACK: Duration = Duration::from_millis(500);
 
@@ -168,18 +169,29 @@ impl Consumer {
         self.start_get(peer, keys, dst, deadline).await
     }
 
-    /// The synchronous get: returns within `timeout` (plus scheduling slack) with the
-    /// result or `Timeout`. It is [`start_get`](Self::start_get) run on the consumer's
-    /// runtime and waited for from this thread: on timeout the transfer is cancelled
-    /// and drained in the background, and the returned failure's fence fires when the
-    /// destination is quiet. Must not be called from inside an async task (it blocks
-    /// the thread).
+    /// The synchronous get: [`start_get`](Self::start_get) waited for by
+    /// `blocking`, the one blocking wait (see there).
     pub fn get_blocking(
         &self,
         peer: &str,
         keys: &[ChunkKey],
         dst: Destination,
         timeout: Duration,
+    ) -> Result<Landed, GetFailure> {
+        self.blocking(timeout, |deadline| self.start_get(peer, keys, dst, deadline))
+    }
+
+    /// The one blocking wait of a transfer (this consumer's and the engine's
+    /// `get_blocking`): `start` makes the transfer, given its deadline `timeout` from
+    /// now, on the consumer's runtime; this thread waits for its answer and returns
+    /// within `timeout` (plus scheduling slack) with the result or `Timeout`. On
+    /// timeout the transfer was cancelled by its own deadline and drains in the
+    /// background; the returned failure's fence fires when the destination is quiet.
+    /// Must not be called from inside an async task (it blocks the thread).
+    pub(crate) fn blocking(
+        &self,
+        timeout: Duration,
+        start: impl FnOnce(Instant) -> Transfer,
     ) -> Result<Landed, GetFailure> {
         let fail = |error| Err(GetFailure::clean(error, DrainFence::ready()));
         if timeout.is_zero() {
@@ -192,7 +204,7 @@ impl Consumer {
         }
         let transfer = {
             let _entered = self.inner.runtime.enter();
-            self.start_get(peer, keys, dst, Instant::now() + timeout)
+            start(Instant::now() + timeout)
         };
         let fence = transfer.fence();
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
