@@ -111,6 +111,7 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             ttl=self.opts.timeout,
             max_ttl=max(self.opts.timeout, 10.0),
             peer_id=f"sglang-{self.mode}-tp{self.topo.tp_rank}-{id(self):x}",
+            transport=self.opts.transport,
         )
         self.kv_region = self._register(list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens), "kv", device)
         self.aux_regions = [

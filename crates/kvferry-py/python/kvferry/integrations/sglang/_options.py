@@ -19,6 +19,9 @@ variable                            default     meaning
 ``KVFERRY_SGLANG_PATH``             ``direct``  ``direct`` or ``staged`` (kvferry's paths)
 ``KVFERRY_SGLANG_DEVICE``           ``auto``    ``host``, ``cuda:N`` or ``auto`` (CUDA when
                                                 torch sees a GPU, else host)
+``KVFERRY_SGLANG_TRANSPORT``        ``auto``    ``auto`` (a prefill on the same host is read
+                                                straight from its memory, the socket
+                                                otherwise) or ``tcp`` (always the socket)
 ==================================  ==========  =============================================
 """
 
@@ -51,12 +54,16 @@ class Options:
     host: str | None
     path: str
     device: str
+    transport: str = "auto"
 
     @classmethod
     def from_env(cls) -> Options:
         path = os.environ.get("KVFERRY_SGLANG_PATH", "direct")
         if path not in ("direct", "staged"):
             raise ValueError(f"KVFERRY_SGLANG_PATH={path!r}: expected 'direct' or 'staged'")
+        transport = os.environ.get("KVFERRY_SGLANG_TRANSPORT", "auto")
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"KVFERRY_SGLANG_TRANSPORT={transport!r}: expected 'auto' or 'tcp'")
         return cls(
             timeout=_float("KVFERRY_SGLANG_TIMEOUT", 30.0),
             bootstrap_timeout=_float("KVFERRY_SGLANG_BOOTSTRAP_TIMEOUT", 30.0),
@@ -65,6 +72,7 @@ class Options:
             host=os.environ.get("KVFERRY_SGLANG_HOST") or None,
             path=path,
             device=os.environ.get("KVFERRY_SGLANG_DEVICE", "auto"),
+            transport=transport,
         )
 
 

@@ -9,15 +9,19 @@ runs them, and as ``kvferry bench`` runs its producer):
   of KV pages sent in ``--chunks`` ``send`` calls, timed from the first ``send`` to the
   later of the decode's ``Success`` (pages landed, verified and drained) and the
   prefill's ``Success`` (every chunk acknowledged); both processes poll their request
-  every 0.2 ms, as a scheduler loop would;
+  every ``--poll-ms`` (0.2 ms), as a scheduler loop would;
 - ``engine``: the same two engines and regions, the same pages, one
   :meth:`Engine.publish` (in the child) and one :meth:`Engine.get` per chunk, all in
   flight at once, timed from the first publish to the last landing: what the backend
   costs above kvferry itself.
 
 The stamps of the two processes are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
-for the host). ``--kvferry-bin`` adds ``kvferry bench --bytes`` (the CLI's end-to-end
-figure) on the same byte count. ``--mooncake`` adds Mooncake's transfer engine over TCP
+for the host). ``--transport`` is kvferry's (``KVFERRY_SGLANG_TRANSPORT``): ``auto``
+reads the prefill's memory with ``process_vm_readv`` on one host, ``tcp`` keeps every
+byte on the socket, as between hosts (and as Mooncake's TCP transport does here).
+``--kvferry-bin`` adds ``kvferry bench --bytes --mover <transport> --producer-process
+true`` (the CLI's end-to-end figure, its producer in a child process too) on the same
+byte count. ``--mooncake`` adds Mooncake's transfer engine over TCP
 (the transport under SGLang's ``mooncake_tcp`` backend;
 ``mooncake-transfer-engine-non-cuda``, which needs ``libibverbs1`` even for TCP), both
 its engines in this process: the same pages written with one
@@ -131,7 +135,7 @@ def _source(pages: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     return kv, torch.arange(4 * 64, dtype=torch.uint8).reshape(4, 64)
 
 
-def _prefill_child(pages: int, port: int) -> None:
+def _prefill_child(pages: int, port: int, poll_s: float) -> None:
     """The prefill process: SGLang's bootstrap server and a prefill manager over
     :func:`_source`'s buffers, driven by JSON lines on stdin, answering on stdout with
     ``time.perf_counter()`` stamps (CLOCK_MONOTONIC: comparable across processes)."""
@@ -154,7 +158,7 @@ def _prefill_child(pages: int, port: int) -> None:
                 s.send(chunk)
             while s.poll() not in (KVPoll.Success, KVPoll.Failed):
                 assert time.monotonic() < deadline, "the prefill did not finish in 60 s"
-                time.sleep(0.0002)
+                time.sleep(poll_s)
             t1 = time.perf_counter()
             print(json.dumps({"t0": t0, "t1": t1, "cpu": time.process_time() - c0, "ok": s.poll() == KVPoll.Success, "why": s.state.reason}), flush=True)
             s.clear()
@@ -162,11 +166,12 @@ def _prefill_child(pages: int, port: int) -> None:
             c0, t0 = time.process_time(), time.perf_counter()
             for k, chunk in zip(c["keys"], c["chunks"]):
                 pre.engine.publish(k, pre.kv_region, chunk)
-            print(json.dumps({"t0": t0, "cpu": time.process_time() - c0}), flush=True)
-        elif c["op"] == "release":
+            print(json.dumps({"t0": t0}), flush=True)
+        elif c["op"] == "release":  # after the gets landed: the CPU since the publish
+            cpu = time.process_time() - c0
             for k in c["keys"]:
                 pre.engine.release(k)
-            print(json.dumps({"ok": True}), flush=True)
+            print(json.dumps({"cpu": cpu}), flush=True)
         else:
             break
     pre.close()
@@ -175,9 +180,13 @@ def _prefill_child(pages: int, port: int) -> None:
 
 
 class _Child:
-    def __init__(self, pages: int, port: int) -> None:
+    def __init__(self, pages: int, port: int, poll_ms: float) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.integrations.sglang.bench", "--prefill-child", str(pages), "--port", str(port)],
+            [
+                sys.executable, "-m", "kvferry.integrations.sglang.bench",
+                "--prefill-child", str(pages), "--port", str(port), "--poll-ms", str(poll_ms),
+                "--transport", os.environ.get("KVFERRY_SGLANG_TRANSPORT", "auto"),
+            ],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
@@ -206,15 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kvferry-bin", default=None, help="also run `kvferry bench --bytes` with this binary")
     ap.add_argument("--mooncake", action="store_true", help="also time Mooncake's transfer engine over TCP")
     ap.add_argument("--scatter", action="store_true", help="decode pages in a shuffled order (as a busy pool hands them out)")
+    ap.add_argument("--transport", choices=("auto", "tcp"), default="auto",
+                    help="kvferry's transport (KVFERRY_SGLANG_TRANSPORT): auto reads a same-host prefill's memory, tcp always the socket")
+    ap.add_argument("--poll-ms", type=float, default=0.2, help="how often each process polls its request (ms)")
     ap.add_argument("--prefill-child", type=int, default=None, help=argparse.SUPPRESS)
     o = ap.parse_args(argv)
+    os.environ["KVFERRY_SGLANG_TRANSPORT"] = o.transport  # both processes, before any manager
     if o.prefill_child is not None:
-        _prefill_child(o.prefill_child, o.port)
+        _prefill_child(o.prefill_child, o.port, o.poll_ms / 1e3)
         return
     page_bytes = PAGE * HEADS * HEAD_DIM * 2 * 2 * LAYERS
     pages = max(o.chunks, (o.mib << 20) // page_bytes)
     total = pages * page_bytes
-    child = _Child(pages, o.port)
+    child = _Child(pages, o.port, o.poll_ms)
+    poll_s = o.poll_ms / 1e3
     dst_kv = [torch.zeros((pages * PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
     dst_aux = torch.zeros((4, 64), dtype=torch.uint8)
     prefill_addr = str(child.read()["ready"])
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     dst_chunks = [dst_ids[i : i + step] for i in range(0, pages, step)]
     out: dict[str, Any] = {
         "bytes": total, "pages": pages, "chunks": len(chunks), "scatter": o.scatter, "reps": o.reps, "cpus": os.cpu_count(),
-        "processes": "prefill and decode in two processes",
+        "processes": "prefill and decode in two processes", "transport": o.transport,
     }
     backend: list[float] = []
     engine: list[float] = []
@@ -243,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         deadline = time.monotonic() + 60
         while r.poll() not in (KVPoll.Success, KVPoll.Failed):
             assert time.monotonic() < deadline, "backend transfer did not finish in 60 s"
-            time.sleep(0.0002)
+            time.sleep(poll_s)
         t_dec = time.perf_counter()
         assert r.poll() == KVPoll.Success, r.state.reason
         c = child.read()
@@ -261,9 +275,10 @@ def main(argv: list[str] | None = None) -> None:
         for g in gets:
             g.wait(60)
         engine.append(time.perf_counter() - float(c["t0"]))
-        engine_cpu.append(time.process_time() - c0 + float(c["cpu"]))
+        cpu = time.process_time() - c0
         child.send(op="release", keys=keys)
-        child.read()
+        engine_cpu.append(cpu + float(child.read()["cpu"]))
+    out["mover"] = [m.get("mover") for m in dec.engine.stats().get("movers") or []] or ["tcp"]
     child.send(op="quit")
     child.p.wait(30)
     dec.close()
@@ -289,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         out["mooncake_tcp_gb_per_s"] = round(total / med(mc) / 1e9, 3)
         out["backend_over_mooncake_tcp"] = round(med(mc) / med(backend), 3)
     if o.kvferry_bin:
-        cli = subprocess.run([o.kvferry_bin, "bench", "--bytes", f"{o.mib}MiB", "--json"], capture_output=True, text=True, timeout=300)
+        cli = subprocess.run([o.kvferry_bin, "bench", "--bytes", f"{o.mib}MiB", "--mover", o.transport, "--producer-process", "true", "--json"], capture_output=True, text=True, timeout=300)
         try:
             b = json.loads(cli.stdout)
             out["kvferry_bench"] = {k: b.get(k) for k in ("bytes", "gbps", "best_round_gbps", "tcp_limit_gbps", "mover", "corrupted_bytes")}
