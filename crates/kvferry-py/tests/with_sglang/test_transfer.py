@@ -151,6 +151,48 @@ def test_context_parallelism_refused_at_startup(roles: tuple[Role, Role]) -> Non
         assert "decode context parallelism (--dcp-size 4)" in err, err
 
 
+def test_decode_without_head_count_and_model_config_refused_at_startup(roles: tuple[Role, Role]) -> None:
+    """SGLang's decode gives the backend no KV head count without staging; the backend
+    then reads the model config, and where there is none (no SGLang runtime here) it
+    refuses at start-up saying so, instead of guessing a head split."""
+    _, dec = roles
+    err = _refused_at_startup(dec, "decode", no_heads=True)
+    assert err.startswith("ValueError") and "carry no KV head count" in err and "model config" in err, err
+
+
+def test_prefill_with_pipeline_parallelism_refused_at_bootstrap(roles: tuple[Role, Role]) -> None:
+    """A prefill whose bootstrap server reports pp_size 2 (registered straight through
+    SGLang's own /route API, as another backend's prefill would): the decode fails the
+    request at bootstrap, naming the setting."""
+    import requests
+
+    pre, dec = roles
+    port = next(_ports)
+    common: dict[str, Any] = dict(head_dim=8, pages=8, layers=1, mla=False, seed=port, aux_rows=4, port=port, page_size=4, heads=2)
+    pre("setup", name=f"pp{port}", mode="prefill", tp=1, ranks_here=[], **common)
+    reg = {
+        "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0,
+        "pp_size": 2, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 1,
+        "page_size": 4, "kv_cache_dtype": "int16",
+    }
+    deadline = time.monotonic() + 10
+    for pp_rank in (0, 1):  # both stages, or the server answers "not fully registered"
+        while True:
+            try:
+                r = requests.put(f"http://127.0.0.1:{port}/route", json={**reg, "pp_rank": pp_rank}, timeout=5)
+                assert r.status_code == 200, r.text
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    dec("setup", name=f"pp{port}", mode="decode", tp=1, ranks_here=[0], **common)
+    room = next(_rooms)
+    dec("start", group=f"pp{port}", room=room, pages=[1, 2], aux_index=0)
+    assert wait_for(dec, f"pp{port}", room, {FAILED, SUCCESS}) == FAILED
+    err = dec("failure", group=f"pp{port}", room=room)["errors"]["0"]
+    assert "refused pairing at bootstrap" in err and "pipeline parallelism (--pp-size 2)" in err, err
+
+
 def test_mla_tp2_to_tp1_and_tp1_to_tp2(roles: tuple[Role, Role]) -> None:
     pre, dec = roles
     g = pair(pre, dec, "mla21", 2, 1, mla=True)

@@ -77,8 +77,9 @@ def setup(c: dict[str, Any]) -> dict[str, Any]:
         args.aux_item_lens = [t[0].numel() * t.element_size() for t in aux]
         args.state_data_ptrs = []
         args.page_size = g["page_size"]
-        args.kv_head_num = heads_local
-        args.total_kv_head_num = g["heads"]
+        if not g.get("no_heads"):  # SGLang's decode sets them only with staging
+            args.kv_head_num = heads_local
+            args.total_kv_head_num = g["heads"]
         args.kv_cache_dtype_str = g.get("dtype", "int16")
         args.gpu_id = 0
         args.pp_rank = 0
