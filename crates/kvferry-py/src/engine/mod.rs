@@ -28,22 +28,22 @@ use std::time::Duration;
 
 use kvferry::engine::ChunkKey;
 use kvferry::engine::Engine;
-use kvferry::engine::Region;
 use kvferry::engine::{Destination, TransferPath};
-use kvferry::engine::{KvCache, Span};
+use kvferry::engine::{KvCache, Region, Span};
 use parking_lot::Mutex;
-use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 mod convert;
 mod device_memory;
 mod fetching;
+mod host_memory;
 mod staged;
 mod start;
 
 pub(crate) use convert::required;
 pub use convert::{byte_buffer, duration, key_of};
+pub(crate) use host_memory::HeldBuffer;
 pub use staged::PyStaged;
 
 use crate::block_ids::{self, BlockIdsArg};
@@ -61,9 +61,6 @@ static NEXT_ENGINE: AtomicUsize = AtomicUsize::new(1);
 fn buf_kind(device: Option<&EngineDevice>) -> String {
     device.map_or_else(|| "host".to_string(), |d| d.device.kind().to_string())
 }
-
-/// Registered Python memory: the buffer (holding its exporter) keeps it alive.
-pub(crate) struct HeldBuffer(#[allow(dead_code)] PyBuffer<u8>);
 
 /// Raw memory handed out by another engine: kept alive by `owner` (any object).
 struct HeldObject(#[allow(dead_code)] Py<PyAny>);
@@ -138,11 +135,6 @@ impl PyEngine {
     fn keys(keys: &Bound<'_, PyList>) -> PyResult<Vec<ChunkKey>> {
         keys.iter().map(|k| key_of(&k)).collect()
     }
-
-    fn register_cache(&self, cache: KvCache, readonly: bool) -> PyResult<PyRegion> {
-        let reg = self.engine.register(cache).map_err(py_err)?;
-        Ok(PyRegion::new(reg, readonly, self.id, self.engine.clone()))
-    }
 }
 
 #[pymethods]
@@ -193,32 +185,7 @@ impl PyEngine {
         parts: Vec<(Bound<'_, PyAny>, Vec<(usize, usize, usize)>)>,
         blocks: u32,
     ) -> PyResult<PyRegion> {
-        if parts.is_empty() {
-            return Err(ErrInfo::invalid("nothing to register").into());
-        }
-        let mut regions = Vec::with_capacity(parts.len());
-        let mut readonly = false;
-        for (i, (obj, spans)) in parts.iter().enumerate() {
-            let buf = byte_buffer(obj, &name)?;
-            readonly |= buf.readonly();
-            let len = buf.len_bytes();
-            let ptr = NonNull::new(buf.buf_ptr() as *mut u8)
-                .ok_or_else(|| ErrInfo::invalid(format!("{name}: buffer {i} is empty")))?;
-            // SAFETY: `ptr` is the buffer's memory, valid for `len` bytes while the
-            // `PyBuffer` is held; the region holds it (and so the exporting object) until
-            // every copy and socket operation referencing the region has dropped it.
-            // Writes happen only into regions that are not read-only (checked per
-            // transfer) and only into blocks a transfer owns.
-            let region = unsafe { Region::from_raw(format!("{name}[{i}]"), ptr, len, Box::new(HeldBuffer(buf))) };
-            let spans = spans
-                .iter()
-                .map(|&(offset, stride, len)| Span { offset, stride, len })
-                .collect();
-            regions.push((Arc::new(region), spans));
-        }
-        let _ = py;
-        let cache = KvCache::new(name, regions, blocks).map_err(|e| ErrInfo::invalid(e.to_string()))?;
-        self.register_cache(cache, readonly)
+        self.register_buffers(py, name, parts, blocks)
     }
 
     /// Registers raw memory another engine handed out: `ptr`, `nbytes` on the host,

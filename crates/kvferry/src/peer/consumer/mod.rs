@@ -38,6 +38,7 @@
 mod client;
 mod exchange;
 mod get;
+mod land_device;
 mod mapped;
 mod peer_watch;
 mod shared;

@@ -15,8 +15,9 @@
 //! (in `client`) is the one place that enforces it, by cancelling this task's token
 //! when the deadline passes and answering the caller `Timeout` at once. The deadline
 //! reaches the task only as `connect_bound`, the bound the connection pool's checkout
-//! needs (the same instant, so it never outlives the transfer). Device landings are
-//! bounded by the cache's own op timeout as well as by cancellation.
+//! needs (the same instant, so it never outlives the transfer). Device landings
+//! (`land_device`) are bounded by the cache's own op timeout as well as by
+//! cancellation.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -30,7 +31,7 @@ use super::client::Consumer;
 use super::shared::{check_frames, unexpected, Request, TaskError, OUTCOMES};
 use super::types::{Destination, Landed, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
-use crate::device::{DeviceError, DeviceKvCache, KvCacheRef};
+use crate::device::KvCacheRef;
 use crate::layout::KvCache;
 use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
@@ -43,9 +44,6 @@ const DEVICE_DRAIN_BOUND: std::time::Duration = std::time::Duration::from_secs(3
 fn inner_done_timeout(c: &Consumer) -> std::time::Duration {
     c.inner.cfg.done_timeout
 }
-
-/// A host-to-device scatter: `(offset in the staging lease, destination ranges)`.
-type ScatterPlan = Vec<(usize, Vec<(usize, usize)>)>;
 
 /// Where a chunk's received bytes go.
 pub(super) enum Sink {
@@ -66,7 +64,7 @@ pub(super) struct TransferCtx<'a> {
     /// Upper bound for the connection pool's checkout (the transfer's deadline, which
     /// `run_fenced` enforces by cancelling `cancel`).
     connect_bound: Instant,
-    cancel: CancellationToken,
+    pub(super) cancel: CancellationToken,
     /// The producer lease to release with `Done` if the transfer did not already.
     pub(super) lease_to_release: Option<crate::wire::LeaseId>,
     /// Set once bytes may have been written into the destination blocks.
@@ -328,69 +326,6 @@ impl TransferCtx<'_> {
             }
         }
         Ok(landed)
-    }
-
-    /// Lands verified chunks from staging pages into a device cache: one host-to-device
-    /// scatter on the cache's copy stream, waited for until the transfer is cancelled
-    /// (the caller, or its deadline) or the cache's op timeout. If the wait ends early (cancel,
-    /// failure), the pages stay quarantined until the device confirms, and this task
-    /// keeps waiting for that confirmation (bounded) before it lets the caller's fence
-    /// fire: destination blocks are reported quiet only after the scatter drained.
-    /// The scatter plan of whole chunks: chunk `i` from `offsets[i]` into its blocks.
-    fn device_plan(
-        &self,
-        cache: &DeviceKvCache,
-        offsets: &[usize],
-        chunks: &[ChunkMeta],
-    ) -> Result<ScatterPlan, PeerError> {
-        let mut plan = Vec::with_capacity(chunks.len());
-        for (i, meta) in chunks.iter().enumerate() {
-            plan.push((offsets[i], cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?));
-        }
-        Ok(plan)
-    }
-
-    async fn land_on_device(
-        &mut self,
-        cache: &Arc<DeviceKvCache>,
-        lease: Lease,
-        plan: ScatterPlan,
-        landed: Landed,
-    ) -> Result<Landed, PeerError> {
-        let device_err = |error| PeerError::Device {
-            cache: cache.name().to_string(),
-            error,
-        };
-        self.dirty = true;
-        let pending = cache
-            .scatter(lease, &plan, "land: host-to-device scatter")
-            .map_err(device_err)?;
-        let event = pending.event().clone();
-        let deadline = event.meta().submitted() + cache.op_timeout();
-        let cancel = self.cancel.clone();
-        let waited = tokio::select! {
-            r = pending.wait(deadline) => r.map(drop),
-            _ = cancel.cancelled() => Err(DeviceError::Timeout {
-                op: "land: host-to-device scatter (cancelled)".into(),
-                rank: cache.device().rank(),
-                waited: event.meta().submitted().elapsed(),
-            }),
-        };
-        match waited {
-            Ok(()) => {
-                self.dirty = false;
-                Ok(landed)
-            }
-            Err(e) => {
-                // The scatter may still be writing the destination: wait (bounded) for
-                // the device to settle it before the fence may fire.
-                self.unconfirmed = Some(event);
-                if self.cancel.is_cancelled() {
-                    return Err(PeerError::Cancelled);
-                }
-                Err(device_err(e))
-            }
-        }
     }
 
     /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
