@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::engines::{config, pair};
+use common::engines::{config, pair, pattern};
 use kvferry::engine::{Engine, EngineError, Registered};
 use kvferry::layout::{KvCache, Span};
 use kvferry::mem::Region;
@@ -50,19 +50,6 @@ fn in_secs(s: u64) -> Instant {
 
 fn key(name: &str) -> ChunkKey {
     ChunkKey::from_name(name)
-}
-
-/// Deterministic, seed-dependent bytes (xorshift).
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// The bytes block `b` of a cache filled with `seed` holds.

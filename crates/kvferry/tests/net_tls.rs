@@ -25,6 +25,8 @@ use kvferry::wire::{ChunkKey, Message};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use tokio::time::Instant;
 
+use common::engines::pattern;
+
 /// A CA that signs node certificates.
 struct Ca {
     cert: rcgen::Certificate,
@@ -70,18 +72,6 @@ async fn engine(peer_id: &str, tls: Option<TlsConfig>) -> Engine {
 
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(5)
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 fn client_net(tls: Option<TlsConfig>) -> NetConfig {

@@ -18,7 +18,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::engines::{config, pair_with};
+use common::engines::{config, pair_with, pattern};
 use kvferry::engine::EngineConfig;
 use kvferry::layout::KvCache;
 use kvferry::mem::Region;
@@ -31,18 +31,6 @@ const BLOCKS: u32 = 32;
 
 fn in_secs(s: u64) -> Instant {
     Instant::now() + Duration::from_secs(s)
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// A contiguous host cache, block `b` filled with `pattern(seed * 1000 + b)`.

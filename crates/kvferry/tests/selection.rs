@@ -15,7 +15,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::engines::{pair_with, Pair};
+use common::engines::{pair_with, pattern, Pair};
 use kvferry::device::{Device, DeviceKvCache, SimConfig, SimDevice};
 use kvferry::engine::{Engine, EngineConfig, Registered, Selection, SelectionError};
 use kvferry::layout::{KvCache, Span};
@@ -47,19 +47,6 @@ fn soon() -> Instant {
 
 fn key(name: &str) -> ChunkKey {
     ChunkKey::from_name(name)
-}
-
-/// Deterministic bytes (xorshift), different for every seed.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 /// A layer-separate KV cache in one region: piece `p` of block `b` at

@@ -54,3 +54,17 @@ pub async fn pair_with(config: impl Fn(&str) -> EngineConfig) -> Pair {
     let addr = prefill.address().unwrap().to_string();
     Pair { prefill, decode, addr }
 }
+
+/// Deterministic bytes (xorshift), different for every seed: what the engine suites
+/// fill a block or a chunk with, to compare what landed.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
