@@ -379,6 +379,42 @@ impl DeviceKvCache {
         Ok(buffers)
     }
 
+    /// The crc32c of `ranges` of the cache's address space, in order, read from the
+    /// device memory now, outside stream order (the caller knows no copy writes them:
+    /// published blocks, or a landing whose copy settled). Host-visible memory (sim) is
+    /// read in place; other memory through a bounce buffer of at most 1 MiB.
+    pub fn checksum_ranges(&self, ranges: &[(usize, usize)]) -> Result<u32, DeviceError> {
+        let mut crc = 0u32;
+        let mut slices = Vec::new();
+        for &(off, len) in ranges {
+            self.slices(off, len, &mut slices)?;
+        }
+        let mut bounce = Vec::new();
+        for s in &slices {
+            match s.buffer.backend().host_memory() {
+                Some(mem) => {
+                    mem.for_each_run(s.offset, s.len, &mut |p, n| {
+                        // SAFETY: the run lies inside memory the buffer keeps alive; the
+                        // caller guarantees no copy writes it meanwhile.
+                        let bytes = unsafe { std::slice::from_raw_parts(p.cast_const(), n) };
+                        crc = crate::checksum::append(crc, bytes);
+                    })?;
+                }
+                None => {
+                    let mut at = 0;
+                    while at < s.len {
+                        let n = (s.len - at).min(1 << 20);
+                        bounce.resize(n, 0);
+                        s.buffer.read(s.offset + at, &mut bounce)?;
+                        crc = crate::checksum::append(crc, &bounce);
+                        at += n;
+                    }
+                }
+            }
+        }
+        Ok(crc)
+    }
+
     /// Closes every import of `peer` (say, when it is known gone).
     pub fn close_imports(&self, peer: &str) {
         self.imports.lock().remove(peer);

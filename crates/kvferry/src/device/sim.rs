@@ -1,10 +1,11 @@
 //! The sim backend: a simulated device with configurable latency and bandwidth, and
 //! fault injection, one per rank.
 //!
-//! Device memory is host memory (optionally under a capacity limit): each allocation
-//! is a shared-memory file (`memfd`, see `shm`) that another process of this host may
-//! open read-only ([`Device::open_ipc`], device IPC: the analogue of CUDA IPC
-//! handles), or private memory where shared memory cannot be made. A device-to-device
+//! Device memory is host memory (optionally under a capacity limit). With
+//! [`SimConfig::with_shared_memory`] each allocation is a shared-memory file (`memfd`,
+//! see `shm`) that another process of this host may open read-only
+//! ([`Device::open_ipc`], device IPC: the analogue of CUDA IPC handles); otherwise (the
+//! default), or where shared memory cannot be made, private memory. A device-to-device
 //! copy ([`Stream::copy_d2d`]) follows the same model and faults as any copy. A copy takes
 //! `latency + bytes / bandwidth` (times a [`Fault::Slow`] factor) on the tokio clock —
 //! so tests under paused time are exact — and its bytes land at the end of that time.
@@ -100,6 +101,10 @@ pub struct SimConfig {
     pub memory: Option<usize>,
     /// Faults armed from the start.
     pub faults: Vec<FaultRule>,
+    /// Allocate in shared memory that other processes of this host may open (device
+    /// IPC, [`Device::open_ipc`]). Off by default: the sim then stands in for a
+    /// device whose memory is only reachable through staging (the staged device path).
+    pub shared_memory: bool,
 }
 
 impl SimConfig {
@@ -111,7 +116,15 @@ impl SimConfig {
             bandwidth: None,
             memory: None,
             faults: Vec::new(),
+            shared_memory: false,
         }
+    }
+
+    /// Allocates in shared memory exportable to other processes of this host (device
+    /// IPC), or not (the default).
+    pub fn with_shared_memory(mut self, on: bool) -> Self {
+        self.shared_memory = on;
+        self
     }
 
     /// Sets the fixed time per copy.
@@ -366,12 +379,15 @@ impl Device for SimDevice {
             used.fetch_add(len, Ordering::AcqRel);
         }
         let budget = Some(used.clone());
-        // Shared memory first, so that another process of this host may open it
-        // (device IPC); private memory when shared memory is not available.
+        // Shared memory when asked for, so that another process of this host may open
+        // it (device IPC); private memory otherwise, or when shared memory is not
+        // available (the export is then refused with a reason).
         let name = format!("sim-device-{}", self.shared.id);
-        if let Ok((region, handle)) = super::shm::create(&name, len) {
-            let buf = HostBuffer::new(self.shared.id, region, budget).exported(handle);
-            return Ok(DeviceBuffer::new(Arc::new(buf)));
+        if self.shared.config.shared_memory {
+            if let Ok((region, handle)) = super::shm::create(&name, len) {
+                let buf = HostBuffer::new(self.shared.id, region, budget).exported(handle);
+                return Ok(DeviceBuffer::new(Arc::new(buf)));
+            }
         }
         let region = match Region::host(name, len) {
             Ok(r) => r,
@@ -631,8 +647,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn exported_memory_copies_device_to_device_on_the_importer_stream() {
         use crate::device::D2dSegment;
-        let producer = SimDevice::new(SimConfig::new(0)).unwrap();
+        let producer = SimDevice::new(SimConfig::new(0).with_shared_memory(true)).unwrap();
         let consumer = SimDevice::new(SimConfig::new(1)).unwrap();
+        assert!(
+            consumer.alloc(10).unwrap().export_handle().is_err(),
+            "private by default"
+        );
         let src = producer.alloc(4096).unwrap();
         src.write(0, &[7; 4096]).unwrap();
         let imported = consumer.open_ipc(&src.export_handle().unwrap()).unwrap();

@@ -11,6 +11,13 @@
 //!   `process_vm_readv` on its copy threads, then verifies every chunk against the
 //!   grant's checksums before anything counts as landed.
 //!
+//! - **device IPC** (same host, device memory; on top of CMA's choice): the
+//!   producer's grant names its exported device allocations and `(buffer, offset,
+//!   length)` runs of them; the consumer opens the export once per producer
+//!   incarnation on its own device and copies device to device on its own streams
+//!   (sim: shared memory, see `device::shm`; CUDA IPC is the same seam, not built
+//!   yet), then verifies every chunk against the grant's checksums.
+//!
 //! # Choosing
 //!
 //! A consumer asks each producer incarnation once (`MoverHello` → `MoverOffer`): the
@@ -106,6 +113,15 @@ pub struct PeerMover {
     /// The producer's pid (CMA only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
+    /// Device-IPC kinds the producer grants device memory by (asked once CMA is
+    /// chosen; empty: none). A device destination of one of these kinds is landed by
+    /// a device-to-device copy from the producer's exported memory.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub device_ipc: Vec<String>,
+    /// Why device memory from this producer is not copied device to device although
+    /// CMA was chosen (the producer's answer, or a failed open of its export).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_fallback: Option<String>,
 }
 
 /// This host's boot id: equal on two processes only under the same running kernel.
@@ -114,6 +130,11 @@ pub fn boot_id() -> Option<String> {
     let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     let id = id.trim();
     (!id.is_empty() && id.len() <= crate::wire::MAX_BOOT_ID_BYTES).then(|| id.to_string())
+}
+
+/// The device-IPC kinds this build can export and open (CUDA IPC is not built yet).
+pub fn device_ipc_kinds() -> Vec<String> {
+    vec![crate::device::SIM_IPC.to_string()]
 }
 
 #[cfg(test)]

@@ -16,6 +16,9 @@
 //! - Push: `Put` + one bulk frame → `PutAck`.
 //! - Mover probe: `MoverHello` → `MoverOffer` (which movers besides the socket the
 //!   producer offers this consumer; see `peer::mover`).
+//! - Device IPC (same host, device memory): `DeviceIpcHello` → `DeviceIpcOffer`, and
+//!   `GetDeviceMapped` → `StagedDeviceMapped` (the lease, checksums, the export of the
+//!   producer's device cache, and `(buffer, offset, length)` runs in it).
 //! - Mapped get (the CMA mover): `GetMapped` → `StagedMapped` (the lease and where its
 //!   bytes are); the consumer reads them itself, then `Done` → `DoneAck`.
 //! - Liveness: `Ping` → `Pong`.
@@ -69,6 +72,14 @@ pub struct ChunkMeta {
 /// grant that needs more is refused `TooLarge`, and the consumer gets it over the
 /// socket.
 pub const MAX_MAPPED_RUNS: usize = 1 << 15;
+/// Most device-IPC kinds one hello or offer names.
+pub const MAX_DEVICE_IPC_KINDS: usize = 8;
+/// Longest device-IPC kind name, in bytes.
+pub const MAX_DEVICE_IPC_KIND_BYTES: usize = 32;
+/// Longest device-IPC handle, in bytes (a CUDA IPC memory handle is 64).
+pub const MAX_DEVICE_IPC_HANDLE_BYTES: usize = 128;
+/// Most buffers one device export names (a cache's buffers: one per layer, say).
+pub const MAX_EXPORTED_BUFFERS: usize = 4096;
 /// Longest accepted boot id, in bytes.
 pub const MAX_BOOT_ID_BYTES: usize = 64;
 
@@ -355,6 +366,53 @@ pub enum Message {
         /// the stream (the chunks' bytes, in order).
         runs: Vec<(u64, u64)>,
     },
+    /// Consumer → producer (after CMA was chosen): which device-IPC kinds the consumer
+    /// can open (`"sim-shm"`, `"cuda-ipc"`). Reply: [`Message::DeviceIpcOffer`]. An
+    /// older producer refuses it: no device IPC.
+    DeviceIpcHello {
+        /// Kinds the consumer speaks.
+        kinds: Vec<String>,
+    },
+    /// Producer → consumer: the device-IPC kinds it will grant device memory by.
+    DeviceIpcOffer {
+        /// The producer incarnation the offer belongs to.
+        incarnation: u64,
+        /// Kinds offered (empty: none).
+        kinds: Vec<String>,
+        /// Why none is offered (empty when some is).
+        refused: String,
+    },
+    /// Eager get of published device blocks that the consumer copies device to device
+    /// from the producer's exported memory. Reply: [`Message::StagedDeviceMapped`], or
+    /// [`Message::StagedMapped`] when the leading keys are not exportable device
+    /// memory (then read as for `GetMapped`); the consumer then sends `Done`.
+    GetDeviceMapped {
+        /// Keys, in prefix order.
+        keys: Vec<ChunkKey>,
+        /// TTL of the lease: the blocks stay published and pinned until `Done` or this.
+        ttl_ms: u32,
+        /// The device-IPC kind of the consumer's destination.
+        kind: String,
+    },
+    /// Reply to [`Message::GetDeviceMapped`]: the lease, its chunks with checksums
+    /// taken at the grant, the export of the device cache they live in (made once per
+    /// registration), and where each chunk's bytes are in it.
+    StagedDeviceMapped {
+        /// The lease pinning the publications until `Done` or its TTL.
+        lease_id: LeaseId,
+        /// The producer incarnation the lease belongs to.
+        incarnation: u64,
+        /// The chunks, in stream order.
+        chunks: Vec<ChunkMeta>,
+        /// Names the export (one registration of the producer).
+        export_id: u64,
+        /// The export's device-IPC kind.
+        kind: String,
+        /// Each exported buffer's handle and length.
+        buffers: Vec<(Vec<u8>, u64)>,
+        /// `(buffer, offset, length)` runs whose concatenation is the stream.
+        runs: Vec<(u32, u64, u64)>,
+    },
 }
 
 impl Message {
@@ -411,6 +469,40 @@ impl Message {
                     .iter()
                     .try_for_each(|c| check_u64("chunk", c.len, limits.max_bulk_bytes))
             }
+            Message::DeviceIpcHello { kinds } | Message::DeviceIpcOffer { kinds, .. } => {
+                check("device IPC kinds", kinds.len(), MAX_DEVICE_IPC_KINDS)?;
+                kinds
+                    .iter()
+                    .try_for_each(|k| check("device IPC kind", k.len(), MAX_DEVICE_IPC_KIND_BYTES))?;
+                match self {
+                    Message::DeviceIpcOffer { refused, .. } => {
+                        check("device IPC refusal", refused.len(), MAX_ERROR_MESSAGE_BYTES)
+                    }
+                    _ => Ok(()),
+                }
+            }
+            Message::GetDeviceMapped { keys, kind, .. } => {
+                check("key list", keys.len(), limits.max_keys)?;
+                check("device IPC kind", kind.len(), MAX_DEVICE_IPC_KIND_BYTES)
+            }
+            Message::StagedDeviceMapped {
+                chunks,
+                kind,
+                buffers,
+                runs,
+                ..
+            } => {
+                check("chunk list", chunks.len(), limits.max_keys)?;
+                check("device IPC kind", kind.len(), MAX_DEVICE_IPC_KIND_BYTES)?;
+                check("exported buffers", buffers.len(), MAX_EXPORTED_BUFFERS)?;
+                buffers
+                    .iter()
+                    .try_for_each(|b| check("device IPC handle", b.0.len(), MAX_DEVICE_IPC_HANDLE_BYTES))?;
+                check("mapped runs", runs.len(), MAX_MAPPED_RUNS)?;
+                chunks
+                    .iter()
+                    .try_for_each(|c| check_u64("chunk", c.len, limits.max_bulk_bytes))
+            }
             Message::Auth { .. }
             | Message::Welcome
             | Message::LookupReply { .. }
@@ -456,6 +548,10 @@ impl Message {
             Message::MoverOffer { .. } => "MoverOffer",
             Message::GetMapped { .. } => "GetMapped",
             Message::StagedMapped { .. } => "StagedMapped",
+            Message::DeviceIpcHello { .. } => "DeviceIpcHello",
+            Message::DeviceIpcOffer { .. } => "DeviceIpcOffer",
+            Message::GetDeviceMapped { .. } => "GetDeviceMapped",
+            Message::StagedDeviceMapped { .. } => "StagedDeviceMapped",
         }
     }
 }

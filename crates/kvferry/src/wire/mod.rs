@@ -35,5 +35,8 @@ pub use error::WireError;
 pub use frame::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, VERSION};
 pub use key::ChunkKey;
 pub use limits::Limits;
-pub use message::{read_message, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, MAX_BOOT_ID_BYTES, MAX_MAPPED_RUNS};
+pub use message::{
+    read_message, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, MAX_BOOT_ID_BYTES, MAX_DEVICE_IPC_HANDLE_BYTES,
+    MAX_DEVICE_IPC_KINDS, MAX_DEVICE_IPC_KIND_BYTES, MAX_EXPORTED_BUFFERS, MAX_MAPPED_RUNS,
+};
 pub use selection::{SelectedShape, SelectionError, WireSelection};

@@ -65,6 +65,9 @@ pub(super) struct Counters {
     pub(super) cma_transfers: AtomicU64,
     pub(super) cma_bytes: AtomicU64,
     pub(super) mover_fallbacks: AtomicU64,
+    pub(super) device_ipc_transfers: AtomicU64,
+    pub(super) device_ipc_bytes: AtomicU64,
+    pub(super) device_ipc_fallbacks: AtomicU64,
 }
 
 pub(super) struct Inner {
@@ -147,6 +150,9 @@ impl Consumer {
             cma_transfers: c.cma_transfers.load(Ordering::Relaxed),
             cma_bytes: c.cma_bytes.load(Ordering::Relaxed),
             mover_fallbacks: c.mover_fallbacks.load(Ordering::Relaxed),
+            device_ipc_transfers: c.device_ipc_transfers.load(Ordering::Relaxed),
+            device_ipc_bytes: c.device_ipc_bytes.load(Ordering::Relaxed),
+            device_ipc_fallbacks: c.device_ipc_fallbacks.load(Ordering::Relaxed),
         }
     }
 

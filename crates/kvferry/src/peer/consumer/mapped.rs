@@ -39,11 +39,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::super::error::PeerError;
-use super::super::mover::{boot_id, Mover, PeerMover, Transport};
+use super::super::mover::{boot_id, device_ipc_kinds, Mover, PeerMover, Transport};
 use super::client::Consumer;
 use super::shared::unexpected;
 use super::transfer::{Sink, TransferCtx};
 use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
+use crate::device::{DeviceError, DeviceKvCache, KvCacheRef};
 use crate::mem::HostMemory;
 use crate::net::{NetError, PooledConnection};
 use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message, WireSelection};
@@ -89,9 +90,48 @@ impl Consumer {
             }
             None => tracing::debug!(target: "kvferry::peer", peer, pid = choice.pid, "mover: cma"),
         }
+        if let Some(why) = &choice.device_fallback {
+            self.inner.counters.device_ipc_fallbacks.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(target: "kvferry::peer", peer, reason = %why, "device IPC not available: device memory over CMA");
+        }
         let pid = choice.pid;
         self.inner.movers.lock().insert(peer.to_string(), choice);
         Ok(pid)
+    }
+
+    /// Asks the producer on `conn` (CMA already chosen) which device-IPC kinds it
+    /// grants by: `(kinds, why none)`. A refusal (an older producer) is "none".
+    async fn ask_device_ipc(&self, conn: &mut PooledConnection) -> Result<(Vec<String>, Option<String>), PeerError> {
+        let hello = Message::DeviceIpcHello {
+            kinds: device_ipc_kinds(),
+        };
+        match conn.request(&hello).await {
+            Ok(Message::DeviceIpcOffer { kinds, refused, .. }) if kinds.is_empty() => Ok((kinds, Some(refused))),
+            Ok(Message::DeviceIpcOffer { kinds, .. }) => Ok((kinds, None)),
+            Ok(other) => Ok((
+                Vec::new(),
+                Some(format!(
+                    "the producer answered the device-IPC hello with {}",
+                    other.name()
+                )),
+            )),
+            Err(NetError::Remote { kind, message }) => Ok((
+                Vec::new(),
+                Some(format!("the producer does not offer device IPC ({kind:?}: {message})")),
+            )),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Gives up device IPC for `peer`'s current choice (its export could not be
+    /// opened here): later transfers read device memory over CMA.
+    fn device_ipc_refused(&self, peer: &str, why: String) {
+        self.inner.counters.device_ipc_fallbacks.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(target: "kvferry::peer", peer, reason = %why, "device IPC given up: device memory over CMA");
+        if let Some(m) = self.inner.movers.lock().get_mut(peer) {
+            m.device_ipc.clear();
+            m.device_fallback = Some(why);
+        }
     }
 
     /// Asks the producer on `conn` for its offer and probes it.
@@ -107,6 +147,8 @@ impl Consumer {
             mover: Mover::Socket,
             fallback: Some(why),
             pid: None,
+            device_ipc: Vec::new(),
+            device_fallback: None,
         };
         let Some(mine) = boot_id() else {
             return Ok(socket("this host's boot id cannot be read".into()));
@@ -125,13 +167,18 @@ impl Consumer {
             Message::MoverOffer { cma: Some(offer), .. } => {
                 let mut got = [0u8; 32];
                 match crate::copy::read_remote(offer.pid, offer.probe_addr, &mut got) {
-                    Ok(()) if got == offer.probe => PeerMover {
-                        peer: peer.to_string(),
-                        incarnation,
-                        mover: Mover::Cma,
-                        fallback: None,
-                        pid: Some(offer.pid),
-                    },
+                    Ok(()) if got == offer.probe => {
+                        let (device_ipc, device_fallback) = self.ask_device_ipc(conn).await?;
+                        PeerMover {
+                            peer: peer.to_string(),
+                            incarnation,
+                            mover: Mover::Cma,
+                            fallback: None,
+                            pid: Some(offer.pid),
+                            device_ipc,
+                            device_fallback,
+                        }
+                    }
                     Ok(()) => socket(format!(
                         "pid {} is another process from here (another pid namespace?)",
                         offer.pid
@@ -148,7 +195,160 @@ impl Consumer {
     }
 }
 
+/// A producer's device-IPC grant (`StagedDeviceMapped`).
+struct DeviceGrant {
+    lease_id: crate::wire::LeaseId,
+    incarnation: u64,
+    chunks: Vec<ChunkMeta>,
+    export_id: u64,
+    kind: String,
+    buffers: Vec<(Vec<u8>, u64)>,
+    runs: Vec<(u32, u64, u64)>,
+}
+
 impl TransferCtx<'_> {
+    /// Lands a device-IPC grant: opens (once per incarnation) the producer's export on
+    /// the destination cache's device, copies device to device on the cache's own
+    /// stream (bounded by its op timeout; the copy's event is the transfer's
+    /// unconfirmed device copy until it settles, so a cancel or timeout leaves the
+    /// destination reported busy until the device confirms), watches the producer's
+    /// process meanwhile (gone: `PeerLost`), verifies every chunk against the grant's
+    /// checksums, then sends `Done`. An export that cannot be opened releases the
+    /// lease and answers [`Mapped::Socket`] (and device IPC is given up for the peer).
+    #[allow(clippy::too_many_arguments)]
+    async fn land_device(
+        &mut self,
+        conn: &mut PooledConnection,
+        keys: &[ChunkKey],
+        sink: &mut Sink,
+        caps: &[usize],
+        cache: &Arc<DeviceKvCache>,
+        grant: DeviceGrant,
+        pid: u32,
+    ) -> Result<Mapped, PeerError> {
+        let inner = &self.consumer.inner;
+        let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
+        let DeviceGrant {
+            lease_id,
+            incarnation,
+            chunks,
+            export_id,
+            kind,
+            buffers,
+            runs,
+        } = grant;
+        if lease_id != 0 {
+            self.lease_to_release = Some(lease_id);
+        }
+        if chunks.is_empty() {
+            return Ok(Mapped::Landed { chunks, reuse: true });
+        }
+        if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
+            return Err(protocol("staged chunks do not match the keys"));
+        }
+        let mut dst = Vec::new();
+        let mut per_chunk = Vec::with_capacity(chunks.len());
+        for (i, meta) in chunks.iter().enumerate() {
+            let len = meta.len as usize;
+            if len > caps[i] {
+                return Err(PeerError::InvalidArgument(format!(
+                    "chunk {} is {} bytes but its destination blocks hold {}",
+                    meta.key, meta.len, caps[i]
+                )));
+            }
+            let ranges = cache.chunk_ranges(&self.dst.chunks[i], len)?;
+            dst.extend_from_slice(&ranges);
+            per_chunk.push(ranges);
+        }
+        let total: u64 = chunks.iter().map(|c| c.len).sum();
+        if runs.iter().map(|r| r.2).sum::<u64>() != total {
+            return Err(protocol("a device grant's runs do not hold its chunks' bytes"));
+        }
+        let peer = self.pool.addr().to_string();
+        let sources = match cache.import(&peer, incarnation, export_id, &kind, &buffers) {
+            Ok(s) => s,
+            Err(e) => {
+                // Nothing was written: release the grant and get the bytes over the
+                // socket on the same connection.
+                self.consumer.device_ipc_refused(
+                    &peer,
+                    format!("the producer's device memory cannot be opened here: {e}"),
+                );
+                if let Some(lease_id) = self.lease_to_release.take() {
+                    match conn.request(&Message::Done { lease_id }).await {
+                        Ok(Message::DoneAck) => {}
+                        Ok(other) => return Err(unexpected("DoneAck", &other)),
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                return Ok(Mapped::Socket);
+            }
+        };
+        let device_err = |error| PeerError::Device {
+            cache: cache.name().to_string(),
+            error,
+        };
+        self.dirty = true;
+        let event = cache
+            .copy_in(&sources, &runs, &dst, "land: device-to-device (device IPC)")
+            .map_err(device_err)?;
+        // Until it settles the copy may write the destination: the transfer's drain
+        // waits for it (bounded, as for a host-to-device landing).
+        self.unconfirmed = Some(event.clone());
+        let deadline = event.meta().submitted() + cache.op_timeout();
+        let waited = tokio::select! {
+            r = event.wait(deadline) => r,
+            gone = producer_exit(pid) => {
+                return Err(PeerError::PeerLost {
+                    peer,
+                    reason: format!("its process ended during a device-to-device copy ({gone})"),
+                });
+            }
+        };
+        match waited {
+            Ok(()) => self.unconfirmed = None,
+            Err(e @ DeviceError::CopyFailed { .. }) => {
+                // Settled: the device no longer touches the destination.
+                self.unconfirmed = None;
+                return Err(device_err(e));
+            }
+            Err(e) => return Err(device_err(e)),
+        }
+        // Every chunk, as landed, against the producer's checksum.
+        for (meta, ranges) in chunks.iter().zip(&per_chunk) {
+            let actual = cache.checksum_ranges(ranges).map_err(device_err)?;
+            if actual != meta.checksum {
+                return Err(PeerError::ChecksumMismatch {
+                    key: meta.key,
+                    expected: meta.checksum,
+                    actual,
+                });
+            }
+        }
+        self.dirty = false;
+        inner.counters.device_ipc_transfers.fetch_add(1, Ordering::Relaxed);
+        inner.counters.device_ipc_bytes.fetch_add(total, Ordering::Relaxed);
+        inner.counters.bytes_received.fetch_add(total, Ordering::Relaxed);
+        inner
+            .counters
+            .chunks_received
+            .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        // Landed in place: nothing to land from staging pages (the transfer's landing
+        // step sees no staging sink and reports the chunks landed).
+        *sink = Sink::Lent;
+        if let Some(lease_id) = self.lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(unexpected("DoneAck", &other)),
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
+                    return Ok(Mapped::Landed { chunks, reuse: false });
+                }
+            }
+        }
+        Ok(Mapped::Landed { chunks, reuse: true })
+    }
+
     /// A mapped get on `conn` (request `id`): the producer grants and names its
     /// memory, the copy engine reads it into `sink`. Returns the chunk metadata, as
     /// the socket receive does.
@@ -166,10 +366,26 @@ impl TransferCtx<'_> {
         let inner = &self.consumer.inner;
         let ttl_ms = inner.cfg.lease_ttl.as_millis() as u32;
         let selected = select.is_some();
-        let msg = Message::GetMapped {
-            keys: keys.to_vec(),
-            ttl_ms,
-            select,
+        // A device destination of a kind the producer grants by: device IPC.
+        let device = match (&self.dst.target, selected) {
+            (KvCacheRef::Device(cache), false) => cache.device().ipc_kind().filter(|k| {
+                let peer = self.pool.addr();
+                let movers = inner.movers.lock();
+                movers.get(peer).is_some_and(|m| m.device_ipc.iter().any(|o| o == k))
+            }),
+            _ => None,
+        };
+        let msg = match device {
+            Some(kind) => Message::GetDeviceMapped {
+                keys: keys.to_vec(),
+                ttl_ms,
+                kind: kind.to_string(),
+            },
+            None => Message::GetMapped {
+                keys: keys.to_vec(),
+                ttl_ms,
+                select,
+            },
         };
         conn.send(id, &msg).await?;
         let reply = match conn.recv_reply(id).await {
@@ -183,6 +399,32 @@ impl TransferCtx<'_> {
             other => other?,
         };
         let (lease_id, chunks, shape, runs) = match reply {
+            Message::StagedDeviceMapped {
+                lease_id,
+                incarnation,
+                chunks,
+                export_id,
+                kind,
+                buffers,
+                runs,
+            } if device.is_some() => {
+                let KvCacheRef::Device(cache) = &self.dst.target else {
+                    return Err(PeerError::Net(NetError::Protocol(
+                        "device grant for a host destination".into(),
+                    )));
+                };
+                let cache = cache.clone();
+                let grant = DeviceGrant {
+                    lease_id,
+                    incarnation,
+                    chunks,
+                    export_id,
+                    kind,
+                    buffers,
+                    runs,
+                };
+                return self.land_device(conn, keys, sink, caps, &cache, grant, pid).await;
+            }
             Message::StagedMapped {
                 lease_id,
                 chunks,
@@ -351,5 +593,31 @@ fn copy_failure(peer: &str, error: CopyError) -> PeerError {
             reason: format!("its memory can no longer be read: {error}"),
         },
         other => PeerError::Copy(other),
+    }
+}
+
+/// Resolves when process `pid` has ended (a pidfd becomes readable then); never
+/// resolves when it cannot be watched (the copy's own bound still applies).
+async fn producer_exit(pid: u32) -> String {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if raw < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ESRCH) {
+            return "no such process".into();
+        }
+        return std::future::pending().await;
+    }
+    // SAFETY: `raw` is a descriptor we just opened and own.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    // SAFETY: `fd` is an open pidfd owned by the `AsyncFd` for its whole life; an
+    // `OwnedFd` always reports the same descriptor.
+    match unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
+        Ok(afd) => match afd.readable().await {
+            Ok(_) => "exited".into(),
+            Err(_) => std::future::pending().await,
+        },
+        Err(_) => std::future::pending().await,
     }
 }

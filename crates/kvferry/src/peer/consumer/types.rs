@@ -389,4 +389,13 @@ pub struct ConsumerStats {
     /// (another host, the kernel refused, a wrong probe…: see
     /// [`Consumer::movers`](super::Consumer::movers)).
     pub mover_fallbacks: u64,
+    /// Transfers landed by a device-to-device copy from the producer's exported
+    /// device memory (device-IPC mover).
+    pub device_ipc_transfers: u64,
+    /// Bytes copied device to device from producers' exported memory.
+    pub device_ipc_bytes: u64,
+    /// Times device IPC was given up for a producer incarnation although CMA was
+    /// chosen (the producer does not offer it, or its export could not be opened:
+    /// see [`Consumer::movers`](super::Consumer::movers)).
+    pub device_ipc_fallbacks: u64,
 }

@@ -18,6 +18,20 @@
 //! taken when the bytes were staged or published; a producer that writes its
 //! published blocks during the read is caught there, never landed as good.
 //!
+//! # Device IPC
+//!
+//! A consumer on this host whose destination is device memory asks which device-IPC
+//! kinds this producer grants by (`DeviceIpcHello` → `DeviceIpcOffer`, once per
+//! incarnation), then sends `GetDeviceMapped`. When the leading keys are published
+//! blocks of one device cache whose memory is exportable (a sim device's shared
+//! memory; see `device::shm`), the lease pins those publications (no gather, no
+//! staging pages), their checksums are taken now from the device memory, and the reply
+//! (`StagedDeviceMapped`) names the cache's export (made once per registration) and
+//! `(buffer, offset, length)` runs of it. Otherwise the request is served exactly as
+//! `GetMapped` (staged, `StagedMapped`). The lease is tied to the connection as a
+//! mapped get's; the publications stay pinned until `Done`, so the exported
+//! allocations stay alive (an importer's mapping keeps them alive beyond that).
+//!
 //! # Cancellation
 //!
 //! Both handlers answer synchronously once staging completed; a handler dropped while
@@ -25,10 +39,20 @@
 
 use rand::RngCore;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::guards::Staging;
+use super::state::{StagedData, StagedLease};
 use super::Producer;
-use crate::peer::ledger::Who;
-use crate::peer::mover::{boot_id, Transport};
-use crate::wire::{ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, SelectedShape, MAX_MAPPED_RUNS};
+use crate::device::DeviceKvCache;
+use crate::peer::ledger::{LeaseTerms, Who};
+use crate::peer::mover::{boot_id, device_ipc_kinds, Transport};
+use crate::peer::publish::{PubSource, Publication};
+use crate::peer::quota::Holder;
+use crate::wire::{ChunkKey, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, SelectedShape, MAX_MAPPED_RUNS};
 
 /// This process's same-host identity: its boot id and a probe pattern that lives as
 /// long as the producer.
@@ -131,5 +155,147 @@ impl Producer {
             shape,
             runs,
         })
+    }
+
+    /// What this producer offers a consumer (already on CMA) that can open device
+    /// memory of `theirs` kinds.
+    pub(super) fn device_ipc_offer(&self, theirs: &[String]) -> Message {
+        let incarnation = self.inner.incarnation;
+        if self.inner.cfg.transport == Transport::Tcp {
+            return Message::DeviceIpcOffer {
+                incarnation,
+                kinds: Vec::new(),
+                refused: "the producer's transport is tcp".into(),
+            };
+        }
+        let kinds: Vec<String> = device_ipc_kinds().into_iter().filter(|k| theirs.contains(k)).collect();
+        let refused = if kinds.is_empty() {
+            format!(
+                "no device-IPC kind in common (the producer speaks {:?})",
+                device_ipc_kinds()
+            )
+        } else {
+            String::new()
+        };
+        Message::DeviceIpcOffer {
+            incarnation,
+            kinds,
+            refused,
+        }
+    }
+
+    /// Serves a `GetDeviceMapped`: by device IPC when the leading keys are published
+    /// blocks of one exportable device cache of `kind`, else exactly as `GetMapped`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn device_mapped(
+        &self,
+        keys: &[ChunkKey],
+        ttl: Duration,
+        kind: &str,
+        holder: &Holder,
+        incarnation: Option<u64>,
+        who: &Who,
+        conn: u64,
+    ) -> Result<Message, (ErrorKind, String)> {
+        if let Some(reply) = self.grant_device(keys, ttl, kind, holder, incarnation, who, conn)? {
+            return Ok(reply);
+        }
+        let staged = self.stage_for(keys, ttl, holder, incarnation, None).await;
+        let (lease_id, chunks, _ttl_ms, shape) = staged.map_err(|e| (super::serving::kind_of(&e), e.to_string()))?;
+        self.map_lease(lease_id, chunks, shape, who, conn)
+    }
+
+    /// The device-IPC grant, or `None` when the leading keys are not published device
+    /// blocks of one exportable cache of `kind` (the caller stages them instead).
+    #[allow(clippy::too_many_arguments)]
+    fn grant_device(
+        &self,
+        keys: &[ChunkKey],
+        ttl: Duration,
+        kind: &str,
+        holder: &Holder,
+        incarnation: Option<u64>,
+        who: &Who,
+        conn: u64,
+    ) -> Result<Option<Message>, (ErrorKind, String)> {
+        let internal = |e: String| (ErrorKind::Internal, e);
+        // The leading publications of one exportable device cache, held by a new lease
+        // from the same instant (under one lock).
+        let (cache, pubs, staging) = {
+            let mut ledger = self.inner.ledger.lock();
+            let found = ledger.lookup(keys, Instant::now());
+            let Some((_, first)) = found.first() else {
+                return Ok(None);
+            };
+            let PubSource::Device { cache } = &first.source else {
+                return Ok(None);
+            };
+            match cache.export() {
+                Ok(e) if e.kind == kind => {}
+                _ => return Ok(None),
+            }
+            let cache: Arc<DeviceKvCache> = cache.clone();
+            let pubs: Vec<_> = found
+                .iter()
+                .take_while(|(_, p)| p.source.is_of_device(&cache))
+                .map(|(id, p)| (*id, Arc::clone(p)))
+                .collect();
+            let terms = LeaseTerms {
+                owner: holder.identity.clone(),
+                owner_incarnation: incarnation,
+                claimed_by: holder.claimed.clone(),
+                publications: pubs.iter().map(|(id, _)| *id).collect(),
+            };
+            let id = ledger.begin(terms, rand::random::<LeaseId>);
+            let pubs: Vec<Arc<Publication>> = pubs.into_iter().map(|(_, p)| p).collect();
+            (
+                cache,
+                pubs,
+                Staging {
+                    producer: self,
+                    id,
+                    armed: true,
+                },
+            )
+        };
+        let export = cache.export().map_err(internal)?.clone();
+        // Checksums now, from the device memory: the engine promised not to write
+        // published blocks; a producer that does is caught by the consumer.
+        let mut chunks = Vec::with_capacity(pubs.len());
+        let mut runs = Vec::new();
+        for p in &pubs {
+            let checksum = cache.checksum_ranges(&p.ranges).map_err(|e| internal(e.to_string()))?;
+            chunks.push(ChunkMeta {
+                key: p.key,
+                len: p.len as u64,
+                checksum,
+            });
+            runs.extend(cache.export_runs(&p.ranges).map_err(|e| internal(e.to_string()))?);
+        }
+        if runs.len() > MAX_MAPPED_RUNS {
+            // The guard drops: the lease ends.
+            drop(staging);
+            return Ok(None);
+        }
+        let payload = StagedLease {
+            data: StagedData::Device { _cache: cache },
+            chunks: chunks.clone(),
+            _charge: None,
+            publications: pubs,
+        };
+        let lease_id = staging
+            .grant(payload, 0, ttl)
+            .map_err(|e| (super::serving::kind_of(&e), e.to_string()))?;
+        // Tied to this connection until `Done`, as a mapped get's lease.
+        self.check_out(lease_id, who, Some(conn))?.check_in();
+        Ok(Some(Message::StagedDeviceMapped {
+            lease_id,
+            incarnation: self.inner.incarnation,
+            chunks,
+            export_id: export.id,
+            kind: export.kind.to_string(),
+            buffers: export.buffers,
+            runs,
+        }))
     }
 }

@@ -122,7 +122,10 @@ impl Producer {
         if self.inner.refusing.load(Ordering::Acquire)
             && matches!(
                 msg,
-                Message::Stage { .. } | Message::Get { .. } | Message::GetMapped { .. }
+                Message::Stage { .. }
+                    | Message::Get { .. }
+                    | Message::GetMapped { .. }
+                    | Message::GetDeviceMapped { .. }
             )
         {
             self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
@@ -246,6 +249,28 @@ impl Producer {
                     Err((kind, message)) => refuse(conn, id, kind, message).await,
                 }
             }
+            Message::DeviceIpcHello { kinds } => conn.send(id, &self.device_ipc_offer(&kinds)).await,
+            Message::GetDeviceMapped { keys, ttl_ms, kind } => {
+                if keys.is_empty() {
+                    return refuse(conn, id, ErrorKind::BadRequest, "empty key list".into()).await;
+                }
+                let Ok(_permit) = self.inner.gets.try_acquire() else {
+                    self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
+                    return refuse(conn, id, ErrorKind::Busy, "too many concurrent gets".into()).await;
+                };
+                let ttl = Duration::from_millis(ttl_ms as u64);
+                let served = self
+                    .device_mapped(&keys, ttl, &kind, &holder, incarnation, &who, conn.id())
+                    .await;
+                match served {
+                    Ok(reply) => {
+                        let found = !matches!(&reply, Message::StagedMapped { chunks, .. } if chunks.is_empty());
+                        accounting::note_found(found);
+                        conn.send(id, &reply).await
+                    }
+                    Err((kind, message)) => refuse(conn, id, kind, message).await,
+                }
+            }
             other => {
                 let m = format!("unexpected request {}", other.name());
                 refuse(conn, id, ErrorKind::BadRequest, m).await
@@ -281,7 +306,7 @@ impl Producer {
     }
 }
 
-fn kind_of(e: &PeerError) -> ErrorKind {
+pub(super) fn kind_of(e: &PeerError) -> ErrorKind {
     match e {
         PeerError::StagingExhausted { .. } | PeerError::StoreFull { .. } | PeerError::QuotaExceeded { .. } => {
             ErrorKind::Busy

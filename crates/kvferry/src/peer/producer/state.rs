@@ -46,6 +46,10 @@ pub(super) enum StagedData {
     /// The selected part of published host blocks of one `cache`, sent straight from
     /// it frame by frame.
     Selected { plan: Arc<SourcePlan>, cache: Arc<KvCache> },
+    /// Published device blocks of one `cache` (the lease's `publications`), pinned
+    /// for a consumer that copies them device to device (device IPC); never sent
+    /// over the socket.
+    Device { _cache: Arc<crate::device::DeviceKvCache> },
 }
 
 /// A staged lease's payload: what it sends from and the quota charge of its pages.
@@ -73,6 +77,10 @@ impl StagedLease {
             StagedData::Pinned { caches } => caches[i].io_slices(&self.publications[i].ranges),
             // A selection: frame `i`'s ranges of the (one) host cache.
             StagedData::Selected { plan, cache } => cache.io_slices(&plan.frame_ranges(i)),
+            // Granted by device IPC: the consumer copies it; nothing is sent from here.
+            StagedData::Device { .. } => Err(crate::mem::MemError::InvalidConfig(
+                "a device-IPC grant is copied by the consumer, never sent over the socket".into(),
+            )),
         }
     }
 }

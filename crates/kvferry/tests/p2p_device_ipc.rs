@@ -1,0 +1,356 @@
+//! The same-host device-IPC mover on sim devices, through the engine's front door:
+//! the producer's device cache lives in shared memory (`SimConfig::with_shared_memory`),
+//! the consumer opens its export once per producer incarnation and copies device to
+//! device on its own sim device streams (the two engines share a process here; the
+//! kernel checks `/proc/<pid>/fd` opens as for any other process).
+//!
+//! - bytes land right and the mover is named in stats (`device_ipc_transfers`,
+//!   `movers[..].device_ipc`), the export opened once;
+//! - a stuck copy (`NeverComplete`) fails on time, and its destination stays reported
+//!   busy (fence unfired) until the device confirms;
+//! - a failed copy fails only its transfer;
+//! - a dropped (cancelled) transfer's fence fires only after its copy settled;
+//! - a producer that rewrites its published blocks mid-copy is a checksum error, never
+//!   wrong bytes reported landed;
+//! - `transport = tcp` keeps the staged device path;
+//! - a producer that restarts (new incarnation, same address) is opened again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry::device::{Device, DeviceKvCache, Fault, FaultRule, SimConfig, SimDevice, Trigger};
+use kvferry::engine::{Engine, EngineConfig};
+use kvferry::peer::{Destination, Mover, PeerError, Transport};
+use kvferry::wire::ChunkKey;
+use tokio::time::Instant;
+
+const BLOCK: usize = 16 << 10;
+const BLOCKS: u32 = 16;
+
+fn in_secs(s: u64) -> Instant {
+    Instant::now() + Duration::from_secs(s)
+}
+
+async fn engine(listen: Option<&str>, transport: Transport) -> Engine {
+    let mut cfg = EngineConfig::default().listen(listen).arena(4 << 20, 64 << 10);
+    cfg.producer.transport = transport;
+    cfg.pinned = false;
+    Engine::start(cfg).await.unwrap()
+}
+
+fn sim(rank: u32, shared: bool) -> Arc<SimDevice> {
+    SimDevice::new(
+        SimConfig::new(rank)
+            .with_latency(Duration::from_micros(200))
+            .with_shared_memory(shared),
+    )
+    .unwrap()
+}
+
+fn cache(dev: &Arc<SimDevice>, name: &str, op_timeout: Duration) -> Arc<DeviceKvCache> {
+    let d: Arc<dyn Device> = dev.clone();
+    let buf = d.alloc(BLOCK * BLOCKS as usize).unwrap();
+    Arc::new(DeviceKvCache::contiguous(name, d, buf, BLOCK, op_timeout).unwrap())
+}
+
+fn pattern(seed: u32, block: u32) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (i as u32).wrapping_mul(7).wrapping_add(block * 31 + seed * 101) as u8)
+        .collect()
+}
+
+fn fill(c: &DeviceKvCache, seed: u32) {
+    for b in 0..BLOCKS {
+        c.buffers()[0].write(b as usize * BLOCK, &pattern(seed, b)).unwrap();
+    }
+}
+
+fn read_block(c: &DeviceKvCache, b: u32) -> Vec<u8> {
+    c.buffers()[0].to_vec(b as usize * BLOCK, BLOCK).unwrap()
+}
+
+/// A producer engine on a shared-memory sim device with blocks 1..=3 published as
+/// `key`, and a consumer engine on its own sim device.
+struct Rig {
+    prefill: Engine,
+    decode: Engine,
+    addr: String,
+    src: Arc<DeviceKvCache>,
+    dst: Arc<DeviceKvCache>,
+    ddev: Arc<SimDevice>,
+    key: ChunkKey,
+}
+
+async fn rig(consumer_transport: Transport, op_timeout: Duration) -> Rig {
+    let prefill = engine(Some("127.0.0.1:0"), Transport::Auto).await;
+    let decode = engine(None, consumer_transport).await;
+    let src = cache(&sim(0, true), "prefill-kv", Duration::from_secs(2));
+    fill(&src, 1);
+    let ddev = sim(1, false);
+    let dst = cache(&ddev, "decode-kv", op_timeout);
+    let key = ChunkKey::from_name("ipc/k");
+    let reg = prefill.register(src.clone()).unwrap();
+    prefill.publish(key, &reg, &[1, 2, 3], Duration::ZERO, false).unwrap();
+    let addr = prefill.address().unwrap().to_string();
+    Rig {
+        prefill,
+        decode,
+        addr,
+        src,
+        dst,
+        ddev,
+        key,
+    }
+}
+
+impl Rig {
+    fn get(&self, blocks: Vec<u32>, within: Duration) -> kvferry::peer::Transfer {
+        self.decode.start_get(
+            &self.addr,
+            &[self.key],
+            Destination::new(self.dst.clone(), vec![blocks]),
+            Instant::now() + within,
+        )
+    }
+
+    async fn close(self) {
+        for e in [self.prefill, self.decode] {
+            assert!(e.close(in_secs(5)).await.is_clean());
+        }
+    }
+}
+
+/// Waits (bounded) until `dev` has a stuck operation.
+async fn until_stuck(dev: &SimDevice) {
+    let t = in_secs(5);
+    while dev.stuck() == 0 {
+        assert!(Instant::now() < t, "the copy never reached the device");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_ipc_lands_every_byte_and_is_named_in_stats() {
+    let r = rig(Transport::Auto, Duration::from_secs(2)).await;
+    let landed = r.get(vec![10, 11, 12], Duration::from_secs(5)).await.unwrap();
+    assert_eq!(landed.chunks, 1);
+    for (i, b) in [1u32, 2, 3].iter().enumerate() {
+        assert_eq!(read_block(&r.dst, 10 + i as u32), pattern(1, *b), "block {b}");
+    }
+    assert!(
+        read_block(&r.dst, 13).iter().all(|x| *x == 0),
+        "nothing beyond the chunk"
+    );
+    let stats = r.decode.stats();
+    assert_eq!(stats.consumer.device_ipc_transfers, 1, "{:?}", stats.consumer);
+    assert_eq!(stats.consumer.device_ipc_bytes, 3 * BLOCK as u64);
+    assert_eq!(stats.consumer.cma_transfers, 0, "not read through staging");
+    assert_eq!(stats.movers.len(), 1);
+    assert_eq!(stats.movers[0].mover, Mover::Cma);
+    assert_eq!(
+        stats.movers[0].device_ipc,
+        vec!["sim-shm".to_string()],
+        "{:?}",
+        stats.movers[0]
+    );
+    assert_eq!(r.prefill.stats().producer.bytes_sent, 0, "nothing on the socket");
+    // Again: the export is opened once per incarnation.
+    r.get(vec![4, 5, 6], Duration::from_secs(5)).await.unwrap();
+    assert_eq!(read_block(&r.dst, 5), pattern(1, 2));
+    assert_eq!(r.dst.imports_open(), (1, 1));
+    assert_eq!(r.decode.stats().consumer.device_ipc_transfers, 2);
+    // Both grants ended with their Done: no lease left on the producer.
+    let t = in_secs(5);
+    while r.prefill.stats().producer.staged_now > 0 {
+        assert!(Instant::now() < t, "the producer's leases were never released");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(r.decode.stats().arena.free_pages, r.decode.stats().arena.total_pages);
+    r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_copy_fails_on_time_and_keeps_the_destination_busy_until_confirmed() {
+    let r = rig(Transport::Auto, Duration::from_millis(200)).await;
+    r.ddev
+        .inject(FaultRule {
+            fault: Fault::NeverComplete,
+            trigger: Trigger::Next,
+        })
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let transfer = r.get(vec![8, 9, 10], Duration::from_secs(5));
+    let fence = transfer.fence();
+    let f = transfer.await.unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert!(
+        matches!(&f.error, PeerError::Device { error, .. } if error.to_string().contains("device-to-device")),
+        "{}",
+        f.error
+    );
+    assert!(f.dirty);
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(
+            !fence.is_drained(),
+            "blocks reported quiet while the device may write them"
+        );
+    }
+    assert_eq!(r.decode.stats().consumer.device_ipc_transfers, 0);
+    r.ddev.release_stuck();
+    assert!(fence.wait_until(in_secs(3)).await, "fires once the device confirmed");
+    // And the next transfer lands intact on the same mover.
+    r.get(vec![8, 9, 10], Duration::from_secs(5)).await.unwrap();
+    assert_eq!(read_block(&r.dst, 9), pattern(1, 2));
+    assert_eq!(r.decode.stats().consumer.device_ipc_transfers, 1);
+    r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_copy_fails_only_its_transfer() {
+    let r = rig(Transport::Auto, Duration::from_secs(2)).await;
+    r.ddev
+        .inject(FaultRule {
+            fault: Fault::FailCopy,
+            trigger: Trigger::Next,
+        })
+        .unwrap();
+    let f = r.get(vec![0, 1, 2], Duration::from_secs(5)).await.unwrap_err();
+    assert!(
+        matches!(&f.error, PeerError::Device { error, .. } if error.to_string().contains("failed")),
+        "{}",
+        f.error
+    );
+    assert!(
+        f.fence.wait_until(in_secs(2)).await,
+        "a failed copy no longer touches the blocks"
+    );
+    r.get(vec![0, 1, 2], Duration::from_secs(5)).await.unwrap();
+    assert_eq!(read_block(&r.dst, 0), pattern(1, 1));
+    assert_eq!(read_block(&r.dst, 2), pattern(1, 3));
+    r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_transfer_drains_only_after_its_copy_settled() {
+    let r = rig(Transport::Auto, Duration::from_secs(30)).await;
+    r.ddev
+        .inject(FaultRule {
+            fault: Fault::Stall,
+            trigger: Trigger::Next,
+        })
+        .unwrap();
+    let transfer = r.get(vec![3, 4, 5], Duration::from_secs(30));
+    let fence = transfer.fence();
+    let handle = tokio::spawn(transfer);
+    until_stuck(&r.ddev).await;
+    handle.abort(); // the caller gives up: the future is dropped
+    let _ = handle.await;
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(!fence.is_drained(), "drained while the copy is queued on the device");
+    }
+    r.ddev.release_stuck();
+    assert!(fence.wait_until(in_secs(5)).await, "drains once the copy settled");
+    r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_rewriting_published_blocks_mid_copy_is_a_checksum_error() {
+    let r = rig(Transport::Auto, Duration::from_secs(30)).await;
+    r.ddev
+        .inject(FaultRule {
+            fault: Fault::Stall,
+            trigger: Trigger::Next,
+        })
+        .unwrap();
+    let handle = tokio::spawn(r.get(vec![12, 13, 14], Duration::from_secs(30)));
+    until_stuck(&r.ddev).await;
+    // The grant's checksums were taken; the engine breaks its promise now.
+    r.src.buffers()[0].write(2 * BLOCK + 100, &[0xAB; 64]).unwrap();
+    r.ddev.release_stuck();
+    let f = handle.await.unwrap().unwrap_err();
+    assert!(matches!(f.error, PeerError::ChecksumMismatch { .. }), "{}", f.error);
+    assert!(f.dirty, "the destination is reported written, not landed");
+    assert_eq!(r.decode.stats().consumer.checksum_failures, 1);
+    assert_eq!(r.decode.stats().consumer.device_ipc_transfers, 0);
+    r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_tcp_keeps_the_staged_device_path() {
+    let r = rig(Transport::Tcp, Duration::from_secs(2)).await;
+    r.get(vec![7, 8, 9], Duration::from_secs(5)).await.unwrap();
+    assert_eq!(read_block(&r.dst, 8), pattern(1, 2));
+    let stats = r.decode.stats();
+    assert_eq!(stats.consumer.device_ipc_transfers, 0);
+    assert_eq!(stats.consumer.cma_transfers, 0);
+    assert!(r.prefill.stats().producer.bytes_sent >= 3 * BLOCK as u64);
+    assert_eq!(r.dst.imports_open(), (0, 0));
+    r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_producer_device_is_read_over_cma_instead() {
+    let prefill = engine(Some("127.0.0.1:0"), Transport::Auto).await;
+    let decode = engine(None, Transport::Auto).await;
+    let src = cache(&sim(0, false), "prefill-kv", Duration::from_secs(2));
+    fill(&src, 4);
+    let dst = cache(&sim(1, false), "decode-kv", Duration::from_secs(2));
+    let key = ChunkKey::from_name("ipc/private");
+    let reg = prefill.register(src.clone()).unwrap();
+    prefill.publish(key, &reg, &[6], Duration::ZERO, false).unwrap();
+    let addr = prefill.address().unwrap().to_string();
+    decode
+        .get(&addr, &[key], Destination::new(dst.clone(), vec![vec![1]]), in_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(read_block(&dst, 1), pattern(4, 6));
+    let stats = decode.stats();
+    assert_eq!(stats.consumer.device_ipc_transfers, 0);
+    assert_eq!(stats.consumer.cma_transfers, 1, "staged and read by CMA");
+    for e in [prefill, decode] {
+        assert!(e.close(in_secs(5)).await.is_clean());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_producer_is_opened_again() {
+    let r = rig(Transport::Auto, Duration::from_secs(2)).await;
+    r.get(vec![0, 1, 2], Duration::from_secs(5)).await.unwrap();
+    assert_eq!(r.dst.imports_open(), (1, 1));
+    let Rig {
+        prefill,
+        decode,
+        addr,
+        dst,
+        key,
+        ..
+    } = r;
+    assert!(prefill.close(in_secs(5)).await.is_clean());
+    // A new incarnation on the same address, with other bytes.
+    let prefill = engine(Some(&addr), Transport::Auto).await;
+    let src = cache(&sim(2, true), "prefill-kv-2", Duration::from_secs(2));
+    fill(&src, 9);
+    let reg = prefill.register(src.clone()).unwrap();
+    prefill.publish(key, &reg, &[1, 2, 3], Duration::ZERO, false).unwrap();
+    decode
+        .get(
+            &addr,
+            &[key],
+            Destination::new(dst.clone(), vec![vec![5, 6, 7]]),
+            in_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(read_block(&dst, 6), pattern(9, 2));
+    assert_eq!(
+        dst.imports_open(),
+        (1, 2),
+        "the old incarnation's import closed, the new one opened"
+    );
+    assert_eq!(decode.stats().consumer.device_ipc_transfers, 2);
+    for e in [prefill, decode] {
+        assert!(e.close(in_secs(5)).await.is_clean());
+    }
+}
