@@ -85,7 +85,7 @@ pub use cache_ref::KvCacheRef;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     cuda_device_count, cuda_pinned_arena, cuda_pinned_backing, on_raw_event_complete, query_raw_event,
-    raw_event_watch_stats, CudaDevice, MAX_BUSY_WATCH_STREAMS,
+    raw_event_watch_stats, CudaDevice, CUDA_IPC, MAX_BUSY_WATCH_STREAMS,
 };
 pub use event::{
     BoxFuture, Event, EventId, EventMeta, EventSignal, EventStatus, EventTrigger, PushSignal, SettleCallback,

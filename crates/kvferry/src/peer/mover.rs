@@ -132,9 +132,17 @@ pub fn boot_id() -> Option<String> {
     (!id.is_empty() && id.len() <= crate::wire::MAX_BOOT_ID_BYTES).then(|| id.to_string())
 }
 
-/// The device-IPC kinds this build can export and open (CUDA IPC is not built yet).
+/// The device-IPC kinds this build can export and open: the sim's shared memory, and
+/// (feature `cuda`) CUDA IPC only where `KVFERRY_CUDA_IPC=1` — it has never run on a
+/// GPU yet (`scripts/gpu-check.sh` has its case).
 pub fn device_ipc_kinds() -> Vec<String> {
-    vec![crate::device::SIM_IPC.to_string()]
+    #[allow(unused_mut)]
+    let mut kinds = vec![crate::device::SIM_IPC.to_string()];
+    #[cfg(feature = "cuda")]
+    if std::env::var("KVFERRY_CUDA_IPC").is_ok_and(|v| v == "1") {
+        kinds.push(crate::device::CUDA_IPC.to_string());
+    }
+    kinds
 }
 
 #[cfg(test)]

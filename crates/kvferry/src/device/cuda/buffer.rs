@@ -24,6 +24,8 @@ pub(super) struct CudaBuffer {
     pub(super) len: usize,
     /// What keeps external memory alive (dropped with the buffer); `None`: ours.
     pub(super) owner: Option<Box<dyn Any + Send + Sync>>,
+    /// Imported from another process (CUDA IPC): never written.
+    pub(super) read_only: bool,
 }
 
 impl std::fmt::Debug for CudaBuffer {
@@ -60,6 +62,11 @@ impl BufferBackend for CudaBuffer {
     }
 
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), DeviceError> {
+        if self.read_only {
+            return Err(DeviceError::InvalidArgument(
+                "device memory imported from another process is read-only".into(),
+            ));
+        }
         check_range(offset, data.len(), self.len, "device buffer")?;
         if data.is_empty() {
             return Ok(());
@@ -91,5 +98,13 @@ impl BufferBackend for CudaBuffer {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+
+    fn export_handle(&self) -> Result<Vec<u8>, DeviceError> {
+        super::ipc::export(self)
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 }

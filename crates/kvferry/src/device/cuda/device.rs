@@ -122,6 +122,7 @@ impl CudaDevice {
             ptr,
             len,
             owner: Some(owner),
+            read_only: false,
         })))
     }
 
@@ -264,7 +265,16 @@ impl Device for CudaDevice {
             ptr,
             len,
             owner: None,
+            read_only: false,
         })))
+    }
+
+    fn ipc_kind(&self) -> Option<&'static str> {
+        Some(super::ipc::CUDA_IPC)
+    }
+
+    fn open_ipc(&self, handle: &[u8]) -> Result<DeviceBuffer, DeviceError> {
+        Ok(DeviceBuffer::new(Arc::new(super::ipc::open(&self.shared, handle)?)))
     }
 
     fn create_stream(&self, name: &str) -> Result<Stream, DeviceError> {

@@ -41,6 +41,10 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuLaunchHostFunc",
     "cuPointerGetAttribute",
     "cuMemGetAddressRange_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
 ];
 
 pub(super) fn ok(r: sys::CUresult) -> bool {

@@ -66,6 +66,7 @@ mod buffer;
 mod device;
 mod driver;
 mod event;
+mod ipc;
 mod pinned;
 mod reaper;
 mod stream;
@@ -73,5 +74,6 @@ mod watch;
 
 pub use device::CudaDevice;
 pub use driver::{cuda_device_count, query_raw_event};
+pub use ipc::CUDA_IPC;
 pub use pinned::{cuda_pinned_arena, cuda_pinned_backing};
 pub use watch::{on_raw_event_complete, raw_event_watch_stats, MAX_BUSY_WATCH_STREAMS};

@@ -16,7 +16,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use crate::device::event::{Event, EventMeta, EventStatus, PushSignal};
-use crate::device::stream::{CopyDirection, CopyOp, StreamBackend};
+use crate::device::stream::{CopyDirection, CopyOp, D2dOp, StreamBackend};
 use crate::device::DeviceError;
 use crate::mem::HostMemory;
 
@@ -174,6 +174,55 @@ impl StreamBackend for CudaStream {
             Err(e) => {
                 // Copies are queued but cannot be tracked: keep their memory forever and
                 // report a fault (the lease stays quarantined).
+                std::mem::forget(op);
+                let signal = PushSignal::new();
+                signal.settle(EventStatus::Faulted(e.to_string()));
+                Ok(Event::new(meta, signal))
+            }
+        }
+    }
+
+    fn copy_d2d(&self, op: D2dOp) -> Result<Event, DeviceError> {
+        let cuda = |b: &crate::device::DeviceBuffer| -> Result<u64, DeviceError> {
+            b.backend()
+                .as_any()
+                .downcast_ref::<CudaBuffer>()
+                .map(|c| c.ptr)
+                .ok_or_else(|| {
+                    DeviceError::InvalidArgument("CUDA stream given a buffer that is not CUDA memory".into())
+                })
+        };
+        let mut pairs = Vec::with_capacity(op.segments.len());
+        for s in &op.segments {
+            pairs.push((
+                cuda(&s.src.buffer)? + s.src.offset as u64,
+                cuda(&s.dst.buffer)? + s.dst.offset as u64,
+                s.dst.len,
+            ));
+        }
+        self.dev.ctx.bind()?;
+        let (mut issued, mut error) = (0usize, None::<String>);
+        for (src, dst, len) in pairs {
+            // SAFETY: both ranges were validated against buffers the operation keeps
+            // alive until its event settles (the event's `keep`); the destination is
+            // this device's memory, never an import; the stream is ours.
+            let r = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.stream) };
+            if ok(r) {
+                issued += 1;
+            } else {
+                error = Some(format!("cuMemcpyDtoDAsync: {r:?}"));
+                break;
+            }
+        }
+        if let (Some(e), 0) = (&error, issued) {
+            return Err(DeviceError::Driver(e.clone()));
+        }
+        let meta = op.meta.clone();
+        match self.new_event() {
+            Ok(ev) => Ok(self.event(meta, ev, error, Some(Box::new(op)))),
+            Err(e) => {
+                // The copies may still run: keep their buffers forever rather than
+                // close an import under them.
                 std::mem::forget(op);
                 let signal = PushSignal::new();
                 signal.settle(EventStatus::Faulted(e.to_string()));
