@@ -4,8 +4,8 @@ decode rank reads which KV heads from, for split and replicated heads on either 
 
 Checked against what SGLang places on each rank (``heads / tp`` heads, or with
 ``tp > heads`` one head, rank ``r`` holding head ``r // (tp / heads)``) rather than
-against the plan's own helpers, and against the vLLM mapping's choice of replica (the
-two integrations share one rule: ``_kv_layout.head_sources``)."""
+against the plan's own helpers. The replica rule is ``_kv_layout.head_sources``, the one
+the vLLM mapping uses too (its byte-level checks: ``tests/test_vllm_mapping.py``)."""
 
 from __future__ import annotations
 
@@ -62,18 +62,6 @@ def test_every_decode_head_read_once_from_a_rank_that_holds_it(need_sglang: None
     # every prefill rank is read or told it is not, exactly once
     unread = [p for p in range(p_tp) if not readers(pre, dec, p)]
     assert sorted(notified) == unread
-
-
-@pytest.mark.parametrize("p_tp,d_tp,heads", CASES)
-def test_replica_choice_is_the_vllm_mappings(p_tp: int, d_tp: int, heads: int) -> None:
-    from kvferry.integrations._kv_layout import KvDescriptor, head_sources
-    from kvferry.integrations.vllm.mapping import _sources
-
-    def desc(tp: int) -> KvDescriptor:
-        return KvDescriptor("m", "bf16", "MHA", heads, 16, 4, tp)
-
-    for d in range(d_tp):
-        assert head_sources(desc(p_tp), desc(d_tp), d) == _sources(desc(p_tp), desc(d_tp), d)
 
 
 def test_heads_neither_split_nor_replicated_refused_by_name(need_sglang: None) -> None:

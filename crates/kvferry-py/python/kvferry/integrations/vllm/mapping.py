@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 # The descriptor and its byte arithmetic are shared with the SGLang backend; the names
 # stay importable from here (the connector's modules and tests use them).
-from .._kv_layout import GroupDesc, IncompatibleError, KvDescriptor, heads_of, piece_ranges
+from .._kv_layout import GroupDesc, IncompatibleError, KvDescriptor, head_sources, heads_of, piece_ranges
 
 __all__ = [
     "IncompatibleError",
@@ -147,26 +147,6 @@ def check(prefill: KvDescriptor, decode: KvDescriptor) -> Mapping:
     return Mapping(prefill, decode)
 
 
-def _sources(p: KvDescriptor, d: KvDescriptor, rank: int) -> list[tuple[int, int, int]]:
-    """``[(prefill rank, first global head, last+1)]`` decode rank ``rank`` reads."""
-    if d.attention == "MLA":
-        return [(rank % p.tp_size, 0, 1)]
-    a, b = heads_of(rank, d.tp_size, d.num_kv_heads)
-    out: list[tuple[int, int, int]] = []
-    H = p.num_kv_heads
-    for h in range(a, b):
-        if p.tp_size <= H:
-            q = h // (H // p.tp_size)
-        else:
-            rep = p.tp_size // H  # prefill ranks holding head h: h*rep .. h*rep+rep-1
-            q = h * rep + rank % rep
-        if out and out[-1][0] == q and out[-1][2] == h:
-            out[-1] = (q, out[-1][1], h + 1)
-        else:
-            out.append((q, h, h + 1))
-    return out
-
-
 def _phases(p: KvDescriptor, d: KvDescriptor) -> int:
     return max(p.block_size, d.block_size) // min(p.block_size, d.block_size)
 
@@ -174,7 +154,7 @@ def _phases(p: KvDescriptor, d: KvDescriptor) -> int:
 def _reads_per_prefill_rank(p: KvDescriptor, d: KvDescriptor) -> int:
     count: dict[int, int] = {}
     for r in range(d.tp_size):
-        for q, _, _ in _sources(p, d, r):
+        for q, _, _ in head_sources(p, d, r):
             count[q] = count.get(q, 0) + _phases(p, d)
     return max(count.values(), default=1)
 
@@ -251,7 +231,7 @@ def plan_request(
                 pairs_by_phase[k].append((pos[ii], int(lblock)))
     for r in range(d.tp_size):
         dst_a, _ = heads_of(r, d.tp_size, d.num_kv_heads) if d.attention == "MHA" else (0, 1)
-        for q, ha, hb in _sources(p, d, r):
+        for q, ha, hb in head_sources(p, d, r):
             src_a, _ = heads_of(q, p.tp_size, p.num_kv_heads) if p.attention == "MHA" else (0, 1)
             for k in range(ph):
                 pairs = pairs_by_phase[k]
