@@ -143,38 +143,21 @@ impl PyEngine {
         let retry = Duration::from_secs_f64(retry_miss.min(t.as_secs_f64()));
         let (e, p2) = (self.engine.clone(), peer.clone());
         // The call's instant, not the first poll's: the deadline, and a timeout's
-        // `waited`, run from when the caller asked (one clock, as for transfers).
+        // `waited` (the library's), run from when the caller asked.
         let start = tokio::time::Instant::now();
         let fut = async move {
-            let (deadline, retry_until) = (start + t, start + retry);
-            let fail = |mut error| {
-                if let kvferry::engine::PeerError::Timeout { waited, .. } = &mut error {
-                    *waited = start.elapsed();
-                }
-                kvferry::engine::GetFailure {
+            e.release_remote(&p2, keys, incarnation, start, start + t, start + retry)
+                .await
+                .map(|released| kvferry::engine::Landed {
+                    chunks: released,
+                    bytes: 0,
+                    checksum: 0,
+                })
+                .map_err(|error| kvferry::engine::GetFailure {
                     error,
                     fence: kvferry::engine::DrainFence::ready(),
                     dirty: false,
-                }
-            };
-            let mut backoff = Duration::from_millis(2);
-            let mut left = keys;
-            let mut released = 0;
-            loop {
-                let got = e.release_keys(&p2, &left, incarnation, deadline).await.map_err(fail)?;
-                released += got.iter().filter(|&&r| r).count();
-                left = left.into_iter().zip(got).filter(|(_, r)| !r).map(|(k, _)| k).collect();
-                let now = tokio::time::Instant::now();
-                if left.is_empty() || now + backoff > retry_until {
-                    return Ok(kvferry::engine::Landed {
-                        chunks: released,
-                        bytes: 0,
-                        checksum: 0,
-                    });
-                }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(50));
-            }
+                })
         };
         let _guard = self.handle().enter();
         Ok(PyTransfer::spawn_op(

@@ -169,6 +169,43 @@ impl Engine {
             .await
     }
 
+    /// [`release_keys`](Self::release_keys) until every key is released or
+    /// `retry_until`: a key `peer` missed (not published yet) is asked again after a
+    /// pause that doubles from 2 ms to 50 ms. Returns how many keys were released. The
+    /// whole operation runs under `deadline`; a `Timeout` reports the time since
+    /// `started` (the caller's call: one clock, as for transfers).
+    pub async fn release_remote(
+        &self,
+        peer: &str,
+        mut keys: Vec<ChunkKey>,
+        incarnation: Option<u64>,
+        started: Instant,
+        deadline: Instant,
+        retry_until: Instant,
+    ) -> Result<usize, PeerError> {
+        let mut backoff = Duration::from_millis(2);
+        let mut released = 0;
+        loop {
+            let got = match self.release_keys(peer, &keys, incarnation, deadline).await {
+                Ok(got) => got,
+                Err(PeerError::Timeout { op, .. }) => {
+                    return Err(PeerError::Timeout {
+                        op,
+                        waited: started.elapsed(),
+                    })
+                }
+                Err(e) => return Err(e),
+            };
+            released += got.iter().filter(|&&r| r).count();
+            keys = keys.into_iter().zip(got).filter(|(_, r)| !r).map(|(k, _)| k).collect();
+            if keys.is_empty() || Instant::now() + backoff > retry_until {
+                return Ok(released);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_millis(50));
+        }
+    }
+
     /// Pushes `data` to `peer`'s store under `key`.
     pub async fn push(&self, peer: &str, key: ChunkKey, data: &[u8], deadline: Instant) -> Result<(), PeerError> {
         self.check_open().map_err(|_| PeerError::ShuttingDown)?;
