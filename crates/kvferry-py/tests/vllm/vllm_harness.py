@@ -233,6 +233,11 @@ class Instance:
         log_stats: bool = False,
         kv_events: Any = None,
         extra_defaults: dict[str, Any] | None = None,
+        pp: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        dp_moe: bool = False,
+        engine_id: str | None = None,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -255,6 +260,7 @@ class Instance:
             kv_layout = {"HND": "LBHNC", "NHD": "LBNHC"}[layout]
         self.role = role
         self.tp, self.bs, self.hs, self.mla = tp, block_size, head_size, mla
+        self.pp = pp  # pipeline stages: worker w is stage w // tp, TP rank w % tp (see the end)
         self.backend = "MLA" if mla else backend
         self.kv_heads = 1 if mla else kv_heads
         self.hpr = 1 if mla else max(1, kv_heads // tp)
@@ -262,7 +268,7 @@ class Instance:
         self.salt = salt if salt is not None else (PREFILL_SALT if role == "kv_producer" else DECODE_SALT)
         defaults = EXTRA_DEFAULTS if extra_defaults is None else extra_defaults
         extra = {**defaults, "transport": TRANSPORT, **(extra or {})}
-        engine_id = f"h-{role}-{tp}-{block_size}-{backend}-{kv_layout}-{tag}-{os.getpid()}-{id(self)}"
+        engine_id = engine_id or f"h-{role}-{tp}-{block_size}-{backend}-{kv_layout}-{tag}-{os.getpid()}-{id(self)}"
 
         def config(rank: int) -> VllmConfig:
             cfg = VllmConfig(
@@ -274,7 +280,9 @@ class Instance:
                     max_model_len=1024,
                     is_encoder_decoder=False,
                 ),
-                parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                parallel_config=ParallelConfig(
+                    tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp_size, data_parallel_rank=dp_rank
+                ),
                 device_config=DeviceConfig("cpu"),
                 kv_transfer_config=KVTransferConfig(
                     kv_connector="KvferryConnector",
@@ -287,6 +295,8 @@ class Instance:
                 kv_events_config=kv_events,
             )
             cfg.parallel_config.rank = rank  # as vLLM sets it in each worker process
+            if dp_size > 1:
+                as_dp_engine_core(cfg, dp_rank, dp_moe)
             if windows:
                 # vLLM keeps its hybrid allocator on for a connector that supports it
                 # on the CPU and CUDA platforms; this CUDA wheel without a GPU is the
@@ -295,12 +305,16 @@ class Instance:
             return cfg
 
         # One config per rank process; the scheduler's is rank 0's.
-        configs = [config(r) for r in range(tp)]
+        configs = [config(r) for r in range(tp * pp)]
         self.vllm_config = configs[0]
         if mla:
             assert self.vllm_config.model_config.use_mla, "the MLA model config did not turn MLA on"
-        specs, backends = self.specs(configs, windows)
-        self.kv_cache_config, caches, self.kv_layout = allocate(configs, specs, backends, num_blocks, kv_layout)
+        if pp > 1:  # each stage's workers hold only that stage's layers
+            self.kv_cache_config, self.worker_kv_cache_configs, caches, self.kv_layout = stage_caches(self, configs, num_blocks, kv_layout)
+        else:
+            specs, backends = self.specs(configs, windows)
+            self.kv_cache_config, caches, self.kv_layout = allocate(configs, specs, backends, num_blocks, kv_layout)
+            self.worker_kv_cache_configs = [self.kv_cache_config] * tp
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
@@ -314,17 +328,17 @@ class Instance:
         self.ranks: list[Any] = []
         self.kv: list[dict[str, Any]] = []
         self.kvv: list[dict[str, tuple[Any, ...]]] = []  # rank -> layer -> (K, V) [blocks, tokens, heads, hs]
-        for r in range(tp):
-            c = KVConnectorFactory.create_connector(configs[r], KVConnectorRole.WORKER, self.kv_cache_config)
+        for r in range(tp * pp):
+            c = KVConnectorFactory.create_connector(configs[r], KVConnectorRole.WORKER, self.worker_kv_cache_configs[r])
             kv = caches[r]
             c.register_kv_caches(kv)
-            assert c.connector_worker.tp_rank == r
+            assert c.connector_worker.tp_rank == r % tp
             self.ranks.append(c)
             self.kv.append(kv)
             self.kvv.append({n: kv_views(self.backend, t, head_size, mla) for n, t in kv.items()})
-        hs = {(0, r): c.get_handshake_metadata() for r, c in enumerate(self.ranks)}
+        hs = {(r // tp, r % tp): c.get_handshake_metadata() for r, c in enumerate(self.ranks)}
         self.scheduler.get_kv_connector().set_xfer_handshake_metadata_pp_aware(hs)
-        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp * pp)
         self.free_at_start = self.free_blocks()
         self.final: dict[str, Any] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -332,8 +346,8 @@ class Instance:
         self.finished_recving: dict[str, float] = {}
         self.failed_recving: set[str] = set()
         # Per rank, before vLLM's aggregator: when each rank reported a request failed.
-        self.rank_failed: list[dict[str, float]] = [{} for _ in range(tp)]
-        self.rank_stats: list[list[dict[str, Any]]] = [[] for _ in range(tp)]  # per rank, per step
+        self.rank_failed: list[dict[str, float]] = [{} for _ in range(tp * pp)]
+        self.rank_stats: list[list[dict[str, Any]]] = [[] for _ in range(tp * pp)]  # per rank, per step
         self.invalid_blocks: set[int] = set()
         self.landed: dict[str, list[list[list[bytes]]]] = {}  # rid -> rank -> pos -> per (layer, kv, head)
         self.landed_groups: dict[str, list[list[int]]] = {}  # rid -> its blocks per group when it landed
@@ -421,7 +435,7 @@ class Instance:
         return self.kvv[rank][layer][kvi][block, off, head].view(torch.uint8)
 
     def first_head(self, rank: int) -> int:
-        return 0 if self.mla else heads_of(rank, self.tp, self.kv_heads)[0]
+        return 0 if self.mla else heads_of(rank % self.tp, self.tp, self.kv_heads)[0]
 
     def step(self) -> None:
         from vllm.distributed.kv_transfer import kv_transfer_state
@@ -451,6 +465,8 @@ class Instance:
                     toks = req.all_token_ids
                     for pos in range(end - n, end):
                         for li, name in enumerate(LAYERS):
+                            if name not in self.kvv[rank]:  # another pipeline stage's layer
+                                continue
                             blocks = groups[self.layer_group(li, len(groups))]
                             b, off = blocks[pos // self.bs], pos % self.bs
                             for kvi in self.kvs:
@@ -514,7 +530,7 @@ class Instance:
                     continue
                 (blocks,) = groups
                 self.landed[rid] = [
-                    [self.slot(rank, blocks, pos) for pos in range(req.num_prompt_tokens)] for rank in range(self.tp)
+                    [self.slot(rank, blocks, pos) for pos in range(req.num_prompt_tokens)] for rank in range(len(self.ranks))
                 ]
 
     def slot(self, rank: int, blocks: list[int], pos: int) -> list[bytes]:
@@ -522,6 +538,7 @@ class Instance:
         return [
             bytes(self.raw(rank, n, kvi, b, off, hh).reshape(-1).numpy())
             for n in LAYERS
+            if n in self.kvv[rank]  # a pipeline stage's worker: its layers only
             for kvi in self.kvs
             for hh in range(self.hpr)
         ]
@@ -544,6 +561,7 @@ class Instance:
         return [
             bytes(pattern(prompt[pos], pos, li, kvi, a + hh, self.hs * 2, salt).numpy())
             for li in range(len(LAYERS))
+            if LAYERS[li] in self.kvv[rank]  # a pipeline stage's worker: its layers only
             for kvi in self.kvs
             for hh in range(self.hpr)
         ]
@@ -689,3 +707,60 @@ def needed(p_bs: int, d: Instance, ntok: int, skip_tokens: int = 0) -> int:
     slots = (-(-ntok // g) - skip_tokens // g) * g
     return d.tp * slots * len(d.kvs) * len(LAYERS) * d.hpr * d.hs * 2
 
+
+# -- data and pipeline parallel (test_connector_parallel.py) ------------------------------
+#
+# ``Instance(..., pp=P)``: one scheduler and ``tp * P`` workers, worker ``w`` being pipeline
+# stage ``w // tp``, TP rank ``w % tp`` (``parallel_config.rank`` ``w``, as vLLM numbers
+# the workers of one engine core); each stage's workers hold only that stage's layers
+# (:func:`stage_caches`), and vLLM's aggregator waits for every worker, as its executor's
+# does (``world_size``). ``Instance(..., dp_rank=d, dp_size=n)``: the engine core of DP
+# rank ``d`` (:func:`as_dp_engine_core`); ``engine_id``: the deployment's engine id (vLLM
+# suffixes ``_dp<d>`` per DP rank).
+
+
+def as_dp_engine_core(cfg: Any, dp_rank: int, moe: bool = False) -> None:
+    """What vLLM 0.33's ``run_engine_core`` does to the config of DP rank ``dp_rank``'s
+    engine core (its workers get that config): ``data_parallel_index`` is the rank; a
+    dense model's rank becomes an independent DP-1 engine
+    (``reconfigure_for_independent_dp_rank``), a MoE model's keeps its DP group
+    (``moe``); ``engine_id`` gains ``_dp<rank>``."""
+    pc = cfg.parallel_config
+    pc.data_parallel_index = dp_rank
+    if moe:
+        pc.data_parallel_rank = dp_rank
+    else:
+        pc.reconfigure_for_independent_dp_rank()
+    cfg.kv_transfer_config.engine_id = f"{cfg.kv_transfer_config.engine_id}_dp{dp_rank}"
+
+
+def stage_caches(inst: Instance, configs: list[Any], num_blocks: int, kv_layout: str | None) -> tuple[Any, list[Any], list[dict[str, Any]], str]:
+    """Pipeline stages' KV caches as vLLM 0.33 makes them: worker ``w`` of stage
+    ``w // tp`` gets vLLM's real ``Attention`` layers of its stage's layers only
+    (:func:`kvferry.integrations.vllm.alloc.stage_layers`, vLLM's ``get_pp_indices``),
+    made in its own config; :func:`kvferry.integrations.vllm.alloc.allocate_workers`
+    plans and allocates every worker's cache from its own specs. Returns ``(scheduler
+    kv_cache_config, [per worker], [caches per worker], layout)``."""
+    from kvferry.integrations.vllm.alloc import allocate_workers, stage_layers
+
+    assert not inst.mla, "pipeline stages: MHA caches only"
+    specs = []
+    for w, cfg in enumerate(configs):
+        names = stage_layers(LAYERS, w // inst.tp, inst.pp)
+        q_heads = int(cfg.model_config.get_num_attention_heads(cfg.parallel_config))
+        layers = attention_layers(cfg, inst.backend, q_heads, inst.hpr, inst.hs, None, names)
+        specs.append({n: layer.get_kv_cache_spec(cfg) for n, layer in layers.items()})
+    return allocate_workers(configs, specs, [backend_class(inst.backend)], num_blocks, kv_layout)
+
+
+def stage_of(inst: Instance, worker: int) -> int:
+    """The pipeline stage of worker ``worker``."""
+    return worker // inst.tp
+
+
+def stage_wire(d: Instance) -> list[int]:
+    """Per pipeline stage: payload bytes its decode workers' engines received."""
+    out = [0] * d.pp
+    for w, c in enumerate(d.ranks):
+        out[stage_of(d, w)] += int(c.connector_worker.engine.stats()["consumer"]["bytes_received"])
+    return out

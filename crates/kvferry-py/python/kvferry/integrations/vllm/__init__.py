@@ -26,9 +26,12 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``host`` (str, default ``"127.0.0.1"``)
     Interface the worker's kvferry engine listens on. Decode instances connect here.
 ``port`` (int, default ``0``)
-    Base port: tensor-parallel rank *r* listens on ``port + r``. ``0`` picks free
-    ports (the addresses travel in ``kv_transfer_params``, so nothing needs to know
-    them in advance).
+    Base port: the worker of data-parallel rank *d* (``data_parallel_index``),
+    pipeline stage *p* and tensor-parallel rank *t* listens on
+    ``port + (d x PP + p) x TP + t`` (``port + t`` with one DP rank and one stage), so
+    every worker of every DP rank and stage on one host has its own (:mod:`.parallel`).
+    ``0`` picks free ports (the addresses travel in ``kv_transfer_params``, so nothing
+    needs to know them in advance).
 ``advertise_host`` (str, default: ``host``)
     Host written into ``kv_transfer_params`` for decode instances to connect to;
     set it when ``host`` is a wildcard such as ``"0.0.0.0"``.
@@ -53,7 +56,9 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``arena_bytes`` (int, default 64 MiB)
     Staging arena of the worker's engine (used by the ``staged`` path).
 ``peer_id`` (str, default ``kvferry-<engine_id>``)
-    Prefix of the worker engines' peer ids (``-tp<rank>`` is appended).
+    Prefix of the worker engines' peer ids: ``<prefix>[-dp<d>][-pp<p>]-tp<t>``
+    (``-dp<d>`` in a DP deployment's engine core, ``-pp<p>`` with PP > 1; see
+    :mod:`.parallel`).
 ``device`` (``"sim"`` or unset, default unset)
     Unset: the worker's engine follows its KV tensors — CPU tensors are host memory
     (zero copy both ways), CUDA tensors go to a ``cuda:N`` engine on their GPU and move
@@ -107,9 +112,11 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 ``kv_transfer_params`` returned by a prefill instance: ``do_remote_prefill`` (True),
 ``do_remote_decode`` (False), ``remote_block_ids``, ``remote_engine_id``,
 ``remote_request_id`` (the publication's key), ``remote_host``, ``remote_port``,
-``remote_num_tokens``, ``tp_size``, ``kvferry_peer_id``, ``kvferry_incarnation``
-(rank 0's; a restarted instance has a new incarnation), ``kvferry_peers`` (one
-``{"address", "peer_id", "incarnation"}`` per tensor-parallel rank),
+``remote_num_tokens``, ``tp_size``, ``pp_size``, ``remote_dp_rank`` and ``dp_size`` (the
+engine core's data-parallel rank and vLLM's ``data_parallel_size``), ``kvferry_peer_id``,
+``kvferry_incarnation`` (rank 0's; a restarted instance has a new incarnation),
+``kvferry_peers`` (one ``{"address", "peer_id", "incarnation"}`` per worker,
+stage-major: ``pp x TP + tp``), ``kvferry_stages`` (PP > 1: each stage's layers),
 ``kvferry_expires_at`` (wall-clock time the lease ends) and ``kvferry_desc`` (the
 instance's KV geometry, for the compatibility handshake: see
 ``mapping.KvDescriptor``); with several KV cache groups (or a sliding window's
@@ -154,7 +161,7 @@ The package (a facade over one module per concern, in the style of vLLM's
 NixlConnector): :mod:`.connector` (the class vLLM loads), :mod:`.config` (these
 keys), :mod:`.metadata` (handshake and per-step metadata), :mod:`.scheduler` and
 :mod:`.worker` (the two halves), :mod:`.reads` and :mod:`.hetero` (reads, batches and
-heterogeneous plans), :mod:`.mapping` and :mod:`.layout` (pure byte geometry, no vLLM
+heterogeneous plans), :mod:`.parallel` (data-parallel ranks and pipeline stages), :mod:`.mapping` and :mod:`.layout` (pure byte geometry, no vLLM
 needed), :mod:`.alloc` (KV caches from vLLM's own allocator, for tests and benches),
 :mod:`.stats`, :mod:`.bench` (``python -m kvferry.integrations.vllm.bench``) and
 :mod:`.bounded_output` (the vLLM plugin ``kvferry_bounded_output``).

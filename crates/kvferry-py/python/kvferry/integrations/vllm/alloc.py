@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BACKENDS", "backend_class", "attention_layers", "allocate", "kv_views"]
+__all__ = ["BACKENDS", "backend_class", "attention_layers", "allocate", "allocate_workers", "stage_layers", "kv_views"]
 
 # The attention backends whose KV caches the tests allocate and read: the CPU backend
 # (what vLLM runs on this machine) and the GPU backends whose layer classes import and
@@ -99,6 +99,59 @@ def allocate(
         kernel.append(select_common_block_size(spec.block_size, backends, [spec]) if isinstance(spec, AttentionSpec) else spec.block_size)
     caches = [allocate_kv_cache(kv_cache_config, torch.device(place), layout, kernel) for _ in configs]
     return kv_cache_config, caches, layout.name
+
+
+def stage_layers(layers: list[str], pp_rank: int, pp_size: int) -> list[str]:
+    """The layers pipeline stage ``pp_rank`` of ``pp_size`` holds, as vLLM 0.33 splits a
+    model's layers (``vllm.distributed.utils.get_pp_indices``, which honours
+    ``VLLM_PP_LAYER_PARTITION``)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(len(layers), pp_rank, pp_size)
+    return list(layers[start:end])
+
+
+def allocate_workers(
+    configs: list[Any], specs: list[dict[str, Any]], backends: list[Any], num_blocks: int, kv_layout: str | None = None, place: str = "cpu"
+) -> tuple[Any, list[Any], list[dict[str, Any]], str]:
+    """KV caches for workers that hold different layers — pipeline stages — the way
+    vLLM 0.33's engine core makes them: ``specs[w]`` is worker ``w``'s layers' specs
+    (a stage's workers hold only that stage's layers); the layout resolved from every
+    worker's specs, the groups by ``get_global_kv_cache_groups`` over every worker, one
+    ``KVCacheConfig`` per worker by ``get_kv_cache_configs`` (blocks fixed by
+    ``num_gpu_blocks_override``), the scheduler's by
+    ``generate_scheduler_kv_cache_config``, and each worker's tensors by
+    ``allocate_kv_cache`` from its own config. Returns ``(scheduler kv_cache_config,
+    [kv_cache_config per worker], [caches per worker], layout name)``."""
+    import torch
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, record_kv_cache_layout, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size
+
+    cfg0 = configs[0]
+    if kv_layout is not None:
+        cfg0.cache_config.kv_cache_layout = kv_layout
+    names = [m.name for m in get_supported_kv_cache_layouts(backends)]
+    layout = resolve_kv_cache_layout(cfg0, [names] * len(configs), [s for sp in specs for s in sp.values()])
+    for c in configs[1:]:
+        record_kv_cache_layout(c.cache_config, layout.name)
+    cfg0.cache_config.num_gpu_blocks_override = num_blocks
+    groups = get_global_kv_cache_groups(cfg0, specs)
+    memory = [max(s.page_size_bytes for s in sp.values()) * len(sp) * (num_blocks + 8) * 4 for sp in specs]
+    worker_cfgs = get_kv_cache_configs(cfg0, specs, memory, groups)
+    for kcc in worker_cfgs:
+        kcc.kv_cache_layout = layout.name
+    sched_cfg = generate_scheduler_kv_cache_config(worker_cfgs)
+    caches = []
+    for kcc in worker_cfgs:
+        kernel = []
+        for g in kcc.kv_cache_groups:
+            spec = g.kv_cache_spec
+            kernel.append(select_common_block_size(spec.block_size, backends, [spec]) if isinstance(spec, AttentionSpec) else spec.block_size)
+        caches.append(allocate_kv_cache(kcc, torch.device(place), layout, kernel))
+    return sched_cfg, worker_cfgs, caches, layout.name
 
 
 def kv_views(backend: str, t: Any, head_size: int, mla: bool = False) -> tuple[Any, ...]:

@@ -32,6 +32,15 @@ Printed: ``gbps`` (the hetero run), ``same_tp_gbps`` and ``ratio_to_same_tp`` (a
 from per-round medians: ``ratio_to_same_tp_p50``), and
 ``wire_bytes`` / ``needed_bytes`` (payload the decode ranks received / the bytes they
 need). Every decode rank's every head slice is compared with the prefill's.
+
+``--dp N`` (data parallel): N prefill/decode pairs, each pair the engine cores of one
+DP rank (its own process, its ``VllmConfig`` set as vLLM's ``run_engine_core`` sets a DP
+rank's: ``data_parallel_index``, ``engine_id`` ``…_dp<r>``), running the rounds above
+concurrently — every round starts on every DP rank at once (a barrier) —; then N
+``kvferry bench`` runs of the same bytes, concurrently too. Printed per DP rank
+(``dp_ranks``: each pair's fields above, ``gbps`` and ``ratio_to_rust``, the DP rank's
+GB/s over the mean GB/s of the concurrent Rust runs, ``rust_gbps``), the DP ranks'
+summed ``gbps_total``, ``rust_gbps_runs`` and ``ratio_to_rust`` (the lowest DP rank's).
 """
 
 from __future__ import annotations
@@ -106,9 +115,16 @@ class ConnectorHalf:
     per ``a.device``). Also used by ``scripts/gpu_connector_check.py``."""
 
     def __init__(
-        self, a: argparse.Namespace, model: str, role: KvRole, num_blocks: int, place: str = "cpu", extra: dict[str, Any] | None = None
+        self,
+        a: argparse.Namespace,
+        model: str,
+        role: KvRole,
+        num_blocks: int,
+        place: str = "cpu",
+        extra: dict[str, Any] | None = None,
+        dp: tuple[int, int] | None = None,
     ) -> None:
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
@@ -127,6 +143,8 @@ class ConnectorHalf:
         cfg = VllmConfig(
             model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float16", max_model_len=_max_len(a, num_blocks), seed=0),
             cache_config=CacheConfig(block_size=a.block_size),
+            # ``dp``: (rank, size) of a data-parallel deployment's engine core.
+            parallel_config=ParallelConfig(data_parallel_size=dp[1], data_parallel_rank=dp[0]) if dp else ParallelConfig(),
             # The connector follows the KV tensors' device, not this.
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=KVTransferConfig(
@@ -134,8 +152,11 @@ class ConnectorHalf:
                 kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role,
                 kv_connector_extra_config=extra,
+                engine_id=f"bench-{role}" if dp else None,
             ),
         )
+        if dp:
+            _as_dp_engine_core(cfg, dp[0])
         kcc, self.kv = _kv_caches(cfg, a, a.kv_heads, a.kv_heads, num_blocks, self.layers, place)
         self.connector: Any = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc)
         self.connector.register_kv_caches(self.kv)
@@ -168,8 +189,21 @@ class ConnectorHalf:
         return [t.view(torch.uint8)[idx] for t in self.kv.values()]
 
 
-def run_connector(a: argparse.Namespace) -> dict[str, Any]:
-    """The rounds through the connector; returns the measured fields."""
+def _as_dp_engine_core(cfg: Any, dp_rank: int) -> None:
+    """What vLLM 0.33's ``run_engine_core`` does to a dense model's DP rank's config:
+    ``data_parallel_index`` is the rank, the engine an independent DP-1 one
+    (``reconfigure_for_independent_dp_rank``), ``engine_id`` suffixed ``_dp<rank>``."""
+    cfg.parallel_config.data_parallel_index = dp_rank
+    cfg.parallel_config.reconfigure_for_independent_dp_rank()
+    cfg.kv_transfer_config.engine_id = f"{cfg.kv_transfer_config.engine_id}_dp{dp_rank}"
+
+
+def run_connector(
+    a: argparse.Namespace, dp: tuple[int, int] | None = None, sync: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """The rounds through the connector; returns the measured fields. ``dp``: the pair
+    is DP rank ``dp[0]`` of ``dp[1]``; ``sync``: called before each round's timed part
+    (the DP ranks' barrier)."""
     import torch
 
     from .metadata import KvferryConnectorMetadata, RecvSpec
@@ -178,8 +212,8 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
     nb = nreq * bpr
     with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
         model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
-        prefill = ConnectorHalf(a, model, "kv_producer", nb)
-        decode = ConnectorHalf(a, model, "kv_consumer", nb)
+        prefill = ConnectorHalf(a, model, "kv_producer", nb, dp=dp)
+        decode = ConnectorHalf(a, model, "kv_consumer", nb, dp=dp)
     gen = torch.Generator().manual_seed(0)
     for t in prefill.kv.values():
         raw = t.view(torch.uint8)
@@ -201,6 +235,8 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
             reqs_to_recv={r: RecvSpec(key=r, peers=[peer], remote_block_ids=ids[r], local_block_ids=local[r]) for r in ids},
             expires_at=dict.fromkeys(ids, expires),
         )
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         done: set[str] = set()
         _, got = decode.step(meta, set())
@@ -229,10 +265,12 @@ def run_connector(a: argparse.Namespace) -> dict[str, Any]:
         if len(sent) < nreq:
             raise RuntimeError(f"round {rnd}: prefill did not see {nreq - len(sent)} releases")
     stats = decode.connector.connector_worker.engine.stats()
+    peer_ids = (prefill.worker.engine.peer_id, decode.worker.engine.peer_id)
     prefill.connector.shutdown()
     decode.connector.shutdown()
     total = sum(round_s)
     return {
+        **({"dp_rank": dp[0], "peer_ids": list(peer_ids)} if dp else {}),
         "requests": nreq,
         "rounds": a.rounds,
         "blocks_per_request": bpr,
@@ -403,6 +441,83 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
     }
 
 
+def _dp_child(conn: Any, a: argparse.Namespace, rank: int, size: int, barrier: Any) -> None:
+    """One DP rank's pair in its own process (as each DP engine core is)."""
+    try:
+        res = run_connector(a, dp=(rank, size), sync=lambda: barrier.wait(timeout=600))
+        conn.send(("ok", res))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        barrier.abort()
+        conn.send(("error", f"DP rank {rank}: {type(e).__name__}: {e}"))
+
+
+def run_dp(a: argparse.Namespace) -> dict[str, Any]:
+    """``--dp N``: N DP ranks' pairs at once, each in a process of its own; then N
+    concurrent Rust benches of the same bytes (module docs)."""
+    import concurrent.futures
+    import multiprocessing as mp
+
+    n = int(a.dp)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    pipes, procs = [], []
+    for r in range(n):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_dp_child, args=(child, a, r, n, barrier), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    ranks: list[dict[str, Any]] = []
+    errors_: list[str] = []
+    for r, (conn, proc) in enumerate(zip(pipes, procs)):
+        if conn.poll(900):
+            kind, body = conn.recv()
+            if kind == "ok":
+                ranks.append(body)
+            else:
+                errors_.append(str(body))
+        else:
+            errors_.append(f"DP rank {r}: no result within 900 s")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if errors_:
+        raise RuntimeError("; ".join(errors_))
+    out: dict[str, Any] = {
+        "dp": n,
+        "device": a.device,
+        "dp_ranks": ranks,
+        "gbps_per_dp": [x["gbps"] for x in ranks],
+        "gbps_total": sum(x["gbps"] for x in ranks),
+        "corrupted_blocks": sum(x["corrupted_blocks"] for x in ranks),
+        "failed": sum(x["failed"] for x in ranks),
+    }
+    binary, note = _rust_binary(a.rust_bench)
+    runs: list[float] = []
+    if binary is not None:
+        ra = argparse.Namespace(
+            bytes=ranks[0]["bytes"], chunk_blocks=4, in_flight=4, connections=4, requests=32, chunks_per_request=4
+        )
+        try:
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                got = list(pool.map(lambda _: run_rust(binary, ra), range(n)))
+            runs = [float(g["gbps"]) for g in got if isinstance(g.get("gbps"), (int, float))]
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            note = f"rust bench failed: {e}"
+    rust = sum(runs) / len(runs) if runs else None
+    out["rust_gbps_runs"] = runs
+    out["rust_gbps"] = rust
+    out["rust_concurrent"] = n
+    out["rust_note"] = note
+    for x in ranks:
+        x["rust_gbps"] = rust
+        x["ratio_to_rust"] = x["gbps"] / rust if rust else None
+    ratios = [x["ratio_to_rust"] for x in ranks if x["ratio_to_rust"] is not None]
+    out["ratio_to_rust_per_dp"] = [x["ratio_to_rust"] for x in ranks]
+    out["ratio_to_rust"] = min(ratios) if ratios else None
+    return out
+
+
 def run_hetero(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
         model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
@@ -457,8 +572,35 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="heterogeneous TP: the decode's read_batch (default: the connector's, 8); 1: one get per request",
     )
+    p.add_argument(
+        "--dp",
+        type=_positive,
+        default=None,
+        help="data parallel: this many DP ranks' prefill/decode pairs at once, each in a process of its own, "
+        "against as many concurrent Rust benches; per-DP-rank GB/s and ratio_to_rust",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.dp is not None:
+        if a.prefill_tp is not None or a.decode_tp is not None:
+            p.error("--dp runs same-shape pairs: not with --prefill-tp/--decode-tp")
+        res = run_dp(a)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            for x in res["dp_ranks"]:
+                ratio = x["ratio_to_rust"]
+                print(
+                    f"DP rank {x['dp_rank']}: connector ({a.device}) {x['gbps']:.2f} GB/s, round p50 {x['p50_ms']:.1f} ms, "
+                    f"p99 {x['p99_ms']:.1f} ms; ratio_to_rust {'n/a' if ratio is None else f'{ratio:.2f}'}; "
+                    f"corrupted blocks {x['corrupted_blocks']}, failed {x['failed']}"
+                )
+            runs = ", ".join(f"{g:.2f}" for g in res["rust_gbps_runs"])
+            print(
+                f"all {res['dp']} DP ranks: {res['gbps_total']:.2f} GB/s; rust kvferry bench x{res['dp']} concurrent: "
+                + (f"{runs} GB/s (mean {res['rust_gbps']:.2f})" if res["rust_gbps"] else f"n/a ({res['rust_note']})")
+            )
+        return 1 if res["corrupted_blocks"] or res["failed"] else 0
     if a.prefill_tp is not None or a.decode_tp is not None:
         a.prefill_tp, a.decode_tp = a.prefill_tp or 1, a.decode_tp or 1
         res = run_hetero(a)

@@ -136,6 +136,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._s().set_xfer_handshake_metadata(metadata)
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Every worker's handshake by ``(pp_rank, tp_rank)``, as vLLM 0.33's engine
+        core collects them: pipeline parallel is supported (:mod:`.parallel`: each
+        stage publishes, and each decode stage pulls, only that stage's layers)."""
+        self._s().set_handshakes(metadata)
+
     def has_pending_block_frees(self) -> bool:
         """False: vLLM then preempts rather than waits. Blocks kvferry holds are
         publications (freed when a decode reads or releases them, or at lease

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import errors
 from .mapping import GroupDesc, IncompatibleError, KvDescriptor, RankPlan, check, plan_request
+from .parallel import pp_differences, remote_dp_rank, stages_of
 from .reads import RankReads, _Geometry, launch_batched
 
 if TYPE_CHECKING:
@@ -177,10 +178,17 @@ def _verdict(sched: Any, params: dict[str, Any]) -> Any:
     if v is not None:
         return v
     mine = descriptor(sched)
+    # Pipeline stages first (parallel.py): each decode stage reads one prefill stage.
+    pp = pp_differences(params, int(getattr(sched, "pp_size", 1)), getattr(sched, "stages", {}))
     try:
         if mine is None:
-            raise IncompatibleError(["the decode's own KV geometry is unknown (no handshake from rank 0)"])
-        v = check(KvDescriptor.from_params(params["kvferry_desc"]), mine)
+            raise IncompatibleError(pp + ["the decode's own KV geometry is unknown (no handshake from rank 0)"])
+        try:
+            v = check(KvDescriptor.from_params(params["kvferry_desc"]), mine)
+        except IncompatibleError as e:
+            raise IncompatibleError(pp + e.differences) from None
+        if pp:
+            raise IncompatibleError(pp)
     except IncompatibleError as e:
         v = e
         sched.log_error("KvferryConnector: refusing prefill engine %s: %s", engine, e)
@@ -193,6 +201,14 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
     v = _verdict(sched, params)
     key = str(params["remote_request_id"])
     peers = list(params["kvferry_peers"])
+    # kvferry_peers cut into the prefill's pipeline stages when they match the
+    # decode's: plans then index one stage's workers (parallel.stage_view).
+    stages = stages_of(params, int(getattr(sched, "pp_size", 1)))
+    where = {
+        "stages": stages,
+        "remote_engine_id": None if params.get("remote_engine_id") is None else str(params["remote_engine_id"]),
+        "remote_dp_rank": remote_dp_rank(params),
+    }
     ntok = min(len(request.prompt_token_ids or ()), int(params.get("remote_num_tokens") or 1 << 60))
     raw = params["remote_block_ids"]
     remote = [list(g) for g in raw] if raw and isinstance(raw[0], (list, tuple)) else [list(raw)]
@@ -208,10 +224,12 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
         plans = [RankPlan() for _ in range(d_tp)]
         from .mapping import slot_key
 
-        for q in range(len(peers)):
+        for q in range(len(peers) // stages):
             for s in range(slots):
                 plans[q % d_tp].releases.append((q, slot_key(key, s)))
-        return spec_cls(key=key, peers=peers, remote_block_ids=[], local_block_ids=flat_local, plans=plans, refused=str(v))
+        return spec_cls(
+            key=key, peers=peers, remote_block_ids=[], local_block_ids=flat_local, plans=plans, refused=str(v), **where
+        )
     plans = plan_request(v, key, ntok, remote, local)
     first = list(blocks.blocks[0]) if blocks.blocks else []
     return spec_cls(
@@ -223,6 +241,7 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
         plans=plans,
         npub=npub,
         src_piece_bytes=v.prefill.piece_bytes,
+        **where,
     )
 
 
@@ -439,10 +458,11 @@ def give_up(worker: Any, pull: Any) -> None:
 # -- releases without a pull -----------------------------------------------------------
 
 
-def release_all(sched: Any, params: dict[str, Any]) -> list[list[tuple[int, str]]] | None:
+def release_all(sched: Any, params: dict[str, Any], stages: int = 1) -> list[list[tuple[int, str]]] | None:
     """Every slot of every prefill rank, spread over the decode ranks (``q % D_TP``);
     None when there is one key per rank (no descriptor, and this instance publishes
-    one slot)."""
+    one slot). ``stages`` > 1: the ranks of one pipeline stage (each decode stage
+    releases its own stage's, :func:`.parallel.stage_view`)."""
     from .mapping import slot_key
 
     raw = params.get("kvferry_desc")
@@ -460,7 +480,7 @@ def release_all(sched: Any, params: dict[str, Any]) -> list[list[tuple[int, str]
     key = str(params["remote_request_id"])
     d_tp = max(1, int(sched.tp_size))
     out: list[list[tuple[int, str]]] = [[] for _ in range(d_tp)]
-    for q in range(len(params.get("kvferry_peers") or ())):
+    for q in range(len(params.get("kvferry_peers") or ()) // max(1, stages)):
         for s in range(slots):
             out[q % d_tp].append((q, slot_key(key, s)))
     return out

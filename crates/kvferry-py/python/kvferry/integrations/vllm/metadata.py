@@ -29,6 +29,13 @@ class KvferryHandshakeMetadata(KVConnectorHandshakeMetadata):
     dtype: str = ""
     elem_size: int = 0
     cache_layout: str = ""  # backend/KVCacheLayout (order), for messages
+    # Where the worker sits in its deployment (parallel.py): its pipeline stage (each
+    # stage registers only its own layers, ``layers`` in region order) and its engine
+    # core's data-parallel rank.
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    layers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -52,6 +59,14 @@ class RecvSpec:
     # the prefill published besides ``key`` (as many as this instance would publish),
     # released when the pull starts, or with ``key`` when it never does.
     release_also: list[str] = field(default_factory=list)
+    # Pipeline stages ``peers`` is cut into (parallel.py): the prefill's PP size when
+    # it equals the decode's — each decode stage then deals only with its own stage's
+    # slice of ``peers`` —, else 1 (``peers`` whole, handled by stage 0 alone).
+    stages: int = 1
+    # Where the blocks are, for messages and stats: the prefill engine core's id and
+    # data-parallel rank (``remote_dp_rank`` of the params; None when not given).
+    remote_engine_id: str | None = None
+    remote_dp_rank: int | None = None
 
     @property
     def load_block_ids(self) -> list[int]:
@@ -74,6 +89,7 @@ class ReleaseSpec:
     # Reader slots (vllm_hetero.py): per decode rank, the (prefill rank, key) pairs it
     # releases; None: each rank releases ``key`` on its own prefill rank.
     per_rank: list[list[tuple[int, str]]] | None = None
+    stages: int = 1  # as RecvSpec.stages
 
 
 @dataclass

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from vllm.logger import init_logger
 
 from . import hetero as vllm_hetero
+from . import parallel
 from .config import KvferryConfig
 from .mapping import slot_key
 from .metadata import KvferryConnectorMetadata, KvferryHandshakeMetadata, RecvSpec, ReleaseSpec, _flat_block_ids
@@ -36,7 +37,15 @@ class KvferryConnectorScheduler:
         self.engine_id: str = str(kvc.engine_id)
         self.block_size: int = vllm_config.cache_config.block_size
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        # This engine core's DP rank and PP size (parallel.py).
+        self.place = parallel.placement(vllm_config, worker=False)
+        self.pp_size: int = self.place.pp_size
+        # Every worker's handshake by (pp_rank, tp_rank); ``peers``: stage 0's by TP
+        # rank (the instance's descriptor comes from its rank 0); ``stages``: each
+        # stage's layers as the params carry them.
+        self.workers: dict[tuple[int, int], KvferryHandshakeMetadata] = {}
         self.peers: dict[int, KvferryHandshakeMetadata] = {}
+        self.stages: dict[int, list[Any]] = {}
         self.vllm_config = vllm_config
         # Refuses, at start-up, KV cache groups kvferry cannot move (Mamba state...).
         self.groups = vllm_hetero.groups_of(kv_cache_config)
@@ -50,11 +59,32 @@ class KvferryConnectorScheduler:
 
     # handshake
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        for rank, meta in metadata.items():
+        """Handshakes of a single-stage instance, by TP rank."""
+        self.set_handshakes({(0, int(r)): m for r, m in metadata.items()})
+
+    def set_handshakes(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Every worker's handshake, keyed ``(pp_rank, tp_rank)`` as vLLM 0.33 hands
+        them over (``set_xfer_handshake_metadata_pp_aware``): each pipeline stage's
+        workers hold, and publish, only that stage's layers."""
+        for (pp, tp), meta in metadata.items():
             if not isinstance(meta, KvferryHandshakeMetadata):
                 raise ValueError(f"KvferryConnector expects KvferryHandshakeMetadata, got {type(meta).__name__}")
-            self.peers[int(rank)] = meta
-        logger.info("KvferryConnector: workers %s", {r: m.address for r, m in sorted(self.peers.items())})
+            if not (0 <= int(pp) < self.pp_size and 0 <= int(tp) < self.tp_size):
+                raise ValueError(
+                    f"KvferryConnector: a handshake from worker (pp {pp}, tp {tp}) outside this instance's "
+                    f"pipeline_parallel_size {self.pp_size} x tensor_parallel_size {self.tp_size} "
+                    "(context parallelism, which numbers more ranks, is not supported)"
+                )
+            self.workers[(int(pp), int(tp))] = meta
+            if int(pp) == 0:
+                self.peers[int(tp)] = meta
+            if int(tp) == 0 and meta.layers:
+                self.stages[int(pp)] = parallel.stage_signature(meta.layers)
+        logger.info(
+            "KvferryConnector (%s): workers %s",
+            f"DP rank {self.place.dp_rank}" if self.place.uses_dp else "one DP rank",
+            {f"pp{p} tp{t}" if self.pp_size > 1 else t: m.address for (p, t), m in sorted(self.workers.items())},
+        )
 
     # decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -62,6 +92,8 @@ class KvferryConnectorScheduler:
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if not self._valid_remote(params) and not self._adopt_foreign(request.request_id, params):
+            return 0, False
+        if self._refuse_placement(request.request_id, params):
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         remote = int(params.get("remote_num_tokens") or prompt)  # never claim what P did not compute
@@ -78,6 +110,39 @@ class KvferryConnectorScheduler:
             and bool(params["kvferry_peers"])
             and params.get("remote_request_id") is not None
         )
+
+    def _refuse_placement(self, req_id: str, params: dict[str, Any]) -> bool:
+        """Params whose DP fields are malformed, or — without a descriptor, so without
+        a compatibility handshake to refuse them — whose pipeline stages cannot feed
+        this instance's: computed locally with a warning that says why, and the
+        prefill told to free its blocks now. Returns whether the request was refused.
+        (With a descriptor a PP mismatch is the handshake's refusal: hetero.plan.)"""
+        why = parallel.dp_problem(params)
+        if why is None and not isinstance(params.get("kvferry_desc"), dict):
+            diffs = parallel.pp_differences(params, self.pp_size, self.stages)
+            why = "; ".join(diffs) if diffs else None
+        if why is None:
+            return False
+        params["do_remote_prefill"] = False
+        logger.warning(
+            "KvferryConnector: computing %s locally: its kv_transfer_params from prefill engine %s (DP rank %s) "
+            "cannot be pulled here: %s",
+            req_id,
+            params.get("remote_engine_id"),
+            params.get("remote_dp_rank", "?"),
+            why,
+        )
+        if params.get("remote_request_id") is not None and isinstance(params.get("kvferry_peers"), list):
+            exp = params.get("kvferry_expires_at")
+            stages = parallel.stages_of(params, self.pp_size)
+            self._need_release[req_id] = ReleaseSpec(
+                key=str(params["remote_request_id"]),
+                peers=list(params["kvferry_peers"]),
+                expires_at=None if exp is None else float(exp),
+                per_rank=vllm_hetero.release_all(self, params, stages),
+                stages=stages,
+            )
+        return True
 
     def _adopt_foreign(self, req_id: str, params: dict[str, Any]) -> bool:
         """Remote-prefill params without kvferry's own fields, as a proxy written for
@@ -99,6 +164,11 @@ class KvferryConnectorScheduler:
             why = "no remote_request_id (the key the prefill instance published under)"
         elif tp != 1:
             why = f"no kvferry_peers and the prefill instance has tp_size {tp} (its ranks' addresses are unknown)"
+        elif params.get("pp_size", 1) != 1 or self.pp_size != 1:
+            why = (
+                f"no kvferry_peers, and pipeline parallel (prefill pp_size {params.get('pp_size', 1)}, "
+                f"decode {self.pp_size}): each stage's address is unknown"
+            )
         if why is not None:
             params["do_remote_prefill"] = False  # warned once; the prompt is computed here
             logger.warning(
@@ -124,11 +194,13 @@ class KvferryConnectorScheduler:
             # KV, as it does for prompt_logprobs): the prefill instance is told at once,
             # through the workers, so it frees the blocks now instead of at lease expiry.
             exp = params.get("kvferry_expires_at")
+            stages = parallel.stages_of(params, self.pp_size)
             self._need_release[request.request_id] = ReleaseSpec(
                 key=str(params["remote_request_id"]),
                 peers=list(params["kvferry_peers"]),
                 expires_at=None if exp is None else float(exp),
-                per_rank=vllm_hetero.release_all(self, params),
+                per_rank=vllm_hetero.release_all(self, params, stages),
+                stages=stages,
             )
             return
         if isinstance(params.get("kvferry_desc"), dict):
@@ -153,6 +225,9 @@ class KvferryConnectorScheduler:
             local_block_ids=local,
             skip_blocks=cached,
             release_also=[slot_key(str(params["remote_request_id"]), s) for s in range(1, self.reader_slots)],
+            stages=parallel.stages_of(params, self.pp_size),
+            remote_engine_id=None if params.get("remote_engine_id") is None else str(params["remote_engine_id"]),
+            remote_dp_rank=parallel.remote_dp_rank(params),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
@@ -183,13 +258,13 @@ class KvferryConnectorScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed prefill: nothing worth sending
-        if len(self.peers) < self.tp_size:
-            # Every rank publishes its own shard: without every rank's address the
-            # decode side could not pull them all.
+        if len(self.workers) < self.tp_size * self.pp_size:
+            # Every worker publishes its own shard (its heads of its stage's layers):
+            # without every worker's address the decode side could not pull them all.
             logger.warning(
-                "KvferryConnector: handshakes from %d of %d ranks; %s is not published",
-                len(self.peers),
-                self.tp_size,
+                "KvferryConnector: handshakes from %d of %d workers; %s is not published",
+                len(self.workers),
+                self.tp_size * self.pp_size,
                 request.request_id,
             )
             return False, None
@@ -198,7 +273,7 @@ class KvferryConnectorScheduler:
         if not ids:
             return False, None
         self._need_send[request.request_id] = ids
-        ranks = [self.peers[r] for r in sorted(self.peers)]
+        ranks = [self.workers[w] for w in sorted(self.workers)]  # stage-major: pp x TP + tp
         first = ranks[0]
         host, _, port = (first.address or ":0").rpartition(":")
         params = {
@@ -211,6 +286,9 @@ class KvferryConnectorScheduler:
             "remote_port": int(port),
             "remote_num_tokens": request.num_prompt_tokens,
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "remote_dp_rank": self.place.dp_rank,
+            "dp_size": self.place.dp_size,
             "kvferry_peer_id": first.peer_id,
             "kvferry_incarnation": first.incarnation,
             "kvferry_peers": [
@@ -218,6 +296,8 @@ class KvferryConnectorScheduler:
             ],
             "kvferry_expires_at": time.time() + self.config.lease_ttl,
         }
+        if self.pp_size > 1:
+            params["kvferry_stages"] = [self.stages.get(s) for s in range(self.pp_size)]
         vllm_hetero.advertise(self, params, groups)
         return True, params
 
@@ -231,19 +311,23 @@ class KvferryConnectorScheduler:
             per_rank = vllm_hetero.release_planned(planned)
             if per_rank is None and planned.release_also:
                 keys = [planned.key, *planned.release_also]
-                per_rank = [[(r, k) for k in keys] for r in range(len(planned.peers))]
-            self._need_release[req_id] = ReleaseSpec(key=planned.key, peers=planned.peers, expires_at=expires, per_rank=per_rank)
+                per_rank = [[(r, k) for k in keys] for r in range(len(planned.peers) // max(1, planned.stages))]
+            self._need_release[req_id] = ReleaseSpec(
+                key=planned.key, peers=planned.peers, expires_at=expires, per_rank=per_rank, stages=planned.stages
+            )
         elif params and params.get("do_remote_prefill") and (self._valid_remote(params) or self._adopt_foreign(req_id, params)):
             # Never allocated: aborted while waiting, or rejected before admission
             # (vLLM's notify_kv_transfer_request_rejected adds it pre-aborted so that
             # this hook frees the prefill's blocks), NIXL-style params included.
             params["do_remote_prefill"] = False
             exp = params.get("kvferry_expires_at")
+            stages = parallel.stages_of(params, self.pp_size)
             self._need_release[req_id] = ReleaseSpec(
                 key=str(params["remote_request_id"]),
                 peers=list(params["kvferry_peers"]),
                 expires_at=None if exp is None else float(exp),
-                per_rank=vllm_hetero.release_all(self, params),
+                per_rank=vllm_hetero.release_all(self, params, stages),
+                stages=stages,
             )
 
     def _advertised(self, address: str | None) -> str | None:

@@ -23,6 +23,11 @@ the plain ``data`` dict to the front end, rebuilds it there with
   pulled —, ``declined`` — the decode said it will not pull —, ``expired`` — the lease
   ran out: the decode never came or never said —, ``released``, ``shutdown``).
 
+``data`` also counts, per prefill data-parallel rank (the ``remote_dp_rank`` the
+prefill's params name), the bytes landed (``pulled_by_dp``) and the failed pulls
+(``failed_by_dp``); the log line shows them (``mb_from_dp<d>``,
+``failed_from_dp<d>``) once a rank other than 0 appears.
+
 Everything in ``data`` is plain lists and ints, so it pickles and serializes as vLLM
 needs between processes.
 """
@@ -74,6 +79,11 @@ def _empty() -> dict[str, Any]:
         "failed": {k: 0 for k in FAILURE_KINDS},
         "releases": 0,
         "published_released": {r: 0 for r in RELEASE_REASONS},
+        # Per prefill data-parallel rank (``remote_dp_rank`` of the params, as a
+        # string): bytes landed and failed pulls. Pulls whose params name no DP rank
+        # are not counted here.
+        "pulled_by_dp": {},
+        "failed_by_dp": {},
     }
 
 
@@ -96,13 +106,19 @@ class KvferryConnectorStats(KVConnectorStats):
         self.data = _empty()
 
     # recording (worker side)
-    def record_pull(self, seconds: float, nbytes: int, blocks: int) -> None:
+    def record_pull(self, seconds: float, nbytes: int, blocks: int, dp_rank: int | None = None) -> None:
         self.data["pull_seconds"].append(float(seconds))
         self.data["pull_bytes"].append(int(nbytes))
         self.data["pull_blocks"].append(int(blocks))
+        if dp_rank is not None:
+            by = self.data["pulled_by_dp"]
+            by[str(dp_rank)] = by.get(str(dp_rank), 0) + int(nbytes)
 
-    def record_failure(self, error: BaseException | None) -> None:
+    def record_failure(self, error: BaseException | None, dp_rank: int | None = None) -> None:
         self.data["failed"][failure_kind(error)] += 1
+        if dp_rank is not None:
+            by = self.data["failed_by_dp"]
+            by[str(dp_rank)] = by.get(str(dp_rank), 0) + 1
 
     def record_release(self) -> None:
         self.data["releases"] += 1
@@ -138,6 +154,9 @@ class KvferryConnectorStats(KVConnectorStats):
         self.data["releases"] += int(o.get("releases", 0))
         for k, v in o.get("published_released", {}).items():
             self.data["published_released"][k] = self.data["published_released"].get(k, 0) + int(v)
+        for field in ("pulled_by_dp", "failed_by_dp"):
+            for k, v in o.get(field, {}).items():
+                self.data[field][k] = self.data[field].get(k, 0) + int(v)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -166,6 +185,13 @@ class KvferryConnectorStats(KVConnectorStats):
         for k, v in d["published_released"].items():
             if v:
                 out[f"published_{k}"] = v
+        # Which prefill DP ranks the bytes came from, once there is more than rank 0.
+        if (set(d["pulled_by_dp"]) | set(d["failed_by_dp"])) - {"0"}:
+            for k, v in sorted(d["pulled_by_dp"].items()):
+                out[f"mb_from_dp{k}"] = round(v / 1e6, 3)
+            for k, v in sorted(d["failed_by_dp"].items()):
+                if v:
+                    out[f"failed_from_dp{k}"] = v
         return out
 
 

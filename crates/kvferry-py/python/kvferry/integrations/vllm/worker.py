@@ -10,6 +10,7 @@ only once it drained; its blocks go back to vLLM only after that (see
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,10 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from . import hetero as vllm_hetero
+from . import parallel
 from ... import errors
 from ..._engine import Engine, Region, Transfer
 from .config import KvferryConfig
 from .ledger import PullRecord, RequestLedger, Seen
+from .mapping import RankPlan
 from .metadata import KvferryConnectorMetadata, KvferryHandshakeMetadata, RecvSpec
 from .reads import RankReads
 from .stats import KvferryConnectorStats
@@ -53,13 +56,7 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
     """This worker's tensor-parallel rank: from vLLM's TP group when it is
     initialized, else from the parallel config (``rank`` modulo the TP size; 0 for a
     single process)."""
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        return int(get_tp_group().rank_in_group)
-    except Exception:  # not initialized: one process per rank, set up by the caller
-        pc = vllm_config.parallel_config
-        return int(getattr(pc, "rank", 0) or 0) % max(1, int(pc.tensor_parallel_size))
+    return parallel.placement(vllm_config).tp_rank
 
 
 class KvferryConnectorWorker:
@@ -74,7 +71,11 @@ class KvferryConnectorWorker:
         assert kvc is not None
         self.engine_id = str(kvc.engine_id)
         self.listens = kvc.kv_role != "kv_consumer"
-        self.tp_rank = _tp_rank(vllm_config)
+        # DP rank, pipeline stage, TP rank (parallel.py): the listen port, the peer id
+        # and which prefill workers this one pulls from follow from it.
+        self.place = parallel.placement(vllm_config)
+        self.tp_rank = self.place.tp_rank
+        self.pp_rank = self.place.pp_rank
         self.reader_slots = vllm_hetero.reader_slots_for(self.config, vllm_config)  # published per request (prefill)
         self.num_blocks: int | None = kv_cache_config.num_blocks if kv_cache_config is not None else None
         self.engine: Engine | None = None
@@ -119,8 +120,8 @@ class KvferryConnectorWorker:
         phys, self._geo = vllm_hetero.geometry(self, caches)
         self._pieces = self._geo.pop("pieces")
         cfg = self.config
-        port = cfg.port + self.tp_rank if cfg.port else 0
-        peer_id = f"{cfg.peer_id or 'kvferry-' + self.engine_id}-tp{self.tp_rank}"
+        port = parallel.listen_port(cfg.port, self.place)
+        peer_id = parallel.peer_id(cfg.peer_id or "kvferry-" + self.engine_id, self.place)
         self.engine = Engine(
             listen=f"{cfg.host}:{port}" if self.listens else None,
             secret=cfg.secret,
@@ -137,8 +138,8 @@ class KvferryConnectorWorker:
         self.caches, self.phys = caches, phys
         self.region = self._register(phys, nb, "vllm-kv")
         logger.info(
-            "KvferryConnector worker tp%d: %s, %d blocks of %d bytes in %s memory, incarnation %#x",
-            self.tp_rank,
+            "KvferryConnector worker %s: %s, %d blocks of %d bytes in %s memory, incarnation %#x",
+            self.place.describe(),
             self.engine.address or "client only",
             self.region.num_blocks,
             self.region.block_bytes,
@@ -186,6 +187,10 @@ class KvferryConnectorWorker:
             dtype=self._geo.get("dtype", ""),
             elem_size=self._geo.get("elem_size", 0),
             cache_layout=self._geo.get("cache_layout", ""),
+            pp_rank=self.place.pp_rank,
+            pp_size=self.place.pp_size,
+            dp_rank=self.place.dp_rank,
+            layers=tuple(self.phys),
         )
 
     # views of the ledger (for logs and tests)
@@ -218,14 +223,32 @@ class KvferryConnectorWorker:
         # keys each); its reads as batched gets.
         with vllm_hetero.batched_releases(self), vllm_hetero.batched_gets(self):
             for req_id, spec in meta.reqs_to_recv.items():
-                self._start_pull(req_id, spec, meta.expires_at.get(req_id))
+                self._start_pull(req_id, self._stage_spec(spec), meta.expires_at.get(req_id))
             for req_id, rel in meta.reqs_to_release.items():
-                if rel.per_rank is not None:
-                    vllm_hetero.release_keys(self, req_id, rel)
+                # This stage's prefill workers only (a later stage of an unsplit list
+                # has none: stage 0 releases them all).
+                peers = parallel.stage_view(rel.peers, rel.stages, self.place)
+                if peers is None:
                     continue
-                peer = rel.peers[self.tp_rank] if len(rel.peers) > self.tp_rank else {}
+                if rel.per_rank is not None:
+                    vllm_hetero.release_keys(self, req_id, dataclasses.replace(rel, peers=peers))
+                    continue
+                peer = peers[self.tp_rank] if len(peers) > self.tp_rank else {}
                 inc = peer.get("incarnation")
                 self.ledger.release(peer.get("address"), [rel.key], rel.expires_at, _incarnation(inc))
+
+    def _stage_spec(self, spec: RecvSpec) -> RecvSpec:
+        """``spec`` as this worker sees it (:func:`.parallel.stage_view`): only its
+        pipeline stage's prefill workers. A worker of a later stage handed an unsplit
+        list has nothing to pull: the scheduler refused the pair (PP sizes differ), and
+        the worker reports that refusal, releasing nothing (stage 0 releases)."""
+        if spec.stages <= 1 and self.pp_rank == 0:
+            return spec
+        view = parallel.stage_view(spec.peers, spec.stages, self.place)
+        if view is not None:
+            return dataclasses.replace(spec, peers=view)
+        why = spec.refused or f"the prefill's pipeline stages do not match this decode's {self.place.pp_size}"
+        return dataclasses.replace(spec, peers=[], plans=[RankPlan() for _ in range(self.place.tp_size)], refused=why)
 
     def flush_releases(self) -> None:
         """Sends the releases the ledger collected. A prefill may not have published
@@ -477,13 +500,20 @@ class KvferryConnectorWorker:
         if pull.state == "aborted":
             return
         t = pull.transfer
+        dp = pull.spec.remote_dp_rank
         if pull.error is None and pull.dst is None and t is not None and hasattr(t, "bytes_needed"):
-            self.stats.record_pull(time.monotonic() - pull.started, t.bytes_needed, len(pull.spec.load_block_ids))
+            self.stats.record_pull(time.monotonic() - pull.started, t.bytes_needed, len(pull.spec.load_block_ids), dp)
         if pull.error is None and pull.dst is not None:
-            self.stats.record_pull(time.monotonic() - pull.started, len(pull.dst_ids) * pull.dst.block_bytes, len(pull.dst_ids))
+            self.stats.record_pull(time.monotonic() - pull.started, len(pull.dst_ids) * pull.dst.block_bytes, len(pull.dst_ids), dp)
         if pull.error is not None:
-            self.stats.record_failure(pull.error)
-            logger.warning("KvferryConnector: pull of %s failed after %d attempt(s): %r", pull.req_id, pull.attempts, pull.error)
+            self.stats.record_failure(pull.error, dp)
+            logger.warning(
+                "KvferryConnector: pull of %s from %s failed after %d attempt(s): %r",
+                pull.req_id,
+                _source(pull.spec),
+                pull.attempts,
+                pull.error,
+            )
 
     def take_load_errors(self) -> set[int]:
         return self.ledger.take_load_errors()
@@ -504,6 +534,14 @@ class KvferryConnectorWorker:
             report = self.engine.close(timeout=self.config.timeout)
             if not report.get("clean", True):
                 logger.warning("KvferryConnector: engine closed with work outstanding: %s", report)
+
+
+def _source(spec: RecvSpec) -> str:
+    """Where a pull's blocks are, for messages: ``prefill engine E (DP rank d)``."""
+    where = f"prefill engine {spec.remote_engine_id or '?'}"
+    if spec.remote_dp_rank is not None:
+        where += f" (DP rank {spec.remote_dp_rank})"
+    return where
 
 
 def _incarnation(inc: Any) -> int | None:
