@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a machine with an NVIDIA GPU verifies the CUDA backend: every CUDA test
 # (the device layer, and GPU -> peer -> GPU through the engine over loopback, every byte
-# compared), the device benchmark (pinned D2H/H2D GB/s beside the plain host-memory
+# compared; CUDA IPC between two processes of one GPU), the device benchmark (pinned D2H/H2D GB/s beside the plain host-memory
 # copy), and the end-to-end GB/s. Needs only the Rust toolchain and the NVIDIA driver
 # (the CUDA backend loads libcuda dynamically; no toolkit). Takes well under 8 minutes.
 # The Python CUDA tests (crates/kvferry-py/tests/test_cuda.py) also need CPython with
@@ -26,6 +26,13 @@ start=$(date +%s)
     cargo test --release -q --features kvferry/cuda -p kvferry --test device_cuda --test engine_cuda --no-run
     echo "== CUDA tests"
     cargo test --release --features kvferry/cuda -p kvferry --test device_cuda --test engine_cuda -- --nocapture --test-threads 1
+    echo "== CUDA IPC: two processes, one GPU, device-to-device, bytes compared (never run on a GPU before)"
+    if nvidia-smi -L >/dev/null 2>&1; then
+        KVFERRY_CUDA_IPC=1 cargo test --release --features kvferry/cuda -p kvferry --test p2p_cuda_ipc -- --nocapture --test-threads 1 \
+            || echo "FAILED: the CUDA IPC case (the consumer then falls back; see docs/architecture.md, Movers)"
+    else
+        echo "skipped: no NVIDIA GPU on this machine (nvidia-smi -L finds none)"
+    fi
     echo "== device benchmark (host, sim and CUDA rows)"
     ./target/release/kvferry bench device
     ./target/release/kvferry bench device --json > "$out/bench-device.json"
