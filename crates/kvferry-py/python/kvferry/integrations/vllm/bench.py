@@ -441,83 +441,6 @@ def _tp_round_trip(a: argparse.Namespace, model: str, ptp: int, dtp: int) -> dic
     }
 
 
-def _dp_child(conn: Any, a: argparse.Namespace, rank: int, size: int, barrier: Any) -> None:
-    """One DP rank's pair in its own process (as each DP engine core is)."""
-    try:
-        res = run_connector(a, dp=(rank, size), sync=lambda: barrier.wait(timeout=600))
-        conn.send(("ok", res))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        barrier.abort()
-        conn.send(("error", f"DP rank {rank}: {type(e).__name__}: {e}"))
-
-
-def run_dp(a: argparse.Namespace) -> dict[str, Any]:
-    """``--dp N``: N DP ranks' pairs at once, each in a process of its own; then N
-    concurrent Rust benches of the same bytes (module docs)."""
-    import concurrent.futures
-    import multiprocessing as mp
-
-    n = int(a.dp)
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n)
-    pipes, procs = [], []
-    for r in range(n):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_dp_child, args=(child, a, r, n, barrier), daemon=True)
-        proc.start()
-        pipes.append(parent)
-        procs.append(proc)
-    ranks: list[dict[str, Any]] = []
-    errors_: list[str] = []
-    for r, (conn, proc) in enumerate(zip(pipes, procs)):
-        if conn.poll(900):
-            kind, body = conn.recv()
-            if kind == "ok":
-                ranks.append(body)
-            else:
-                errors_.append(str(body))
-        else:
-            errors_.append(f"DP rank {r}: no result within 900 s")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    if errors_:
-        raise RuntimeError("; ".join(errors_))
-    out: dict[str, Any] = {
-        "dp": n,
-        "device": a.device,
-        "dp_ranks": ranks,
-        "gbps_per_dp": [x["gbps"] for x in ranks],
-        "gbps_total": sum(x["gbps"] for x in ranks),
-        "corrupted_blocks": sum(x["corrupted_blocks"] for x in ranks),
-        "failed": sum(x["failed"] for x in ranks),
-    }
-    binary, note = _rust_binary(a.rust_bench)
-    runs: list[float] = []
-    if binary is not None:
-        ra = argparse.Namespace(
-            bytes=ranks[0]["bytes"], chunk_blocks=4, in_flight=4, connections=4, requests=32, chunks_per_request=4
-        )
-        try:
-            with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                got = list(pool.map(lambda _: run_rust(binary, ra), range(n)))
-            runs = [float(g["gbps"]) for g in got if isinstance(g.get("gbps"), (int, float))]
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            note = f"rust bench failed: {e}"
-    rust = sum(runs) / len(runs) if runs else None
-    out["rust_gbps_runs"] = runs
-    out["rust_gbps"] = rust
-    out["rust_concurrent"] = n
-    out["rust_note"] = note
-    for x in ranks:
-        x["rust_gbps"] = rust
-        x["ratio_to_rust"] = x["gbps"] / rust if rust else None
-    ratios = [x["ratio_to_rust"] for x in ranks if x["ratio_to_rust"] is not None]
-    out["ratio_to_rust_per_dp"] = [x["ratio_to_rust"] for x in ranks]
-    out["ratio_to_rust"] = min(ratios) if ratios else None
-    return out
-
-
 def run_hetero(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvferry-vllm-bench-") as tmp:
         model = model_dir(tmp, a.layers, a.kv_heads, a.head_dim)
@@ -584,22 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.dp is not None:
         if a.prefill_tp is not None or a.decode_tp is not None:
             p.error("--dp runs same-shape pairs: not with --prefill-tp/--decode-tp")
+        from .bench_dp import print_dp, run_dp
+
         res = run_dp(a)
-        if a.json:
-            print(json.dumps(res))
-        else:
-            for x in res["dp_ranks"]:
-                ratio = x["ratio_to_rust"]
-                print(
-                    f"DP rank {x['dp_rank']}: connector ({a.device}) {x['gbps']:.2f} GB/s, round p50 {x['p50_ms']:.1f} ms, "
-                    f"p99 {x['p99_ms']:.1f} ms; ratio_to_rust {'n/a' if ratio is None else f'{ratio:.2f}'}; "
-                    f"corrupted blocks {x['corrupted_blocks']}, failed {x['failed']}"
-                )
-            runs = ", ".join(f"{g:.2f}" for g in res["rust_gbps_runs"])
-            print(
-                f"all {res['dp']} DP ranks: {res['gbps_total']:.2f} GB/s; rust kvferry bench x{res['dp']} concurrent: "
-                + (f"{runs} GB/s (mean {res['rust_gbps']:.2f})" if res["rust_gbps"] else f"n/a ({res['rust_note']})")
-            )
+        print_dp(res, a)
         return 1 if res["corrupted_blocks"] or res["failed"] else 0
     if a.prefill_tp is not None or a.decode_tp is not None:
         a.prefill_tp, a.decode_tp = a.prefill_tp or 1, a.decode_tp or 1
