@@ -108,8 +108,9 @@ async fn cuda_ipc_two_processes_one_gpu() {
             .next()
             .expect("the producer exited before printing its address")
             .unwrap();
-        if let Some(a) = line.strip_prefix("ADDR ") {
-            break a.to_string();
+        // libtest may print "test <name> ... " on the same line first.
+        if let Some(at) = line.find("ADDR ") {
+            break line[at + 5..].trim().to_string();
         }
     };
     let dst = cache(&dev, "decode-kv");

@@ -13,8 +13,13 @@
 //! - a producer that rewrites its published blocks mid-copy is a checksum error, never
 //!   wrong bytes reported landed;
 //! - `transport = tcp` keeps the staged device path;
-//! - a producer that restarts (new incarnation, same address) is opened again.
+//! - a producer that restarts (new incarnation, same address) is opened again;
+//! - two processes (this test binary re-run as the producer): bytes land from the
+//!   other process's shared memory, and a producer SIGKILLed mid-copy is `PeerLost`
+//!   at once, its destination busy until the device settles the copy.
 
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -353,4 +358,96 @@ async fn a_restarted_producer_is_opened_again() {
     for e in [prefill, decode] {
         assert!(e.close(in_secs(5)).await.is_clean());
     }
+}
+
+const CHILD: &str = "KVFERRY_DEVICE_IPC_CHILD";
+
+/// The producer half of the two-process test, run only as its child process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_ipc_producer_child() {
+    if std::env::var(CHILD).is_err() {
+        return; // only meaningful as the child of `two_processes_...`
+    }
+    let prefill = engine(Some("127.0.0.1:0"), Transport::Auto).await;
+    let src = cache(&sim(0, true), "prefill-kv", Duration::from_secs(2));
+    fill(&src, 7);
+    let reg = prefill.register(src.clone()).unwrap();
+    prefill
+        .publish(ChunkKey::from_name("ipc/child"), &reg, &[4, 5], Duration::ZERO, false)
+        .unwrap();
+    println!("ADDR {}", prefill.address().unwrap());
+    tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+    })
+    .await
+    .unwrap();
+    assert!(prefill.close(in_secs(5)).await.is_clean());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_land_by_device_ipc_and_a_killed_producer_is_peer_lost() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "device_ipc_producer_child",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(CHILD, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("the producer exited before its address").unwrap();
+        // libtest may print "test <name> ... " on the same line first.
+        if let Some(at) = line.find("ADDR ") {
+            break line[at + 5..].trim().to_string();
+        }
+    };
+    let decode = engine(None, Transport::Auto).await;
+    let ddev = sim(1, false);
+    let dst = cache(&ddev, "decode-kv", Duration::from_secs(30));
+    let key = ChunkKey::from_name("ipc/child");
+    let get =
+        |blocks: Vec<u32>| decode.start_get(&addr, &[key], Destination::new(dst.clone(), vec![blocks]), in_secs(20));
+    get(vec![0, 1]).await.unwrap();
+    assert_eq!(read_block(&dst, 0), pattern(7, 4));
+    assert_eq!(read_block(&dst, 1), pattern(7, 5));
+    let stats = decode.stats();
+    assert_eq!(stats.consumer.device_ipc_transfers, 1, "{:?}", stats.movers);
+    assert_eq!(stats.movers[0].pid, Some(child.id()));
+
+    // The producer dies while the copy is queued on the consumer's device.
+    ddev.inject(FaultRule {
+        fault: Fault::Stall,
+        trigger: Trigger::Next,
+    })
+    .unwrap();
+    let transfer = get(vec![6, 7]);
+    let fence = transfer.fence();
+    let pending = tokio::spawn(transfer);
+    until_stuck(&ddev).await;
+    let t0 = std::time::Instant::now();
+    child.kill().unwrap();
+    let f = pending.await.unwrap().unwrap_err();
+    assert!(matches!(f.error, PeerError::PeerLost { .. }), "{}", f.error);
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let _ = child.wait();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(!fence.is_drained(), "reported quiet while the copy is queued");
+    }
+    ddev.release_stuck();
+    assert!(
+        fence.wait_until(in_secs(5)).await,
+        "drains once the device settled the copy"
+    );
+    assert!(decode.close(in_secs(5)).await.is_clean());
 }
