@@ -40,7 +40,8 @@ from ... import Engine, Selection, Transfer
 from . import _bootstrap
 from ._options import Options, Topology, topology
 from ._plan import Layout, PairingError, check_pairing, readers, sources, unread_notified_by
-from ._rooms import RecvRoom, SendRoom, host_buffers
+from ._rooms import RecvRoom, SendRoom
+from ._setup import engine_device, layout_of, local_ip, refuse_unsupported, register_buffers
 
 log = logging.getLogger(__name__)
 
@@ -59,50 +60,10 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             raise ValueError(f"kvferry backend: disaggregation mode {self.mode!r} is neither prefill nor decode")
         self.opts = Options.from_env()
         self.topo: Topology = topology(server_args, args)
-        refused = [
-            f"{what} ({flag} {n})"
-            for what, flag, n in (
-                ("pipeline parallelism", "--pp-size", self.topo.pp_size),
-                ("attention context parallelism", "--attn-cp-size", self.topo.cp_size),
-                ("decode context parallelism", "--dcp-size", self.topo.dcp_size),
-            )
-            if n != 1
-        ]
-        if refused:
-            raise NotImplementedError(
-                "kvferry backend: " + ", ".join(refused) + " is not supported: the kvferry transfer backend pairs "
-                "prefill and decode ranks by attention TP only; run with --pp-size 1 --attn-cp-size 1 --dcp-size 1 "
-                "or use another --disaggregation-transfer-backend"
-            )
-        if any(len(p) for p in (getattr(args, "state_data_ptrs", None) or [])):
-            raise NotImplementedError(
-                "kvferry backend: state buffers (mamba, SWA, DSA, ...) are not moved by the kvferry backend; "
-                "use it with models whose KV lives in the paged KV pool only"
-            )
-        mla = bool(is_mla_backend)
-        heads = (1, 1) if mla else self._kv_heads(args)
-        self.layout = Layout(
-            page_size=int(args.page_size),
-            dtype=str(getattr(args, "kv_cache_dtype_str", "auto")),
-            mla=mla,
-            tp_size=self.topo.tp_size,
-            tp_rank=self.topo.tp_rank,
-            kv_head_num=1 if mla else heads[0],
-            total_kv_head_num=1 if mla else heads[1],
-            item_lens=tuple(int(x) for x in args.kv_item_lens),
-            aux_item_lens=tuple(int(x) for x in args.aux_item_lens),
-        )
-        host = self.opts.host or self._local_ip()
-        device = self.opts.device
-        if device == "auto":
-            device = "host"
-            try:
-                import torch
-
-                if torch.cuda.is_available():
-                    device = f"cuda:{int(getattr(args, 'gpu_id', 0))}"
-            except ImportError:
-                pass
+        refuse_unsupported(self.topo, args)
+        self.layout = layout_of(args, self.topo, bool(is_mla_backend))
+        host = self.opts.host or local_ip()
+        device = engine_device(self.opts.device, args)
         self.engine = Engine(
             listen=f"{host}:0",
             secret=self.opts.secret,
@@ -113,9 +74,9 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             peer_id=f"sglang-{self.mode}-tp{self.topo.tp_rank}-{id(self):x}",
             transport=self.opts.transport,
         )
-        self.kv_region = self._register(list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens), "kv", device)
+        self.kv_region = register_buffers(self.engine, list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens), "kv", device)
         self.aux_regions = [
-            self._register([p], [n], [item], f"aux{i}", device="host")
+            register_buffers(self.engine, [p], [n], [item], f"aux{i}", device="host")
             for i, (p, n, item) in enumerate(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens))
         ]
         self._ctx = zmq.Context()
@@ -148,47 +109,6 @@ class KvferryKVManager(BaseKVManager):  # type: ignore[misc]
             self.register_to_bootstrap()
 
     # -- set-up ---------------------------------------------------------------------
-
-    @staticmethod
-    def _local_ip() -> str:
-        try:
-            from sglang.srt.utils.network import get_local_ip_auto
-
-            return str(get_local_ip_auto("127.0.0.1"))
-        except Exception:
-            return "127.0.0.1"
-
-    def _kv_heads(self, args: KVArgs) -> tuple[int, int]:
-        """``(KV heads on this rank, KV heads in all)``. SGLang's prefill sets both in
-        its ``KVArgs``; its decode sets them only with staging, so they are otherwise
-        read off the model config (rank heads ``max(1, total // attention TP)``, as
-        SGLang sizes its pool)."""
-        total = getattr(args, "total_kv_head_num", None)
-        local = getattr(args, "kv_head_num", None)
-        if total is None:
-            try:
-                from sglang.srt import runtime_context as rc
-
-                total = int(rc.process_model_config().get_total_num_kv_heads())
-            except Exception as e:
-                if local is None:
-                    raise ValueError(
-                        "kvferry backend: the KV args carry no KV head count (kv_head_num, total_kv_head_num) "
-                        f"and the model config is not available ({type(e).__name__}: {e})"
-                    ) from None
-                total = int(local) * self.topo.tp_size
-        if local is None:
-            local = max(1, int(total) // self.topo.tp_size)
-        return int(local), int(total)
-
-    def _register(self, ptrs: list[int], lens: list[int], items: list[int], name: str, device: str) -> Any:
-        pages = {n // i for n, i in zip(lens, items)}
-        if len(pages) != 1:
-            raise ValueError(f"kvferry backend: {name} buffers hold different page counts {sorted(pages)}")
-        if device == "host":
-            return self.engine.register_kv_caches(host_buffers(ptrs, lens, items, name), name=name)
-        raw = {f"{name}{i}": (p, n, device) for i, (p, n) in enumerate(zip(ptrs, lens))}
-        return self.engine.register_kv_caches(raw, pages.pop(), name=name)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """One bounded attempt to learn the prefill's topology (SGLang's decode
