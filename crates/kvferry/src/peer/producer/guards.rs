@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::state::StagedLease;
+use super::staged::StagedLease;
 use super::Producer;
 use crate::peer::error::PeerError;
 use crate::peer::ledger::{CheckOut, LeaseRefusal, LeaseTerms, PubId, RegId, Who};

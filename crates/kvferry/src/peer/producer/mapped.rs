@@ -45,7 +45,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::guards::Staging;
-use super::state::{StagedData, StagedLease};
+use super::staged::{StagedData, StagedLease};
 use super::Producer;
 use crate::device::DeviceKvCache;
 use crate::peer::ledger::{LeaseTerms, Who};

@@ -74,6 +74,7 @@ mod publishing;
 mod puts;
 mod registrations;
 mod serving;
+mod staged;
 mod staging;
 mod state;
 mod store;
@@ -89,7 +90,7 @@ use tokio_util::sync::CancellationToken;
 pub use self::fault_hooks::ProducerFaults;
 pub use self::guards::Hold;
 pub(crate) use self::registrations::DeregisterError;
-use self::state::{sweeper, ProducerLedger};
+use self::staged::ProducerLedger;
 pub use self::store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 use super::error::PeerError;
 use super::ledger::{Ledger, LedgerLimits};
@@ -296,7 +297,7 @@ impl Producer {
             last_host_pub: Mutex::new(std::sync::Weak::new()),
             same_host: mapped::SameHost::new(),
         });
-        tokio::spawn(sweeper(Arc::downgrade(&inner), inner.stop.clone()));
+        inner.spawn_sweeper();
         Ok(Producer { inner })
     }
 

@@ -31,7 +31,7 @@ use tracing::Instrument;
 
 use super::accounting;
 use super::fault_hooks::corrupted;
-use super::state::StagedLease;
+use super::staged::StagedLease;
 use super::Producer;
 use crate::net::{Connection, Handler, NetError};
 use crate::peer::error::PeerError;

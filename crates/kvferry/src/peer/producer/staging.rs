@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::guards::Staging;
-use super::state::{StagedData, StagedLease};
+use super::staged::{StagedData, StagedLease};
 use super::Producer;
 use crate::device::{DeviceKvCache, KvCacheRef};
 use crate::layout::KvCache;
