@@ -76,6 +76,7 @@ mod executor;
 mod host;
 mod kv_cache;
 mod output;
+mod pending;
 mod shm;
 mod sim;
 mod stream;
@@ -93,11 +94,11 @@ pub use event::{
 pub use host::HostDevice;
 pub use kv_cache::{CacheExport, DeviceKvCache, MAX_STREAMS as KV_CACHE_MAX_STREAMS};
 pub use output::{AsyncOutput, OutputBytes};
+pub use pending::{HostPages, PendingCopy};
 pub use shm::{ShmError, ShmHandle};
 pub use sim::{Fault, FaultRule, SimConfig, SimDevice, Trigger, SIM_IPC};
 pub use stream::{
-    CopyDirection, CopyOp, CopyPart, D2dOp, D2dSegment, GatherSegment, HostPages, PendingCopy, ScatterSegment, Stream,
-    StreamBackend,
+    CopyDirection, CopyOp, CopyPart, D2dOp, D2dSegment, GatherSegment, ScatterSegment, Stream, StreamBackend,
 };
 
 use std::time::Duration;

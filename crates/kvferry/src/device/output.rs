@@ -23,7 +23,8 @@ use crate::mem::Lease;
 
 use super::buffer::DeviceSlice;
 use super::event::Event;
-use super::stream::{GatherSegment, PendingCopy, Stream};
+use super::pending::PendingCopy;
+use super::stream::{GatherSegment, Stream};
 use super::DeviceError;
 
 /// Device outputs being copied to host pages. See the module docs.

@@ -36,6 +36,7 @@
 //! that they do not import each other in a cycle.
 
 mod client;
+mod device_ipc;
 mod exchange;
 mod get;
 mod land_device;

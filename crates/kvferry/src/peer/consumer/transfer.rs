@@ -37,6 +37,16 @@ use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
 use crate::wire::{ChunkMeta, Message, SelectedShape, SelectionError};
 
+/// How a mapped get ended.
+pub(super) enum Mapped {
+    /// Landed and verified; `reuse`: the connection is at a frame boundary and may go
+    /// back to the pool.
+    Landed { chunks: Vec<ChunkMeta>, reuse: bool },
+    /// The producer could not grant these bytes by memory (`TooLarge`: more runs than
+    /// a reply may name); nothing was staged or written: get them over the socket.
+    Socket,
+}
+
 /// How long a transfer's drain waits for a device to settle a landing copy that
 /// outlived the transfer before declaring it unconfirmed.
 const DEVICE_DRAIN_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
@@ -355,7 +365,7 @@ impl TransferCtx<'_> {
                         .receive_mapped(&mut conn, id, &keys, select.clone(), sink, caps, pid)
                         .await?;
                     match mapped {
-                        super::mapped::Mapped::Landed { chunks, reuse } => {
+                        Mapped::Landed { chunks, reuse } => {
                             if reuse {
                                 conn.finish();
                             }
@@ -363,7 +373,7 @@ impl TransferCtx<'_> {
                         }
                         // The producer cannot grant this one by memory: the socket,
                         // on the same connection.
-                        super::mapped::Mapped::Socket => id = conn.next_request_id(),
+                        Mapped::Socket => id = conn.next_request_id(),
                     }
                 }
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;

@@ -1,0 +1,204 @@
+//! The consumer's side of the device-IPC mover (see [`crate::peer::mover`]): landing a
+//! producer's `StagedDeviceMapped` grant. The consumer opens the producer's export once
+//! per incarnation on its destination cache's device, copies device to device on the
+//! cache's own stream, verifies every chunk against the grant's checksums and sends
+//! `Done`. While the copy runs it watches the producer's process (a pidfd): a producer
+//! that ends is `PeerLost` at once.
+//!
+//! # Cancellation
+//!
+//! The transfer task may drop the landing (its cancel, or its deadline). The copy's
+//! event is the transfer's unconfirmed device copy until it settles, so a dropped or
+//! timed-out landing leaves the destination reported busy until the device confirms,
+//! exactly as a host-to-device landing does (see `transfer`).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::super::error::PeerError;
+use super::shared::unexpected;
+use super::transfer::{Mapped, Sink, TransferCtx};
+use crate::device::{DeviceError, DeviceKvCache};
+use crate::net::{NetError, PooledConnection};
+use crate::wire::{ChunkKey, ChunkMeta, Message};
+
+/// A producer's device-IPC grant (`StagedDeviceMapped`).
+pub(super) struct DeviceGrant {
+    pub(super) lease_id: crate::wire::LeaseId,
+    pub(super) incarnation: u64,
+    pub(super) chunks: Vec<ChunkMeta>,
+    pub(super) export_id: u64,
+    pub(super) kind: String,
+    pub(super) buffers: Vec<(Vec<u8>, u64)>,
+    pub(super) runs: Vec<(u32, u64, u64)>,
+}
+
+impl TransferCtx<'_> {
+    /// Lands a device-IPC grant: opens (once per incarnation) the producer's export on
+    /// the destination cache's device, copies device to device on the cache's own
+    /// stream (bounded by its op timeout; the copy's event is the transfer's
+    /// unconfirmed device copy until it settles, so a cancel or timeout leaves the
+    /// destination reported busy until the device confirms), watches the producer's
+    /// process meanwhile (gone: `PeerLost`), verifies every chunk against the grant's
+    /// checksums, then sends `Done`. An export that cannot be opened releases the
+    /// lease and answers [`Mapped::Socket`] (and device IPC is given up for the peer).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn land_device_ipc(
+        &mut self,
+        conn: &mut PooledConnection,
+        keys: &[ChunkKey],
+        sink: &mut Sink,
+        caps: &[usize],
+        cache: &Arc<DeviceKvCache>,
+        grant: DeviceGrant,
+        pid: u32,
+    ) -> Result<Mapped, PeerError> {
+        let inner = &self.consumer.inner;
+        let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
+        let DeviceGrant {
+            lease_id,
+            incarnation,
+            chunks,
+            export_id,
+            kind,
+            buffers,
+            runs,
+        } = grant;
+        if lease_id != 0 {
+            self.lease_to_release = Some(lease_id);
+        }
+        if chunks.is_empty() {
+            return Ok(Mapped::Landed { chunks, reuse: true });
+        }
+        if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
+            return Err(protocol("staged chunks do not match the keys"));
+        }
+        let mut dst = Vec::new();
+        let mut per_chunk = Vec::with_capacity(chunks.len());
+        for (i, meta) in chunks.iter().enumerate() {
+            let len = meta.len as usize;
+            if len > caps[i] {
+                return Err(PeerError::InvalidArgument(format!(
+                    "chunk {} is {} bytes but its destination blocks hold {}",
+                    meta.key, meta.len, caps[i]
+                )));
+            }
+            let ranges = cache.chunk_ranges(&self.dst.chunks[i], len)?;
+            dst.extend_from_slice(&ranges);
+            per_chunk.push(ranges);
+        }
+        let total: u64 = chunks.iter().map(|c| c.len).sum();
+        if runs.iter().map(|r| r.2).sum::<u64>() != total {
+            return Err(protocol("a device grant's runs do not hold its chunks' bytes"));
+        }
+        let peer = self.pool.addr().to_string();
+        let sources = match cache.import(&peer, incarnation, export_id, &kind, &buffers) {
+            Ok(s) => s,
+            Err(e) => {
+                // Nothing was written: release the grant and get the bytes over the
+                // socket on the same connection.
+                self.consumer.device_ipc_refused(
+                    &peer,
+                    format!("the producer's device memory cannot be opened here: {e}"),
+                );
+                if let Some(lease_id) = self.lease_to_release.take() {
+                    match conn.request(&Message::Done { lease_id }).await {
+                        Ok(Message::DoneAck) => {}
+                        Ok(other) => return Err(unexpected("DoneAck", &other)),
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                return Ok(Mapped::Socket);
+            }
+        };
+        let device_err = |error| PeerError::Device {
+            cache: cache.name().to_string(),
+            error,
+        };
+        self.dirty = true;
+        let event = cache
+            .copy_in(&sources, &runs, &dst, "land: device-to-device (device IPC)")
+            .map_err(device_err)?;
+        // Until it settles the copy may write the destination: the transfer's drain
+        // waits for it (bounded, as for a host-to-device landing).
+        self.unconfirmed = Some(event.clone());
+        let deadline = event.meta().submitted() + cache.op_timeout();
+        let waited = tokio::select! {
+            r = event.wait(deadline) => r,
+            gone = producer_exit(pid) => {
+                return Err(PeerError::PeerLost {
+                    peer,
+                    reason: format!("its process ended during a device-to-device copy ({gone})"),
+                });
+            }
+        };
+        match waited {
+            Ok(()) => self.unconfirmed = None,
+            Err(e @ DeviceError::CopyFailed { .. }) => {
+                // Settled: the device no longer touches the destination.
+                self.unconfirmed = None;
+                return Err(device_err(e));
+            }
+            Err(e) => return Err(device_err(e)),
+        }
+        // Every chunk, as landed, against the producer's checksum.
+        for (meta, ranges) in chunks.iter().zip(&per_chunk) {
+            let actual = cache.checksum_ranges(ranges).map_err(device_err)?;
+            if actual != meta.checksum {
+                return Err(PeerError::ChecksumMismatch {
+                    key: meta.key,
+                    expected: meta.checksum,
+                    actual,
+                });
+            }
+        }
+        self.dirty = false;
+        inner.counters.device_ipc_transfers.fetch_add(1, Ordering::Relaxed);
+        inner.counters.device_ipc_bytes.fetch_add(total, Ordering::Relaxed);
+        inner.counters.bytes_received.fetch_add(total, Ordering::Relaxed);
+        inner
+            .counters
+            .chunks_received
+            .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        // Landed in place: nothing to land from staging pages (the transfer's landing
+        // step sees no staging sink and reports the chunks landed).
+        *sink = Sink::Lent;
+        if let Some(lease_id) = self.lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(unexpected("DoneAck", &other)),
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
+                    return Ok(Mapped::Landed { chunks, reuse: false });
+                }
+            }
+        }
+        Ok(Mapped::Landed { chunks, reuse: true })
+    }
+}
+
+/// Resolves when process `pid` has ended (a pidfd becomes readable then); never
+/// resolves when it cannot be watched (the copy's own bound still applies).
+async fn producer_exit(pid: u32) -> String {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if raw < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ESRCH) {
+            return "no such process".into();
+        }
+        return std::future::pending().await;
+    }
+    // SAFETY: `raw` is a descriptor we just opened and own.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+    // SAFETY: `fd` is an open pidfd owned by the `AsyncFd` for its whole life; an
+    // `OwnedFd` always reports the same descriptor.
+    match unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) } {
+        Ok(afd) => match afd.readable().await {
+            Ok(_) => "exited".into(),
+            Err(_) => std::future::pending().await,
+        },
+        Err(_) => std::future::pending().await,
+    }
+}
