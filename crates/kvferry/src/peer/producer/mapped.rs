@@ -37,8 +37,6 @@
 //! Both handlers answer synchronously once staging completed; a handler dropped while
 //! staging ends the staging as an eager get's does.
 
-use rand::RngCore;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,28 +47,10 @@ use super::staged::{StagedData, StagedLease};
 use super::Producer;
 use crate::device::DeviceKvCache;
 use crate::peer::ledger::{LeaseTerms, Who};
-use crate::peer::mover::{boot_id, device_ipc_kinds, Transport};
+use crate::peer::mover::{device_ipc_kinds, Transport};
 use crate::peer::publish::{PubSource, Publication};
 use crate::peer::quota::Holder;
 use crate::wire::{ChunkKey, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, SelectedShape, MAX_MAPPED_RUNS};
-
-/// This process's same-host identity: its boot id and a probe pattern that lives as
-/// long as the producer.
-pub(super) struct SameHost {
-    boot_id: Option<String>,
-    probe: Box<[u8; 32]>,
-}
-
-impl SameHost {
-    pub(super) fn new() -> SameHost {
-        let mut probe = Box::new([0u8; 32]);
-        rand::thread_rng().fill_bytes(&mut probe[..]);
-        SameHost {
-            boot_id: boot_id(),
-            probe,
-        }
-    }
-}
 
 impl Producer {
     /// What this producer offers a consumer whose boot id is `theirs`.

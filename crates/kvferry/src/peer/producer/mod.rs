@@ -73,6 +73,7 @@ mod mapped;
 mod publishing;
 mod puts;
 mod registrations;
+mod same_host;
 mod serving;
 mod staged;
 mod staging;
@@ -225,7 +226,7 @@ struct Inner {
     last_host_pub: Mutex<std::sync::Weak<Publication>>,
     /// The same-host offer: this host's boot id and the probe pattern a consumer
     /// reads through the kernel to prove it can (see `mapped`).
-    same_host: mapped::SameHost,
+    same_host: same_host::SameHost,
 }
 
 /// A producer. Cheap to clone; serve it with [`crate::net::Server`] (it implements
@@ -295,7 +296,7 @@ impl Producer {
             faults: ProducerFaults::default(),
             stop: CancellationToken::new(),
             last_host_pub: Mutex::new(std::sync::Weak::new()),
-            same_host: mapped::SameHost::new(),
+            same_host: same_host::SameHost::new(),
         });
         inner.spawn_sweeper();
         Ok(Producer { inner })
