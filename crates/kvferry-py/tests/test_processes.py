@@ -9,7 +9,7 @@ import pytest
 
 import kvferry
 
-from conftest import BLOCK, MakeProducer, rss_bytes
+from producer_process import BLOCK, MakeProducer, rss_bytes
 
 
 def test_producer_killed_mid_transfer_then_restarted(remote_producer: MakeProducer) -> None:

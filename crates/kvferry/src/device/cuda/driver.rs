@@ -41,11 +41,33 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuLaunchHostFunc",
     "cuPointerGetAttribute",
     "cuMemGetAddressRange_v2",
+];
+
+/// Entry points of device IPC (exports, imports, device-to-device copies): checked at
+/// load, but a driver without them still serves the device path; device IPC is then
+/// refused ([`require_ipc`]) and transfers take the other movers.
+const IPC_SYMBOLS: &[&str] = &[
     "cuMemcpyDtoDAsync_v2",
     "cuIpcGetMemHandle",
     "cuIpcOpenMemHandle_v2",
     "cuIpcCloseMemHandle",
 ];
+
+/// Set at load when the driver has every [`IPC_SYMBOLS`] entry point.
+static IPC_PRESENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `Ok` when the loaded driver has the device-IPC entry points; else a
+/// [`DeviceError::Driver`] naming the call, before anything is called.
+pub(super) fn require_ipc(what: &str) -> Result<(), DeviceError> {
+    if IPC_PRESENT.load(std::sync::atomic::Ordering::Acquire) {
+        Ok(())
+    } else {
+        Err(DeviceError::Driver(format!(
+            "{what}: the CUDA driver lacks the device-IPC entry points ({})",
+            IPC_SYMBOLS.join(", ")
+        )))
+    }
+}
 
 pub(super) fn ok(r: sys::CUresult) -> bool {
     r == sys::CUresult::CUDA_SUCCESS
@@ -85,6 +107,11 @@ pub(super) fn load_driver() -> Result<(), DeviceError> {
             )));
         }
     }
+    // SAFETY: as above, lookups only.
+    let ipc = IPC_SYMBOLS
+        .iter()
+        .all(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_ok());
+    IPC_PRESENT.store(ipc, std::sync::atomic::Ordering::Release);
     // SAFETY: every symbol is present; cuInit(0) has no other preconditions.
     let r = unsafe { sys::cuInit(0) };
     if !ok(r) {

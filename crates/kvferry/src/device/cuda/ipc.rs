@@ -27,7 +27,7 @@ use crate::device::DeviceError;
 
 use super::buffer::CudaBuffer;
 use super::device::DevShared;
-use super::driver::{check, Ctx};
+use super::driver::{check, require_ipc, Ctx};
 
 /// The device-IPC kind of CUDA devices.
 pub const CUDA_IPC: &str = "cuda-ipc";
@@ -56,7 +56,9 @@ pub(super) fn export(buf: &CudaBuffer) -> Result<Vec<u8>, DeviceError> {
     check(r, "cuMemGetAddressRange")?;
     // SAFETY: a zeroed handle is a valid out value for the driver to fill.
     let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-    // SAFETY: the context is current; `base` is the start of a live allocation.
+    require_ipc("cuIpcGetMemHandle")?;
+    // SAFETY: the context is current; `base` is the start of a live allocation; the
+    // driver has the entry point (checked just above).
     let r = unsafe { sys::cuIpcGetMemHandle(&mut handle, base) };
     check(r, "cuIpcGetMemHandle")?;
     let mut out = Vec::with_capacity(ENCODED);
@@ -103,6 +105,7 @@ pub(super) fn open(dev: &Arc<DevShared>, bytes: &[u8]) -> Result<CudaBuffer, Dev
     dev.ctx.bind()?;
     let mut base: sys::CUdeviceptr = 0;
     let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    require_ipc("cuIpcOpenMemHandle")?;
     // SAFETY: the context is current; `base` is a valid out pointer; the handle bytes
     // are whatever the peer sent, which the driver validates.
     let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, handle, flags) };

@@ -200,6 +200,7 @@ impl StreamBackend for CudaStream {
                 s.dst.len,
             ));
         }
+        super::driver::require_ipc("cuMemcpyDtoDAsync")?;
         self.dev.ctx.bind()?;
         let (mut issued, mut error) = (0usize, None::<String>);
         for (src, dst, len) in pairs {
