@@ -12,10 +12,10 @@
 //! timed-out landing leaves the destination reported busy until the device confirms,
 //! exactly as a host-to-device landing does (see `transfer`).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::super::error::PeerError;
+use super::one_sided::{check_fits, check_granted_keys, count_landed, verify_landed};
 use super::shared::unexpected;
 use super::transfer::{Mapped, Sink, TransferCtx};
 use crate::device::{DeviceError, DeviceKvCache};
@@ -70,20 +70,12 @@ impl TransferCtx<'_> {
         if chunks.is_empty() {
             return Ok(Mapped::Landed { chunks, reuse: true });
         }
-        if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
-            return Err(protocol("staged chunks do not match the keys"));
-        }
+        check_granted_keys(&chunks, keys)?;
         let mut dst = Vec::new();
         let mut per_chunk = Vec::with_capacity(chunks.len());
         for (i, meta) in chunks.iter().enumerate() {
-            let len = meta.len as usize;
-            if len > caps[i] {
-                return Err(PeerError::InvalidArgument(format!(
-                    "chunk {} is {} bytes but its destination blocks hold {}",
-                    meta.key, meta.len, caps[i]
-                )));
-            }
-            let ranges = cache.chunk_ranges(&self.dst.chunks[i], len)?;
+            check_fits(meta, caps[i])?;
+            let ranges = cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
             dst.extend_from_slice(&ranges);
             per_chunk.push(ranges);
         }
@@ -143,37 +135,20 @@ impl TransferCtx<'_> {
         }
         // Every chunk, as landed, against the producer's checksum.
         for (meta, ranges) in chunks.iter().zip(&per_chunk) {
-            let actual = cache.checksum_ranges(ranges).map_err(device_err)?;
-            if actual != meta.checksum {
-                return Err(PeerError::ChecksumMismatch {
-                    key: meta.key,
-                    expected: meta.checksum,
-                    actual,
-                });
-            }
+            verify_landed(meta, cache.checksum_ranges(ranges).map_err(device_err)?)?;
         }
         self.dirty = false;
-        inner.counters.device_ipc_transfers.fetch_add(1, Ordering::Relaxed);
-        inner.counters.device_ipc_bytes.fetch_add(total, Ordering::Relaxed);
-        inner.counters.bytes_received.fetch_add(total, Ordering::Relaxed);
-        inner
-            .counters
-            .chunks_received
-            .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        let counters = &inner.counters;
+        count_landed(
+            counters,
+            &counters.device_ipc_transfers,
+            &counters.device_ipc_bytes,
+            &chunks,
+        );
         // Landed in place: nothing to land from staging pages (the transfer's landing
         // step sees no staging sink and reports the chunks landed).
         *sink = Sink::Lent;
-        if let Some(lease_id) = self.lease_to_release.take() {
-            match conn.request(&Message::Done { lease_id }).await {
-                Ok(Message::DoneAck) => {}
-                Ok(other) => return Err(unexpected("DoneAck", &other)),
-                Err(e) => {
-                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
-                    return Ok(Mapped::Landed { chunks, reuse: false });
-                }
-            }
-        }
-        Ok(Mapped::Landed { chunks, reuse: true })
+        self.done_after_landing(conn, chunks).await
     }
 }
 

@@ -42,6 +42,7 @@ use super::super::error::PeerError;
 use super::super::mover::{boot_id, device_ipc_kinds, Mover, PeerMover, Transport};
 use super::client::Consumer;
 use super::device_ipc::DeviceGrant;
+use super::one_sided::{check_fits, check_granted_keys, count_landed, verify_landed};
 use super::shared::unexpected;
 use super::transfer::{Mapped, Sink, TransferCtx};
 use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
@@ -289,9 +290,7 @@ impl TransferCtx<'_> {
         match (selected, &shape) {
             (true, Some(shape)) => self.plan_landing(&chunks, shape)?,
             (false, None) => {
-                if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
-                    return Err(protocol("staged chunks do not match the keys"));
-                }
+                check_granted_keys(&chunks, keys)?;
             }
             _ => return Err(protocol("a mapped grant's shape does not match the request")),
         }
@@ -331,30 +330,15 @@ impl TransferCtx<'_> {
             Ok(plan) => plan,
             Err(failure) => return Err(copy_failure(self.pool.addr(), failure.error)),
         };
-        inner.counters.cma_transfers.fetch_add(1, Ordering::Relaxed);
-        inner.counters.cma_bytes.fetch_add(total, Ordering::Relaxed);
-        inner.counters.bytes_received.fetch_add(total, Ordering::Relaxed);
-        inner
-            .counters
-            .chunks_received
-            .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+        let counters = &inner.counters;
+        count_landed(counters, &counters.cma_transfers, &counters.cma_bytes, &chunks);
         let sums = plan.group_checksums().unwrap_or_default().to_vec();
         for (&i, actual) in groups.iter().zip(sums) {
-            if actual != chunks[i].checksum {
-                return Err(PeerError::ChecksumMismatch {
-                    key: chunks[i].key,
-                    expected: chunks[i].checksum,
-                    actual,
-                });
-            }
+            verify_landed(&chunks[i], actual)?;
         }
         // An empty chunk's checksum is that of no bytes.
-        if let Some(c) = chunks.iter().find(|c| c.len == 0 && c.checksum != 0) {
-            return Err(PeerError::ChecksumMismatch {
-                key: c.key,
-                expected: c.checksum,
-                actual: 0,
-            });
+        for c in chunks.iter().filter(|c| c.len == 0) {
+            verify_landed(c, 0)?;
         }
         if let Some(offsets) = offsets {
             let (_, dst) = plan.into_parts();
@@ -363,19 +347,7 @@ impl TransferCtx<'_> {
                 .ok_or_else(|| protocol("staging lease not handed back"))?;
             *sink = Sink::Staging { lease, offsets };
         }
-        // Every byte is here and verified: release the producer's lease on the same
-        // connection, as the socket receive does.
-        if let Some(lease_id) = self.lease_to_release.take() {
-            match conn.request(&Message::Done { lease_id }).await {
-                Ok(Message::DoneAck) => {}
-                Ok(other) => return Err(unexpected("DoneAck", &other)),
-                Err(e) => {
-                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
-                    return Ok(Mapped::Landed { chunks, reuse: false });
-                }
-            }
-        }
-        Ok(Mapped::Landed { chunks, reuse: true })
+        self.done_after_landing(conn, chunks).await
     }
 
     /// The destination ranges of each chunk, in the memory the read writes: staging
@@ -405,13 +377,8 @@ impl TransferCtx<'_> {
             return Ok(out);
         }
         for (i, meta) in chunks.iter().enumerate() {
+            check_fits(meta, caps[i])?;
             let len = meta.len as usize;
-            if len > caps[i] {
-                return Err(PeerError::InvalidArgument(format!(
-                    "chunk {} is {} bytes but its destination blocks hold {}",
-                    meta.key, meta.len, caps[i]
-                )));
-            }
             out.push(match sink {
                 Sink::Staging { offsets, .. } => vec![(offsets[i], len)],
                 Sink::Direct(cache) => cache.chunk_ranges(&self.dst.chunks[i], len)?,

@@ -41,6 +41,7 @@ mod exchange;
 mod get;
 mod land_device;
 mod mapped;
+mod one_sided;
 mod peer_watch;
 mod shared;
 mod transfer;

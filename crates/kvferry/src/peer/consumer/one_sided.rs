@@ -1,0 +1,92 @@
+//! What every one-sided mover (CMA's `process_vm_readv`, device IPC) does around its
+//! reads, in one place: check the grant against the request, check each chunk fits its
+//! destination blocks, verify each landed chunk against the producer's checksum, count
+//! the transfer, and release the producer's lease with `Done` once every byte is in
+//! place and verified.
+//!
+//! # Cancellation
+//!
+//! [`TransferCtx::done_after_landing`] awaits one request on the transfer's
+//! connection. Dropped mid-request, the lease stays in `lease_to_release` or is already
+//! released: either way the producer's grace or TTL ends it, never a read (every read
+//! has returned before this is called).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::super::error::PeerError;
+use super::client::Counters;
+use super::shared::unexpected;
+use super::transfer::{Mapped, TransferCtx};
+use crate::net::{NetError, PooledConnection};
+use crate::wire::{ChunkKey, ChunkMeta, Message};
+
+/// A producer's grant names the requested keys, in order (a selected stream's frames
+/// are checked by its landing plan instead).
+pub(super) fn check_granted_keys(chunks: &[ChunkMeta], keys: &[ChunkKey]) -> Result<(), PeerError> {
+    if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
+        return Err(PeerError::Net(NetError::Protocol(
+            "staged chunks do not match the keys".to_string(),
+        )));
+    }
+    Ok(())
+}
+
+/// A granted chunk fits the destination blocks it lands in (`cap` bytes).
+pub(super) fn check_fits(meta: &ChunkMeta, cap: usize) -> Result<(), PeerError> {
+    if meta.len as usize > cap {
+        return Err(PeerError::InvalidArgument(format!(
+            "chunk {} is {} bytes but its destination blocks hold {cap}",
+            meta.key, meta.len
+        )));
+    }
+    Ok(())
+}
+
+/// A landed chunk's bytes (`actual`: their checksum) are the ones the producer
+/// published.
+pub(super) fn verify_landed(meta: &ChunkMeta, actual: u32) -> Result<(), PeerError> {
+    if actual != meta.checksum {
+        return Err(PeerError::ChecksumMismatch {
+            key: meta.key,
+            expected: meta.checksum,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// Counts a one-sided transfer of `chunks` (`total` bytes) in the consumer's counters
+/// and in the mover's own (`transfers`, `bytes`).
+pub(super) fn count_landed(counters: &Counters, transfers: &AtomicU64, bytes: &AtomicU64, chunks: &[ChunkMeta]) {
+    let total: u64 = chunks.iter().map(|c| c.len).sum();
+    transfers.fetch_add(1, Ordering::Relaxed);
+    bytes.fetch_add(total, Ordering::Relaxed);
+    counters.bytes_received.fetch_add(total, Ordering::Relaxed);
+    counters
+        .chunks_received
+        .fetch_add(chunks.len() as u64, Ordering::Relaxed);
+}
+
+impl TransferCtx<'_> {
+    /// Every byte of `chunks` is in place and verified: release the producer's lease on
+    /// the same connection, as the socket receive does. A `Done` that cannot be sent
+    /// leaves the lease to the producer's grace or TTL, and the connection is not
+    /// reused.
+    pub(super) async fn done_after_landing(
+        &mut self,
+        conn: &mut PooledConnection,
+        chunks: Vec<ChunkMeta>,
+    ) -> Result<Mapped, PeerError> {
+        if let Some(lease_id) = self.lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(unexpected("DoneAck", &other)),
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
+                    return Ok(Mapped::Landed { chunks, reuse: false });
+                }
+            }
+        }
+        Ok(Mapped::Landed { chunks, reuse: true })
+    }
+}
