@@ -5,29 +5,22 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::drain::{
+    cancel_given_up_three_times_drains_after_release, drain_arena, holds_parked_and_unresumed, parking_engine,
+    spawn_noting_resume, PAGE, WINDOW,
+};
 use common::{eventually, holds_for, ParkingBody};
 use kvferry::copy::{stage, CopyConfig, CopyEngine, CopyError, CopyPlan, StageError};
 use kvferry::mem::{Arena, ArenaConfig, Region};
 use tokio::time::Instant;
 
-const PAGE: usize = 64 << 10;
-const WINDOW: Duration = Duration::from_millis(500);
-
 fn setup(body: Arc<ParkingBody>) -> (CopyEngine, Arena, Arc<Region>) {
-    // 2 threads, 256 KiB slices: a 1 MiB plan has 4 slices, 2 run at once.
-    let engine = CopyEngine::with_body(
-        CopyConfig {
-            threads: 2,
-            slice_bytes: 256 << 10,
-        },
-        body,
-    )
-    .unwrap();
-    let arena = Arena::new(ArenaConfig::new(PAGE, 32).unpinned()).unwrap();
+    let engine = parking_engine(body);
+    let arena = drain_arena();
     let src = Arc::new(Region::host("src", 1 << 20).unwrap());
     for i in 0..16 {
         src.fill(i * PAGE, PAGE, i as u8 + 1).unwrap();
@@ -72,28 +65,8 @@ async fn repeated_cancel_still_drains() {
     let (engine, arena, src) = setup(body.clone());
     let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
-    let fence = job.fence();
-    body.wait_inside(2);
-    let mut cancel = Box::pin(job.cancel());
     // Three cancels in a row: each gives up waiting (as a timeout or loop teardown would).
-    for _ in 0..3 {
-        assert!(tokio::time::timeout(Duration::from_millis(50), &mut cancel)
-            .await
-            .is_err());
-        assert_eq!((body.inside(), arena.stats().free_pages), (2, 16));
-    }
-    drop(cancel);
-    holds_for(WINDOW, || {
-        let (inside, free, drained) = (body.inside(), arena.stats().free_pages, fence.is_drained());
-        if inside == 2 && free == 16 && !drained {
-            Ok(())
-        } else {
-            Err(format!("inside={inside} free={free} drained={drained}"))
-        }
-    })
-    .await;
-    body.release();
-    assert!(fence.wait_until(Instant::now() + Duration::from_secs(10)).await);
+    cancel_given_up_three_times_drains_after_release(job, &body, &arena).await;
     // The fence of a dropped job fires after its memory was released.
     assert_eq!(arena.stats().free_pages, 32);
 }
@@ -105,22 +78,8 @@ async fn explicit_cancel_resolves_only_after_drain_and_hands_memory_back() {
     let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
     body.wait_inside(2);
-    let resumed = Arc::new(AtomicBool::new(false));
-    let r = resumed.clone();
-    let task = tokio::spawn(async move {
-        let out = job.cancel().await;
-        r.store(true, Ordering::SeqCst);
-        out
-    });
-    holds_for(WINDOW, || {
-        let (inside, resumed, free) = (body.inside(), resumed.load(Ordering::SeqCst), arena.stats().free_pages);
-        if inside == 2 && !resumed && free == 16 {
-            Ok(())
-        } else {
-            Err(format!("inside={inside} resumed={resumed} free={free}"))
-        }
-    })
-    .await;
+    let (task, resumed) = spawn_noting_resume(job.cancel());
+    holds_parked_and_unresumed(&body, &arena, &resumed, 2).await;
     body.release();
     let failure = task.await.unwrap().unwrap_err();
     assert_eq!(failure.error, CopyError::Cancelled);
@@ -141,23 +100,9 @@ async fn error_in_one_slice_waits_for_siblings() {
     let (engine, arena, src) = setup(body.clone());
     let _release = body.release_on_drop();
     let job = engine.copy(plan(&arena, &src));
-    let resumed = Arc::new(AtomicBool::new(false));
-    let r = resumed.clone();
-    let task = tokio::spawn(async move {
-        let out = job.await;
-        r.store(true, Ordering::SeqCst);
-        out
-    });
+    let (task, resumed) = spawn_noting_resume(job);
     body.wait_inside(1);
-    holds_for(WINDOW, || {
-        let (inside, resumed, free) = (body.inside(), resumed.load(Ordering::SeqCst), arena.stats().free_pages);
-        if inside == 1 && !resumed && free == 16 {
-            Ok(())
-        } else {
-            Err(format!("inside={inside} resumed={resumed} free={free}"))
-        }
-    })
-    .await;
+    holds_parked_and_unresumed(&body, &arena, &resumed, 1).await;
     body.release();
     let failure = task.await.unwrap().unwrap_err();
     assert!(

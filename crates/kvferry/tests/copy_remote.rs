@@ -8,36 +8,30 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::child::{line_after, spawn_self_test};
+use common::drain::{
+    cancel_given_up_three_times_drains_after_release, drain_arena as arena, holds_parked_and_undrained,
+    parking_engine as engine, release_and_await_fence, WINDOW,
+};
 use common::{eventually, holds_for, ParkingBody};
 use kvferry::copy::{CopyConfig, CopyEngine, CopyError, CopyPlan, RemoteSource};
 use kvferry::mem::{Arena, ArenaConfig};
-use tokio::time::Instant;
-
-const PAGE: usize = 64 << 10;
-const WINDOW: Duration = Duration::from_millis(500);
-
-fn engine(body: Arc<ParkingBody>) -> CopyEngine {
-    // 2 threads, 256 KiB slices: a 1 MiB plan has 4 slices, 2 run at once.
-    CopyEngine::with_body(
-        CopyConfig {
-            threads: 2,
-            slice_bytes: 256 << 10,
-        },
-        body,
-    )
-    .unwrap()
-}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
+}
+
+/// 1 MiB of `seed`'s pattern, a [`ParkingBody`], an engine running it and an arena.
+fn parked_setup(seed: u8) -> (Vec<u8>, Arc<ParkingBody>, CopyEngine, Arena) {
+    let body = ParkingBody::new();
+    (pattern(1 << 20, seed), body.clone(), engine(body), arena())
 }
 
 /// A plan reading `src` (in this process, through the kernel as if it were another)
@@ -56,10 +50,6 @@ fn remote_plan(arena: &Arena, src: &[u8], pid: u32) -> CopyPlan {
         plan.push(g * (256 << 10), g * (256 << 10), 256 << 10);
     }
     plan.with_checksum_groups(vec![1, 2, 3, 4])
-}
-
-fn arena() -> Arena {
-    Arena::new(ArenaConfig::new(PAGE, 32).unpinned()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,34 +76,11 @@ async fn remote_copy_lands_bytes_and_group_checksums() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_copy_cancel_and_repeated_cancel_wait_for_started_reads() {
-    let src = pattern(1 << 20, 5);
-    let body = ParkingBody::new();
-    let engine = engine(body.clone());
-    let arena = arena();
+    let (src, body, engine, arena) = parked_setup(5);
     let _release = body.release_on_drop();
     let job = engine.copy(remote_plan(&arena, &src, std::process::id()));
-    let fence = job.fence();
-    body.wait_inside(2);
-    let mut cancel = Box::pin(job.cancel());
-    for _ in 0..3 {
-        // Each gives up waiting, as a timeout around the cancel would.
-        assert!(tokio::time::timeout(Duration::from_millis(50), &mut cancel)
-            .await
-            .is_err());
-        assert_eq!((body.inside(), arena.stats().free_pages), (2, 16));
-    }
-    drop(cancel);
-    holds_for(WINDOW, || {
-        let (inside, free, drained) = (body.inside(), arena.stats().free_pages, fence.is_drained());
-        if inside == 2 && free == 16 && !drained {
-            Ok(())
-        } else {
-            Err(format!("inside={inside} free={free} drained={drained}"))
-        }
-    })
-    .await;
-    body.release();
-    assert!(fence.wait_until(Instant::now() + Duration::from_secs(10)).await);
+    // Each gives up waiting, as a timeout around the cancel would.
+    cancel_given_up_three_times_drains_after_release(job, &body, &arena).await;
     assert_eq!(arena.stats().free_pages, 32);
     assert_eq!(
         body.ran.load(Ordering::SeqCst),
@@ -124,27 +91,15 @@ async fn remote_copy_cancel_and_repeated_cancel_wait_for_started_reads() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_copy_timeout_drains_before_the_fence() {
-    let src = pattern(1 << 20, 7);
-    let body = ParkingBody::new();
-    let engine = engine(body.clone());
-    let arena = arena();
+    let (src, body, engine, arena) = parked_setup(7);
     let _release = body.release_on_drop();
     let job = engine.copy(remote_plan(&arena, &src, std::process::id()));
     let fence = job.fence();
     let out = tokio::time::timeout(Duration::from_millis(100), job).await;
     assert!(out.is_err(), "the parked copy cannot finish in time");
     // The timed-out job was dropped: started reads still run, pages still lent.
-    holds_for(WINDOW, || {
-        let (inside, free, drained) = (body.inside(), arena.stats().free_pages, fence.is_drained());
-        if inside == 2 && free == 16 && !drained {
-            Ok(())
-        } else {
-            Err(format!("inside={inside} free={free} drained={drained}"))
-        }
-    })
-    .await;
-    body.release();
-    assert!(fence.wait_until(Instant::now() + Duration::from_secs(10)).await);
+    holds_parked_and_undrained(&body, &arena, &fence).await;
+    release_and_await_fence(&body, &fence).await;
     assert_eq!(arena.stats().free_pages, 32);
 }
 
@@ -203,22 +158,10 @@ fn holder_main() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_process_is_read_and_its_death_is_an_error_not_a_hang() {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "holder_main", "--nocapture", "--test-threads=1"])
-        .env("KVFERRY_TEST_HOLDER", "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (pid, addr, len) = loop {
-        let line = lines.next().expect("the holder prints its address").unwrap();
-        // libtest may print "test holder_main ... " before it on the same line.
-        if let Some(rest) = line.split_once("HOLDER ").map(|(_, r)| r) {
-            let v: Vec<u64> = rest.split(' ').map(|x| x.parse().unwrap()).collect();
-            break (v[0] as u32, v[1], v[2] as usize);
-        }
-    };
+    let (mut child, mut lines) = spawn_self_test("holder_main", "KVFERRY_TEST_HOLDER");
+    let held = line_after(&mut lines, "HOLDER ", "the address it holds");
+    let v: Vec<u64> = held.split(' ').map(|x| x.parse().unwrap()).collect();
+    let (pid, addr, len) = (v[0] as u32, v[1], v[2] as usize);
     let expected = pattern(len, 11);
     let arena = Arena::new(ArenaConfig::new(1 << 20, 8).unpinned()).unwrap();
     let engine = CopyEngine::new(CopyConfig::default()).unwrap();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry::copy::{CopyBody, CopyConfig, CopyEngine, MemcpyBody, SliceWork};
-use kvferry::device::{Device, DeviceError, GatherSegment, HostDevice};
+use kvferry::device::{Device, DeviceError, HostDevice};
 use kvferry::mem::{Arena, ArenaConfig, Region};
 use tokio::time::Instant;
 
@@ -52,27 +52,7 @@ async fn gather_from_several_buffers_and_a_registered_region() {
     let region = Arc::new(Region::host("engine-kv", 5000).unwrap());
     region.write(0, &pattern(5000, 2)).unwrap();
     let b2 = dev.wrap_region(region.clone());
-    let segs = [
-        GatherSegment {
-            src: b1.slice(100, 3000),
-            dst_offset: 0,
-        },
-        GatherSegment {
-            src: b2.slice(0, 5000),
-            dst_offset: 3000,
-        },
-        GatherSegment {
-            src: b1.slice(9000, 1000),
-            dst_offset: 8000,
-        },
-    ];
-    let s = dev.create_stream("copy").unwrap();
-    let lease = s
-        .copy_d2h_gather(&segs, a.try_alloc(3).unwrap(), "gather")
-        .unwrap()
-        .wait(far())
-        .await
-        .unwrap();
+    let lease = device_suite::gather_three_segments(dev.as_ref(), &a, &b1, &b2).await;
     assert_eq!(lease.to_vec(0, 3000).unwrap(), &pattern(10_000, 1)[100..3100]);
     assert_eq!(lease.to_vec(3000, 5000).unwrap(), region.to_vec(0, 5000).unwrap());
     assert_eq!(lease.to_vec(8000, 1000).unwrap(), &pattern(10_000, 1)[9000..]);

@@ -21,7 +21,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::engines::{config, pair, pattern};
+use common::engines::{config, pair, pattern, Pair};
+use common::{eventually, holds_for_every};
 use kvferry::engine::{Engine, EngineError, Registered};
 use kvferry::layout::{KvCache, Span};
 use kvferry::mem::Region;
@@ -110,32 +111,46 @@ async fn released_within(e: &Engine, within: Duration) -> Vec<Released> {
     }
 }
 
-/// Waits (bounded) for `cond`.
-async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !cond() {
-        assert!(t.elapsed() < Duration::from_secs(10), "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
-
 /// Asserts `check()` holds every 5 ms for `window` (and was sampled enough).
-async fn holds_for(window: Duration, mut check: impl FnMut() -> Result<(), String>) {
-    let t = Instant::now();
-    let mut samples = 0;
-    while t.elapsed() < window {
-        if let Err(e) = check() {
-            panic!("invariant broken after {:?} ({samples} samples): {e}", t.elapsed());
-        }
-        samples += 1;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(samples >= 10, "window too short to sample ({samples} samples)");
+async fn holds_for(window: Duration, check: impl FnMut() -> Result<(), String>) {
+    holds_for_every(window, Duration::from_millis(5), check).await
 }
 
 async fn close_clean(e: &Engine) {
     let r = e.close(in_secs(5)).await;
     assert!(r.is_clean(), "{} closed unclean: {r:?}", e.peer_id());
+}
+
+/// Closes the decode engine, then the prefill one, each clean.
+async fn close_pair(p: &Pair) {
+    close_clean(&p.decode).await;
+    close_clean(&p.prefill).await;
+}
+
+/// A contiguous cache filled with `seed`'s patterns, registered with the prefill engine.
+fn register_source(p: &Pair, seed: u64) -> Registered {
+    let (_src, cache) = contiguous_cache("prefill-kv", Some(seed));
+    p.prefill.register(cache).unwrap()
+}
+
+/// A zeroed contiguous cache registered with the decode engine, and its memory.
+fn register_destination(p: &Pair) -> (Arc<Region>, Registered) {
+    let (out, cache) = contiguous_cache("decode-kv", None);
+    (out, p.decode.register(cache).unwrap())
+}
+
+/// Publishes block `i` of `src` as key `{prefix}/{i}`, for `i` in `0..n`; the keys.
+fn publish_block_per_key(p: &Pair, src: &Registered, prefix: &str, n: u32) -> Vec<ChunkKey> {
+    let keys: Vec<ChunkKey> = (0..n).map(|i| key(&format!("{prefix}/{i}"))).collect();
+    for (i, k) in keys.iter().enumerate() {
+        p.prefill.publish(*k, src, &[i as u32], Duration::ZERO, false).unwrap();
+    }
+    keys
+}
+
+/// Delays every chunk the prefill engine sends by `us` microseconds (0: no delay).
+fn delay_sends_us(p: &Pair, us: u64) {
+    p.prefill.producer().faults().send_delay_us.store(us, Ordering::SeqCst);
 }
 
 fn failure(r: Result<kvferry::peer::Landed, GetFailure>) -> GetFailure {
@@ -161,15 +176,13 @@ async fn on_plain_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'stat
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_get_of_published_blocks_lands_byte_exact() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(1));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 1);
     let (a, b) = (key("direct/a"), key("direct/b"));
     p.prefill.publish(a, &src, &[3, 4, 5], Duration::ZERO, false).unwrap();
     p.prefill.publish(b, &src, &[7], Duration::ZERO, false).unwrap();
     assert_eq!(p.prefill.stats().producer.published_now, 2);
 
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![10, 11, 12], vec![0]]);
     assert_eq!(d.path, TransferPath::Direct, "direct is the default path");
     let landed = p.decode.get(&p.addr, &[a, b], d, in_secs(5)).await.unwrap();
@@ -204,8 +217,7 @@ async fn direct_get_of_published_blocks_lands_byte_exact() {
     // Not `once`: both publications are still there, nothing was released.
     assert_eq!(p.prefill.stats().producer.published_now, 2);
     assert!(p.prefill.take_released().is_empty());
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
     let reasons: Vec<ReleaseReason> = p.prefill.take_released().iter().map(|r| r.reason).collect();
     assert_eq!(
         reasons,
@@ -217,16 +229,14 @@ async fn direct_get_of_published_blocks_lands_byte_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_get_of_published_blocks_lands_byte_exact_and_returns_its_pages() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(2));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 2);
     let (a, b) = (key("staged/a"), key("staged/b"));
     p.prefill.publish(a, &src, &[31, 0], Duration::ZERO, false).unwrap();
     p.prefill
         .publish(b, &src, &[16, 17, 18, 19], Duration::ZERO, false)
         .unwrap();
 
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![5, 6], vec![1, 2, 3, 4]]).with_path(TransferPath::Staged);
     let landed = p.decode.get(&p.addr, &[a, b], d, in_secs(5)).await.unwrap();
     assert_eq!((landed.chunks, landed.bytes), (2, 6 * BLOCK));
@@ -248,8 +258,7 @@ async fn staged_get_of_published_blocks_lands_byte_exact_and_returns_its_pages()
         "publications are sent without copies"
     );
     assert_eq!(s.arena.free_pages, s.arena.total_pages, "staging pages came back");
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 /// Two per-layer tensors (`LayerSeparate`-style), each `[K of every block][V of every
@@ -344,19 +353,16 @@ async fn multi_span_cache_round_trips_on_both_paths() {
             "block {s} is not L0.K ++ L0.V ++ L1.K ++ L1.V in flat block {i}"
         );
     }
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_blocking_from_a_plain_thread_lands_and_times_out_on_time() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(4));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 4);
     let k = key("blocking/a");
     p.prefill.publish(k, &src, &[8, 9], Duration::ZERO, false).unwrap();
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
 
     let (decode, addr, d) = (
         p.decode.clone(),
@@ -370,11 +376,7 @@ async fn get_blocking_from_a_plain_thread_lands_and_times_out_on_time() {
 
     // A slow producer: the blocking get returns on time with `Timeout`; the fence
     // fires once the cancelled receive let go of the destination.
-    p.prefill
-        .producer()
-        .faults()
-        .send_delay_us
-        .store(600_000, Ordering::SeqCst);
+    delay_sends_us(&p, 600_000);
     let (decode, addr, d) = (
         p.decode.clone(),
         p.addr.clone(),
@@ -395,9 +397,8 @@ async fn get_blocking_from_a_plain_thread_lands_and_times_out_on_time() {
     );
     assert!(f.fence.wait_until(in_secs(2)).await, "fence did not fire");
     eventually("the transfer released the destination", || host_refs(&dst) == 2).await;
-    p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    delay_sends_us(&p, 0);
+    close_pair(&p).await;
 }
 
 // ---------------------------------------------------------------------------------
@@ -407,14 +408,12 @@ async fn get_blocking_from_a_plain_thread_lands_and_times_out_on_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn once_publication_is_released_by_the_consumers_done() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(5));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 5);
     let k = key("once/a");
     p.prefill.publish(k, &src, &[1, 2], Duration::ZERO, true).unwrap();
     assert!(p.prefill.take_released().is_empty());
 
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![4, 5]]);
     assert_eq!(p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap().chunks, 1);
     assert_block(&out, 4, 5, 1);
@@ -436,23 +435,20 @@ async fn once_publication_is_released_by_the_consumers_done() {
     assert_eq!((landed.chunks, landed.bytes), (0, 0));
     assert_zero(&out, [10, 11]);
     assert!(released_within(&p.prefill, Duration::from_millis(100)).await.is_empty());
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttl_expiry_releases_and_a_later_get_misses() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(6));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 6);
     let k = key("ttl/a");
     let ttl = Duration::from_millis(300);
     let published = Instant::now();
     p.prefill.publish(k, &src, &[0], ttl, false).unwrap();
 
     // Before expiry it is served (and, not `once`, stays published after the Done).
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![3]]);
     assert_eq!(p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap().chunks, 1);
     assert_block(&out, 3, 6, 0);
@@ -476,15 +472,13 @@ async fn ttl_expiry_releases_and_a_later_get_misses() {
         "an expired publication is a miss"
     );
     assert_zero(&out, [4]);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unpublish_releases_once_and_the_key_then_misses() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(7));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 7);
     let k = key("unpublish/a");
     p.prefill.publish(k, &src, &[1], Duration::ZERO, false).unwrap();
     assert!(p.prefill.unpublish(&k));
@@ -499,20 +493,17 @@ async fn unpublish_releases_once_and_the_key_then_misses() {
     assert!(!p.prefill.unpublish(&k), "a second unpublish finds nothing");
     assert!(released_within(&p.prefill, Duration::from_millis(100)).await.is_empty());
 
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![0]]);
     assert_eq!(p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap().chunks, 0);
     assert_zero(&out, [0]);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn republishing_a_key_replaces_and_releases_the_old_publication() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(8));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 8);
     let k = key("replace/a");
     p.prefill.publish(k, &src, &[2], Duration::ZERO, false).unwrap();
     p.prefill.publish(k, &src, &[6], Duration::ZERO, false).unwrap();
@@ -527,8 +518,7 @@ async fn republishing_a_key_replaces_and_releases_the_old_publication() {
     assert_eq!(p.prefill.stats().producer.published_now, 1);
 
     // The new publication is what is served.
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![0]]);
     assert_eq!(p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap().chunks, 1);
     assert_block(&out, 0, 8, 6);
@@ -541,29 +531,22 @@ async fn republishing_a_key_replaces_and_releases_the_old_publication() {
             reason: ReleaseReason::Released
         }]
     );
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_is_reported_only_after_the_in_flight_send_finished() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(9));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 9);
     let keys = [key("inflight/a"), key("inflight/b")];
     p.prefill
         .publish(keys[0], &src, &[10, 11], Duration::ZERO, false)
         .unwrap();
     p.prefill.publish(keys[1], &src, &[12], Duration::ZERO, false).unwrap();
     // 250 ms before each chunk's frame: the send takes ~500 ms.
-    p.prefill
-        .producer()
-        .faults()
-        .send_delay_us
-        .store(250_000, Ordering::SeqCst);
+    delay_sends_us(&p, 250_000);
 
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![0, 1], vec![2]]);
     let transfer = tokio::spawn(p.decode.start_get(&p.addr, &keys, d, in_secs(10)));
     // The producer granted the lease (it now holds both publications) and is sending.
@@ -614,17 +597,15 @@ async fn release_is_reported_only_after_the_in_flight_send_finished() {
             reason: ReleaseReason::Released
         })
     );
-    p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    delay_sends_us(&p, 0);
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_or_duplicate_done_changes_nothing() {
     let p = pair().await;
     let intruder = Engine::start(config("intruder").listen(None)).await.unwrap();
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(10));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 10);
     let k = key("foreign/a");
     p.prefill.publish(k, &src, &[20, 21], Duration::ZERO, true).unwrap();
 
@@ -655,8 +636,7 @@ async fn foreign_or_duplicate_done_changes_nothing() {
     assert!(released_within(&p.prefill, Duration::from_millis(100)).await.is_empty());
 
     // The lease still works for its owner.
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), vec![vec![0, 1]]);
     let landed = p.decode.resolve(handle.clone(), d, in_secs(5)).await.unwrap();
     assert_eq!(landed.chunks, 1);
@@ -682,8 +662,7 @@ async fn foreign_or_duplicate_done_changes_nothing() {
     assert_eq!((s.done, s.foreign_lease_refused), (1, 2));
     assert!(released_within(&p.prefill, Duration::from_millis(100)).await.is_empty());
     close_clean(&intruder).await;
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 // ---------------------------------------------------------------------------------
@@ -707,21 +686,12 @@ async fn foreign_or_duplicate_done_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_direct_transfer_fires_its_fence_only_after_the_receive_let_go() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(11));
-    let src = p.prefill.register(cache).unwrap();
-    let keys: Vec<ChunkKey> = (0..6).map(|i| key(&format!("cancel/{i}"))).collect();
-    for (i, k) in keys.iter().enumerate() {
-        p.prefill.publish(*k, &src, &[i as u32], Duration::ZERO, false).unwrap();
-    }
+    let src = register_source(&p, 11);
+    let keys = publish_block_per_key(&p, &src, "cancel", 6);
     // 250 ms before each chunk: the whole transfer would take ~1.5 s.
-    p.prefill
-        .producer()
-        .faults()
-        .send_delay_us
-        .store(250_000, Ordering::SeqCst);
+    delay_sends_us(&p, 250_000);
 
-    let (_out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (_out, dst) = register_destination(&p);
     let base = host_refs(&dst);
     let d = Destination::new(dst.cache.clone(), (0..6).map(|b| vec![b]).collect());
     let mut transfer = p.decode.start_get(&p.addr, &keys, d, in_secs(10));
@@ -782,20 +752,17 @@ async fn dropped_direct_transfer_fires_its_fence_only_after_the_receive_let_go()
     })
     .await;
     assert!(p.decode.stats().consumer.chunks_received < 6);
-    p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    delay_sends_us(&p, 0);
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_reset_mid_direct_transfer_is_dirty_peer_lost_promptly() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(12));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 12);
     let k = key("reset/a");
     p.prefill.publish(k, &src, &[4, 5], Duration::ZERO, false).unwrap();
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
 
     p.prefill
         .producer()
@@ -817,26 +784,16 @@ async fn connection_reset_mid_direct_transfer_is_dirty_peer_lost_promptly() {
     assert_eq!(p.decode.get(&p.addr, &[k], d, in_secs(5)).await.unwrap().chunks, 1);
     assert_block(&out, 0, 12, 4);
     assert_block(&out, 1, 12, 5);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn producer_closed_mid_direct_transfer_is_dirty_peer_lost_promptly() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(13));
-    let src = p.prefill.register(cache).unwrap();
-    let keys: Vec<ChunkKey> = (0..4).map(|i| key(&format!("closed/{i}"))).collect();
-    for (i, k) in keys.iter().enumerate() {
-        p.prefill.publish(*k, &src, &[i as u32], Duration::ZERO, false).unwrap();
-    }
-    p.prefill
-        .producer()
-        .faults()
-        .send_delay_us
-        .store(200_000, Ordering::SeqCst);
-    let (_out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let src = register_source(&p, 13);
+    let keys = publish_block_per_key(&p, &src, "closed", 4);
+    delay_sends_us(&p, 200_000);
+    let (_out, dst) = register_destination(&p);
     let d = Destination::new(dst.cache.clone(), (0..4).map(|b| vec![b]).collect());
     let get = tokio::spawn({
         let (decode, addr, keys) = (p.decode.clone(), p.addr.clone(), keys.clone());
@@ -880,13 +837,11 @@ async fn producer_closed_mid_direct_transfer_is_dirty_peer_lost_promptly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_is_clean_after_traffic_and_a_closed_engine_refuses_new_work() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(14));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 14);
     let (a, b) = (key("close/a"), key("close/b"));
     p.prefill.publish(a, &src, &[1, 2], Duration::ZERO, false).unwrap();
     p.prefill.publish(b, &src, &[3], Duration::ZERO, true).unwrap();
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
 
     // Traffic of every kind: direct, staged, delayed pull, push, lookup, copy-in put.
     let d = Destination::new(dst.cache.clone(), vec![vec![0, 1]]);
@@ -930,8 +885,7 @@ async fn close_is_clean_after_traffic_and_a_closed_engine_refuses_new_work() {
         (s.consumer.completed, s.consumer.failed, s.consumer.cancelled),
         (4, 0, 0)
     );
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
     close_clean(&p.decode).await; // idempotent
 
     // Closed: every new piece of work is refused at once.
@@ -973,12 +927,10 @@ async fn close_is_clean_after_traffic_and_a_closed_engine_refuses_new_work() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn start_get_on_a_closed_engine_is_refused() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(15));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 15);
     let k = key("closed-start/a");
     p.prefill.publish(k, &src, &[1], Duration::ZERO, false).unwrap();
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     close_clean(&p.decode).await;
 
     let d = Destination::new(dst.cache.clone(), vec![vec![0]]);
@@ -992,19 +944,13 @@ async fn start_get_on_a_closed_engine_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deregister_waits_for_the_transfers_and_publications_using_a_cache() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(16));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 16);
     let keys = [key("dereg/a"), key("dereg/b")];
     p.prefill.publish(keys[0], &src, &[0], Duration::ZERO, false).unwrap();
     p.prefill.publish(keys[1], &src, &[1], Duration::ZERO, false).unwrap();
-    p.prefill
-        .producer()
-        .faults()
-        .send_delay_us
-        .store(250_000, Ordering::SeqCst);
+    delay_sends_us(&p, 250_000);
 
-    let (out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    let (out, dst) = register_destination(&p);
     assert_eq!(p.decode.stats().registered, 1);
     let d = Destination::new(dst.cache.clone(), vec![vec![5], vec![6]]);
     let transfer = tokio::spawn(p.decode.start_get(&p.addr, &keys, d, in_secs(10)));
@@ -1040,7 +986,7 @@ async fn deregister_waits_for_the_transfers_and_publications_using_a_cache() {
         Err(EngineError::NotRegistered(_))
     ));
 
-    p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
+    delay_sends_us(&p, 0);
     for k in &keys {
         assert!(p.prefill.unpublish(k));
     }
@@ -1050,8 +996,7 @@ async fn deregister_waits_for_the_transfers_and_publications_using_a_cache() {
         p.prefill.publish(keys[0], &src, &[0], Duration::ZERO, false),
         Err(EngineError::NotRegistered(_))
     ));
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 /// Holders are counted explicitly by the ledger: a cloned `Registered` handle is not
@@ -1104,8 +1049,7 @@ async fn holders_are_counted_and_the_last_one_wakes_deregistration() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookup_counts_published_chunks_as_a_stage_would_serve_them() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(9));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 9);
     let (a, b, c) = (key("lookup/a"), key("lookup/b"), key("lookup/c"));
     assert_eq!(p.decode.lookup(&p.addr, &[a, b], in_secs(5)).await.unwrap(), 0);
     p.prefill
@@ -1122,8 +1066,7 @@ async fn lookup_counts_published_chunks_as_a_stage_would_serve_them() {
     assert_eq!(p.decode.lookup(&p.addr, &[c], in_secs(5)).await.unwrap(), 1);
     assert!(p.prefill.unpublish(&a));
     assert_eq!(p.decode.lookup(&p.addr, &[a, b], in_secs(5)).await.unwrap(), 0);
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }
 
 /// A timeout's `waited` runs from the call that started the transfer, on the clock of
@@ -1134,17 +1077,11 @@ async fn lookup_counts_published_chunks_as_a_stage_would_serve_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_reports_the_time_since_the_call_not_since_the_first_poll() {
     let p = pair().await;
-    let (_src, cache) = contiguous_cache("prefill-kv", Some(21));
-    let src = p.prefill.register(cache).unwrap();
+    let src = register_source(&p, 21);
     let k = key("clock/a");
     p.prefill.publish(k, &src, &[0], Duration::ZERO, false).unwrap();
-    p.prefill
-        .producer()
-        .faults()
-        .send_delay_us
-        .store(2_000_000, Ordering::SeqCst);
-    let (_out, cache) = contiguous_cache("decode-kv", None);
-    let dst = p.decode.register(cache).unwrap();
+    delay_sends_us(&p, 2_000_000);
+    let (_out, dst) = register_destination(&p);
 
     let timeout = Duration::from_millis(300);
     let called = Instant::now();
@@ -1160,8 +1097,7 @@ async fn a_timeout_reports_the_time_since_the_call_not_since_the_first_poll() {
         }
         e => panic!("expected a timeout, got {e}"),
     }
-    p.prefill.producer().faults().send_delay_us.store(0, Ordering::SeqCst);
+    delay_sends_us(&p, 0);
     assert!(f.fence.wait_until(in_secs(5)).await, "the cancelled get drains");
-    close_clean(&p.decode).await;
-    close_clean(&p.prefill).await;
+    close_pair(&p).await;
 }

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use common::eventually;
 use common::p2p::*;
+use common::raw::{connect, recv, send, WAIT};
 use kvferry::wire::auth::{self, Keys, Role, Transcript};
 use kvferry::wire::{self, ChunkKey, ErrorKind, FrameHeader, FrameKind, Limits, Message, WireError, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -30,8 +31,6 @@ use tokio::time::Instant;
 /// Shared by every test; taken exclusively by the ones that measure the process RSS.
 static GATE: RwLock<()> = RwLock::const_new(());
 
-/// How long a reply or a close may take (generous: the server answers at once).
-const WAIT: Duration = Duration::from_secs(5);
 /// How much the process RSS may grow across a hostile burst.
 const RSS_SLACK: u64 = 64 << 20;
 const MAX_CONTROL: u64 = Limits::DEFAULT_MAX_CONTROL_BYTES;
@@ -101,19 +100,6 @@ async fn encode(id: u64, msg: &Message) -> Vec<u8> {
     let mut f = Vec::new();
     wire::write_control(&mut f, id, msg).await.unwrap();
     f
-}
-
-async fn send(s: &mut TcpStream, id: u64, msg: &Message) {
-    wire::write_control(s, id, msg).await.unwrap();
-}
-
-/// Reads one control frame within [`WAIT`].
-async fn recv(s: &mut TcpStream) -> (u64, Message) {
-    match tokio::time::timeout(WAIT, wire::read_control::<_, Message>(s, &Limits::default())).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => panic!("reading a reply: {e}"),
-        Err(_) => panic!("no reply within {WAIT:?}"),
-    }
 }
 
 /// Reads one reply: an `Error` of `kind` whose message mentions `needle`. Returns its
@@ -195,13 +181,6 @@ async fn hello_challenge(s: &mut TcpStream, wants_auth: bool, nonce: [u8; 32]) -
         ) => (nonce, incarnation, proof),
         other => panic!("expected Challenge for request 1, got {other:?}"),
     }
-}
-
-/// A raw TCP connection (no Nagle delay, so split writes go out at once).
-async fn connect(addr: &str) -> TcpStream {
-    let s = TcpStream::connect(addr).await.unwrap();
-    s.set_nodelay(true).unwrap();
-    s
 }
 
 /// A connection handshaken by hand (no secret): Hello / Challenge / Auth / Welcome.

@@ -12,20 +12,21 @@
 //! The server runs a small [`TestHandler`] (ping and lookup); raw clients speak the
 //! protocol byte by byte where a test needs to misbehave.
 
+mod common;
+
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
+use common::raw::{connect, deadline, eventually, expect_closed, recv, send, unexpected, WAIT};
 use futures::future::BoxFuture;
 use kvferry::net::{Connection, Handler, NetConfig, NetError, Pool, Server};
 use kvferry::wire::auth::{self, Keys, Role, Transcript};
 use kvferry::wire::{self, ChunkKey, ErrorKind, FrameHeader, FrameKind, Limits, Message};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
 const WRONG: &[u8] = b"fedcba9876543210fedcba9876543210";
-/// How long a reply or a close may take (generous: the server answers at once).
-const WAIT: Duration = Duration::from_secs(5);
 
 // ---------------------------------------------------------------------------------
 // A server with a small handler.
@@ -41,13 +42,7 @@ impl Handler for TestHandler {
                     let hits = keys.len() as u32;
                     conn.send(id, &Message::LookupReply { hits }).await
                 }
-                other => {
-                    let m = Message::Error {
-                        kind: ErrorKind::BadRequest,
-                        message: format!("unexpected {}", other.name()),
-                    };
-                    conn.send(id, &m).await
-                }
+                other => conn.send(id, &unexpected(&other)).await,
             }
         })
     }
@@ -77,26 +72,8 @@ async fn ping(pool: &Pool) -> Result<(), NetError> {
     Ok(())
 }
 
-fn deadline(d: Duration) -> tokio::time::Instant {
-    tokio::time::Instant::now() + d
-}
-
-/// Polls `cond` until it holds (or panics after [`WAIT`]).
-async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < WAIT, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 // ---------------------------------------------------------------------------------
 // Raw protocol helpers.
-
-async fn connect(addr: &str) -> TcpStream {
-    let s = TcpStream::connect(addr).await.unwrap();
-    s.set_nodelay(true).unwrap();
-    s
-}
 
 /// A raw connection from `source` (another loopback address, e.g. 127.0.0.2).
 async fn connect_from(source: &str, addr: &str) -> TcpStream {
@@ -107,18 +84,6 @@ async fn connect_from(source: &str, addr: &str) -> TcpStream {
     s
 }
 
-async fn send(s: &mut TcpStream, id: u64, msg: &Message) {
-    wire::write_control(s, id, msg).await.unwrap();
-}
-
-async fn recv(s: &mut TcpStream) -> (u64, Message) {
-    match tokio::time::timeout(WAIT, wire::read_control::<_, Message>(s, &Limits::default())).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => panic!("reading a reply: {e}"),
-        Err(_) => panic!("no reply within {WAIT:?}"),
-    }
-}
-
 async fn expect_error(s: &mut TcpStream, kind: ErrorKind, needle: &str) {
     match recv(s).await {
         (_, Message::Error { kind: k, message }) => {
@@ -126,18 +91,6 @@ async fn expect_error(s: &mut TcpStream, kind: ErrorKind, needle: &str) {
             assert!(message.contains(needle), "{message:?} does not mention {needle:?}");
         }
         (_, other) => panic!("expected Error({kind:?}), got {other:?}"),
-    }
-}
-
-/// The peer closed the connection (end of stream or reset) within [`WAIT`].
-async fn expect_closed(s: &mut TcpStream) {
-    let mut buf = [0u8; 256];
-    loop {
-        match tokio::time::timeout(WAIT, s.read(&mut buf)).await {
-            Err(_) => panic!("connection still open after {WAIT:?}"),
-            Ok(Ok(0)) | Ok(Err(_)) => return,
-            Ok(Ok(_)) => {} // whatever was in flight
-        }
     }
 }
 

@@ -6,19 +6,19 @@
 //! The server runs a small [`TestHandler`] (put and pull of patterned bytes, reporting
 //! how each bulk transfer went); raw clients speak the protocol byte by byte.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::raw::{connect, deadline, eventually, expect_closed, recv, send, unexpected, WAIT};
 use futures::future::BoxFuture;
 use kvferry::net::{Connection, Handler, NetConfig, NetError, Pool, Server};
-use kvferry::wire::{self, ChunkKey, ErrorKind, FrameHeader, FrameKind, Limits, Message};
+use kvferry::wire::{ChunkKey, FrameHeader, FrameKind, Message};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-
-/// How long a reply or a close may take (generous: the server answers at once).
-const WAIT: Duration = Duration::from_secs(5);
 
 // ---------------------------------------------------------------------------------
 // A server with a small handler.
@@ -63,13 +63,7 @@ impl Handler for TestHandler {
                     r?;
                     conn.send(id, &Message::PullDone { lease_id }).await
                 }
-                other => {
-                    let m = Message::Error {
-                        kind: ErrorKind::BadRequest,
-                        message: format!("unexpected {}", other.name()),
-                    };
-                    conn.send(id, &m).await
-                }
+                other => conn.send(id, &unexpected(&other)).await,
             }
         })
     }
@@ -90,50 +84,8 @@ async fn server(cfg: NetConfig) -> Node {
     Node { server, addr, events }
 }
 
-fn deadline(d: Duration) -> tokio::time::Instant {
-    tokio::time::Instant::now() + d
-}
-
-/// Polls `cond` until it holds (or panics after [`WAIT`]).
-async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < WAIT, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 // ---------------------------------------------------------------------------------
 // Raw protocol helpers.
-
-async fn connect(addr: &str) -> TcpStream {
-    let s = TcpStream::connect(addr).await.unwrap();
-    s.set_nodelay(true).unwrap();
-    s
-}
-
-async fn send(s: &mut TcpStream, id: u64, msg: &Message) {
-    wire::write_control(s, id, msg).await.unwrap();
-}
-
-async fn recv(s: &mut TcpStream) -> (u64, Message) {
-    match tokio::time::timeout(WAIT, wire::read_control::<_, Message>(s, &Limits::default())).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => panic!("reading a reply: {e}"),
-        Err(_) => panic!("no reply within {WAIT:?}"),
-    }
-}
-
-/// The peer closed the connection (end of stream or reset) within [`WAIT`].
-async fn expect_closed(s: &mut TcpStream) {
-    let mut buf = [0u8; 256];
-    loop {
-        match tokio::time::timeout(WAIT, s.read(&mut buf)).await {
-            Err(_) => panic!("connection still open after {WAIT:?}"),
-            Ok(Ok(0)) | Ok(Err(_)) => return,
-            Ok(Ok(_)) => {} // whatever was in flight
-        }
-    }
-}
 
 /// A raw handshake (no secret) as "raw-client".
 async fn raw_handshake(mut s: TcpStream) -> TcpStream {
@@ -167,11 +119,13 @@ fn io_timeout_1s(peer_id: &str) -> NetConfig {
     c
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_but_steady_bulk_frame_passes_the_io_timeout() {
-    let mut node = server(io_timeout_1s("server")).await;
+/// A server with a 1 s I/O timeout, a raw handshaken connection to it, and on that
+/// connection a `Put` (request 7) of [`TRICKLE_BYTES`] patterned bytes under `name`
+/// followed by its bulk frame's header alone. Returns the key and the bytes to send.
+async fn put_header_sent(name: &str) -> (Node, TcpStream, ChunkKey, Vec<u8>) {
+    let node = server(io_timeout_1s("server")).await;
     let mut s = raw_handshake(connect(&node.addr).await).await;
-    let key = ChunkKey::from_name("slow");
+    let key = ChunkKey::from_name(name);
     send(
         &mut s,
         7,
@@ -189,6 +143,12 @@ async fn a_slow_but_steady_bulk_frame_passes_the_io_timeout() {
         checksum: crc32c::crc32c(&data),
     };
     s.write_all(&header.encode()).await.unwrap();
+    (node, s, key, data)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_but_steady_bulk_frame_passes_the_io_timeout() {
+    let (mut node, mut s, key, data) = put_header_sent("slow").await;
     let started = Instant::now();
     for piece in data.chunks(PIECE) {
         s.write_all(piece).await.unwrap();
@@ -273,26 +233,7 @@ async fn a_bulk_frame_through_a_slow_link_passes_the_io_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_writer_that_stalls_is_cut_after_the_io_timeout() {
-    let mut node = server(io_timeout_1s("server")).await;
-    let mut s = raw_handshake(connect(&node.addr).await).await;
-    let key = ChunkKey::from_name("stalled");
-    send(
-        &mut s,
-        7,
-        &Message::Put {
-            key,
-            len: TRICKLE_BYTES as u64,
-        },
-    )
-    .await;
-    let data = pattern(TRICKLE_BYTES);
-    let header = FrameHeader {
-        kind: FrameKind::Bulk,
-        request_id: 7,
-        len: TRICKLE_BYTES as u64,
-        checksum: crc32c::crc32c(&data),
-    };
-    s.write_all(&header.encode()).await.unwrap();
+    let (mut node, mut s, _, data) = put_header_sent("stalled").await;
     s.write_all(&data[..1 << 20]).await.unwrap();
     let stalled = Instant::now();
     let (op, r, _) = tokio::time::timeout(WAIT, node.events.recv()).await.unwrap().unwrap();

@@ -22,45 +22,11 @@ use kvferry::mem::Region;
 use kvferry::net::{NetConfig, NetError, Pool, TlsConfig, TlsError};
 use kvferry::peer::{Destination, TransferPath};
 use kvferry::wire::{ChunkKey, Message};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+use rcgen::{CertificateParams, DnType, KeyPair};
 use tokio::time::Instant;
 
 use common::engines::pattern;
-
-/// A CA that signs node certificates.
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().unwrap();
-        let cert = p.self_signed(&key).unwrap();
-        Ca { cert, key }
-    }
-
-    fn pem(&self) -> String {
-        self.cert.pem()
-    }
-
-    /// A node certificate (CN `cn`, valid for 127.0.0.1 and localhost) and its key, PEM.
-    fn issue(&self, cn: &str) -> (String, String) {
-        let mut p = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-        p.distinguished_name.push(DnType::CommonName, cn);
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-
-    fn tls(&self, cn: &str) -> TlsConfig {
-        let (cert, key) = self.issue(cn);
-        TlsConfig::from_pem(cert.as_bytes(), key.as_bytes(), self.pem().as_bytes()).unwrap()
-    }
-}
+use common::tls::Ca;
 
 /// A small engine: 2 MiB staging arena of 64 KiB pages, a 1 MiB store of 16 KiB
 /// blocks, loopback, with `tls`.

@@ -8,37 +8,12 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tls::Ca;
 use kvferry::engine::Engine;
 use kvferry::net::TlsConfig;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
-
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name.push(DnType::CommonName, name);
-        let key = KeyPair::generate().unwrap();
-        let cert = p.self_signed(&key).unwrap();
-        Ca { cert, key }
-    }
-
-    /// A node certificate for 127.0.0.1 and its key, PEM.
-    fn issue(&self, cn: &str) -> (String, String) {
-        let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
-        p.distinguished_name.push(DnType::CommonName, cn);
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-}
 
 async fn engine(tls: TlsConfig) -> Engine {
     let mut cfg = common::engines::small_config("server").arena(1 << 20, 64 << 10);

@@ -9,11 +9,13 @@
 //! sets it).
 #![cfg(feature = "cuda")]
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Command, Stdio};
+mod common;
+
+use std::io::Read;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::child::{line_after, spawn_self_test};
 use kvferry::device::{CudaDevice, Device, DeviceError, DeviceKvCache};
 use kvferry::engine::{Engine, EngineConfig};
 use kvferry::peer::Destination;
@@ -89,30 +91,8 @@ async fn cuda_ipc_two_processes_one_gpu() {
     if std::env::var("KVFERRY_CUDA_IPC").as_deref() != Ok("1") {
         return eprintln!("skipped: KVFERRY_CUDA_IPC=1 is not set (scripts/gpu-check.sh sets it)");
     }
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "cuda_ipc_producer_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("the producer exited before printing its address")
-            .unwrap();
-        // libtest may print "test <name> ... " on the same line first.
-        if let Some(at) = line.find("ADDR ") {
-            break line[at + 5..].trim().to_string();
-        }
-    };
+    let (mut child, mut lines) = spawn_self_test("cuda_ipc_producer_child", CHILD);
+    let addr = line_after(&mut lines, "ADDR ", "its address");
     let dst = cache(&dev, "decode-kv");
     let engine = Engine::start(EngineConfig::default().listen(None)).await.unwrap();
     let landed = engine

@@ -18,11 +18,13 @@
 //!   other process's shared memory, and a producer SIGKILLed mid-copy is `PeerLost`
 //!   at once, its destination busy until the device settles the copy.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Command, Stdio};
+mod common;
+
+use std::io::Read;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::child::{line_after, spawn_self_test};
 use kvferry::device::{Device, DeviceKvCache, Fault, FaultRule, SimConfig, SimDevice, Trigger};
 use kvferry::engine::{Engine, EngineConfig};
 use kvferry::peer::{Destination, Mover, PeerError, Transport};
@@ -74,6 +76,23 @@ fn read_block(c: &DeviceKvCache, b: u32) -> Vec<u8> {
     c.buffers()[0].to_vec(b as usize * BLOCK, BLOCK).unwrap()
 }
 
+/// A cache on `dev` filled with `seed`'s pattern, registered with `prefill`, and
+/// `blocks` of it published there as `key`.
+fn publish_filled(
+    prefill: &Engine,
+    dev: &Arc<SimDevice>,
+    name: &str,
+    seed: u32,
+    key: ChunkKey,
+    blocks: &[u32],
+) -> Arc<DeviceKvCache> {
+    let src = cache(dev, name, Duration::from_secs(2));
+    fill(&src, seed);
+    let reg = prefill.register(src.clone()).unwrap();
+    prefill.publish(key, &reg, blocks, Duration::ZERO, false).unwrap();
+    src
+}
+
 /// A producer engine on a shared-memory sim device with blocks 1..=3 published as
 /// `key`, and a consumer engine on its own sim device.
 struct Rig {
@@ -89,13 +108,10 @@ struct Rig {
 async fn rig(consumer_transport: Transport, op_timeout: Duration) -> Rig {
     let prefill = engine(Some("127.0.0.1:0"), Transport::Auto).await;
     let decode = engine(None, consumer_transport).await;
-    let src = cache(&sim(0, true), "prefill-kv", Duration::from_secs(2));
-    fill(&src, 1);
+    let key = ChunkKey::from_name("ipc/k");
+    let src = publish_filled(&prefill, &sim(0, true), "prefill-kv", 1, key, &[1, 2, 3]);
     let ddev = sim(1, false);
     let dst = cache(&ddev, "decode-kv", op_timeout);
-    let key = ChunkKey::from_name("ipc/k");
-    let reg = prefill.register(src.clone()).unwrap();
-    prefill.publish(key, &reg, &[1, 2, 3], Duration::ZERO, false).unwrap();
     let addr = prefill.address().unwrap().to_string();
     Rig {
         prefill,
@@ -109,6 +125,16 @@ async fn rig(consumer_transport: Transport, op_timeout: Duration) -> Rig {
 }
 
 impl Rig {
+    /// Makes the consumer's device meet `fault` at its next operation.
+    fn fault_next(&self, fault: Fault) {
+        self.ddev
+            .inject(FaultRule {
+                fault,
+                trigger: Trigger::Next,
+            })
+            .unwrap();
+    }
+
     fn get(&self, blocks: Vec<u32>, within: Duration) -> kvferry::peer::Transfer {
         self.decode.start_get(
             &self.addr,
@@ -177,12 +203,7 @@ async fn device_ipc_lands_every_byte_and_is_named_in_stats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_copy_fails_on_time_and_keeps_the_destination_busy_until_confirmed() {
     let r = rig(Transport::Auto, Duration::from_millis(200)).await;
-    r.ddev
-        .inject(FaultRule {
-            fault: Fault::NeverComplete,
-            trigger: Trigger::Next,
-        })
-        .unwrap();
+    r.fault_next(Fault::NeverComplete);
     let t0 = std::time::Instant::now();
     let transfer = r.get(vec![8, 9, 10], Duration::from_secs(5));
     let fence = transfer.fence();
@@ -214,12 +235,7 @@ async fn a_stuck_copy_fails_on_time_and_keeps_the_destination_busy_until_confirm
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_copy_fails_only_its_transfer() {
     let r = rig(Transport::Auto, Duration::from_secs(2)).await;
-    r.ddev
-        .inject(FaultRule {
-            fault: Fault::FailCopy,
-            trigger: Trigger::Next,
-        })
-        .unwrap();
+    r.fault_next(Fault::FailCopy);
     let f = r.get(vec![0, 1, 2], Duration::from_secs(5)).await.unwrap_err();
     assert!(
         matches!(&f.error, PeerError::Device { error, .. } if error.to_string().contains("failed")),
@@ -239,12 +255,7 @@ async fn a_failed_copy_fails_only_its_transfer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_transfer_drains_only_after_its_copy_settled() {
     let r = rig(Transport::Auto, Duration::from_secs(30)).await;
-    r.ddev
-        .inject(FaultRule {
-            fault: Fault::Stall,
-            trigger: Trigger::Next,
-        })
-        .unwrap();
+    r.fault_next(Fault::Stall);
     let transfer = r.get(vec![3, 4, 5], Duration::from_secs(30));
     let fence = transfer.fence();
     let handle = tokio::spawn(transfer);
@@ -263,12 +274,7 @@ async fn a_dropped_transfer_drains_only_after_its_copy_settled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_rewriting_published_blocks_mid_copy_is_a_checksum_error() {
     let r = rig(Transport::Auto, Duration::from_secs(30)).await;
-    r.ddev
-        .inject(FaultRule {
-            fault: Fault::Stall,
-            trigger: Trigger::Next,
-        })
-        .unwrap();
+    r.fault_next(Fault::Stall);
     let handle = tokio::spawn(r.get(vec![12, 13, 14], Duration::from_secs(30)));
     until_stuck(&r.ddev).await;
     // The grant's checksums were taken; the engine breaks its promise now.
@@ -299,12 +305,9 @@ async fn transport_tcp_keeps_the_staged_device_path() {
 async fn a_private_producer_device_is_read_over_cma_instead() {
     let prefill = engine(Some("127.0.0.1:0"), Transport::Auto).await;
     let decode = engine(None, Transport::Auto).await;
-    let src = cache(&sim(0, false), "prefill-kv", Duration::from_secs(2));
-    fill(&src, 4);
-    let dst = cache(&sim(1, false), "decode-kv", Duration::from_secs(2));
     let key = ChunkKey::from_name("ipc/private");
-    let reg = prefill.register(src.clone()).unwrap();
-    prefill.publish(key, &reg, &[6], Duration::ZERO, false).unwrap();
+    publish_filled(&prefill, &sim(0, false), "prefill-kv", 4, key, &[6]);
+    let dst = cache(&sim(1, false), "decode-kv", Duration::from_secs(2));
     let addr = prefill.address().unwrap().to_string();
     decode
         .get(&addr, &[key], Destination::new(dst.clone(), vec![vec![1]]), in_secs(5))
@@ -335,10 +338,7 @@ async fn a_restarted_producer_is_opened_again() {
     assert!(prefill.close(in_secs(5)).await.is_clean());
     // A new incarnation on the same address, with other bytes.
     let prefill = engine(Some(&addr), Transport::Auto).await;
-    let src = cache(&sim(2, true), "prefill-kv-2", Duration::from_secs(2));
-    fill(&src, 9);
-    let reg = prefill.register(src.clone()).unwrap();
-    prefill.publish(key, &reg, &[1, 2, 3], Duration::ZERO, false).unwrap();
+    publish_filled(&prefill, &sim(2, true), "prefill-kv-2", 9, key, &[1, 2, 3]);
     decode
         .get(
             &addr,
@@ -390,27 +390,8 @@ async fn two_processes_land_by_device_ipc_and_a_killed_producer_is_peer_lost() {
     if std::env::var(CHILD).is_ok() {
         return;
     }
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "device_ipc_producer_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("the producer exited before its address").unwrap();
-        // libtest may print "test <name> ... " on the same line first.
-        if let Some(at) = line.find("ADDR ") {
-            break line[at + 5..].trim().to_string();
-        }
-    };
+    let (mut child, mut lines) = spawn_self_test("device_ipc_producer_child", CHILD);
+    let addr = line_after(&mut lines, "ADDR ", "its address");
     let decode = engine(None, Transport::Auto).await;
     let ddev = sim(1, false);
     let dst = cache(&ddev, "decode-kv", Duration::from_secs(30));

@@ -18,8 +18,8 @@
 
 use std::time::Duration;
 
-use kvferry::device::{Device, DeviceError, Event, GatherSegment};
-use kvferry::mem::Arena;
+use kvferry::device::{Device, DeviceBuffer, DeviceError, Event, GatherSegment};
+use kvferry::mem::{Arena, Lease};
 use tokio::time::Instant;
 
 /// Makes an arena of `pages` pages of `page` bytes suitable for the backend.
@@ -87,13 +87,10 @@ pub async fn round_trip_preserves_bytes(dev: &dyn Device, arena: ArenaFn<'_>) {
     all_free(&a).await;
 }
 
-/// A gather from slices of several buffers lands each at its offset.
-pub async fn gather_from_several_buffers(dev: &dyn Device, arena: ArenaFn<'_>) {
-    let a = arena(4096, 8);
-    let b1 = dev.alloc(10_000).unwrap();
-    b1.write(0, &pattern(10_000, 1)).unwrap();
-    let b2 = dev.alloc(5000).unwrap();
-    b2.write(0, &pattern(5000, 2)).unwrap();
+/// Gathers, on a fresh stream of `dev`, into 3 pages of `a`: `b1[100..3100]` at 0,
+/// `b2[0..5000]` at 3000 and `b1[9000..10000]` at 8000 (`b1` of 10 000 bytes, `b2` of
+/// 5000). Returns the lease the bytes landed in.
+pub async fn gather_three_segments(dev: &dyn Device, a: &Arena, b1: &DeviceBuffer, b2: &DeviceBuffer) -> Lease {
     let segs = [
         GatherSegment {
             src: b1.slice(100, 3000),
@@ -109,12 +106,21 @@ pub async fn gather_from_several_buffers(dev: &dyn Device, arena: ArenaFn<'_>) {
         },
     ];
     let s = dev.create_stream("copy").unwrap();
-    let lease = s
-        .copy_d2h_gather(&segs, a.try_alloc(3).unwrap(), "gather")
+    s.copy_d2h_gather(&segs, a.try_alloc(3).unwrap(), "gather")
         .unwrap()
         .wait(far())
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// A gather from slices of several buffers lands each at its offset.
+pub async fn gather_from_several_buffers(dev: &dyn Device, arena: ArenaFn<'_>) {
+    let a = arena(4096, 8);
+    let b1 = dev.alloc(10_000).unwrap();
+    b1.write(0, &pattern(10_000, 1)).unwrap();
+    let b2 = dev.alloc(5000).unwrap();
+    b2.write(0, &pattern(5000, 2)).unwrap();
+    let lease = gather_three_segments(dev, &a, &b1, &b2).await;
     assert_eq!(lease.to_vec(0, 3000).unwrap(), &pattern(10_000, 1)[100..3100]);
     assert_eq!(lease.to_vec(3000, 5000).unwrap(), pattern(5000, 2));
     assert_eq!(lease.to_vec(8000, 1000).unwrap(), &pattern(10_000, 1)[9000..]);

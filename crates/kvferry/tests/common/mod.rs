@@ -94,7 +94,13 @@ impl Drop for ReleaseOnDrop {
 }
 
 /// Asserts `check()` holds every 10 ms for `window`.
-pub async fn holds_for(window: Duration, mut check: impl FnMut() -> Result<(), String>) {
+pub async fn holds_for(window: Duration, check: impl FnMut() -> Result<(), String>) {
+    holds_for_every(window, Duration::from_millis(10), check).await
+}
+
+/// Asserts `check()` holds every `every` for `window` (and was sampled at least 10
+/// times).
+pub async fn holds_for_every(window: Duration, every: Duration, mut check: impl FnMut() -> Result<(), String>) {
     let t = Instant::now();
     let mut samples = 0;
     while t.elapsed() < window {
@@ -102,9 +108,9 @@ pub async fn holds_for(window: Duration, mut check: impl FnMut() -> Result<(), S
             panic!("invariant broken after {:?} ({samples} samples): {e}", t.elapsed());
         }
         samples += 1;
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(every).await;
     }
-    assert!(samples >= 10, "window too short to sample");
+    assert!(samples >= 10, "window too short to sample ({samples} samples)");
 }
 
 /// Waits (bounded) for `cond`.
@@ -115,5 +121,9 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
+pub mod child;
+pub mod drain;
 pub mod engines;
 pub mod p2p;
+pub mod raw;
+pub mod tls;
