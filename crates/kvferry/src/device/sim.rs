@@ -503,6 +503,37 @@ impl StreamBackend for SimStream {
 /// The device-IPC kind of sim devices: shared memory of one host.
 pub const SIM_IPC: &str = "sim-shm";
 
+/// Runs one queued copy of `bytes` under its plan: the modelled copy time (slowed as
+/// planned), then the copy itself or an injected failure; the operation (and the
+/// memory it keeps alive) drops before a planned never-settling hold, and `signal`
+/// settles last.
+async fn run_copy<O>(
+    shared: &Shared,
+    plan: &Plan,
+    op: O,
+    bytes: usize,
+    copy: fn(&O) -> Result<(), String>,
+    signal: &PushSignal,
+) {
+    let t = shared.copy_time(bytes) * plan.slow.max(1);
+    if !t.is_zero() {
+        tokio::time::sleep(t).await;
+    }
+    let result = if plan.fail {
+        Err("injected fault: copy failed".to_string())
+    } else {
+        copy(&op)
+    };
+    drop(op);
+    if plan.never {
+        shared.held(plan.generation).await;
+    }
+    match result {
+        Ok(()) => signal.complete(),
+        Err(message) => signal.fail(message),
+    };
+}
+
 /// The stream's executor: runs queued work in order, applying each item's plan.
 async fn run(shared: Arc<Shared>, mut rx: UnboundedReceiver<(Queued, Plan)>) {
     while let Some((item, plan)) = rx.recv().await {
@@ -512,42 +543,12 @@ async fn run(shared: Arc<Shared>, mut rx: UnboundedReceiver<(Queued, Plan)>) {
         debug_assert!(item.is_copy() || !plan.fail);
         match item {
             Queued::Copy { op, signal } => {
-                let t = shared.copy_time(op.bytes()) * plan.slow.max(1);
-                if !t.is_zero() {
-                    tokio::time::sleep(t).await;
-                }
-                let result = if plan.fail {
-                    Err("injected fault: copy failed".to_string())
-                } else {
-                    copy_inline(&op)
-                };
-                drop(op);
-                if plan.never {
-                    shared.held(plan.generation).await;
-                }
-                match result {
-                    Ok(()) => signal.complete(),
-                    Err(message) => signal.fail(message),
-                };
+                let bytes = op.bytes();
+                run_copy(&shared, &plan, op, bytes, copy_inline, &signal).await;
             }
             Queued::CopyD2d { op, signal } => {
-                let t = shared.copy_time(op.bytes()) * plan.slow.max(1);
-                if !t.is_zero() {
-                    tokio::time::sleep(t).await;
-                }
-                let result = if plan.fail {
-                    Err("injected fault: copy failed".to_string())
-                } else {
-                    copy_inline_d2d(&op)
-                };
-                drop(op);
-                if plan.never {
-                    shared.held(plan.generation).await;
-                }
-                match result {
-                    Ok(()) => signal.complete(),
-                    Err(message) => signal.fail(message),
-                };
+                let bytes = op.bytes();
+                run_copy(&shared, &plan, op, bytes, copy_inline_d2d, &signal).await;
             }
             Queued::Record { signal } => {
                 if plan.never {

@@ -225,31 +225,18 @@ impl Stream {
             s.src.check()?;
             check_range(s.dst_offset, s.src.len, dst.len(), "lease")?;
             if s.src.len > 0 {
-                dst_ranges.push((s.dst_offset, s.dst_offset + s.src.len));
+                dst_ranges.push((0, s.dst_offset, s.dst_offset + s.src.len));
             }
         }
-        dst_ranges.sort_unstable();
-        if let Some(w) = dst_ranges.windows(2).find(|w| w[1].0 < w[0].1) {
-            return Err(DeviceError::InvalidArgument(format!(
-                "destination ranges overlap in the lease at offset {}",
-                w[1].0
-            )));
-        }
-        let mut parts: Vec<CopyPart> = Vec::new();
-        for s in segments.iter().filter(|s| s.src.len > 0) {
+        check_disjoint(dst_ranges, "the lease")?;
+        let parts = parts_by_buffer(segments.iter().map(|s| {
             let seg = Segment {
                 src: s.src.offset,
                 dst: s.dst_offset,
                 len: s.src.len,
             };
-            match parts.last_mut() {
-                Some(p) if p.buffer.same_buffer(&s.src.buffer) => p.segments.push(seg),
-                _ => parts.push(CopyPart {
-                    buffer: s.src.buffer.clone(),
-                    segments: vec![seg],
-                }),
-            }
-        }
+            (&s.src.buffer, seg)
+        }));
         self.submit(CopyDirection::DeviceToHost, dst, parts, op)
     }
 
@@ -300,32 +287,18 @@ impl Stream {
             s.dst.check()?;
             check_range(s.src_offset, s.dst.len, src.len(), "lease")?;
             if s.dst.len > 0 {
-                let id = Arc::as_ptr(s.dst.buffer.backend()) as *const () as u64;
-                dst_ranges.push((id, s.dst.offset, s.dst.offset + s.dst.len));
+                dst_ranges.push(buffer_range(&s.dst));
             }
         }
-        dst_ranges.sort_unstable();
-        if let Some(w) = dst_ranges.windows(2).find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
-            return Err(DeviceError::InvalidArgument(format!(
-                "destination ranges overlap in a device buffer at offset {}",
-                w[1].1
-            )));
-        }
-        let mut parts: Vec<CopyPart> = Vec::new();
-        for s in segments.iter().filter(|s| s.dst.len > 0) {
+        check_disjoint(dst_ranges, "a device buffer")?;
+        let parts = parts_by_buffer(segments.iter().map(|s| {
             let seg = Segment {
                 src: s.src_offset,
                 dst: s.dst.offset,
                 len: s.dst.len,
             };
-            match parts.last_mut() {
-                Some(p) if p.buffer.same_buffer(&s.dst.buffer) => p.segments.push(seg),
-                _ => parts.push(CopyPart {
-                    buffer: s.dst.buffer.clone(),
-                    segments: vec![seg],
-                }),
-            }
-        }
+            (&s.dst.buffer, seg)
+        }));
         self.submit(CopyDirection::HostToDevice, src, parts, op)
     }
 
@@ -353,17 +326,10 @@ impl Stream {
                 ));
             }
             if s.dst.len > 0 {
-                let id = Arc::as_ptr(s.dst.buffer.backend()) as *const () as u64;
-                dst_ranges.push((id, s.dst.offset, s.dst.offset + s.dst.len));
+                dst_ranges.push(buffer_range(&s.dst));
             }
         }
-        dst_ranges.sort_unstable();
-        if let Some(w) = dst_ranges.windows(2).find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
-            return Err(DeviceError::InvalidArgument(format!(
-                "destination ranges overlap in a device buffer at offset {}",
-                w[1].1
-            )));
-        }
+        check_disjoint(dst_ranges, "a device buffer")?;
         let segments = segments.iter().filter(|s| s.dst.len > 0).cloned().collect();
         self.inner.copy_d2d(D2dOp {
             meta: EventMeta::new(op, self.inner.rank()),
@@ -434,4 +400,39 @@ fn check_writable(b: &DeviceBuffer) -> Result<(), DeviceError> {
         ));
     }
     Ok(())
+}
+
+/// A device slice as a destination range keyed by its buffer (for [`check_disjoint`]).
+fn buffer_range(slice: &DeviceSlice) -> (u64, usize, usize) {
+    let id = Arc::as_ptr(slice.buffer.backend()) as *const () as u64;
+    (id, slice.offset, slice.offset + slice.len)
+}
+
+/// No two destination ranges `(place id, start, end)` of the same place overlap;
+/// `place` names it in the error.
+fn check_disjoint(mut ranges: Vec<(u64, usize, usize)>, place: &str) -> Result<(), DeviceError> {
+    ranges.sort_unstable();
+    if let Some(w) = ranges.windows(2).find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
+        return Err(DeviceError::InvalidArgument(format!(
+            "destination ranges overlap in {place} at offset {}",
+            w[1].1
+        )));
+    }
+    Ok(())
+}
+
+/// The non-empty segments, grouped into one part per run of the same device buffer,
+/// in order.
+fn parts_by_buffer<'a>(segments: impl Iterator<Item = (&'a DeviceBuffer, Segment)>) -> Vec<CopyPart> {
+    let mut parts: Vec<CopyPart> = Vec::new();
+    for (buffer, seg) in segments.filter(|(_, seg)| seg.len > 0) {
+        match parts.last_mut() {
+            Some(p) if p.buffer.same_buffer(buffer) => p.segments.push(seg),
+            _ => parts.push(CopyPart {
+                buffer: buffer.clone(),
+                segments: vec![seg],
+            }),
+        }
+    }
+    parts
 }

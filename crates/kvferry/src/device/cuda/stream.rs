@@ -73,6 +73,33 @@ impl CudaStream {
         Ok(ev)
     }
 
+    /// The event of an operation whose copies were queued: `issued` of them were, the
+    /// first failure to queue one is `error` (none queued: the error itself). The
+    /// operation `op` — the memory its copies touch — is kept by the event until it
+    /// settles. When no event can be recorded the queued copies cannot be tracked:
+    /// their memory is kept forever (a host lease stays quarantined, an import is never
+    /// closed under a copy) and the event reports a fault.
+    fn track<O: Send + 'static>(
+        &self,
+        meta: EventMeta,
+        issued: usize,
+        error: Option<String>,
+        op: O,
+    ) -> Result<Event, DeviceError> {
+        if let (Some(e), 0) = (&error, issued) {
+            return Err(DeviceError::Driver(e.clone()));
+        }
+        match self.new_event() {
+            Ok(ev) => Ok(self.event(meta, ev, error, Some(Box::new(op)))),
+            Err(e) => {
+                std::mem::forget(op);
+                let signal = PushSignal::new();
+                signal.settle(EventStatus::Faulted(e.to_string()));
+                Ok(Event::new(meta, signal))
+            }
+        }
+    }
+
     fn event(
         &self,
         meta: EventMeta,
@@ -165,21 +192,8 @@ impl StreamBackend for CudaStream {
                 }
             }
         }
-        if let (Some(e), 0) = (&error, issued) {
-            return Err(DeviceError::Driver(e.clone()));
-        }
         let meta = op.meta.clone();
-        match self.new_event() {
-            Ok(ev) => Ok(self.event(meta, ev, error, Some(Box::new(op)))),
-            Err(e) => {
-                // Copies are queued but cannot be tracked: keep their memory forever and
-                // report a fault (the lease stays quarantined).
-                std::mem::forget(op);
-                let signal = PushSignal::new();
-                signal.settle(EventStatus::Faulted(e.to_string()));
-                Ok(Event::new(meta, signal))
-            }
-        }
+        self.track(meta, issued, error, op)
     }
 
     fn copy_d2d(&self, op: D2dOp) -> Result<Event, DeviceError> {
@@ -215,21 +229,8 @@ impl StreamBackend for CudaStream {
                 break;
             }
         }
-        if let (Some(e), 0) = (&error, issued) {
-            return Err(DeviceError::Driver(e.clone()));
-        }
         let meta = op.meta.clone();
-        match self.new_event() {
-            Ok(ev) => Ok(self.event(meta, ev, error, Some(Box::new(op)))),
-            Err(e) => {
-                // The copies may still run: keep their buffers forever rather than
-                // close an import under them.
-                std::mem::forget(op);
-                let signal = PushSignal::new();
-                signal.settle(EventStatus::Faulted(e.to_string()));
-                Ok(Event::new(meta, signal))
-            }
-        }
+        self.track(meta, issued, error, op)
     }
 
     fn record(&self, meta: EventMeta) -> Result<Event, DeviceError> {
