@@ -25,6 +25,16 @@ from .errors import InvalidArgumentError
 Region = _kvferry.Region
 
 
+def _fetch_args(
+    key: Key | Iterable[Key], block_ids: Any, select: Selection | None
+) -> tuple[list[Key], list[_kvferry.BlockIds], Any]:
+    """A fetch's keys, block ids and native selection: one block-id list per key, or
+    with a selection one flat list (or one per key, concatenated)."""
+    sel = _select(select)
+    keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
+    return keys, blocks, sel
+
+
 class Fetching:
     """The fetching half of :class:`~kvferry.Engine` (module docs)."""
 
@@ -59,8 +69,7 @@ class Fetching:
         (then one flat list, or one list per key, concatenated); all keys must be
         published by one region of the peer (a key not published yet is a miss,
         ``NotFoundError``); a selection that does not fit raises ``SelectionError``."""
-        sel = _select(select)
-        keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
+        keys, blocks, sel = _fetch_args(key, block_ids, select)
         return Transfer(
             self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation), sel)
         )
@@ -123,8 +132,7 @@ class Fetching:
         """Delayed pull: the peer stages the keys under a lease, then their bytes move
         into ``dst``; returns the chunks landed. ``select``: as for :meth:`get` (the
         peer stages only the selected bytes)."""
-        sel = _select(select)
-        keys, blocks = _batch(key, block_ids) if sel is None else _selected_batch(key, block_ids)
+        keys, blocks, sel = _fetch_args(key, block_ids, select)
         return self._e.pull(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), sel)
 
     def stage(

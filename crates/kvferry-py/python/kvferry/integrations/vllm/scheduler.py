@@ -133,16 +133,21 @@ class KvferryConnectorScheduler:
             why,
         )
         if params.get("remote_request_id") is not None and isinstance(params.get("kvferry_peers"), list):
-            exp = params.get("kvferry_expires_at")
-            stages = parallel.stages_of(params, self.pp_size)
-            self._need_release[req_id] = ReleaseSpec(
-                key=str(params["remote_request_id"]),
-                peers=list(params["kvferry_peers"]),
-                expires_at=None if exp is None else float(exp),
-                per_rank=vllm_hetero.release_all(self, params, stages),
-                stages=stages,
-            )
+            self._release_all_later(req_id, params)
         return True
+
+    def _release_all_later(self, req_id: str, params: dict[str, Any]) -> None:
+        """Queues, for the next step's metadata, the release of every block the
+        prefill's params offer (every reader slot, every prefill rank and stage)."""
+        exp = params.get("kvferry_expires_at")
+        stages = parallel.stages_of(params, self.pp_size)
+        self._need_release[req_id] = ReleaseSpec(
+            key=str(params["remote_request_id"]),
+            peers=list(params["kvferry_peers"]),
+            expires_at=None if exp is None else float(exp),
+            per_rank=vllm_hetero.release_all(self, params, stages),
+            stages=stages,
+        )
 
     def _adopt_foreign(self, req_id: str, params: dict[str, Any]) -> bool:
         """Remote-prefill params without kvferry's own fields, as a proxy written for
@@ -320,15 +325,7 @@ class KvferryConnectorScheduler:
             # (vLLM's notify_kv_transfer_request_rejected adds it pre-aborted so that
             # this hook frees the prefill's blocks), NIXL-style params included.
             params["do_remote_prefill"] = False
-            exp = params.get("kvferry_expires_at")
-            stages = parallel.stages_of(params, self.pp_size)
-            self._need_release[req_id] = ReleaseSpec(
-                key=str(params["remote_request_id"]),
-                peers=list(params["kvferry_peers"]),
-                expires_at=None if exp is None else float(exp),
-                per_rank=vllm_hetero.release_all(self, params, stages),
-                stages=stages,
-            )
+            self._release_all_later(req_id, params)
 
     def _advertised(self, address: str | None) -> str | None:
         if address is None or not self.config.advertise_host:
