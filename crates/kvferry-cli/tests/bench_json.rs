@@ -3,24 +3,29 @@
 
 use std::process::Command;
 
+/// `kvferry bench --json --quiet` on the tiny model, 64 blocks a chunk, `requests`
+/// requests over `bytes` in all; the caller adds the rest.
+fn small_bench_json(requests: &str, bytes: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+    cmd.args([
+        "bench",
+        "--json",
+        "--quiet",
+        "--model",
+        "tiny",
+        "--blocks-per-chunk",
+        "64",
+        "--requests",
+        requests,
+        "--bytes",
+        bytes,
+    ]);
+    cmd
+}
+
 #[test]
 fn bench_json_has_every_field_and_no_integrity_failure() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args([
-            "bench",
-            "--json",
-            "--quiet",
-            "--model",
-            "tiny",
-            "--blocks-per-chunk",
-            "64",
-            "--requests",
-            "4",
-            "--bytes",
-            "16MiB",
-        ])
-        .output()
-        .unwrap();
+    let out = small_bench_json("4", "16MiB").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {stderr}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
@@ -79,22 +84,8 @@ fn bench_json_has_every_field_and_no_integrity_failure() {
 /// measured again beside N busy threads, in the same invocation.
 #[test]
 fn bench_json_reports_cpu_per_gb_and_the_contended_point() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args([
-            "bench",
-            "--json",
-            "--quiet",
-            "--model",
-            "tiny",
-            "--blocks-per-chunk",
-            "64",
-            "--requests",
-            "4",
-            "--bytes",
-            "16MiB",
-            "--contend",
-            "1",
-        ])
+    let out = small_bench_json("4", "16MiB")
+        .args(["--contend", "1"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -133,24 +124,8 @@ fn bench_json_reports_cpu_per_gb_and_the_contended_point() {
 #[test]
 fn bench_verify_modes_are_reported_per_path() {
     for (path, verify, want) in [("direct", "reread", "reread"), ("staged", "receive", "reread")] {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args([
-                "bench",
-                "--json",
-                "--quiet",
-                "--model",
-                "tiny",
-                "--blocks-per-chunk",
-                "64",
-                "--requests",
-                "4",
-                "--bytes",
-                "8MiB",
-                "--path",
-                path,
-                "--verify",
-                verify,
-            ])
+        let out = small_bench_json("4", "8MiB")
+            .args(["--path", path, "--verify", verify])
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -167,20 +142,7 @@ fn bench_verify_modes_are_reported_per_path() {
 #[test]
 fn bench_json_names_the_checksum_implementation_and_the_override_takes_effect() {
     let run = |forced: Option<&str>| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-        cmd.args([
-            "bench",
-            "--json",
-            "--quiet",
-            "--model",
-            "tiny",
-            "--blocks-per-chunk",
-            "64",
-            "--requests",
-            "2",
-            "--bytes",
-            "4MiB",
-        ]);
+        let mut cmd = small_bench_json("2", "4MiB");
         cmd.env_remove("KVFERRY_CRC32C");
         if let Some(f) = forced {
             cmd.env("KVFERRY_CRC32C", f);
@@ -227,20 +189,7 @@ fn bench_json_names_the_checksum_implementation_and_the_override_takes_effect() 
 #[test]
 fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
     for (extra, want) in [(None, "cma"), (Some("tcp"), "socket")] {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-        cmd.args([
-            "bench",
-            "--json",
-            "--quiet",
-            "--model",
-            "tiny",
-            "--blocks-per-chunk",
-            "64",
-            "--requests",
-            "4",
-            "--bytes",
-            "8MiB",
-        ]);
+        let mut cmd = small_bench_json("4", "8MiB");
         if let Some(m) = extra {
             cmd.args(["--mover", m]);
         }

@@ -3,12 +3,13 @@
 //! faults completes every transfer, each check catches a deliberate violation (exit
 //! status 1 after the ledger), and bad arguments are refused.
 
-use std::process::{Command, Output, Stdio};
+mod common;
+
+use std::process::Output;
 use std::sync::Mutex;
 
+use common::{run_subcommand, text};
 use serde_json::Value;
-
-const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 
 /// One run at a time: concurrent soaks on a small machine would only measure each
 /// other's scheduling delays.
@@ -16,18 +17,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn chaos(args: &[&str]) -> Output {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    Command::new(BIN)
-        .arg("chaos")
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    run_subcommand("chaos", args)
 }
 
 fn ledger(out: &Output) -> Value {

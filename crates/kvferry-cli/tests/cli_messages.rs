@@ -14,7 +14,7 @@ use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Serve;
+use common::{get_args, put_args, text, Serve};
 
 const EXE: &str = env!("CARGO_BIN_EXE_kvferry");
 
@@ -22,8 +22,12 @@ fn kvferry(args: &[&str]) -> Output {
     Command::new(EXE).args(args).output().expect("run kvferry")
 }
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+/// `kvferry SUBCOMMAND --help`, which must succeed, with its white space folded to
+/// single spaces.
+fn help_of(subcommand: &str) -> String {
+    let out = kvferry(&[subcommand, "--help"]);
+    assert!(out.status.success());
+    text(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// Asserts the exit status and that stderr contains every needle; returns stderr.
@@ -159,20 +163,10 @@ fn get_of_a_chunk_over_max_blocks_points_at_max_blocks() {
     let f = dir.join("chunk.bin");
     std::fs::write(&f, vec![3u8; 100_000]).unwrap();
     let s = serve(&[]);
-    let out = kvferry(&["put", "--peer", &s.addr, "--key", "mb", "--file", f.to_str().unwrap()]);
+    let out = kvferry(&put_args(&s.addr, "mb", f.to_str().unwrap()));
     assert!(out.status.success(), "{}", text(&out.stderr));
     // tiny: 2 KiB per block; 100,000 bytes need 49 blocks.
-    let out = kvferry(&[
-        "get",
-        "--peer",
-        &s.addr,
-        "--key",
-        "mb",
-        "--model",
-        "tiny",
-        "--max-blocks",
-        "4",
-    ]);
+    let out = kvferry(&[&get_args(&s.addr, "mb")[..], &["--max-blocks", "4"]].concat());
     expect_failure(
         &out,
         1,
@@ -183,17 +177,7 @@ fn get_of_a_chunk_over_max_blocks_points_at_max_blocks() {
             "rerun with --max-blocks 49 or more",
         ],
     );
-    let out = kvferry(&[
-        "get",
-        "--peer",
-        &s.addr,
-        "--key",
-        "mb",
-        "--model",
-        "tiny",
-        "--max-blocks",
-        "49",
-    ]);
+    let out = kvferry(&[&get_args(&s.addr, "mb")[..], &["--max-blocks", "49"]].concat());
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("got 100000 bytes"), "{}", text(&out.stdout));
     std::fs::remove_dir_all(dir).unwrap();
@@ -317,9 +301,7 @@ fn chaos_flag_errors_exit_2() {
 
 #[test]
 fn chaos_seed_help_says_it_fixes_the_schedule_not_the_timing() {
-    let out = kvferry(&["chaos", "--help"]);
-    assert!(out.status.success());
-    let help = text(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
+    let help = help_of("chaos");
     for n in [
         "The seed fixes which transfer gets which fault",
         "does not fix timing",
@@ -331,9 +313,7 @@ fn chaos_seed_help_says_it_fixes_the_schedule_not_the_timing() {
 
 #[test]
 fn bench_help_says_what_sweep_does_with_in_flight_and_connections() {
-    let out = kvferry(&["bench", "--help"]);
-    assert!(out.status.success());
-    let help = text(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
+    let help = help_of("bench");
     for n in [
         "--blocks-per-chunk or --in-flight, when given, fix that dimension and only the other is swept",
         "--connections, --producers, --path and --model apply to every point",

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::Serve;
+use common::{get_args, put_args, round_trip_bytes, Serve};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 
 fn kvferry(args: &[&str]) -> Output {
@@ -93,74 +93,24 @@ fn serve_put_and_get_over_mutual_tls() {
     let c: Vec<&str> = client_flags.iter().map(String::as_str).collect();
     let input = dir.join("in.bin");
     let output = dir.join("out.bin");
-    let data: Vec<u8> = (0..20_000u32).map(|i| (i * 31 % 251) as u8).collect();
+    let data = round_trip_bytes();
     std::fs::write(&input, &data).unwrap();
-    let put = [
-        &[
-            "put",
-            "--peer",
-            &p.addr,
-            "--key",
-            "doc",
-            "--file",
-            input.to_str().unwrap(),
-        ][..],
-        &c,
-    ]
-    .concat();
+    let put = [&put_args(&p.addr, "doc", input.to_str().unwrap())[..], &c].concat();
     let out = kvferry(&put);
     assert!(out.status.success(), "{}", stderr(&out));
-    let get = [
-        &[
-            "get",
-            "--peer",
-            &p.addr,
-            "--key",
-            "doc",
-            "--model",
-            "tiny",
-            "--out",
-            output.to_str().unwrap(),
-        ][..],
-        &c,
-    ]
-    .concat();
+    let get = [&get_args(&p.addr, "doc")[..], &["--out", output.to_str().unwrap()], &c].concat();
     let out = kvferry(&get);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(std::fs::read(&output).unwrap() == data, "bytes differ");
     // Without TLS: told the server requires it.
-    let out = kvferry(&[
-        "get",
-        "--peer",
-        &p.addr,
-        "--key",
-        "doc",
-        "--model",
-        "tiny",
-        "--timeout",
-        "3s",
-    ]);
+    let out = kvferry(&[&get_args(&p.addr, "doc")[..], &["--timeout", "3s"]].concat());
     assert!(!out.status.success());
     assert!(stderr(&out).contains("requires TLS"), "{}", stderr(&out));
     // A certificate from another CA: refused.
     let rogue_flags = tls_flags(&rogue, "client");
     let mut r: Vec<&str> = rogue_flags.iter().map(String::as_str).collect();
     r[5] = s[5]; // trusts the fleet CA, presents the rogue certificate
-    let bad = [
-        &[
-            "get",
-            "--peer",
-            &p.addr,
-            "--key",
-            "doc",
-            "--model",
-            "tiny",
-            "--timeout",
-            "3s",
-        ][..],
-        &r,
-    ]
-    .concat();
+    let bad = [&get_args(&p.addr, "doc")[..], &["--timeout", "3s"], &r].concat();
     let out = kvferry(&bad);
     assert!(!out.status.success(), "a rogue certificate was accepted");
     // The server still serves good clients.

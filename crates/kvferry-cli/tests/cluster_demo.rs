@@ -2,27 +2,19 @@
 //! surface), start-up rejection of bad configuration, `--help`, and workers exiting on
 //! their own when the leader process is SIGKILLed.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{run_subcommand, text};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 
 fn demo(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .arg("cluster-demo")
-        .args(args)
-        .env_remove("RUST_BACKTRACE")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
+    run_subcommand("cluster-demo", args)
 }
 
 fn events(out: &Output) -> Vec<Value> {

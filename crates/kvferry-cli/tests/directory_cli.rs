@@ -12,7 +12,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::Serve;
+use common::{text, Serve};
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
 use kvferry::directory::{Directory, PeerEvent};
 
@@ -52,10 +52,6 @@ fn kvferry(args: &[&str]) -> Output {
         .stdin(Stdio::null())
         .output()
         .expect("run kvferry")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 fn peers(e: &etcd::Etcd) -> Vec<String> {
@@ -265,16 +261,12 @@ fn sigkill_is_lost_within_the_ttl_and_a_restart_is_announced() {
 
 #[test]
 fn peers_fails_clearly_when_etcd_is_unreachable() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let unreachable = format!("etcd://{}", free_addr());
     let t = Instant::now();
     let out = kvferry(&[
         "peers",
         "--directory",
-        &format!("etcd://127.0.0.1:{port}"),
+        &unreachable,
         "--namespace",
         "cli",
         "--timeout",
@@ -327,12 +319,7 @@ fn wait_gauge(addr: &str, name: &str, want: f64, limit: Duration) {
 #[test]
 fn serve_exports_the_directory_view_and_flags_it_stale_while_etcd_is_down() {
     let Some(mut e) = etcd::Etcd::start() else { return };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let metrics = format!("127.0.0.1:{port}");
+    let metrics = free_addr();
     let _serve = KillOnDrop(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", "64"])

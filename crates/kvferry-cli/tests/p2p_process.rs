@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::Serve;
+use common::{get_args, put_args, round_trip_bytes, Serve};
 use kvferry::copy::{CopyConfig, CopyEngine};
 use kvferry::layout::{Arrangement, KvLayout, Preset};
 use kvferry::mem::{Arena, ArenaConfig, Region};
@@ -142,7 +142,7 @@ fn put_and_get_commands_round_trip_and_fail_clearly() {
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.bin");
     let output = dir.join("out.bin");
-    let data: Vec<u8> = (0..20_000u32).map(|i| (i * 31 % 251) as u8).collect();
+    let data = round_trip_bytes();
     std::fs::write(&input, &data).unwrap();
     let run = |args: &[&str], secret: &str| {
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
@@ -151,31 +151,10 @@ fn put_and_get_commands_round_trip_and_fail_clearly() {
             .output()
             .unwrap()
     };
-    let out = run(
-        &[
-            "put",
-            "--peer",
-            &p.addr,
-            "--key",
-            "doc",
-            "--file",
-            input.to_str().unwrap(),
-        ],
-        SECRET,
-    );
+    let out = run(&put_args(&p.addr, "doc", input.to_str().unwrap()), SECRET);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = run(
-        &[
-            "get",
-            "--peer",
-            &p.addr,
-            "--key",
-            "doc",
-            "--model",
-            "tiny",
-            "--out",
-            output.to_str().unwrap(),
-        ],
+        &[&get_args(&p.addr, "doc")[..], &["--out", output.to_str().unwrap()]].concat(),
         SECRET,
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -231,40 +210,22 @@ fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() 
     std::fs::write(&input, &data).unwrap();
     let bin = env!("CARGO_BIN_EXE_kvferry");
     let out = Command::new(bin)
-        .args([
-            "put",
-            "--peer",
-            &p.addr,
-            "--key",
-            "cma-doc",
-            "--file",
-            input.to_str().unwrap(),
-        ])
+        .args(put_args(&p.addr, "cma-doc", input.to_str().unwrap()))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let crc = format!("crc32c {:#010x}", kvferry::checksum::checksum(&data));
-    let get = [
-        "get",
-        "--peer",
-        &p.addr,
-        "--key",
-        "cma-doc",
-        "--model",
-        "tiny",
-        "--max-blocks",
-        "128",
-    ];
+    let get = [&get_args(&p.addr, "cma-doc")[..], &["--max-blocks", "128"]].concat();
     let text = |o: &std::process::Output| {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).to_string()
     };
-    let out = text(&Command::new(bin).args(get).output().unwrap());
+    let out = text(&Command::new(bin).args(&get).output().unwrap());
     assert!(out.contains("got 200000 bytes") && out.contains(&crc), "{out}");
     assert!(out.trim_end().ends_with("via cma"), "{out}");
     let out = text(
         &Command::new(bin)
-            .args(get)
+            .args(&get)
             .args(["--transport", "tcp"])
             .output()
             .unwrap(),
@@ -274,7 +235,7 @@ fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() 
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped the refused part: switching to another uid needs root");
     } else {
-        let out = text(&Command::new(bin).args(get).uid(65534).gid(65534).output().unwrap());
+        let out = text(&Command::new(bin).args(&get).uid(65534).gid(65534).output().unwrap());
         assert!(out.contains(&crc), "{out}");
         assert!(out.contains("via socket") && out.contains("EPERM"), "{out}");
     }

@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -140,4 +140,38 @@ pub fn keep_lines(
             each(line);
         }
     });
+}
+
+/// `put --peer PEER --key KEY --file FILE`: the arguments of a `kvferry put`.
+pub fn put_args<'a>(peer: &'a str, key: &'a str, file: &'a str) -> Vec<&'a str> {
+    vec!["put", "--peer", peer, "--key", key, "--file", file]
+}
+
+/// `get --peer PEER --key KEY --model tiny`: the arguments of a `kvferry get` of the
+/// tiny model; the caller adds the rest (`--out`, `--timeout`, TLS flags).
+pub fn get_args<'a>(peer: &'a str, key: &'a str) -> Vec<&'a str> {
+    vec!["get", "--peer", peer, "--key", key, "--model", "tiny"]
+}
+
+/// The 20 000 bytes the `put` / `get` round trips send.
+pub fn round_trip_bytes() -> Vec<u8> {
+    (0..20_000u32).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+/// `kvferry SUBCOMMAND ARGS` (this crate's binary) run to its end, with no stdin and
+/// without `RUST_BACKTRACE` or `RUST_LOG` from the test's environment.
+pub fn run_subcommand(subcommand: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .arg(subcommand)
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// `bytes` (a child's stdout or stderr) as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
 }
