@@ -218,15 +218,17 @@ pub fn pipeline_limit(
 /// `(remote address, length)` runs, all of them in turn, thread `t` taking chunks `t`,
 /// `t + threads`, …), into `slots` chunk-sized destination slots in all (the
 /// consumer's destination: one slot per transfer in flight), each thread rotating
-/// over its share. No protocol, no
-/// checksums, no verification: what the kernel's one copy costs on this machine.
-/// Returns GB/s.
+/// over its share. No protocol: what the kernel's one copy costs on this machine.
+/// With `verify`, each thread also takes the crc32c of every chunk it read right
+/// after reading it (kvferry's own checksum, as the consumer verifies what landed):
+/// the one-copy limit of a mover that verifies every byte. Returns GB/s.
 pub fn cma_limit(
     pid: u32,
     chunks: &Arc<Vec<Vec<(usize, usize)>>>,
     threads: usize,
     slots: usize,
     bytes: u64,
+    verify: bool,
 ) -> anyhow::Result<f64> {
     anyhow::ensure!(!chunks.is_empty() && threads >= 1, "cma limit: no chunks or threads");
     let chunk_bytes: usize = chunks[0].iter().map(|r| r.1).sum();
@@ -282,6 +284,9 @@ pub fn cma_limit(
                     }
                     anyhow::ensure!(n as usize == len, "process_vm_readv from process {pid}: short read");
                     at += len;
+                }
+                if verify {
+                    std::hint::black_box(kvferry::checksum::checksum(dst));
                 }
                 std::hint::black_box(&*dst);
                 moved += at as u64;

@@ -265,6 +265,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         from_receive,
         moved,
         cma_limit,
+        cma_verified_limit,
         cma_threads,
     } = rounds::run(args, &shape, cpu, &producers, &side).await?;
     // The mover the consumer chose per producer: `cma` when every producer's bytes were
@@ -415,6 +416,8 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         cma_limit_gbps: cma_limit,
         cma_threads,
         ratio_cma_limit: cma_limit.map(|l| best_round / l),
+        cma_verified_limit_gbps: cma_verified_limit,
+        ratio_cma_verified_limit: cma_verified_limit.map(|l| best_round / l),
     })
 }
 

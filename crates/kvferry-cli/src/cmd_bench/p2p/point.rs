@@ -108,6 +108,12 @@ pub struct Point {
     pub cma_threads: usize,
     /// `best_round_gbps / cma_limit_gbps`.
     pub ratio_cma_limit: Option<f64>,
+    /// The one-copy limit of a mover that verifies every byte: the same reads, each
+    /// chunk's crc32c taken right after it was read (null with `cma_limit_gbps`).
+    pub cma_verified_limit_gbps: Option<f64>,
+    /// `best_round_gbps / cma_verified_limit_gbps`: how close the protocol comes to
+    /// reading and verifying with nothing else.
+    pub ratio_cma_verified_limit: Option<f64>,
     /// With `--contend N`: the same point measured again with N busy threads beside it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub contended: Option<Box<Point>>,

@@ -151,6 +151,12 @@ fn print_one_point(p: &Point) {
         ),
         _ => println!("one-copy same-host limit not measured (the kernel refused process_vm_readv)"),
     }
+    if let (Some(l), Some(r)) = (p.cma_verified_limit_gbps, p.ratio_cma_verified_limit) {
+        println!(
+            "one-copy limit with every byte verified {l:.2} GB/s (the same reads, each chunk's crc32c taken \
+             right after it was read): best round {r:.2} of it"
+        );
+    }
     println!(
         "CPU {:.3} s per GB moved (raw TCP {:.3} s per GB: {:.2}x; user + system, every thread of the benchmark)",
         p.cpu_s_per_gb, p.tcp_cpu_s_per_gb, p.cpu_ratio

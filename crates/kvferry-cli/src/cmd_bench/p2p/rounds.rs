@@ -63,6 +63,8 @@ pub(super) struct Rounds {
     /// The best one-copy same-host run (`limits::cma_limit`) after each round, GB/s
     /// (`None`: refused by the kernel), and its threads.
     pub(super) cma_limit: Option<f64>,
+    /// The same with the crc32c of every chunk read (`cma_limit(.., verify: true)`).
+    pub(super) cma_verified_limit: Option<f64>,
     pub(super) cma_threads: usize,
 }
 
@@ -151,6 +153,7 @@ pub(super) async fn run(
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
     let mut cma: Option<f64> = Some(0.0);
+    let mut cma_verified: Option<f64> = Some(0.0);
     for round in 0..rounds {
         let first_chunk = total_chunks * round / rounds;
         let end_chunk = total_chunks * (round + 1) / rounds;
@@ -261,18 +264,21 @@ pub(super) async fn run(
         perf_phase("tcp", false);
         tcp_usage += cpu.usage() - u0;
         tcp_hot = tcp_hot.max(tcp_limit(conns, limit_bytes, None).await?);
-        if let Some(best) = cma {
+        if let (Some(best), Some(best_verified)) = (cma, cma_verified) {
             let chunks = producers.limit_chunks.clone();
             let pid = producers.pid;
-            cma =
-                match tokio::task::block_in_place(|| cma_limit(pid, &chunks, cma_threads, args.in_flight, limit_bytes))
-                {
-                    Ok(g) => Some(best.max(g)),
-                    Err(e) => {
-                        tracing::warn!("one-copy limit not measured: {e:#}");
-                        None
-                    }
-                };
+            let limit = |verify| {
+                tokio::task::block_in_place(|| {
+                    cma_limit(pid, &chunks, cma_threads, args.in_flight, limit_bytes, verify)
+                })
+            };
+            (cma, cma_verified) = match (limit(false), limit(true)) {
+                (Ok(g), Ok(v)) => (Some(best.max(g)), Some(best_verified.max(v))),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!("one-copy limit not measured: {e:#}");
+                    (None, None)
+                }
+            };
         }
     }
     let rss_end = rss_mib();
@@ -301,6 +307,7 @@ pub(super) async fn run(
         from_receive,
         moved,
         cma_limit: cma,
+        cma_verified_limit: cma_verified,
         cma_threads,
     })
 }
