@@ -209,6 +209,16 @@ fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
             (ratio - v["best_round_gbps"].as_f64().unwrap() / limit).abs() < 1e-9,
             "{v}"
         );
+        // The same reads with every chunk's crc32c: measured beside the bare limit.
+        let verified = v["cma_verified_limit_gbps"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("verified one-copy limit measured: {v}"));
+        assert!(verified > 0.0, "{v}");
+        let ratio = v["ratio_cma_verified_limit"].as_f64().unwrap();
+        assert!(
+            (ratio - v["best_round_gbps"].as_f64().unwrap() / verified).abs() < 1e-9,
+            "{v}"
+        );
         if want == "cma" {
             assert_eq!(v["mover_fallback"], serde_json::Value::Null, "{v}");
             assert_eq!(v["producer_process"], true, "producers in a process of their own: {v}");
