@@ -21,6 +21,7 @@ use proptest::prelude::*;
 use tokio::time::Instant;
 
 use super::*;
+use crate::peer::publish::Released;
 use crate::peer::quota::{Charge, Holder, QuotaLimits, Quotas};
 
 /// A lease payload: its quota charge (real) and its number.

@@ -1,18 +1,25 @@
-//! Publications in the ledger: published, looked up, held by leases, retired (by a
-//! `Done`, a `Release`, expiry, unpublish, replacement or shutdown) and released when
-//! no lease holds them any more.
+//! The publication table: each publication by id, the key table of live ones, how
+//! many leases hold each, why it was retired, and the keys retired recently.
+//! Publications are published, looked up, held by leases, retired (by a `Done`, a
+//! `Release`, expiry, unpublish, replacement or shutdown) and released when no lease
+//! holds them any more; the [`Ledger`](super::Ledger) reports what this table
+//! releases and lets go of its registration.
 //!
 //! # Cancellation
 //!
 //! Nothing here waits.
 
+use std::collections::HashMap;
+
 use tokio::time::Instant;
 
-use super::{Ledger, Outcome, PubId, RegId, ReleaseReason, Released};
+use super::recent::Recent;
+use super::vocab::{LedgerLimits, PubId, RegId};
+use crate::peer::publish::{ReleaseReason, Released};
 use crate::wire::ChunkKey;
 
 #[derive(Debug)]
-pub(super) struct PubRecord<P> {
+struct PubRecord<P> {
     key: ChunkKey,
     payload: P,
     once: bool,
@@ -25,12 +32,43 @@ pub(super) struct PubRecord<P> {
     reg: Option<RegId>,
 }
 
-impl<L, P> Ledger<L, P> {
-    /// Publishes `payload` under `key` until `expires`; `once`: retired by the first
-    /// `Done` of a lease that served it (or a `Release`). Holds registration `reg`
-    /// (refused if it is not registered or is being deregistered). A live publication
-    /// under the same key is retired (`Replaced`).
-    pub(crate) fn publish(
+/// A publication released (retired, and no lease holds it): it left the table.
+#[derive(Debug)]
+pub(super) struct Freed<P> {
+    /// Its key and why it was retired.
+    pub(super) released: Released,
+    /// What it sent from.
+    pub(super) payload: P,
+    /// The registration it held, now to be unheld.
+    pub(super) reg: Option<RegId>,
+}
+
+/// The publications of one ledger not yet released.
+#[derive(Debug)]
+pub(super) struct PublicationTable<P> {
+    pubs: HashMap<PubId, PubRecord<P>>,
+    /// Live publications by key.
+    by_key: HashMap<ChunkKey, PubId>,
+    next_pub: u64,
+    /// Retired recently: a late `Release` answers "released".
+    recent_retired: Recent<ChunkKey>,
+}
+
+impl<P> PublicationTable<P> {
+    /// No publications.
+    pub(super) fn new(limits: &LedgerLimits) -> Self {
+        PublicationTable {
+            pubs: HashMap::new(),
+            by_key: HashMap::new(),
+            next_pub: 1,
+            recent_retired: Recent::new(limits.recent_retired, limits.recent_window),
+        }
+    }
+
+    /// Publishes `payload` under `key` (see [`Ledger::publish`](super::Ledger::publish);
+    /// the caller holds `reg` for it). A live publication under the same key is
+    /// retired (`Replaced`); returned if that released it.
+    pub(super) fn publish(
         &mut self,
         key: ChunkKey,
         payload: P,
@@ -38,16 +76,13 @@ impl<L, P> Ledger<L, P> {
         expires: Instant,
         reg: Option<RegId>,
         now: Instant,
-    ) -> Result<(PubId, Outcome<L, P>), super::RegError> {
-        if let Some(r) = reg {
-            self.hold(r)?;
-        }
+    ) -> (PubId, Option<Freed<P>>) {
         let id = PubId(self.next_pub);
         self.next_pub += 1;
-        let mut out = Outcome::default();
-        if let Some(old) = self.by_key.get(&key).copied() {
-            out = self.retire(old, ReleaseReason::Replaced, now);
-        }
+        let freed = match self.by_key.get(&key).copied() {
+            Some(old) => self.retire(old, ReleaseReason::Replaced, now),
+            None => None,
+        };
         self.pubs.insert(
             id,
             PubRecord {
@@ -61,38 +96,34 @@ impl<L, P> Ledger<L, P> {
             },
         );
         self.by_key.insert(key, id);
-        Ok((id, out))
+        (id, freed)
     }
 
-    /// The engine's own release of `key`'s live publication (`Released`); `None` if
-    /// none is live.
-    pub(crate) fn unpublish(&mut self, key: &ChunkKey, now: Instant) -> Option<Outcome<L, P>> {
-        let id = *self.by_key.get(key)?;
-        Some(self.retire(id, ReleaseReason::Released, now))
+    /// `key`'s live publication.
+    pub(super) fn live(&self, key: &ChunkKey) -> Option<PubId> {
+        self.by_key.get(key).copied()
     }
 
-    /// A consumer's `Release` of `keys`: a live `once` publication retires
-    /// (`Declined`) and answers true; so does a key whose publication was retired
-    /// recently (for any reason: its blocks are, or will be, released). A live
-    /// publication many may read, and an unknown key, answer false.
-    pub(crate) fn decline(&mut self, keys: &[ChunkKey], now: Instant) -> (Vec<bool>, Outcome<L, P>) {
-        let mut out = Outcome::default();
+    /// A consumer's `Release` of `keys` (see [`Ledger::decline`](super::Ledger::decline)):
+    /// the answers, and what the retirements released, in key order.
+    pub(super) fn decline(&mut self, keys: &[ChunkKey], now: Instant) -> (Vec<bool>, Vec<Freed<P>>) {
+        let mut freed = Vec::new();
         let answers = keys
             .iter()
             .map(|k| match self.by_key.get(k).copied() {
                 Some(id) if self.pubs[&id].once => {
-                    out.absorb(self.retire(id, ReleaseReason::Declined, now));
+                    freed.extend(self.retire(id, ReleaseReason::Declined, now));
                     true
                 }
                 Some(_) => false,
                 None => self.recent_retired.contains(k, now),
             })
             .collect();
-        (answers, out)
+        (answers, freed)
     }
 
     /// The leading live, unexpired publications of `keys`, with their ids.
-    pub(crate) fn lookup(&self, keys: &[ChunkKey], now: Instant) -> Vec<(PubId, &P)> {
+    pub(super) fn lookup(&self, keys: &[ChunkKey], now: Instant) -> Vec<(PubId, &P)> {
         keys.iter()
             .map_while(|k| {
                 let id = *self.by_key.get(k)?;
@@ -103,57 +134,51 @@ impl<L, P> Ledger<L, P> {
     }
 
     /// Live publications (in the key table) now.
-    pub(crate) fn published_now(&self) -> usize {
+    pub(super) fn published_now(&self) -> usize {
         self.by_key.len()
     }
 
-    /// Publications not yet released (live, or retired and still held by a lease).
+    /// Publications not yet released.
     #[cfg(test)]
-    pub(crate) fn publications_held(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.pubs.len()
     }
 
-    /// Live publications past their expiry retire (`Expired`).
-    pub(super) fn expire_publications(&mut self, now: Instant) -> Outcome<L, P> {
+    /// Live publications past their expiry retire (`Expired`); returns those released.
+    pub(super) fn expire(&mut self, now: Instant) -> Vec<Freed<P>> {
         let ids: Vec<PubId> = self
             .by_key
             .values()
             .copied()
             .filter(|id| self.pubs[id].expires <= now)
             .collect();
-        let mut out = Outcome::default();
-        for id in ids {
-            out.absorb(self.retire(id, ReleaseReason::Expired, now));
-        }
-        out
+        self.retire_each(ids, ReleaseReason::Expired, now)
     }
 
-    /// Every live publication retires with `reason`.
-    pub(super) fn retire_all(&mut self, reason: ReleaseReason, now: Instant) -> Outcome<L, P> {
+    /// Every live publication retires with `reason`; returns those released.
+    pub(super) fn retire_all(&mut self, reason: ReleaseReason, now: Instant) -> Vec<Freed<P>> {
         let ids: Vec<PubId> = self.by_key.values().copied().collect();
-        let mut out = Outcome::default();
-        for id in ids {
-            out.absorb(self.retire(id, reason, now));
-        }
-        out
+        self.retire_each(ids, reason, now)
+    }
+
+    fn retire_each(&mut self, ids: Vec<PubId>, reason: ReleaseReason, now: Instant) -> Vec<Freed<P>> {
+        ids.into_iter().filter_map(|id| self.retire(id, reason, now)).collect()
     }
 
     /// Retires `id` if it is `once` and still live (a `Done` of a lease serving it).
-    pub(super) fn retire_once(&mut self, id: PubId, now: Instant) -> Outcome<L, P> {
+    pub(super) fn retire_once(&mut self, id: PubId, now: Instant) -> Option<Freed<P>> {
         match self.pubs.get(&id) {
             Some(p) if p.once && p.retired.is_none() => self.retire(id, ReleaseReason::Done, now),
-            _ => Outcome::default(),
+            _ => None,
         }
     }
 
     /// Retires a live publication: it leaves the key table now (no new lease gets
     /// it) and is released once no lease holds it. Retiring it again changes nothing.
-    fn retire(&mut self, id: PubId, reason: ReleaseReason, now: Instant) -> Outcome<L, P> {
-        let Some(p) = self.pubs.get_mut(&id) else {
-            return Outcome::default();
-        };
+    pub(super) fn retire(&mut self, id: PubId, reason: ReleaseReason, now: Instant) -> Option<Freed<P>> {
+        let p = self.pubs.get_mut(&id)?;
         if p.retired.is_some() {
-            return Outcome::default();
+            return None;
         }
         p.retired = Some(reason);
         let key = p.key;
@@ -165,7 +190,7 @@ impl<L, P> Ledger<L, P> {
     }
 
     /// A lease starts holding `id`; false if it is not live.
-    pub(super) fn hold_publication(&mut self, id: PubId) -> bool {
+    pub(super) fn hold(&mut self, id: PubId) -> bool {
         match self.pubs.get_mut(&id) {
             Some(p) if p.retired.is_none() => {
                 p.holders += 1;
@@ -175,8 +200,8 @@ impl<L, P> Ledger<L, P> {
         }
     }
 
-    /// A lease that held `id` ended.
-    pub(super) fn unhold_publication(&mut self, id: PubId, _now: Instant) -> Outcome<L, P> {
+    /// A lease that held `id` ended; returns it if that released it.
+    pub(super) fn unhold(&mut self, id: PubId) -> Option<Freed<P>> {
         match self.pubs.get_mut(&id) {
             Some(p) => {
                 debug_assert!(p.holders > 0, "publication unheld more than held");
@@ -185,38 +210,39 @@ impl<L, P> Ledger<L, P> {
             }
             None => {
                 debug_assert!(false, "a lease held a released publication");
-                Outcome::default()
+                None
             }
         }
     }
 
     /// Releases `id` if it is retired and no lease holds it.
-    fn release_if_free(&mut self, id: PubId) -> Outcome<L, P> {
-        let mut out = Outcome::default();
+    fn release_if_free(&mut self, id: PubId) -> Option<Freed<P>> {
         let free = self
             .pubs
             .get(&id)
             .is_some_and(|p| p.holders == 0 && p.retired.is_some());
         if !free {
-            return out;
+            return None;
         }
         let p = self.pubs.remove(&id).expect("present");
-        let released = Released {
-            key: p.key,
-            reason: p.retired.expect("retired"),
-        };
-        out.released.push((released, p.payload));
-        if let Some(r) = p.reg {
-            if let Some(done) = self.unhold(r) {
-                out.deregistered.push(done);
-            }
-        }
-        out
+        Some(Freed {
+            released: Released {
+                key: p.key,
+                reason: p.retired.expect("retired"),
+            },
+            payload: p.payload,
+            reg: p.reg,
+        })
     }
 
-    /// Whether publication `id` is live, retired but held, or gone, for tests.
+    /// Forgets keys retired longer ago than the window.
+    pub(super) fn prune(&mut self, now: Instant) {
+        self.recent_retired.prune(now);
+    }
+
+    /// Whether publication `id` is live, and its holders; `None` once released.
     #[cfg(test)]
-    pub(crate) fn publication_state(&self, id: PubId) -> Option<(bool, usize)> {
+    pub(super) fn state(&self, id: PubId) -> Option<(bool, usize)> {
         self.pubs.get(&id).map(|p| (p.retired.is_none(), p.holders))
     }
 }

@@ -1,19 +1,18 @@
-//! Registrations in the ledger: each registered cache (host or device) with an
-//! explicit count of its holders — its publications and the transfers using it — and
-//! whether a deregistration waits for that count to reach zero.
+//! The registration table: each registered cache (host or device) with an explicit
+//! count of its holders — its publications and the transfers using it — and whether a
+//! deregistration waits for that count to reach zero.
 //!
 //! # Cancellation
 //!
 //! Nothing here waits: a deregistration that finds holders is *pending*, and the
 //! unhold that takes the count to zero reports it complete. The waiter (the engine)
 //! waits on a notification with its own deadline; when it gives up it calls
-//! [`Ledger::abandon_deregister`] and the cache stays registered.
+//! [`Ledger::abandon_deregister`](super::Ledger::abandon_deregister) and the cache
+//! stays registered.
 
-use super::Ledger;
+use std::collections::HashMap;
 
-/// A registration's identity (unique within an engine).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct RegId(pub(crate) u64);
+use super::vocab::RegId;
 
 /// Why a registration operation was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -39,14 +38,20 @@ pub(crate) enum Deregistration {
 }
 
 #[derive(Debug, Default)]
-pub(super) struct RegRecord {
+struct RegRecord {
     holders: usize,
     deregistering: bool,
 }
 
-impl<L, P> Ledger<L, P> {
+/// The registrations of one ledger.
+#[derive(Debug, Default)]
+pub(super) struct RegistrationTable {
+    regs: HashMap<RegId, RegRecord>,
+}
+
+impl RegistrationTable {
     /// Registers `id` with no holders.
-    pub(crate) fn register(&mut self, id: RegId) -> Result<(), RegError> {
+    pub(super) fn register(&mut self, id: RegId) -> Result<(), RegError> {
         if self.regs.contains_key(&id) {
             return Err(RegError::Duplicate);
         }
@@ -55,7 +60,7 @@ impl<L, P> Ledger<L, P> {
     }
 
     /// One more holder of `id`.
-    pub(crate) fn hold(&mut self, id: RegId) -> Result<(), RegError> {
+    pub(super) fn hold(&mut self, id: RegId) -> Result<(), RegError> {
         match self.regs.get_mut(&id) {
             None => Err(RegError::NotRegistered),
             Some(r) if r.deregistering => Err(RegError::Deregistering),
@@ -67,7 +72,7 @@ impl<L, P> Ledger<L, P> {
     }
 
     /// One holder of `id` fewer; `Some(id)` when that completed its deregistration.
-    pub(crate) fn unhold(&mut self, id: RegId) -> Option<RegId> {
+    pub(super) fn unhold(&mut self, id: RegId) -> Option<RegId> {
         let r = self.regs.get_mut(&id)?;
         debug_assert!(r.holders > 0, "registration unheld more than held");
         r.holders = r.holders.saturating_sub(1);
@@ -80,7 +85,7 @@ impl<L, P> Ledger<L, P> {
 
     /// Starts deregistering `id`: done at once without holders, else pending until the
     /// last holder lets go (no new holder is admitted meanwhile).
-    pub(crate) fn deregister(&mut self, id: RegId) -> Result<Deregistration, RegError> {
+    pub(super) fn deregister(&mut self, id: RegId) -> Result<Deregistration, RegError> {
         let r = self.regs.get_mut(&id).ok_or(RegError::NotRegistered)?;
         if r.holders == 0 {
             self.regs.remove(&id);
@@ -92,14 +97,14 @@ impl<L, P> Ledger<L, P> {
 
     /// A pending deregistration gave up: `id` stays registered (and may be held
     /// again). Returns its holders; `None` if it completed meanwhile (or is unknown).
-    pub(crate) fn abandon_deregister(&mut self, id: RegId) -> Option<usize> {
+    pub(super) fn abandon_deregister(&mut self, id: RegId) -> Option<usize> {
         let r = self.regs.get_mut(&id)?;
         r.deregistering = false;
         Some(r.holders)
     }
 
     /// Holders of `id` now (`None`: not registered).
-    pub(crate) fn holders(&self, id: RegId) -> Option<usize> {
+    pub(super) fn holders(&self, id: RegId) -> Option<usize> {
         self.regs.get(&id).map(|r| r.holders)
     }
 }
