@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{text, Serve};
+use etcd::next_event;
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
 use kvferry::directory::{Directory, PeerEvent};
 
@@ -75,19 +76,6 @@ async fn watcher(e: &etcd::Etcd) -> Arc<EtcdDirectory> {
     let d = EtcdDirectory::connect(c).await.unwrap();
     d.wait_listed(Duration::from_secs(5)).await.unwrap();
     Arc::new(d)
-}
-
-async fn next_event(rx: &mut tokio::sync::broadcast::Receiver<PeerEvent>, peer: &str, limit: Duration) -> PeerEvent {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let ev = tokio::time::timeout_at(deadline, rx.recv())
-            .await
-            .unwrap_or_else(|_| panic!("no event about {peer} within {limit:?}"))
-            .unwrap();
-        if ev.peer_id() == peer {
-            return ev;
-        }
-    }
 }
 
 #[test]

@@ -5,6 +5,8 @@
 //! span of `kvferry get`, filtered by `RUST_LOG`, as JSON lines.
 
 mod common;
+#[path = "../../kvferry/tests/common/samples.rs"]
+mod samples;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,6 +15,7 @@ use std::time::Duration;
 
 use common::Serve;
 use prometheus_parse::{Scrape, Value};
+use samples::{find, val};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvferry");
 
@@ -76,26 +79,6 @@ fn try_http_get(addr: SocketAddr, path: &str, headers: &str) -> Option<u16> {
 fn scrape(body: &str) -> Scrape {
     assert!(body.ends_with("# EOF\n"), "{body}");
     Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).unwrap()
-}
-
-/// The value of the sample `name` whose labels are exactly `labels`.
-fn val(m: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let s = find(m, name, labels);
-    match s.value {
-        Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
-        ref other => panic!("{name} is not a number: {other:?}"),
-    }
-}
-
-fn find<'a>(m: &'a Scrape, name: &str, labels: &[(&str, &str)]) -> &'a prometheus_parse::Sample {
-    m.samples
-        .iter()
-        .find(|s| {
-            s.metric == name
-                && s.labels.len() == labels.len()
-                && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
-        })
-        .unwrap_or_else(|| panic!("no {name}{labels:?} in {:#?}", m.samples))
 }
 
 /// The `+Inf` bucket of a histogram series (its count).

@@ -278,7 +278,9 @@ def test_other_thread_runs_while_waiting_and_ctrl_c_cancels(pair: Pair) -> None:
         d.get_blocking(p.address, "slow", dst, [5], timeout=10.0, path="staged")
     raised = time.monotonic()
     stop.set()
-    assert raised - sent[0] < 0.1, raised - sent[0]
+    # Far inside the 3 s the send is held for: the cancel did not wait for it (0.5 s
+    # leaves room for a loaded 2-core host to schedule the interrupt and the drain).
+    assert raised - sent[0] < 0.5, raised - sent[0]
     assert count[0] > 1000, "the other thread was starved while we waited"
     # The drain finished before KeyboardInterrupt was raised: nothing is out.
     s = d.stats()

@@ -10,6 +10,7 @@ mod etcd;
 use std::sync::Arc;
 use std::time::Duration;
 
+use etcd::next_event;
 use kvferry::directory::etcd::{EtcdConfig, EtcdDirectory};
 use kvferry::directory::{Directory, DirectoryError, PeerEvent, PeerRecord, RegistrationState, Role};
 use kvferry::engine::{Engine, EngineConfig};
@@ -56,20 +57,6 @@ async fn until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     while !f() {
         assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// The next event about `peer`, within `limit`.
-async fn next_event(rx: &mut tokio::sync::broadcast::Receiver<PeerEvent>, peer: &str, limit: Duration) -> PeerEvent {
-    let deadline = Instant::now() + limit;
-    loop {
-        let ev = tokio::time::timeout_at(deadline, rx.recv())
-            .await
-            .unwrap_or_else(|_| panic!("no event about {peer} within {limit:?}"))
-            .unwrap();
-        if ev.peer_id() == peer {
-            return ev;
-        }
     }
 }
 

@@ -6,6 +6,8 @@
 //! clients.
 
 mod common;
+#[path = "common/samples.rs"]
+mod samples;
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -18,6 +20,7 @@ use kvferry::metrics::sources::server_metrics;
 use kvferry::metrics::{HttpConfig, MetricsServer, Registry, Samples, CONTENT_TYPE};
 use kvferry::peer::PeerError;
 use prometheus_parse::{Scrape, Value};
+use samples::{find, val};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -94,29 +97,6 @@ fn parse(body: &str) -> Scrape {
         assert!(seen.insert((s.metric.clone(), labels)), "series twice: {s:?}");
     }
     scrape
-}
-
-/// The value of the sample `name` whose labels are exactly `labels`.
-fn val(m: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let s = find(m, name, labels);
-    match &s.value {
-        Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => *v,
-        other => panic!("{name} is not a number: {other:?}"),
-    }
-}
-
-fn find<'a>(m: &'a Scrape, name: &str, labels: &[(&str, &str)]) -> &'a prometheus_parse::Sample {
-    m.samples
-        .iter()
-        .find(|s| {
-            s.metric == name
-                && s.labels.len() == labels.len()
-                && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
-        })
-        .unwrap_or_else(|| {
-            let names: HashSet<_> = m.samples.iter().map(|s| s.metric.as_str()).collect();
-            panic!("no {name}{labels:?}; have {names:?}")
-        })
 }
 
 /// `(count, +Inf bucket, buckets cumulative)` of a histogram series.

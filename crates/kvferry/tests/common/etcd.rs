@@ -156,3 +156,22 @@ impl Drop for Etcd {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// The next directory event about `peer` on `rx`, within `limit` (events about other
+/// peers are skipped); panics naming the peer when none comes.
+pub async fn next_event(
+    rx: &mut tokio::sync::broadcast::Receiver<kvferry::directory::PeerEvent>,
+    peer: &str,
+    limit: Duration,
+) -> kvferry::directory::PeerEvent {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let ev = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no event about {peer} within {limit:?}"))
+            .unwrap();
+        if ev.peer_id() == peer {
+            return ev;
+        }
+    }
+}

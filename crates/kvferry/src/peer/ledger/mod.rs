@@ -372,8 +372,8 @@ impl<L, P> Ledger<L, P> {
     /// (`Declined`) and answers true; so does a key whose publication was retired
     /// recently (for any reason: its blocks are, or will be, released). A live
     /// publication many may read, and an unknown key, answer false.
-    pub(crate) fn decline(&mut self, keys: &[ChunkKey], now: Instant) -> (Vec<bool>, Outcome<L, P>) {
-        let (answers, freed) = self.pubs.decline(keys, now);
+    pub(crate) fn release_keys(&mut self, keys: &[ChunkKey], now: Instant) -> (Vec<bool>, Outcome<L, P>) {
+        let (answers, freed) = self.pubs.release_keys(keys, now);
         (answers, self.report(freed))
     }
 

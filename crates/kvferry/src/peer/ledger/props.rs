@@ -501,7 +501,7 @@ impl Harness {
                     })
                     .collect();
                 let ks: Vec<ChunkKey> = keys.iter().map(|k| key(*k)).collect();
-                let (answers, out) = self.ledger.decline(&ks, now);
+                let (answers, out) = self.ledger.release_keys(&ks, now);
                 prop_assert_eq!(answers, expect, "release answers");
                 for k in keys {
                     if let Some(id) = self.live_pub(k).filter(|id| self.pubs[id].once) {
@@ -736,7 +736,7 @@ fn done_mid_send_is_accepted_now_and_takes_effect_at_check_in() {
         h.model_retire(*h.leases[&id].pubs.first().unwrap(), ReleaseReason::Done);
         // Accepted: the key left the table and a Release answers released.
         assert_eq!(h.ledger.published_now(), 0);
-        let (answers, out) = h.ledger.decline(&[key(0)], now);
+        let (answers, out) = h.ledger.release_keys(&[key(0)], now);
         assert_eq!(answers, [true]);
         assert!(out.is_empty());
         // Not yet in effect: still charged, still held.
@@ -767,7 +767,7 @@ fn done_mid_send_is_accepted_now_and_takes_effect_at_check_in() {
         assert_eq!(h.quotas.charged(), 0);
         assert_eq!(h.ledger.publications_held(), 0);
         // Idempotent: releasing again still answers released.
-        assert_eq!(h.ledger.decline(&[key(0)], now).0, [true]);
+        assert_eq!(h.ledger.release_keys(&[key(0)], now).0, [true]);
     }
 }
 

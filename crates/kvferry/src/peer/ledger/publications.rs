@@ -104,9 +104,9 @@ impl<P> PublicationTable<P> {
         self.by_key.get(key).copied()
     }
 
-    /// A consumer's `Release` of `keys` (see [`Ledger::decline`](super::Ledger::decline)):
+    /// A consumer's `Release` of `keys` (see [`Ledger::release_keys`](super::Ledger::release_keys)):
     /// the answers, and what the retirements released, in key order.
-    pub(super) fn decline(&mut self, keys: &[ChunkKey], now: Instant) -> (Vec<bool>, Vec<Freed<P>>) {
+    pub(super) fn release_keys(&mut self, keys: &[ChunkKey], now: Instant) -> (Vec<bool>, Vec<Freed<P>>) {
         let mut freed = Vec::new();
         let answers = keys
             .iter()

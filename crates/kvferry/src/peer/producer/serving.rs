@@ -224,7 +224,7 @@ impl Producer {
                     );
                     return refuse(conn, id, ErrorKind::StaleIncarnation, m).await;
                 }
-                let released = self.decline(&keys);
+                let released = self.release_keys(&keys);
                 conn.send(id, &Message::ReleaseAck { released }).await
             }
             Message::Put { key, len } => self.receive_put(conn, id, key, len, &holder).await,

@@ -100,8 +100,8 @@ impl Producer {
     /// publication may release it (it could stage it and send `Done`): a key is the
     /// capability. Publications many may read and store chunks are never touched.
     /// Nothing is staged.
-    pub(super) fn decline(&self, keys: &[ChunkKey]) -> Vec<bool> {
-        let (answers, out) = self.inner.ledger.lock().decline(keys, Instant::now());
+    pub(super) fn release_keys(&self, keys: &[ChunkKey]) -> Vec<bool> {
+        let (answers, out) = self.inner.ledger.lock().release_keys(keys, Instant::now());
         self.act(out);
         answers
     }
