@@ -12,21 +12,11 @@ import pytest
 from numpy.typing import NDArray
 
 import kvferry
-
-BLOCK = 4096
+from device_cache import BLOCK, device_cache
 
 
 def _pattern(nblocks: int, seed: int) -> NDArray[np.uint8]:
     return np.random.default_rng(seed).integers(0, 255, (nblocks, BLOCK), dtype=np.uint8)
-
-
-def _device_cache(
-    eng: kvferry.Engine, nblocks: int, data: NDArray[np.uint8] | None = None
-) -> tuple[kvferry.DeviceMemory, kvferry.Region]:
-    mem = eng.alloc_device(nblocks * BLOCK)
-    if data is not None:
-        mem.write(data.data)  # its buffer: numpy types an array as a Buffer only on Python >= 3.12
-    return mem, eng.register_kv_cache(mem, block_bytes=BLOCK)
 
 
 def _blocks(mem: kvferry.DeviceMemory, first: int, n: int) -> NDArray[np.uint8]:
@@ -37,10 +27,10 @@ def test_sim_device_round_trip_is_byte_exact() -> None:
     with kvferry.Engine(device="sim", device_latency_us=100) as p, kvferry.Engine(device="sim") as d:
         assert p.address is not None and d.address is not None
         data = _pattern(64, 1)
-        src_mem, src = _device_cache(p, 64, data)
+        src_mem, src = device_cache(p, 64, data)
         assert src.device == "sim" and src.num_blocks == 64 and src.block_bytes == BLOCK
         p.publish("req-1", src, [3, 4, 5])
-        dst_mem, dst = _device_cache(d, 64)
+        dst_mem, dst = device_cache(d, 64)
         assert d.get_blocking(p.address, "req-1", dst, [10, 11, 12], timeout=5.0) == 1
         assert (_blocks(dst_mem, 10, 3) == data[3:6]).all()
         assert (_blocks(dst_mem, 0, 10) == 0).all() and (_blocks(dst_mem, 13, 51) == 0).all()
@@ -65,9 +55,9 @@ def test_sim_device_fault_is_typed_and_leaks_nothing() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim", device_timeout=0.3) as d:
         assert p.address is not None
         data = _pattern(16, 2)
-        _, src = _device_cache(p, 16, data)
+        _, src = device_cache(p, 16, data)
         p.publish("k", src, [1, 2], once=False)
-        dst_mem, dst = _device_cache(d, 16)
+        dst_mem, dst = device_cache(d, 16)
 
         # The consumer's host-to-device landing copy fails: a typed error, the
         # staging pages come back, nothing is left draining.

@@ -10,20 +10,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from numpy.typing import NDArray
 
 import kvferry
-
-BLOCK = 4096
-
-
-def _cache(
-    eng: kvferry.Engine, nblocks: int, data: NDArray[np.uint8] | None = None
-) -> tuple[kvferry.DeviceMemory, kvferry.Region]:
-    mem = eng.alloc_device(nblocks * BLOCK)
-    if data is not None:
-        mem.write(data.data)  # its buffer: numpy types an array as a Buffer only on Python >= 3.12
-    return mem, eng.register_kv_cache(mem, block_bytes=BLOCK)
+from device_cache import BLOCK, device_cache
 
 
 def _until(cond: Callable[[], bool], within: float) -> float:
@@ -38,8 +27,8 @@ def test_failed_transfer_is_done_before_it_drained() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim", device_timeout=0.3) as d:
         assert p.address is not None
         data = np.random.default_rng(3).integers(0, 255, (16, BLOCK), dtype=np.uint8)
-        _, src = _cache(p, 16, data)
-        dst_mem, dst = _cache(d, 16)
+        _, src = device_cache(p, 16, data)
+        dst_mem, dst = device_cache(d, 16)
         p.publish("k", src, [1, 2, 3])
         d._e._inject_device_fault("stall", "next")  # the scatter runs only once released
         t = d.get(p.address, "k", dst, [4, 5, 6], timeout=10.0)
@@ -58,8 +47,8 @@ def test_failed_transfer_is_done_before_it_drained() -> None:
 def test_success_is_drained_when_done_and_cancel_can_return_at_once() -> None:
     with kvferry.Engine(device="sim") as p, kvferry.Engine(device="sim", device_timeout=5.0) as d:
         assert p.address is not None
-        _, src = _cache(p, 8, np.ones((8, BLOCK), dtype=np.uint8))
-        _, dst = _cache(d, 8)
+        _, src = device_cache(p, 8, np.ones((8, BLOCK), dtype=np.uint8))
+        _, dst = device_cache(d, 8)
         p.publish("ok", src, [0])
         t = d.get(p.address, "ok", dst, [1], timeout=5.0)
         assert t.wait(5.0) == 1 and t.done() and t.drained()

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::engines::{config, pair, pattern, Pair};
-use common::{eventually, holds_for_every};
+use common::{eventually, holds_for_every, released_within};
 use kvferry::engine::{Engine, EngineError, Registered};
 use kvferry::layout::{KvCache, Span};
 use kvferry::mem::Region;
@@ -96,18 +96,6 @@ fn assert_zero(region: &Region, blocks: impl IntoIterator<Item = u32>) {
             read_block(region, b).iter().all(|x| *x == 0),
             "block {b} was written but is no destination"
         );
-    }
-}
-
-/// Releases reported within `within` (empty if none).
-async fn released_within(e: &Engine, within: Duration) -> Vec<Released> {
-    let deadline = Instant::now() + within;
-    loop {
-        let r = e.take_released();
-        if !r.is_empty() || Instant::now() >= deadline {
-            return r;
-        }
-        e.wait_released(deadline).await;
     }
 }
 

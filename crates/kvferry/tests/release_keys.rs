@@ -12,6 +12,8 @@
 mod common;
 
 use std::sync::Arc;
+
+use common::released_within;
 use std::time::Duration;
 
 use kvferry::engine::{Engine, EngineConfig};
@@ -42,17 +44,6 @@ fn cache(name: &str) -> KvCache {
     let region = Arc::new(Region::host(name, BLOCKS as usize * BLOCK).unwrap());
     region.write(0, &vec![7u8; BLOCKS as usize * BLOCK]).unwrap();
     KvCache::contiguous(region, BLOCK).unwrap()
-}
-
-async fn released_within(e: &Engine, within: Duration) -> Vec<Released> {
-    let deadline = Instant::now() + within;
-    loop {
-        let r = e.take_released();
-        if !r.is_empty() || Instant::now() >= deadline {
-            return r;
-        }
-        e.wait_released(deadline).await;
-    }
 }
 
 async fn close_clean(e: &Engine) {

@@ -127,3 +127,16 @@ pub mod engines;
 pub mod p2p;
 pub mod raw;
 pub mod tls;
+
+/// The releases `e` reports within `within` (empty if none): waits on its release
+/// notification, never polls.
+pub async fn released_within(e: &kvferry::engine::Engine, within: Duration) -> Vec<kvferry::peer::Released> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let r = e.take_released();
+        if !r.is_empty() || tokio::time::Instant::now() >= deadline {
+            return r;
+        }
+        e.wait_released(deadline).await;
+    }
+}
