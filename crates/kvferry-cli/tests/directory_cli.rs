@@ -288,20 +288,28 @@ fn gauge(text: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
-/// Waits (at most `limit`) until the scrape shows `name` at `want`.
-fn wait_gauge(addr: &str, name: &str, want: f64, limit: Duration) {
+/// Probes every 50 ms until `done` holds for what `probe` saw; panics after `limit`
+/// with `what` and the last probe.
+fn poll_until(what: &str, limit: Duration, mut probe: impl FnMut() -> String, done: impl Fn(&str) -> bool) {
     let t = Instant::now();
     loop {
-        let text = scrape(addr).unwrap_or_default();
-        if gauge(&text, name) == Some(want) {
+        let seen = probe();
+        if done(&seen) {
             return;
         }
-        assert!(
-            t.elapsed() < limit,
-            "{name} never became {want} within {limit:?}; last scrape:\n{text}"
-        );
+        assert!(t.elapsed() < limit, "{what} within {limit:?}; last seen:\n{seen}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Waits (at most `limit`) until the scrape shows `name` at `want`.
+fn wait_gauge(addr: &str, name: &str, want: f64, limit: Duration) {
+    poll_until(
+        &format!("{name} never became {want}"),
+        limit,
+        || scrape(addr).unwrap_or_default(),
+        |text| gauge(text, name) == Some(want),
+    );
 }
 
 #[test]
@@ -428,19 +436,14 @@ fn http_status(addr: &str, path: &str) -> String {
     out.lines().next().unwrap_or_default().to_string()
 }
 
+/// Waits (at most `limit`) until `path` answers a status line containing `want`.
 fn wait_status(addr: &str, path: &str, want: &str, limit: Duration) {
-    let t = Instant::now();
-    loop {
-        let st = http_status(addr, path);
-        if st.contains(want) {
-            return;
-        }
-        assert!(
-            t.elapsed() < limit,
-            "{path} never answered {want} within {limit:?}: {st:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    poll_until(
+        &format!("{path} never answered {want}"),
+        limit,
+        || http_status(addr, path),
+        |st| st.contains(want),
+    );
 }
 
 #[test]
