@@ -248,27 +248,26 @@ fn serve_exposes_metrics_that_move_with_put_and_get() {
     );
 }
 
-#[test]
-fn serve_refuses_an_unusable_metrics_address() {
-    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = taken.local_addr().unwrap().to_string();
+/// Runs a small `serve` with `extra` flags that must make it refuse to start; returns
+/// its standard error.
+fn serve_refused(extra: &[&str]) -> String {
     let out = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics",
-            &addr,
-            "--arena",
-            "4MiB",
-        ])
+        .args(["serve", "--listen", "127.0.0.1:0", "--arena", "4MiB"])
+        .args(extra)
         .args(["--model", "tiny", "--blocks", "8"])
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "serve {extra:?} started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn serve_refuses_an_unusable_metrics_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let err = serve_refused(&["--metrics", &addr]);
     assert!(err.contains(&format!("cannot serve metrics on {addr}")), "{err}");
 }
 
@@ -371,16 +370,7 @@ fn a_bare_port_binds_loopback_and_a_token_and_a_budget_guard_the_endpoint() {
 fn serve_refuses_an_unusable_token_file() {
     let (dir, token_file) = chunk_file("metrics-bad-token", 0);
     std::fs::write(&token_file, "  \n").unwrap();
-    let out = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--metrics", "0", "--arena", "4MiB"])
-        .args(["--metrics-token-file", token_file.to_str().unwrap()])
-        .args(["--model", "tiny", "--blocks", "8"])
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = serve_refused(&["--metrics", "0", "--metrics-token-file", token_file.to_str().unwrap()]);
     assert!(
         err.contains("cannot use metrics token file") && err.contains("empty"),
         "{err}"
