@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,31 +28,30 @@ from typing import Any
 
 import pytest
 
+# The integration suites' shared pin check lives one folder up; the child processes of
+# the P2P and PD tests import this file by its own folder, so put that one on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pinned import skip_or_fail, why_not_pinned  # noqa: E402 - after the path above
+
 PINNED = "0.5.6"
 _HOW = "install it with scripts/install-lmcache.sh (lmcache==0.5.6 without its dependencies, beside torch) and run pytest from that venv"
 ROOT = Path(__file__).resolve().parents[4]
 
 
 def _find_lmcache() -> str | None:
-    try:
-        import importlib.metadata as md
-
-        version = md.version("lmcache")
-    except Exception as e:  # noqa: BLE001 - any failure means: not usable here
-        return f"lmcache is not installed ({e}); {_HOW}"
-    if version != PINNED:
-        return f"the kvferry LMCache integration is pinned to lmcache=={PINNED}, found {version}; {_HOW}"
+    why = why_not_pinned("lmcache", PINNED, ("torch",), _HOW)
+    if why is not None:
+        return why
     try:
         import torch  # noqa: F401
 
         import kvferry.integrations.lmcache  # noqa: F401
     except ImportError as e:
-        return f"lmcache {version} does not import here ({e}); {_HOW}"
+        return f"lmcache {PINNED} does not import here ({e}); {_HOW}"
     return None
 
 
 WHY_NOT = _find_lmcache()
-REQUIRED = os.environ.get("KVFERRY_REQUIRE_LMCACHE") == "1"
 
 
 def kvferry_bin() -> str | None:
@@ -70,10 +70,7 @@ def need_lmcache() -> None:
     why = WHY_NOT
     if why is None and kvferry_bin() is None:
         why = "the kvferry binary is missing: cargo build --release -p kvferry-cli, or set KVFERRY_BIN"
-    if why is not None:
-        if REQUIRED:
-            pytest.fail(f"KVFERRY_REQUIRE_LMCACHE=1 but {why}")
-        pytest.skip(why)
+    skip_or_fail(why, "KVFERRY_REQUIRE_LMCACHE")
 
 
 SECRET = "kvferry-lmcache-test-secret-0123456789"

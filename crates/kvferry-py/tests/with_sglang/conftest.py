@@ -8,7 +8,6 @@ here is skipped with the reason, unless ``KVFERRY_REQUIRE_SGLANG=1`` (then they 
 
 from __future__ import annotations
 
-import importlib.util
 
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pinned import skip_or_fail, why_not_pinned
 
 PINNED = "0.5.23"
 _HOW = "install it with scripts/install-sglang.sh (sglang==0.5.23 without its dependencies, in the vLLM venv) and run pytest from that venv"
@@ -28,31 +28,13 @@ HERE = Path(__file__).resolve().parent
 PYSRC = HERE.parents[1] / "python"
 
 
-def _find_sglang() -> str | None:
-    try:
-        import importlib.metadata as md
-
-        version = md.version("sglang")
-    except Exception as e:  # noqa: BLE001 - any failure means: not usable here
-        return f"sglang is not installed ({e}); {_HOW}"
-    if version != PINNED:
-        return f"kvferry's SGLang backend is pinned to sglang=={PINNED}, found {version}; {_HOW}"
-    missing = [m for m in ("torch", "zmq") if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"sglang {version} lacks {' and '.join(missing)} here; {_HOW}"
-    return None
-
-
-WHY_NOT = _find_sglang()
+WHY_NOT = why_not_pinned("sglang", PINNED, ("torch", "zmq"), _HOW)
 REQUIRED = os.environ.get("KVFERRY_REQUIRE_SGLANG") == "1"
 
 
 @pytest.fixture(scope="session")
 def need_sglang() -> None:
-    if WHY_NOT is not None:
-        if REQUIRED:
-            pytest.fail(f"KVFERRY_REQUIRE_SGLANG=1 but {WHY_NOT}")
-        pytest.skip(WHY_NOT)
+    skip_or_fail(WHY_NOT, "KVFERRY_REQUIRE_SGLANG")
 
 
 class Role:
