@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::super::error::PeerError;
 use super::client::Counters;
 use super::shared::unexpected;
+pub(super) use super::shared::verify_landed;
 use super::transfer::{Mapped, TransferCtx};
 use crate::net::{NetError, PooledConnection};
 use crate::wire::{ChunkKey, ChunkMeta, Message};
@@ -38,19 +39,6 @@ pub(super) fn check_fits(meta: &ChunkMeta, cap: usize) -> Result<(), PeerError> 
             "chunk {} is {} bytes but its destination blocks hold {cap}",
             meta.key, meta.len
         )));
-    }
-    Ok(())
-}
-
-/// A landed chunk's bytes (`actual`: their checksum) are the ones the producer
-/// published.
-pub(super) fn verify_landed(meta: &ChunkMeta, actual: u32) -> Result<(), PeerError> {
-    if actual != meta.checksum {
-        return Err(PeerError::ChecksumMismatch {
-            key: meta.key,
-            expected: meta.checksum,
-            actual,
-        });
     }
     Ok(())
 }

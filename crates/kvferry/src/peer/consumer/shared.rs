@@ -1,9 +1,10 @@
 //! What the consumer's files share: the request a transfer task runs ([`Request`]),
 //! the outcome labels of its latency histograms ([`OUTCOMES`]), a failed transfer as
 //! the task reports it ([`TaskError`]), two checks of a producer's replies
-//! ([`check_frames`], [`unexpected`]) and the check of a request's keys
-//! ([`check_keys`]). Kept apart so that `client`, `exchange`, `get`, `transfer` and
-//! `peer_watch` do not import each other in a cycle.
+//! ([`check_frames`], [`unexpected`]), the check of a request's keys
+//! ([`check_keys`]) and of a landed chunk's checksum ([`verify_landed`]). Kept apart so
+//! that `client`, `exchange`, `get`, `transfer`, `one_sided` and `peer_watch` do not
+//! import each other in a cycle.
 //!
 //! Nothing here awaits.
 
@@ -79,6 +80,19 @@ pub(super) fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerE
             "{} keys in one request; at most {max_keys} (split the request or raise the limit)",
             keys.len()
         )));
+    }
+    Ok(())
+}
+
+/// A landed chunk's bytes (`actual`: their checksum) are the ones the producer
+/// published (every mover checks this before a chunk counts as landed).
+pub(super) fn verify_landed(meta: &crate::wire::ChunkMeta, actual: u32) -> Result<(), PeerError> {
+    if actual != meta.checksum {
+        return Err(PeerError::ChecksumMismatch {
+            key: meta.key,
+            expected: meta.checksum,
+            actual,
+        });
     }
     Ok(())
 }

@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::super::error::PeerError;
 use super::super::selection::LandingPlan;
 use super::client::Consumer;
-use super::shared::{check_frames, unexpected, Request, TaskError, OUTCOMES};
+use super::shared::{check_frames, unexpected, verify_landed, Request, TaskError, OUTCOMES};
 use super::types::{Destination, Landed, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
 use crate::device::KvCacheRef;
@@ -541,14 +541,7 @@ impl TransferCtx<'_> {
         let counters = &self.consumer.inner.counters;
         counters.bytes_received.fetch_add(meta.len, Ordering::Relaxed);
         counters.chunks_received.fetch_add(1, Ordering::Relaxed);
-        if actual != meta.checksum {
-            return Err(PeerError::ChecksumMismatch {
-                key: meta.key,
-                expected: meta.checksum,
-                actual,
-            });
-        }
-        Ok(())
+        verify_landed(meta, actual)
     }
 
     /// Checks a selected stream the producer announced against the destination and
