@@ -13,7 +13,9 @@ runs them, and as ``kvferry bench`` runs its producer):
 - ``engine``: the same two engines and regions, the same pages, one
   :meth:`Engine.publish` (in the child) and one :meth:`Engine.get` per chunk, all in
   flight at once, timed from the first publish to the last landing: what the backend
-  costs above kvferry itself.
+  costs above kvferry itself. Its publish calls (a crc32c pass over every page) are
+  also timed alone (``engine_publish_s``), and its gets alone, from the last publish to
+  the last landing (``engine_gets_gb_per_s``), as ``kvferry bench`` times its gets.
 
 The stamps of the two processes are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock
 for the host). ``--transport`` is kvferry's (``KVFERRY_SGLANG_TRANSPORT``): ``auto``
@@ -21,19 +23,22 @@ reads the prefill's memory with ``process_vm_readv`` on one host, ``tcp`` keeps 
 byte on the socket, as between hosts (and as Mooncake's TCP transport does here).
 ``--kvferry-bin`` adds ``kvferry bench --bytes --mover <transport> --producer-process
 true`` (the CLI's end-to-end figure, its producer in a child process too) on the same
-byte count. ``--mooncake`` adds Mooncake's transfer engine over TCP
-(the transport under SGLang's ``mooncake_tcp`` backend;
+byte count, with the raw TCP limit that run measures. ``--mooncake`` adds Mooncake's
+transfer engine over TCP (the transport under SGLang's ``mooncake_tcp`` backend;
 ``mooncake-transfer-engine-non-cuda``, which needs ``libibverbs1`` even for TCP), both
 its engines in this process: the same pages written with one
 ``batch_transfer_sync_write`` per chunk, contiguous page runs of each buffer coalesced,
 as SGLang's mooncake backend issues them — its transport, not SGLang's mooncake
-manager, which needs a full SGLang runtime. Every landed byte is compared at the end.
+manager, which needs a full SGLang runtime. Every case runs once per rep, interleaved
+(backend, engine, Mooncake, ``kvferry bench``), so that every ratio compares medians of
+the same minutes; the destination is zeroed before each case and every landed byte
+compared after it.
 Prints one JSON object: GB/s of each (medians), the CPU seconds per GB of both
 processes for the backend and the engines (``*_cpu_s_per_gb``, every thread; the
 backend's includes both polling loops), and the ratios measured in this one
-invocation: ``backend_over_engine``, ``backend_over_mooncake_tcp`` (with ``--mooncake``)
-and ``backend_over_kvferry_bench`` (with ``--kvferry-bin``; the targets are ≥ 2 and
-≥ 0.9).
+invocation: ``backend_over_engine``, ``backend_over_mooncake_tcp`` (with ``--mooncake``),
+``backend_over_kvferry_bench`` and ``backend_over_tcp_limit`` (with ``--kvferry-bin``;
+the targets are ≥ 2 and ≥ 0.9).
 
     python -m kvferry.integrations.sglang.bench --mib 256 --reps 5 --mooncake \
         --kvferry-bin target/release/kvferry
@@ -85,23 +90,29 @@ def _same(src: torch.Tensor, dst: torch.Tensor, ids: list[int], dst_ids: list[in
     return torch.equal(s[torch.tensor(ids)], d[torch.tensor(dst_ids)])
 
 
-def _mooncake_tcp(
-    src: list[torch.Tensor], dst: list[torch.Tensor], chunks: list[list[int]], dst_chunks: list[list[int]], reps: int
-) -> list[float]:
-    """Seconds per request through two Mooncake transfer engines over TCP."""
-    os.environ.setdefault("MC_FORCE_TCP", "1")
-    engine_mod = importlib.import_module("mooncake.engine")
-    a, b = engine_mod.TransferEngine(), engine_mod.TransferEngine()
-    for e in (a, b):
-        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise RuntimeError("Mooncake's transfer engine did not initialize")
-    for e, bufs in ((a, src), (b, dst)):
-        for t in bufs:
-            e.register_memory(t.data_ptr(), t.numel() * t.element_size())
-    session = f"127.0.0.1:{b.get_rpc_port()}"
-    item = PAGE * HEADS * HEAD_DIM * src[0].element_size()
-    times = []
-    for _ in range(reps):
+class _MooncakeTcp:
+    """Two Mooncake transfer engines over TCP in this process, ``src`` registered on
+    one and ``dst`` on the other; each :meth:`rep` writes one request's pages."""
+
+    def __init__(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+        os.environ.setdefault("MC_FORCE_TCP", "1")
+        engine_mod = importlib.import_module("mooncake.engine")
+        self.a, self.b = engine_mod.TransferEngine(), engine_mod.TransferEngine()
+        for e in (self.a, self.b):
+            if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+                raise RuntimeError("Mooncake's transfer engine did not initialize")
+        for e, bufs in ((self.a, src), (self.b, dst)):
+            for t in bufs:
+                e.register_memory(t.data_ptr(), t.numel() * t.element_size())
+        self.src, self.dst = src, dst
+        self.session = f"127.0.0.1:{self.b.get_rpc_port()}"
+
+    def rep(self, chunks: list[list[int]], dst_chunks: list[list[int]]) -> float:
+        """Seconds for one request: one ``batch_transfer_sync_write`` per chunk,
+        contiguous page runs of each buffer coalesced (as SGLang's mooncake backend
+        issues them); every page compared afterwards."""
+        src, dst = self.src, self.dst
+        item = PAGE * HEADS * HEAD_DIM * src[0].element_size()
         for t in dst:
             t.zero_()
         t0 = time.perf_counter()
@@ -118,13 +129,28 @@ def _mooncake_tcp(
                     s_addr.append(sb.data_ptr() + p0 * item)
                     d_addr.append(db.data_ptr() + q0 * item)
                     lens.append(n * item)
-            if a.batch_transfer_sync_write(session, s_addr, d_addr, lens) != 0:
+            if self.a.batch_transfer_sync_write(self.session, s_addr, d_addr, lens) != 0:
                 raise RuntimeError("Mooncake's batch write failed")
-        times.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
         ids = [p for c in chunks for p in c]
         dst_ids = [p for c in dst_chunks for p in c]
         assert all(_same(x, y, ids, dst_ids) for x, y in zip(src, dst)), "Mooncake: bytes differ"
-    return times
+        return took
+
+
+def _kvferry_bench(binary: str, mib: int, transport: str) -> dict[str, Any]:
+    """One ``kvferry bench`` run on the same byte count, its producer in a process of
+    its own; its JSON, or ``{"error": ...}``."""
+    cli = subprocess.run(
+        [binary, "bench", "--bytes", f"{mib}MiB", "--mover", transport, "--producer-process", "true", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    try:
+        b: dict[str, Any] = json.loads(cli.stdout)
+        float(b["gbps"])
+        return b
+    except (ValueError, KeyError, TypeError):
+        return {"error": (cli.stderr or cli.stdout)[-500:]}
 
 
 def _source(pages: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -166,7 +192,7 @@ def _prefill_child(pages: int, port: int, poll_s: float) -> None:
             c0, t0 = time.process_time(), time.perf_counter()
             for k, chunk in zip(c["keys"], c["chunks"]):
                 pre.engine.publish(k, pre.kv_region, chunk)
-            print(json.dumps({"t0": t0}), flush=True)
+            print(json.dumps({"t0": t0, "t1": time.perf_counter()}), flush=True)
         elif c["op"] == "release":  # after the gets landed: the CPU since the publish
             cpu = time.process_time() - c0
             for k in c["keys"]:
@@ -243,12 +269,29 @@ def main(argv: list[str] | None = None) -> None:
         "bytes": total, "pages": pages, "chunks": len(chunks), "scatter": o.scatter, "reps": o.reps, "cpus": os.cpu_count(),
         "processes": "prefill and decode in two processes", "transport": o.transport,
     }
+    src_kv, src_aux = _source(pages)  # what every case must land
+    mooncake = _MooncakeTcp(src_kv, dst_kv) if o.mooncake else None
     backend: list[float] = []
     engine: list[float] = []
+    publish: list[float] = []  # the engine case's publish calls (every page's crc32c)
+    gets_only: list[float] = []  # its gets, from the last publish to the last landing
     backend_cpu: list[float] = []  # both processes' CPU seconds (every thread) per request
     engine_cpu: list[float] = []
+    mc: list[float] = []
+    cli_runs: list[dict[str, Any]] = []
+
+    def landed(case: str) -> None:
+        assert all(_same(a, b, ids, dst_ids) for a, b in zip(src_kv, dst_kv)), f"{case}: bytes differ"
+
+    def zero() -> None:
+        for t in dst_kv:
+            t.zero_()
+
+    # Every case once per rep, interleaved, so that each ratio compares the same minutes.
     for rep in range(o.reps):
         room = 1 + rep
+        zero()
+        dst_aux.zero_()
         r = KvferryKVReceiver(dec, f"127.0.0.1:{o.port}", room)
         r.init(0)
         r.send_metadata(dst_ids, 1)
@@ -265,8 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         backend.append(max(t_dec, float(c["t1"])) - float(c["t0"]))
         backend_cpu.append(time.process_time() - c0 + float(c["cpu"]))
         r.clear()
+        landed("backend")
+        assert torch.equal(dst_aux[1], src_aux[2]), "backend: aux row differs"
         # The same bytes through the two engines directly: one publish and one get per
-        # chunk, all in flight, timed from the first publish to the last landing.
+        # chunk, all in flight, timed from the first publish to the last landing (and
+        # the gets alone, from the last publish, as `kvferry bench` times its gets).
+        zero()
         keys = [f"raw/{rep}/{i}" for i in range(len(chunks))]
         c0 = time.process_time()
         child.send(op="publish", keys=keys, chunks=chunks)
@@ -274,43 +321,52 @@ def main(argv: list[str] | None = None) -> None:
         gets = [dec.engine.get(prefill_addr, k, dec.kv_region, dc, timeout=60) for k, dc in zip(keys, dst_chunks)]
         for g in gets:
             g.wait(60)
-        engine.append(time.perf_counter() - float(c["t0"]))
+        t_end = time.perf_counter()
+        engine.append(t_end - float(c["t0"]))
+        publish.append(float(c["t1"]) - float(c["t0"]))
+        gets_only.append(t_end - float(c["t1"]))
         cpu = time.process_time() - c0
         child.send(op="release", keys=keys)
         engine_cpu.append(cpu + float(child.read()["cpu"]))
+        landed("engine")
+        if mooncake is not None:
+            mc.append(mooncake.rep(chunks, dst_chunks))
+        if o.kvferry_bin:
+            cli_runs.append(_kvferry_bench(o.kvferry_bin, o.mib, o.transport))
     out["mover"] = [m.get("mover") for m in dec.engine.stats().get("movers") or []] or ["tcp"]
     child.send(op="quit")
     child.p.wait(30)
     dec.close()
-    src_kv, src_aux = _source(pages)
-    assert all(_same(a, b, ids, dst_ids) for a, b in zip(src_kv, dst_kv)), "bytes differ"
-    assert torch.equal(dst_aux[1], src_aux[2]), "aux row differs"
 
     def med(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
     out["backend_gb_per_s"] = round(total / med(backend) / 1e9, 3)  # GB/s, as `kvferry bench`'s "gbps"
     out["engine_gb_per_s"] = round(total / med(engine) / 1e9, 3)
+    out["engine_publish_s"] = round(med(publish), 4)
+    out["engine_gets_gb_per_s"] = round(total / med(gets_only) / 1e9, 3)
     out["backend_over_engine"] = round(med(engine) / med(backend), 3)
     out["backend_cpu_s_per_gb"] = round(med(backend_cpu) / total * 1e9, 3)
     out["engine_cpu_s_per_gb"] = round(med(engine_cpu) / total * 1e9, 3)
     out["backend_s"] = [round(x, 4) for x in backend]
     out["engine_s"] = [round(x, 4) for x in engine]
-    if o.mooncake:
-        for t in dst_kv:
-            t.zero_()
-        mc = _mooncake_tcp(src_kv, dst_kv, chunks, dst_chunks, o.reps)
+    if mc:
         out["mooncake_tcp_s"] = [round(x, 4) for x in mc]
         out["mooncake_tcp_gb_per_s"] = round(total / med(mc) / 1e9, 3)
         out["backend_over_mooncake_tcp"] = round(med(mc) / med(backend), 3)
-    if o.kvferry_bin:
-        cli = subprocess.run([o.kvferry_bin, "bench", "--bytes", f"{o.mib}MiB", "--mover", o.transport, "--producer-process", "true", "--json"], capture_output=True, text=True, timeout=300)
-        try:
-            b = json.loads(cli.stdout)
-            out["kvferry_bench"] = {k: b.get(k) for k in ("bytes", "gbps", "best_round_gbps", "tcp_limit_gbps", "mover", "corrupted_bytes")}
-            out["backend_over_kvferry_bench"] = round(out["backend_gb_per_s"] / float(b["gbps"]), 3)
-        except (ValueError, KeyError, TypeError):
-            out["kvferry_bench"] = {"error": (cli.stderr or cli.stdout)[-500:]}
+    if cli_runs:
+        good = [b for b in cli_runs if "error" not in b]
+        keep = ("bytes", "gbps", "best_round_gbps", "tcp_limit_gbps", "mover", "corrupted_bytes")
+        out["kvferry_bench"] = [{k: b.get(k) for k in keep} if "error" not in b else b for b in cli_runs]
+        if good:
+            gbps = [float(b["gbps"]) for b in good]
+            tcp = [float(b["tcp_limit_gbps"]) for b in good]
+            out["kvferry_bench_gb_per_s"] = round(med(gbps), 3)
+            out["tcp_limit_gb_per_s"] = round(med(tcp), 3)
+            out["backend_over_kvferry_bench"] = round(out["backend_gb_per_s"] / med(gbps), 3)
+            out["backend_over_tcp_limit"] = round(out["backend_gb_per_s"] / med(tcp), 3)
+            if mc:
+                out["mooncake_tcp_over_tcp_limit"] = round(out["mooncake_tcp_gb_per_s"] / med(tcp), 3)
     print(json.dumps(out), flush=True)
     os._exit(0)
 
