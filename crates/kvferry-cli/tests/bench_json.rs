@@ -232,3 +232,43 @@ fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
         }
     }
 }
+
+/// `--keys-per-get 2`: each transfer gets two consecutive chunks of one request into a
+/// two-chunk slot, on the same-host mover, the socket and the staged path; every chunk
+/// still moves once, lands right and is verified, and nothing leaks. A count that does
+/// not divide the chunks per request is refused by name.
+#[test]
+fn bench_json_keys_per_get_moves_whole_batches_and_refuses_a_bad_count() {
+    for extra in [vec![], vec!["--mover", "tcp"], vec!["--path", "staged"]] {
+        let mut cmd = small_bench_json("4", "8MiB");
+        cmd.args(["--keys-per-get", "2"]).args(&extra);
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["keys_per_get"], 2, "{extra:?}: {v}");
+        let chunk = v["chunk_bytes"].as_u64().unwrap();
+        assert_eq!(v["chunks"].as_u64().unwrap(), (8 << 20) / chunk, "{extra:?}: {v}");
+        assert_eq!(
+            v["bytes"].as_u64().unwrap(),
+            (8 << 20) / chunk * chunk,
+            "every chunk moved: {v}"
+        );
+        assert_eq!(v["errors"], 0, "{extra:?}: {v}");
+        assert_eq!(v["corrupted_bytes"], 0, "{extra:?}: {v}");
+        assert_eq!(v["leaked_pages"], 0, "{extra:?}: {v}");
+    }
+    let out = small_bench_json("4", "8MiB")
+        .args(["--keys-per-get", "3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "3 does not divide 4 chunks per request");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--keys-per-get (3) must divide --chunks-per-request (4)"),
+        "{stderr}"
+    );
+}

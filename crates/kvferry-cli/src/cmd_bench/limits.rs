@@ -216,9 +216,10 @@ pub fn pipeline_limit(
 /// The one-copy same-host limit: `threads` plain threads reading `bytes` in all from
 /// process `pid` with `process_vm_readv`, chunk by chunk (`chunks[i]` is chunk `i`'s
 /// `(remote address, length)` runs, all of them in turn, thread `t` taking chunks `t`,
-/// `t + threads`, …), into `slots` chunk-sized destination slots in all (the
-/// consumer's destination: one slot per transfer in flight), each thread rotating
-/// over its share. No protocol: what the kernel's one copy costs on this machine.
+/// `t + threads`, …), into `slots` chunk-sized destination slots in all (as large as
+/// the consumer's destination — a slot per chunk of every transfer in flight — and,
+/// like its region, in memory that asks for huge pages), each thread rotating over its
+/// share. No protocol: what the kernel's one copy costs on this machine.
 /// With `verify`, each thread also takes the crc32c of every chunk it read right
 /// after reading it (kvferry's own checksum, as the consumer verifies what landed):
 /// the one-copy limit of a mover that verifies every byte. Returns GB/s.
@@ -240,7 +241,9 @@ pub fn cma_limit(
         let (chunks, start) = (chunks.clone(), start.clone());
         handles.push(std::thread::spawn(move || -> anyhow::Result<u64> {
             let share = (slots / threads).max(1);
-            let mut slots = vec![1u8; share * chunk_bytes]; // touched: no page faults in the timing
+            // Huge pages, as the consumer's destination region asks for, and touched:
+            // no page faults in the timing.
+            let mut slots = huge_source(share * chunk_bytes);
             start.wait();
             let mut moved = 0u64;
             for n in 0..per_thread {

@@ -36,6 +36,14 @@ pub struct P2pBenchArgs {
     /// Chunks per request.
     #[arg(long, default_value_t = 4, value_parser = at_least_one)]
     pub chunks_per_request: usize,
+    /// Chunks each transfer gets (consecutive chunks of one request, one `get` of that
+    /// many keys, landing in one destination slot of that many chunks; must divide
+    /// --chunks-per-request). 1: one key per get, every chunk's control (grant,
+    /// `Done`) paid per chunk; --chunks-per-request: whole requests, as a serving
+    /// engine fetches a request's blocks and as NIXL posts its blocks in one transfer
+    /// request.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    pub keys_per_get: usize,
     /// Total bytes to move (under --sweep: per point, at most 1GiB).
     #[arg(long, default_value = "4GiB")]
     pub bytes: ByteSize,
@@ -129,6 +137,7 @@ impl Default for P2pBenchArgs {
             blocks_per_chunk: 4,
             requests: 32,
             chunks_per_request: 4,
+            keys_per_get: 1,
             bytes: ByteSize(4 << 30),
             in_flight_arg: None,
             in_flight: 4,

@@ -190,6 +190,8 @@ fn child_args(args: &P2pBenchArgs) -> Vec<String> {
         &args.requests.to_string(),
         "--chunks-per-request",
         &args.chunks_per_request.to_string(),
+        "--keys-per-get",
+        &args.keys_per_get.to_string(),
         "--producers",
         &args.producers.to_string(),
         "--path",

@@ -1,8 +1,8 @@
 //! The consumer side of a point: one engine (over mutual TLS under `--tls`) and a
-//! destination with one slot of `blocks per chunk` blocks per transfer in flight — a
-//! host KV cache made resident before the first round, or sim device memory of the same
-//! shape on the `device-sim` path — and the path transfers take (`staged` lands through
-//! staging pages, every other path is direct).
+//! destination with one slot of `keys per get × blocks per chunk` blocks per transfer
+//! in flight — a host KV cache made resident before the first round, or sim device
+//! memory of the same shape on the `device-sim` path — and the path transfers take
+//! (`staged` lands through staging pages, every other path is direct).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +23,8 @@ pub(super) struct Consumer {
     pub(super) engine: Engine,
     /// The engine's staging arena (accounted for leaks when the point ends).
     pub(super) arena: Arena,
-    /// The destination's layout: slot `s` is blocks `s * bpc .. (s + 1) * bpc`.
+    /// The destination's layout: slot `s` is blocks `s * k * bpc .. (s + 1) * k * bpc`
+    /// (`k`: `--keys-per-get`), chunk `i` of a transfer at `(s * k + i) * bpc`.
     pub(super) layout: KvLayout,
     /// The host destination's memory.
     pub(super) region: Arc<Region>,
@@ -45,7 +46,7 @@ pub(super) async fn start(args: &P2pBenchArgs, shape: &Shape, ca: Option<&Epheme
     } = *shape;
     let layout = KvLayout::preset(
         args.model.parse()?,
-        (args.in_flight * bpc) as u32,
+        (args.in_flight * args.keys_per_get * bpc) as u32,
         Arrangement::FullyContiguous,
     )?;
     let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);
@@ -70,7 +71,7 @@ pub(super) async fn start(args: &P2pBenchArgs, shape: &Shape, ca: Option<&Epheme
         None
     };
     let consumer_pages = if staged || on_device {
-        args.in_flight * chunk_bytes.div_ceil(staging_page)
+        args.in_flight * args.keys_per_get * chunk_bytes.div_ceil(staging_page)
     } else {
         1
     };

@@ -93,6 +93,12 @@ pub fn run(mut args: P2pBenchArgs) -> anyhow::Result<()> {
         "--requests and --chunks-per-request must be at least 1"
     );
     anyhow::ensure!(args.blocks_per_chunk >= 1, "--blocks-per-chunk must be at least 1");
+    anyhow::ensure!(
+        args.keys_per_get >= 1 && args.chunks_per_request.is_multiple_of(args.keys_per_get),
+        "--keys-per-get ({}) must divide --chunks-per-request ({})",
+        args.keys_per_get,
+        args.chunks_per_request
+    );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let sweep = args.sweep || args.plot.is_some();
     let points = if sweep {
@@ -370,6 +376,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         tls: args.tls,
         chunk_bytes,
         in_flight: args.in_flight,
+        keys_per_get: args.keys_per_get,
         connections: args.connections,
         producers: args.producers,
         chunks: total_chunks,

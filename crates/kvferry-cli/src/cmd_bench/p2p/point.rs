@@ -17,6 +17,8 @@ pub struct Point {
     pub tls: bool,
     pub chunk_bytes: usize,
     pub in_flight: usize,
+    /// Chunks each transfer gets (`--keys-per-get`).
+    pub keys_per_get: usize,
     pub connections: usize,
     pub producers: usize,
     pub chunks: u64,
@@ -47,6 +49,7 @@ pub struct Point {
     pub pipeline_limit_gbps: f64,
     /// `gbps / pipeline_limit_gbps`: what kvferry's own machinery costs.
     pub pipeline_ratio: f64,
+    /// Latency of one transfer (a get of `keys_per_get` chunks), median and p99, ms.
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub errors: u64,

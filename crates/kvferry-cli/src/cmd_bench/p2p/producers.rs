@@ -216,7 +216,9 @@ pub(super) async fn start_local(
     let pnode = EngineArgs {
         model: args.model.clone(),
         blocks: if staged { producer_blocks } else { 1 },
-        arena: ByteSize((2 * args.in_flight.max(2) * chunk_bytes.div_ceil(staging_page) * staging_page) as u64),
+        arena: ByteSize(
+            (2 * args.in_flight.max(2) * args.keys_per_get * chunk_bytes.div_ceil(staging_page) * staging_page) as u64,
+        ),
         page_size: ByteSize(staging_page as u64),
         copy_threads: args.copy_threads,
         max_gets: 1024,

@@ -78,7 +78,12 @@ fn setup_line(p: &Point) -> String {
     } else {
         ""
     };
-    format!("path {path}{tls}; {staging}; crc32c: {}", p.checksum_impl)
+    let batch = if p.keys_per_get > 1 {
+        format!("; {} chunks per get", p.keys_per_get)
+    } else {
+        String::new()
+    };
+    format!("path {path}{tls}{batch}; {staging}; crc32c: {}", p.checksum_impl)
 }
 
 /// `mover cma (…); producers in a process of their own` or the socket and why.

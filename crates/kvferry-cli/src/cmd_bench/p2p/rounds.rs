@@ -2,8 +2,9 @@
 //! each, every round followed by one raw-TCP run of the limit over the same number of
 //! connections (both sides measured the same way — best round against best run —
 //! interleaved, so a noisy moment of a shared machine does not fall on one side only).
-//! Transfers run with `--in-flight` of them at once, each into a free destination slot,
-//! and every landed byte is verified against its request's pattern (the receive path's
+//! Transfers (each a `get` of `--keys-per-get` consecutive chunks of one request) run
+//! with `--in-flight` of them at once, each into a free destination slot, and every
+//! landed byte is verified against its request's pattern (the receive path's
 //! checksum, or the landed chunk re-read; bad bytes counted exactly on a mismatch). A
 //! failed transfer's slot is reused only after its drain fence.
 
@@ -104,7 +105,10 @@ pub(super) async fn run(
         ..
     } = side;
     let (layout, path) = (*layout, *path);
-    let total_chunks = (args.bytes.bytes() as usize / chunk_bytes).max(1) as u64;
+    // Whole transfers of `k` chunks each (`--keys-per-get`).
+    let k = args.keys_per_get.max(1);
+    let total_chunks = ((args.bytes.bytes() as usize / chunk_bytes / k).max(1) * k) as u64;
+    let total_transfers = total_chunks / k as u64;
     let bar = if args.quiet || args.json {
         indicatif::ProgressBar::hidden()
     } else {
@@ -142,7 +146,7 @@ pub(super) async fn run(
     let mut best_round = 0f64;
     let mut round_gbps = Vec::new();
     let mut transfer_usage = Usage::default();
-    let rounds = ROUNDS.min(total_chunks);
+    let rounds = ROUNDS.min(total_transfers);
     // Direct path with `--verify receive`: the receive path's checksum of the landed
     // bytes (taken over the destination blocks themselves) is compared as is.
     let from_receive = args.verify == Verify::Receive && args.path == BenchPath::Direct;
@@ -155,15 +159,16 @@ pub(super) async fn run(
     let mut cma: Option<f64> = Some(0.0);
     let mut cma_verified: Option<f64> = Some(0.0);
     for round in 0..rounds {
-        let first_chunk = total_chunks * round / rounds;
-        let end_chunk = total_chunks * (round + 1) / rounds;
+        let first_transfer = total_transfers * round / rounds;
+        let end_transfer = total_transfers * (round + 1) / rounds;
+        let (first_chunk, end_chunk) = (first_transfer * k as u64, end_transfer * k as u64);
         let errors_before = errors.load(Ordering::Relaxed);
         perf_phase("transfer", true);
         let started = Instant::now();
         let usage_started = cpu.usage();
         let mut tasks = tokio::task::JoinSet::new();
-        for n in first_chunk..end_chunk {
-            if n == total_chunks / 10 {
+        for transfer in first_transfer..end_transfer {
+            if transfer == total_transfers / 10 {
                 rss_warm = rss_mib();
             }
             let permit = sem.clone().acquire_owned().await?;
@@ -180,15 +185,21 @@ pub(super) async fn run(
                 expected.clone(),
                 bar.clone(),
             );
-            let r = (n as usize / args.chunks_per_request) % args.requests;
-            let c = n as usize % args.chunks_per_request;
+            // Chunks `c0 .. c0 + k` of request `r` (k divides the chunks per request).
+            let n = transfer as usize * k;
+            let r = (n / args.chunks_per_request) % args.requests;
+            let c0 = n % args.chunks_per_request;
             let addr = addrs[r % args.producers].clone();
             tasks.spawn(async move {
-                let blocks: Vec<u32> = (0..bpc as u32).map(|b| (slot * bpc) as u32 + b).collect();
+                // Chunk `i` of this transfer lands in the slot's `i`-th run of `bpc` blocks.
+                let blocks: Vec<Vec<u32>> = (0..k)
+                    .map(|i| (0..bpc as u32).map(|b| ((slot * k + i) * bpc) as u32 + b).collect())
+                    .collect();
                 let dst = match &device_dst {
-                    Some((dcache, _)) => Destination::new(dcache, vec![blocks.clone()]),
-                    None => Destination::new(cache.clone(), vec![blocks.clone()]).with_path(path),
+                    Some((dcache, _)) => Destination::new(dcache, blocks.clone()),
+                    None => Destination::new(cache.clone(), blocks.clone()).with_path(path),
                 };
+                let keys: Vec<_> = (c0..c0 + k).map(|c| key(r, c)).collect();
                 // Reads landed bytes back (from the sim device's memory on that path).
                 let read = |off: usize, len: usize| -> Vec<u8> {
                     match &device_dst {
@@ -198,48 +209,57 @@ pub(super) async fn run(
                 };
                 let t = Instant::now();
                 let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-                match consumer.get(&addr, &[key(r, c)], dst, deadline).await {
-                    Ok(l) if l.chunks == 1 => {
+                match consumer.get(&addr, &keys, dst, deadline).await {
+                    Ok(l) if l.chunks == k => {
                         latencies.lock().push(t.elapsed().as_secs_f64() * 1e3);
-                        // Verify every landed byte: crc of the landed chunk against the
-                        // pattern's; exact count of bad bytes on mismatch.
-                        let ranges = layout.chunk_ranges(&blocks).expect("valid blocks");
-                        let crc = if from_receive {
-                            l.checksum
-                        } else {
+                        // Verify every landed byte: crc of the landed chunks against the
+                        // patterns'; exact count of bad bytes on mismatch (chunk by chunk).
+                        let want_all = (c0..c0 + k).fold(0u32, |crc, c| {
+                            kvferry::checksum::combine(crc, expected[r][c], chunk_bytes)
+                        });
+                        let landed_crc = |blocks: &[u32]| -> u32 {
                             let mut crc = 0u32;
-                            for (off, len) in &ranges {
+                            for (off, len) in layout.chunk_ranges(blocks).expect("valid blocks") {
                                 let piece = match &device_dst {
-                                    Some(_) => kvferry::checksum::checksum(&read(*off, *len)),
-                                    None => region.checksum(*off, *len).expect("in range"),
+                                    Some(_) => kvferry::checksum::checksum(&read(off, len)),
+                                    None => region.checksum(off, len).expect("in range"),
                                 };
-                                crc = kvferry::checksum::combine(crc, piece, *len);
+                                crc = kvferry::checksum::combine(crc, piece, len);
                             }
                             crc
                         };
-                        if crc != expected[r][c] {
-                            let want = pattern(r, c, chunk_bytes);
-                            let mut at = 0;
+                        let crc = if from_receive {
+                            l.checksum
+                        } else {
+                            blocks.iter().fold(0u32, |crc, b| {
+                                kvferry::checksum::combine(crc, landed_crc(b), chunk_bytes)
+                            })
+                        };
+                        if crc != want_all {
                             let mut bad = 0u64;
-                            for (off, len) in &ranges {
-                                let got = read(*off, *len);
-                                bad += got.iter().zip(&want[at..at + len]).filter(|(a, b)| a != b).count() as u64;
-                                at += len;
+                            for (i, b) in blocks.iter().enumerate() {
+                                let want = pattern(r, c0 + i, chunk_bytes);
+                                let mut at = 0;
+                                for (off, len) in layout.chunk_ranges(b).expect("valid blocks") {
+                                    let got = read(off, len);
+                                    bad += got.iter().zip(&want[at..at + len]).filter(|(a, b)| a != b).count() as u64;
+                                    at += len;
+                                }
                             }
                             corrupted.fetch_add(bad.max(1), Ordering::Relaxed);
                         }
                     }
                     Ok(_) => {
-                        errors.fetch_add(1, Ordering::Relaxed);
+                        errors.fetch_add(k as u64, Ordering::Relaxed);
                     }
                     Err(f) => {
-                        errors.fetch_add(1, Ordering::Relaxed);
+                        errors.fetch_add(k as u64, Ordering::Relaxed);
                         tracing::warn!("transfer failed: {}", f.error);
                         // The destination slot is reused only after the drain.
                         f.fence.wait().await;
                     }
                 }
-                bar.inc(chunk_bytes as u64);
+                bar.inc((k * chunk_bytes) as u64);
                 slots.lock().push(slot);
                 drop(permit);
             });
@@ -269,7 +289,7 @@ pub(super) async fn run(
             let pid = producers.pid;
             let limit = |verify| {
                 tokio::task::block_in_place(|| {
-                    cma_limit(pid, &chunks, cma_threads, args.in_flight, limit_bytes, verify)
+                    cma_limit(pid, &chunks, cma_threads, args.in_flight * k, limit_bytes, verify)
                 })
             };
             (cma, cma_verified) = match (limit(false), limit(true)) {
