@@ -234,12 +234,18 @@ fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
 }
 
 /// `--keys-per-get 2`: each transfer gets two consecutive chunks of one request into a
-/// two-chunk slot, on the same-host mover, the socket and the staged path; every chunk
-/// still moves once, lands right and is verified, and nothing leaks. A count that does
-/// not divide the chunks per request is refused by name.
+/// two-chunk slot, on the same-host mover, the socket and the staged path, and over
+/// more destination slots than transfers in flight (`--slots`); every chunk still moves
+/// once, lands right and is verified, and nothing leaks. A count that does not divide
+/// the chunks per request is refused by name.
 #[test]
 fn bench_json_keys_per_get_moves_whole_batches_and_refuses_a_bad_count() {
-    for extra in [vec![], vec!["--mover", "tcp"], vec!["--path", "staged"]] {
+    for extra in [
+        vec![],
+        vec!["--mover", "tcp"],
+        vec!["--path", "staged"],
+        vec!["--slots", "16"],
+    ] {
         let mut cmd = small_bench_json("4", "8MiB");
         cmd.args(["--keys-per-get", "2"]).args(&extra);
         let out = cmd.output().unwrap();
@@ -250,6 +256,8 @@ fn bench_json_keys_per_get_moves_whole_batches_and_refuses_a_bad_count() {
         );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["keys_per_get"], 2, "{extra:?}: {v}");
+        let slots = if extra.contains(&"--slots") { 16 } else { 4 };
+        assert_eq!(v["slots"], slots, "{extra:?}: {v}");
         let chunk = v["chunk_bytes"].as_u64().unwrap();
         assert_eq!(v["chunks"].as_u64().unwrap(), (8 << 20) / chunk, "{extra:?}: {v}");
         assert_eq!(

@@ -44,6 +44,13 @@ pub struct P2pBenchArgs {
     /// request.
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     pub keys_per_get: usize,
+    /// Destination slots the transfers rotate over, oldest free slot first (default:
+    /// one per transfer in flight). A few slots stay in the last-level cache; a real KV
+    /// cache does not: give enough for a destination as large as the source's working
+    /// set to measure landing in memory (e.g. 64 slots of 4 MiB = 256 MiB). The
+    /// one-copy limit writes a destination of the same size.
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
+    pub slots: Option<usize>,
     /// Total bytes to move (under --sweep: per point, at most 1GiB).
     #[arg(long, default_value = "4GiB")]
     pub bytes: ByteSize,
@@ -138,6 +145,7 @@ impl Default for P2pBenchArgs {
             requests: 32,
             chunks_per_request: 4,
             keys_per_get: 1,
+            slots: None,
             bytes: ByteSize(4 << 30),
             in_flight_arg: None,
             in_flight: 4,
@@ -210,5 +218,12 @@ impl std::fmt::Display for BenchPath {
             BenchPath::Staged => "staged",
             BenchPath::DeviceSim => "device-sim",
         })
+    }
+}
+
+impl P2pBenchArgs {
+    /// Destination slots: `--slots`, at least one per transfer in flight.
+    pub fn slot_count(&self) -> usize {
+        self.slots.unwrap_or(self.in_flight).max(self.in_flight)
     }
 }

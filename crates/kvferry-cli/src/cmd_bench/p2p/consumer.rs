@@ -1,8 +1,8 @@
 //! The consumer side of a point: one engine (over mutual TLS under `--tls`) and a
-//! destination with one slot of `keys per get × blocks per chunk` blocks per transfer
-//! in flight — a host KV cache made resident before the first round, or sim device
-//! memory of the same shape on the `device-sim` path — and the path transfers take
-//! (`staged` lands through staging pages, every other path is direct).
+//! destination of `--slots` slots (default: one per transfer in flight) of `keys per
+//! get × blocks per chunk` blocks each — a host KV cache made resident before the first
+//! round, or sim device memory of the same shape on the `device-sim` path — and the path
+//! transfers take (`staged` lands through staging pages, every other path is direct).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,7 +46,7 @@ pub(super) async fn start(args: &P2pBenchArgs, shape: &Shape, ca: Option<&Epheme
     } = *shape;
     let layout = KvLayout::preset(
         args.model.parse()?,
-        (args.in_flight * args.keys_per_get * bpc) as u32,
+        (args.slot_count() * args.keys_per_get * bpc) as u32,
         Arrangement::FullyContiguous,
     )?;
     let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);

@@ -19,6 +19,9 @@ pub struct Point {
     pub in_flight: usize,
     /// Chunks each transfer gets (`--keys-per-get`).
     pub keys_per_get: usize,
+    /// Destination slots the transfers rotate over (`--slots`), each of
+    /// `keys_per_get` chunks.
+    pub slots: usize,
     pub connections: usize,
     pub producers: usize,
     pub chunks: u64,

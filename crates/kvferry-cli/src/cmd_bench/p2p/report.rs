@@ -78,11 +78,13 @@ fn setup_line(p: &Point) -> String {
     } else {
         ""
     };
-    let batch = if p.keys_per_get > 1 {
-        format!("; {} chunks per get", p.keys_per_get)
-    } else {
-        String::new()
-    };
+    let mut batch = String::new();
+    if p.keys_per_get > 1 {
+        batch += &format!("; {} chunks per get", p.keys_per_get);
+    }
+    if p.slots > p.in_flight {
+        batch += &format!("; {} destination slots", p.slots);
+    }
     format!("path {path}{tls}{batch}; {staging}; crc32c: {}", p.checksum_impl)
 }
 

@@ -3,7 +3,8 @@
 //! connections (both sides measured the same way — best round against best run —
 //! interleaved, so a noisy moment of a shared machine does not fall on one side only).
 //! Transfers (each a `get` of `--keys-per-get` consecutive chunks of one request) run
-//! with `--in-flight` of them at once, each into a free destination slot, and every
+//! with `--in-flight` of them at once, each into the oldest free destination slot (of
+//! `--slots`), and every
 //! landed byte is verified against its request's pattern (the receive path's
 //! checksum, or the landed chunk re-read; bad bytes counted exactly on a mismatch). A
 //! failed transfer's slot is reused only after its drain fence.
@@ -122,7 +123,10 @@ pub(super) async fn run(
         );
         b
     };
-    let slots = Arc::new(parking_lot::Mutex::new((0..args.in_flight).collect::<Vec<usize>>()));
+    // Free destination slots, oldest first: every slot is written in turn.
+    let slots = Arc::new(parking_lot::Mutex::new(
+        (0..args.slot_count()).collect::<std::collections::VecDeque<usize>>(),
+    ));
     let sem = Arc::new(Semaphore::new(args.in_flight));
     let errors = Arc::new(AtomicU64::new(0));
     let corrupted = Arc::new(AtomicU64::new(0));
@@ -172,7 +176,7 @@ pub(super) async fn run(
                 rss_warm = rss_mib();
             }
             let permit = sem.clone().acquire_owned().await?;
-            let slot = slots.lock().pop().expect("a slot per permit");
+            let slot = slots.lock().pop_front().expect("a slot per permit");
             let (consumer, region, cache, device_dst, slots, errors, corrupted, latencies, expected, bar) = (
                 consumer.clone(),
                 region.clone(),
@@ -260,7 +264,7 @@ pub(super) async fn run(
                     }
                 }
                 bar.inc((k * chunk_bytes) as u64);
-                slots.lock().push(slot);
+                slots.lock().push_back(slot);
                 drop(permit);
             });
             while let Some(r) = tasks.try_join_next() {
@@ -289,7 +293,7 @@ pub(super) async fn run(
             let pid = producers.pid;
             let limit = |verify| {
                 tokio::task::block_in_place(|| {
-                    cma_limit(pid, &chunks, cma_threads, args.in_flight * k, limit_bytes, verify)
+                    cma_limit(pid, &chunks, cma_threads, args.slot_count() * k, limit_bytes, verify)
                 })
             };
             (cma, cma_verified) = match (limit(false), limit(true)) {
