@@ -1095,6 +1095,22 @@ async fn refused_requests_keep_the_connection_in_sync() {
             ErrorKind::StaleIncarnation,
             "incarnation".into(),
         ),
+        (
+            Message::PullMapped {
+                lease_id: 999_999,
+                incarnation: inc,
+            },
+            ErrorKind::UnknownLease,
+            "no lease 999999".into(),
+        ),
+        (
+            Message::PullMapped {
+                lease_id: 1,
+                incarnation: inc ^ 1,
+            },
+            ErrorKind::StaleIncarnation,
+            "incarnation".into(),
+        ),
     ];
     for (i, (msg, kind, needle)) in refused.iter().enumerate() {
         let id = 100 + i as u64;

@@ -11,7 +11,10 @@
 //!   checksums, on this mover as on the socket: `ChecksumMismatch`, never wrong bytes
 //!   reported landed;
 //! - `transport = tcp` on either side keeps every byte on the socket, and a
-//!   consumer that was refused says why.
+//!   consumer that was refused says why;
+//! - a delayed pull (`stage`, then `resolve`) of whole chunks is read the same way
+//!   (`PullMapped`), into the destination or staging pages, a prefix when the
+//!   destination takes fewer chunks, and the producer's lease ends with the `Done`.
 
 mod common;
 
@@ -99,11 +102,7 @@ async fn same_host_get_is_read_from_the_producers_memory_and_lands_exact() {
     // Everything released on both sides.
     let arena = p.decode.stats().arena;
     assert_eq!(arena.free_pages, arena.total_pages);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while p.prefill.stats().producer.staged_now > 0 {
-        assert!(Instant::now() < deadline, "the producer's leases were never released");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    leases_released(&p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,4 +239,103 @@ async fn a_grant_with_too_many_runs_to_name_goes_over_the_socket() {
     assert_eq!(stats.consumer.cma_transfers, 0);
     assert_eq!(stats.movers[0].mover, Mover::Cma, "the pair still qualifies");
     assert_eq!(p.prefill.stats().producer.bytes_sent, (N as usize * SMALL) as u64);
+}
+
+/// Waits until the producer holds no staged lease.
+async fn leases_released(p: &common::engines::Pair) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.prefill.stats().producer.staged_now > 0 {
+        assert!(Instant::now() < deadline, "the producer's leases were never released");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_pull_is_read_from_the_producers_memory_too() {
+    let p = pair_with(with_transport(Transport::Auto)).await;
+    let (_src, c) = cache("prefill-kv", Some(4));
+    let src = p.prefill.register(c).unwrap();
+    let (a, b) = (ChunkKey::from_name("pull/a"), ChunkKey::from_name("pull/b"));
+    p.prefill.publish(a, &src, &[3, 4], Duration::ZERO, false).unwrap();
+    p.prefill.publish(b, &src, &[7], Duration::ZERO, false).unwrap();
+    let store = ChunkKey::from_name("pull/store");
+    let stored = pattern(55, 2 * BLOCK);
+    p.prefill.put(store, &stored).unwrap();
+    let (out, c) = cache("decode-kv", None);
+    let dst = p.decode.register(c).unwrap();
+
+    // Published blocks, direct path.
+    let h = p.decode.stage(&p.addr, &[a, b], in_secs(5)).await.unwrap();
+    let d = Destination::new(dst.cache.clone(), vec![vec![10, 11], vec![12]]);
+    let landed = p.decode.resolve(h, d, in_secs(5)).await.unwrap();
+    assert_eq!((landed.chunks, landed.bytes), (2, 3 * BLOCK));
+    for (d, s) in [(10, 3), (11, 4), (12, 7)] {
+        assert!(
+            block(&out, d) == pattern(4000 + s, BLOCK),
+            "block {d} differs from source {s}"
+        );
+    }
+    let stats = p.decode.stats();
+    assert_eq!(stats.consumer.cma_transfers, 1, "read by the same-host mover");
+    assert_eq!(stats.consumer.cma_bytes, 3 * BLOCK as u64);
+    assert_eq!(p.prefill.stats().producer.bytes_sent, 0, "nothing on the socket");
+    leases_released(&p).await;
+
+    // A prefix: the destination takes the first chunk only; the lease still ends.
+    let h = p.decode.stage(&p.addr, &[b, a], in_secs(5)).await.unwrap();
+    let d = Destination::new(dst.cache.clone(), vec![vec![20]]);
+    let landed = p.decode.resolve(h, d, in_secs(5)).await.unwrap();
+    assert_eq!((landed.chunks, landed.bytes), (1, BLOCK));
+    assert!(block(&out, 20) == pattern(4007, BLOCK));
+    assert!(block(&out, 21) == vec![0u8; BLOCK], "nothing past the prefix written");
+    leases_released(&p).await;
+
+    // Store chunks (staged into the producer's pages), staged path on this side.
+    let h = p.decode.stage(&p.addr, &[store], in_secs(5)).await.unwrap();
+    let d = Destination::new(dst.cache.clone(), vec![vec![25, 26]]).with_path(TransferPath::Staged);
+    p.decode.resolve(h, d, in_secs(5)).await.unwrap();
+    assert!(out.to_vec(25 * BLOCK, 2 * BLOCK).unwrap() == stored);
+    assert_eq!(p.decode.stats().consumer.cma_transfers, 3);
+    assert_eq!(p.prefill.stats().producer.bytes_sent, 0, "nothing on the socket");
+    leases_released(&p).await;
+    let arena = p.decode.stats().arena;
+    assert_eq!(arena.free_pages, arena.total_pages);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_pull_catches_a_producer_writing_staged_blocks_and_tcp_keeps_it_on_the_socket() {
+    for transport in [Transport::Auto, Transport::Tcp] {
+        let p = pair_with(with_transport(transport)).await;
+        let (src_region, c) = cache("prefill-kv", Some(6));
+        let src = p.prefill.register(c).unwrap();
+        let (k, ok) = (ChunkKey::from_name("pull/rewritten"), ChunkKey::from_name("pull/ok"));
+        p.prefill.publish(k, &src, &[2, 3], Duration::ZERO, false).unwrap();
+        p.prefill.publish(ok, &src, &[5], Duration::ZERO, false).unwrap();
+        let (out, c) = cache("decode-kv", None);
+        let dst = p.decode.register(c).unwrap();
+        let h = p.decode.stage(&p.addr, &[k], in_secs(5)).await.unwrap();
+        // A buggy producer writes a staged (published) block before the pull.
+        src_region.write(2 * BLOCK + 7, b"overwritten after stage").unwrap();
+        let d = Destination::new(dst.cache.clone(), vec![vec![0, 1]]);
+        let failure = p.decode.resolve(h, d, in_secs(5)).await.unwrap_err();
+        assert!(
+            matches!(failure.error, PeerError::ChecksumMismatch { .. }),
+            "{transport}: {}",
+            failure.error
+        );
+        // A clean pull lands, by the mover the transport allows.
+        let h = p.decode.stage(&p.addr, &[ok], in_secs(5)).await.unwrap();
+        let d = Destination::new(dst.cache.clone(), vec![vec![8]]);
+        p.decode.resolve(h, d, in_secs(5)).await.unwrap();
+        assert!(block(&out, 8) == pattern(6005, BLOCK), "{transport}");
+        let (cma, sent) = (
+            p.decode.stats().consumer.cma_transfers,
+            p.prefill.stats().producer.bytes_sent,
+        );
+        match transport {
+            // The failed read counted too: it read, then failed verification.
+            Transport::Auto => assert_eq!((cma, sent), (2, 0), "{transport}"),
+            Transport::Tcp => assert_eq!((cma, sent), (0, 3 * BLOCK as u64), "{transport}"),
+        }
+    }
 }

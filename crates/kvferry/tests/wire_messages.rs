@@ -173,6 +173,7 @@ fn message() -> impl Strategy<Value = Message> {
                 shape: shape.map(|(blocks, pieces)| SelectedShape { blocks, pieces }),
                 runs,
             }),
+        (any::<u128>(), any::<u64>()).prop_map(|(lease_id, incarnation)| Message::PullMapped { lease_id, incarnation }),
     ]
 }
 

@@ -20,7 +20,8 @@
 //!   `GetDeviceMapped` → `StagedDeviceMapped` (the lease, checksums, the export of the
 //!   producer's device cache, and `(buffer, offset, length)` runs in it).
 //! - Mapped get (the CMA mover): `GetMapped` → `StagedMapped` (the lease and where its
-//!   bytes are); the consumer reads them itself, then `Done` → `DoneAck`.
+//!   bytes are); the consumer reads them itself, then `Done` → `DoneAck`. A delayed
+//!   pull by CMA: `PullMapped` (a lease from `Staged`) → `StagedMapped`, read, `Done`.
 //! - Liveness: `Ping` → `Pong`.
 //! - Release without pulling: `Release` → `ReleaseAck` (a consumer that will not pull
 //!   `once` publications tells the producer to free them; nothing is staged).
@@ -413,6 +414,17 @@ pub enum Message {
         /// `(buffer, offset, length)` runs whose concatenation is the stream.
         runs: Vec<(u32, u64, u64)>,
     },
+    /// Delayed pull of a staged lease (from [`Message::Staged`], whole chunks) whose
+    /// bytes the consumer reads itself from the producer's memory (the CMA mover).
+    /// Reply: [`Message::StagedMapped`] naming where the lease's bytes are (its chunks
+    /// as staged); the consumer reads them and sends `Done`. A lease of a selection is
+    /// refused (`BadRequest`): it is pulled over the socket.
+    PullMapped {
+        /// The staged lease.
+        lease_id: LeaseId,
+        /// The producer incarnation that granted it.
+        incarnation: u64,
+    },
 }
 
 impl Message {
@@ -507,6 +519,7 @@ impl Message {
             | Message::Welcome
             | Message::LookupReply { .. }
             | Message::Pull { .. }
+            | Message::PullMapped { .. }
             | Message::PullDone { .. }
             | Message::Done { .. }
             | Message::DoneAck
@@ -552,6 +565,7 @@ impl Message {
             Message::DeviceIpcOffer { .. } => "DeviceIpcOffer",
             Message::GetDeviceMapped { .. } => "GetDeviceMapped",
             Message::StagedDeviceMapped { .. } => "StagedDeviceMapped",
+            Message::PullMapped { .. } => "PullMapped",
         }
     }
 }

@@ -45,6 +45,7 @@ use super::device_ipc::DeviceGrant;
 use super::one_sided::{check_fits, check_granted_keys, count_landed, verify_landed};
 use super::shared::unexpected;
 use super::transfer::{Mapped, Sink, TransferCtx};
+use super::types::StagedHandle;
 use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
 use crate::device::KvCacheRef;
 use crate::mem::HostMemory;
@@ -294,6 +295,76 @@ impl TransferCtx<'_> {
             }
             _ => return Err(protocol("a mapped grant's shape does not match the request")),
         }
+        self.read_granted(conn, chunks, runs, sink, caps, pid).await
+    }
+
+    /// A delayed pull of `handle` (a staged lease of whole chunks) on `conn` (request
+    /// `id`) by CMA: the producer names where the lease's bytes are and the copy
+    /// engine reads them into `sink`, as [`receive_mapped`](Self::receive_mapped)
+    /// does. `Mapped::Socket` when the producer will not name them (too many runs, or
+    /// a lease it pulls over the socket only): nothing was read, pull it on the same
+    /// connection. The caller has set the lease to release.
+    pub(super) async fn pull_mapped(
+        &mut self,
+        conn: &mut PooledConnection,
+        id: u64,
+        handle: &StagedHandle,
+        sink: &mut Sink,
+        caps: &[usize],
+        pid: u32,
+    ) -> Result<Mapped, PeerError> {
+        let msg = Message::PullMapped {
+            lease_id: handle.lease_id,
+            incarnation: handle.incarnation,
+        };
+        conn.send(id, &msg).await?;
+        let reply = match conn.recv_reply(id).await {
+            Err(NetError::Remote {
+                kind: kind @ (ErrorKind::TooLarge | ErrorKind::BadRequest),
+                message,
+            }) => {
+                tracing::debug!(target: "kvferry::peer", ?kind, reason = %message, "mapped pull refused: over the socket");
+                return Ok(Mapped::Socket);
+            }
+            other => other?,
+        };
+        let Message::StagedMapped {
+            lease_id,
+            chunks,
+            shape: None,
+            runs,
+            ..
+        } = reply
+        else {
+            return Err(unexpected("StagedMapped", &reply));
+        };
+        // The grant is the lease staged earlier, chunk for chunk.
+        if lease_id != handle.lease_id || chunks != handle.chunks {
+            return Err(PeerError::Net(NetError::Protocol(
+                "a mapped pull's grant is not the staged lease".into(),
+            )));
+        }
+        // The destination may take a prefix of the staged chunks (as a socket pull).
+        let take = chunks.len().min(caps.len());
+        let total: u64 = chunks[..take].iter().map(|c| c.len).sum();
+        let runs = prefix_runs(runs, total);
+        let chunks = chunks.into_iter().take(take).collect();
+        self.read_granted(conn, chunks, runs, sink, caps, pid).await
+    }
+
+    /// Reads granted `chunks` (their bytes at `runs` of process `pid`) into `sink`,
+    /// verifies every chunk, and sends `Done`.
+    async fn read_granted(
+        &mut self,
+        conn: &mut PooledConnection,
+        chunks: Vec<ChunkMeta>,
+        runs: Vec<(u64, u64)>,
+        sink: &mut Sink,
+        caps: &[usize],
+        pid: u32,
+    ) -> Result<Mapped, PeerError> {
+        let inner = &self.consumer.inner;
+        let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
         let source = RemoteSource::new(pid, runs).map_err(PeerError::Copy)?;
         let total: u64 = chunks.iter().map(|c| c.len).sum();
         if source.size() as u64 != total {
@@ -387,6 +458,21 @@ impl TransferCtx<'_> {
         }
         Ok(out)
     }
+}
+
+/// The leading runs of `runs` holding its first `total` bytes (the last one cut).
+fn prefix_runs(runs: Vec<(u64, u64)>, total: u64) -> Vec<(u64, u64)> {
+    let mut left = total;
+    let mut out = Vec::with_capacity(runs.len());
+    for (addr, len) in runs {
+        if left == 0 {
+            break;
+        }
+        let take = len.min(left);
+        out.push((addr, take));
+        left -= take;
+    }
+    out
 }
 
 /// A failed read as the transfer reports it: the producer gone (its process exited,

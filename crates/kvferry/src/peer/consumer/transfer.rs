@@ -424,6 +424,23 @@ impl TransferCtx<'_> {
             }
             Request::Pull { handle } => {
                 self.lease_to_release = Some(handle.lease_id);
+                // Same host: whole staged chunks may be read from the producer's
+                // memory (a staged selection is pulled over the socket).
+                if handle.selection.is_none() {
+                    let peer = self.pool.addr().to_string();
+                    if let Some(pid) = self.consumer.cma_on(&peer, &mut conn).await? {
+                        id = conn.next_request_id(); // past the probe's, if one was sent
+                        match self.pull_mapped(&mut conn, id, &handle, sink, caps, pid).await? {
+                            Mapped::Landed { chunks, reuse } => {
+                                if reuse {
+                                    conn.finish();
+                                }
+                                return Ok(chunks);
+                            }
+                            Mapped::Socket => id = conn.next_request_id(),
+                        }
+                    }
+                }
                 if let Some(s) = &handle.selection {
                     self.plan_landing(&handle.chunks, &s.shape)?;
                 }

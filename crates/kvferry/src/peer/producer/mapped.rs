@@ -12,6 +12,12 @@
 //! the memory the runs name stays pinned and mapped. Nothing on this side runs during
 //! the read: the consumer's kernel reads this process's pages.
 //!
+//! A delayed pull goes the same way (`PullMapped` → `StagedMapped`) for a lease staged
+//! earlier by `Stage`, of whole chunks: the reply names the lease's memory, and the
+//! lease stays a delayed pull's (not tied to the connection; ended by `Done` or its
+//! TTL, pulled again after a failed read). A staged selection is pulled over the
+//! socket.
+//!
 //! # Never corrupt, here
 //!
 //! The consumer verifies every chunk against the checksums in the reply, which were
@@ -51,6 +57,32 @@ use crate::peer::mover::{device_ipc_kinds, Transport};
 use crate::peer::publish::{PubSource, Publication};
 use crate::peer::quota::Holder;
 use crate::wire::{ChunkKey, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, SelectedShape, MAX_MAPPED_RUNS};
+
+/// The `(address, length)` runs of this process's memory whose concatenation is
+/// `lease`'s stream (adjacent parts merged), or `TooLarge` when one reply cannot name
+/// them all (the consumer then uses the socket).
+fn memory_runs(lease: &StagedLease) -> Result<Vec<(u64, u64)>, (ErrorKind, String)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for i in 0..lease.chunks.len() {
+        let parts = lease.parts(i).map_err(|e| (ErrorKind::Internal, e.to_string()))?;
+        for p in parts.iter().filter(|p| !p.is_empty()) {
+            let (addr, len) = (p.as_ptr() as u64, p.len() as u64);
+            match runs.last_mut() {
+                // Contiguous with the previous run: one run (fewer iovecs).
+                Some((a, l)) if *a + *l == addr => *l += len,
+                _ => runs.push((addr, len)),
+            }
+        }
+    }
+    if runs.len() > MAX_MAPPED_RUNS {
+        let why = format!(
+            "the grant needs {} memory runs, over the {MAX_MAPPED_RUNS} one reply may name; get it over the socket",
+            runs.len()
+        );
+        return Err((ErrorKind::TooLarge, why));
+    }
+    Ok(runs)
+}
 
 impl Producer {
     /// What this producer offers a consumer whose boot id is `theirs`.
@@ -103,30 +135,8 @@ impl Producer {
             });
         }
         let sending = self.check_out(lease_id, who, Some(conn))?;
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for i in 0..sending.lease().chunks.len() {
-            let parts = sending
-                .lease()
-                .parts(i)
-                .map_err(|e| (ErrorKind::Internal, e.to_string()))?;
-            for p in parts.iter().filter(|p| !p.is_empty()) {
-                let (addr, len) = (p.as_ptr() as u64, p.len() as u64);
-                match runs.last_mut() {
-                    // Contiguous with the previous run: one run (fewer iovecs).
-                    Some((a, l)) if *a + *l == addr => *l += len,
-                    _ => runs.push((addr, len)),
-                }
-            }
-        }
-        if runs.len() > MAX_MAPPED_RUNS {
-            // The guard drops: the lease ends, as a failed eager send's does.
-            drop(sending);
-            let why = format!(
-                "the grant needs {} memory runs, over the {MAX_MAPPED_RUNS} one reply may name; get it over the socket",
-                runs.len()
-            );
-            return Err((ErrorKind::TooLarge, why));
-        }
+        // On an error the guard drops: the lease ends, as a failed eager send's does.
+        let runs = memory_runs(sending.lease())?;
         sending.check_in();
         Ok(Message::StagedMapped {
             lease_id,
@@ -135,6 +145,43 @@ impl Producer {
             shape,
             runs,
         })
+    }
+
+    /// The reply to a `PullMapped` of staged lease `lease_id` granted by incarnation
+    /// `incarnation`: where its chunks' bytes are. The lease stays as a delayed pull's
+    /// does (until `Done` or its TTL; a failed read may be pulled again), and is not
+    /// tied to this connection. A lease of a selection, or one whose memory needs more
+    /// runs than a reply may name, is refused: the consumer pulls it over the socket.
+    pub(super) fn map_pull(
+        &self,
+        lease_id: LeaseId,
+        incarnation: u64,
+        who: &Who,
+    ) -> Result<Message, (ErrorKind, String)> {
+        if incarnation != self.inner.incarnation {
+            let m = format!(
+                "lease from incarnation {incarnation:#x}, this is {:#x}",
+                self.inner.incarnation
+            );
+            return Err((ErrorKind::StaleIncarnation, m));
+        }
+        let sending = self.check_out(lease_id, who, None)?;
+        let lease = sending.lease();
+        if matches!(lease.data, StagedData::Selected { .. } | StagedData::Device { .. }) {
+            let m = format!("lease {lease_id} holds a selection: pull it over the socket");
+            sending.check_in();
+            return Err((ErrorKind::BadRequest, m));
+        }
+        let reply = memory_runs(lease).map(|runs| Message::StagedMapped {
+            lease_id,
+            incarnation,
+            chunks: lease.chunks.clone(),
+            shape: None,
+            runs,
+        });
+        // Kept either way: a delayed pull may be retried, over the socket too.
+        sending.check_in();
+        reply
     }
 
     /// What this producer offers a consumer (already on CMA) that can open device

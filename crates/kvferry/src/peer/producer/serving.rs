@@ -249,6 +249,10 @@ impl Producer {
                     Err((kind, message)) => refuse(conn, id, kind, message).await,
                 }
             }
+            Message::PullMapped { lease_id, incarnation } => match self.map_pull(lease_id, incarnation, &who) {
+                Ok(reply) => conn.send(id, &reply).await,
+                Err((kind, message)) => refuse(conn, id, kind, message).await,
+            },
             Message::DeviceIpcHello { kinds } => conn.send(id, &self.device_ipc_offer(&kinds)).await,
             Message::GetDeviceMapped { keys, ttl_ms, kind } => {
                 if keys.is_empty() {
