@@ -7,19 +7,18 @@
 //! # Cancellation
 //!
 //! [`TransferCtx::done_after_landing`] awaits one request on the transfer's
-//! connection. Dropped mid-request, the lease stays in `lease_to_release` or is already
-//! released: either way the producer's grace or TTL ends it, never a read (every read
-//! has returned before this is called).
+//! connection (see [`TransferCtx::release_on`]). Dropped mid-request, the lease stays
+//! in `lease_to_release` or is already released: either way the producer's grace or
+//! TTL ends it, never a read (every read has returned before this is called).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::super::error::PeerError;
 use super::client::Counters;
-use super::shared::unexpected;
 pub(super) use super::shared::verify_landed;
 use super::transfer::{Mapped, TransferCtx};
 use crate::net::{NetError, PooledConnection};
-use crate::wire::{ChunkKey, ChunkMeta, Message};
+use crate::wire::{ChunkKey, ChunkMeta};
 
 /// A producer's grant names the requested keys, in order (a selected stream's frames
 /// are checked by its landing plan instead).
@@ -56,25 +55,15 @@ pub(super) fn count_landed(counters: &Counters, transfers: &AtomicU64, bytes: &A
 }
 
 impl TransferCtx<'_> {
-    /// Every byte of `chunks` is in place and verified: release the producer's lease on
-    /// the same connection, as the socket receive does. A `Done` that cannot be sent
-    /// leaves the lease to the producer's grace or TTL, and the connection is not
-    /// reused.
+    /// Every byte of `chunks` is in place and verified: release the producer's lease
+    /// with `Done` on the same connection, as the socket receive does
+    /// ([`TransferCtx::release_on`]).
     pub(super) async fn done_after_landing(
         &mut self,
         conn: &mut PooledConnection,
         chunks: Vec<ChunkMeta>,
     ) -> Result<Mapped, PeerError> {
-        if let Some(lease_id) = self.lease_to_release.take() {
-            match conn.request(&Message::Done { lease_id }).await {
-                Ok(Message::DoneAck) => {}
-                Ok(other) => return Err(unexpected("DoneAck", &other)),
-                Err(e) => {
-                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
-                    return Ok(Mapped::Landed { chunks, reuse: false });
-                }
-            }
-        }
-        Ok(Mapped::Landed { chunks, reuse: true })
+        let reuse = self.release_on(conn).await?;
+        Ok(Mapped::Landed { chunks, reuse })
     }
 }

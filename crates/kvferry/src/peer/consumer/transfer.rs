@@ -526,26 +526,41 @@ impl TransferCtx<'_> {
             Message::PullDone { .. } => {}
             other => return Err(unexpected("PullDone", &other)),
         }
-        // Every byte is here: the producer's copy is no longer needed. Release it on
-        // the same connection (no second checkout on the hot path).
-        if let Some(lease_id) = self.lease_to_release.take() {
-            match conn.request(&Message::Done { lease_id }).await {
-                Ok(Message::DoneAck) => {}
-                Ok(other) => return Err(unexpected("DoneAck", &other)),
-                // Not fatal for this transfer: the bytes are here; the producer's TTL
-                // releases its pages.
-                Err(e) => {
-                    tracing::debug!(target: "kvferry::peer", "Done failed, producer TTL will release: {e}");
-                    return Ok(chunks);
-                }
-            }
+        // Every byte is here: the producer's copy is no longer needed.
+        if self.release_on(&mut conn).await? {
+            conn.finish();
         }
-        conn.finish();
         Ok(chunks)
     }
 }
 
 impl TransferCtx<'_> {
+    /// Every byte is in place and verified: releases the producer's lease (if the
+    /// transfer holds one) with `Done` on `conn`, the transfer's own connection (no
+    /// second checkout on the hot path). Returns whether `conn` may go back to the
+    /// pool: a `Done` that could not be sent or answered is not fatal (the bytes are
+    /// here; the producer's grace or TTL releases its pages) but the connection is not
+    /// reused; an unexpected reply is a protocol error.
+    ///
+    /// # Cancellation
+    ///
+    /// Awaits one request. Dropped mid-request, the lease is already released or is
+    /// left to the producer's grace or TTL; every byte has landed before this is
+    /// called, so nothing writes the destination after.
+    pub(super) async fn release_on(&mut self, conn: &mut PooledConnection) -> Result<bool, PeerError> {
+        if let Some(lease_id) = self.lease_to_release.take() {
+            match conn.request(&Message::Done { lease_id }).await {
+                Ok(Message::DoneAck) => {}
+                Ok(other) => return Err(unexpected("DoneAck", &other)),
+                Err(e) => {
+                    tracing::debug!(target: "kvferry::peer", "Done failed, producer grace or TTL will release: {e}");
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// Counts a received frame and checks its checksum against the announced one.
     fn verify(&self, meta: &ChunkMeta, received: Result<u32, NetError>) -> Result<(), PeerError> {
         let actual = match received {
