@@ -12,6 +12,8 @@
 //! - a dropped (cancelled) transfer's fence fires only after its copy settled;
 //! - a producer that rewrites its published blocks mid-copy is a checksum error, never
 //!   wrong bytes reported landed;
+//! - a device-IPC copy takes no staging pages: it lands with the consumer's arena
+//!   exhausted, where the staged device path is refused `StagingExhausted`;
 //! - `transport = tcp` keeps the staged device path;
 //! - a producer that restarts (new incarnation, same address) is opened again;
 //! - two processes (this test binary re-run as the producer): bytes land from the
@@ -198,6 +200,37 @@ async fn device_ipc_lands_every_byte_and_is_named_in_stats() {
     }
     assert_eq!(r.decode.stats().arena.free_pages, r.decode.stats().arena.total_pages);
     r.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_ipc_needs_no_staging_pages() {
+    for transport in [Transport::Auto, Transport::Tcp] {
+        let r = rig(transport, Duration::from_secs(2)).await;
+        // Every staging page of the consumer is held elsewhere.
+        let arena = r.decode.arena();
+        let held = arena.try_alloc(arena.stats().free_pages).unwrap();
+        assert_eq!(arena.stats().free_pages, 0);
+        let got = r.get(vec![10, 11, 12], Duration::from_secs(5)).await;
+        match transport {
+            Transport::Auto => {
+                let landed = got.unwrap();
+                assert_eq!(landed.chunks, 1);
+                assert_eq!(read_block(&r.dst, 11), pattern(1, 2));
+                assert_eq!(r.decode.stats().consumer.device_ipc_transfers, 1);
+            }
+            _ => {
+                let failure = got.unwrap_err();
+                assert!(
+                    matches!(failure.error, PeerError::StagingExhausted { .. }),
+                    "{}",
+                    failure.error
+                );
+            }
+        }
+        drop(held);
+        assert_eq!(arena.stats().free_pages, arena.stats().total_pages, "{transport}");
+        r.close().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

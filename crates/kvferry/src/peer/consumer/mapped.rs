@@ -215,6 +215,11 @@ impl TransferCtx<'_> {
             }),
             _ => None,
         };
+        // Device IPC copies in place; every other grant lands through staging pages
+        // (a device destination's, taken now), before the request.
+        if device.is_none() {
+            self.take_staging(sink, caps)?;
+        }
         let msg = match device {
             Some(kind) => Message::GetDeviceMapped {
                 keys: keys.to_vec(),
@@ -284,6 +289,9 @@ impl TransferCtx<'_> {
         if lease_id != 0 {
             self.lease_to_release = Some(lease_id);
         }
+        // Asked for device IPC but granted memory to read: through staging (the lease
+        // is released if there is none to take).
+        self.take_staging(sink, caps)?;
         if chunks.is_empty() {
             return Ok(Mapped::Landed { chunks, reuse: true });
         }
@@ -313,6 +321,7 @@ impl TransferCtx<'_> {
         caps: &[usize],
         pid: u32,
     ) -> Result<Mapped, PeerError> {
+        self.take_staging(sink, caps)?;
         let msg = Message::PullMapped {
             lease_id: handle.lease_id,
             incarnation: handle.incarnation,
@@ -380,7 +389,7 @@ impl TransferCtx<'_> {
                 self.dirty = true;
                 (Endpoint::Memory(memory), None)
             }
-            Sink::Lent => return Err(protocol("staging pages already lent")),
+            Sink::Lent | Sink::Deferred => return Err(protocol("staging pages already lent")),
         };
         let mut plan = CopyPlan::new(Endpoint::Remote(source), dst);
         let (mut at, mut ends, mut groups) = (0usize, Vec::new(), Vec::new());
@@ -453,7 +462,7 @@ impl TransferCtx<'_> {
             out.push(match sink {
                 Sink::Staging { offsets, .. } => vec![(offsets[i], len)],
                 Sink::Direct(cache) => cache.chunk_ranges(&self.dst.chunks[i], len)?,
-                Sink::Lent => Vec::new(),
+                Sink::Lent | Sink::Deferred => Vec::new(),
             });
         }
         Ok(out)

@@ -62,8 +62,13 @@ pub(super) enum Sink {
     /// Straight into the destination blocks of a host cache (a device cache is
     /// always staged, so only a host cache is ever a direct sink).
     Direct(Arc<KvCache>),
-    /// The staging pages are lent to a same-host read (`mapped`) in progress.
+    /// The staging pages are lent to a same-host read (`mapped`) in progress, or a
+    /// device-IPC copy landed the chunks in place (nothing to land from staging).
     Lent,
+    /// A device destination's staging, not taken yet: a device-IPC copy needs none,
+    /// so the pages are taken only when the bytes come by the socket or by CMA
+    /// ([`TransferCtx::take_staging`]).
+    Deferred,
 }
 
 /// Everything one transfer needs, owned by its task.
@@ -240,21 +245,14 @@ impl TransferCtx<'_> {
             Some((total, _)) => vec![total],
             None => (0..nchunks).map(|i| self.dst.capacity(i)).collect(),
         };
-        // 1. Staged path: receiver staging for every chunk first, or the request is a miss.
+        // 1. Staged path: receiver staging for every chunk first, or the request is a
+        // miss. A device destination takes its staging only when the bytes do not come
+        // by device IPC (which copies in place), still before the request that sends
+        // them.
         let mut sink = match (&self.dst.target, self.dst.effective_path()) {
             (KvCacheRef::Host(cache), TransferPath::Direct) => Sink::Direct(cache.clone()),
-            _ => {
-                let offsets: Vec<usize> = caps
-                    .iter()
-                    .scan(0, |at, c| Some(std::mem::replace(at, *at + c)))
-                    .collect();
-                let pages = inner.arena.pages_for(caps.iter().sum());
-                let lease = inner.arena.try_alloc(pages).map_err(|_| PeerError::StagingExhausted {
-                    needed: pages,
-                    free: inner.arena.stats().free_pages,
-                })?;
-                Sink::Staging { lease, offsets }
-            }
+            (KvCacheRef::Device(_), _) => Sink::Deferred,
+            _ => self.staging_sink(&caps)?,
         };
 
         // 2. Receive (a cancel — the caller's, or `run_fenced` at the deadline — drops
@@ -376,6 +374,7 @@ impl TransferCtx<'_> {
                         Mapped::Socket => id = conn.next_request_id(),
                     }
                 }
+                self.take_staging(sink, caps)?;
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
                 let selected = select.is_some();
                 let msg = match select {
@@ -441,6 +440,7 @@ impl TransferCtx<'_> {
                         }
                     }
                 }
+                self.take_staging(sink, caps)?;
                 if let Some(s) = &handle.selection {
                     self.plan_landing(&handle.chunks, &s.shape)?;
                 }
@@ -488,7 +488,7 @@ impl TransferCtx<'_> {
                         let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
                         conn.recv_bulk(id, &mut parts).await
                     }
-                    Sink::Lent => return Err(lent()),
+                    Sink::Lent | Sink::Deferred => return Err(lent()),
                 };
                 self.verify(meta, received)?;
                 continue;
@@ -516,7 +516,7 @@ impl TransferCtx<'_> {
                     let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
                     conn.recv_bulk(id, &mut parts).await
                 }
-                Sink::Lent => return Err(lent()),
+                Sink::Lent | Sink::Deferred => return Err(lent()),
             };
             self.verify(meta, received)?;
         }
@@ -535,6 +535,31 @@ impl TransferCtx<'_> {
 }
 
 impl TransferCtx<'_> {
+    /// Staging pages for every chunk (chunk `i` at `offsets[i]`, `caps[i]` bytes), or
+    /// `StagingExhausted`.
+    fn staging_sink(&self, caps: &[usize]) -> Result<Sink, PeerError> {
+        let arena = &self.consumer.inner.arena;
+        let offsets: Vec<usize> = caps
+            .iter()
+            .scan(0, |at, c| Some(std::mem::replace(at, *at + c)))
+            .collect();
+        let pages = arena.pages_for(caps.iter().sum());
+        let lease = arena.try_alloc(pages).map_err(|_| PeerError::StagingExhausted {
+            needed: pages,
+            free: arena.stats().free_pages,
+        })?;
+        Ok(Sink::Staging { lease, offsets })
+    }
+
+    /// Takes a deferred sink's staging pages (any other sink is left as it is): called
+    /// before a request whose bytes land through staging.
+    pub(super) fn take_staging(&self, sink: &mut Sink, caps: &[usize]) -> Result<(), PeerError> {
+        if matches!(sink, Sink::Deferred) {
+            *sink = self.staging_sink(caps)?;
+        }
+        Ok(())
+    }
+
     /// Every byte is in place and verified: releases the producer's lease (if the
     /// transfer holds one) with `Done` on `conn`, the transfer's own connection (no
     /// second checkout on the hot path). Returns whether `conn` may go back to the
