@@ -335,7 +335,9 @@ async fn a_delayed_pull_catches_a_producer_writing_staged_blocks_and_tcp_keeps_i
         match transport {
             // The failed read counted too: it read, then failed verification.
             Transport::Auto => assert_eq!((cma, sent), (2, 0), "{transport}"),
-            Transport::Tcp => assert_eq!((cma, sent), (0, 3 * BLOCK as u64), "{transport}"),
+            // The clean pull's block went on the socket (the failed pull's bytes
+            // count only as far as its send got before the consumer hung up).
+            Transport::Tcp => assert!(cma == 0 && sent >= BLOCK as u64, "{transport}: {cma}, {sent}"),
         }
     }
 }
