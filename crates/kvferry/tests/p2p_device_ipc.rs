@@ -14,6 +14,10 @@
 //!   wrong bytes reported landed;
 //! - a device-IPC copy takes no staging pages: it lands with the consumer's arena
 //!   exhausted, where the staged device path is refused `StagingExhausted`;
+//! - a selected get (a subset of blocks, half of every per-layer piece: heterogeneous
+//!   TP's head split) lands by device IPC, only the selected ranges copied, the same
+//!   bytes as the staged path lands; a selection the producer cannot serve is its
+//!   typed `BadSelection`, and the next get still lands;
 //! - `transport = tcp` keeps the staged device path;
 //! - a producer that restarts (new incarnation, same address) is opened again;
 //! - two processes (this test binary re-run as the producer): bytes land from the
@@ -28,9 +32,10 @@ use std::time::Duration;
 
 use common::child::{line_after, spawn_self_test};
 use kvferry::device::{Device, DeviceKvCache, Fault, FaultRule, SimConfig, SimDevice, Trigger};
-use kvferry::engine::{Engine, EngineConfig};
+use kvferry::engine::{Engine, EngineConfig, Selection};
+use kvferry::layout::Span;
 use kvferry::peer::{Destination, Mover, PeerError, Transport};
-use kvferry::wire::ChunkKey;
+use kvferry::wire::{ChunkKey, ErrorKind};
 use tokio::time::Instant;
 
 const BLOCK: usize = 16 << 10;
@@ -231,6 +236,124 @@ async fn device_ipc_needs_no_staging_pages() {
         assert_eq!(arena.stats().free_pages, arena.stats().total_pages, "{transport}");
         r.close().await;
     }
+}
+
+/// Pieces per block of the layered caches (2 layers, K and V).
+const PIECES: usize = 4;
+
+/// A layered device cache on `dev`: piece `p` of block `b` at `(p * BLOCKS + b) *
+/// piece` of one buffer.
+fn layered(dev: &Arc<SimDevice>, name: &str, piece: usize) -> Arc<DeviceKvCache> {
+    let d: Arc<dyn Device> = dev.clone();
+    let buf = d.alloc(PIECES * BLOCKS as usize * piece).unwrap();
+    let spans = (0..PIECES)
+        .map(|p| Span {
+            offset: p * BLOCKS as usize * piece,
+            stride: piece,
+            len: piece,
+        })
+        .collect();
+    Arc::new(DeviceKvCache::new(name, d, vec![(buf, spans)], BLOCKS, Duration::from_secs(2)).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_selected_get_lands_by_device_ipc_only_the_selected_ranges() {
+    let piece = 4 << 10;
+    let half = piece / 2;
+    let key = ChunkKey::from_name("ipc/selected");
+    // Source blocks 5, 6, 7 published; the decode wants positions 2 and 0 (blocks 7
+    // and 5), the second half of every piece (its share of the heads), into its
+    // blocks 1 and 4 of half-size pieces.
+    let select = Selection::new(Some(vec![2, 0]), Some(vec![(half, half)]), None).unwrap();
+    let mut landed_by = Vec::new();
+    for transport in [Transport::Auto, Transport::Tcp] {
+        let prefill = engine(Some("127.0.0.1:0"), Transport::Auto).await;
+        let decode = engine(None, transport).await;
+        let src = layered(&sim(0, true), "prefill-kv", piece);
+        let src_bytes: Vec<u8> = (0..PIECES * BLOCKS as usize * piece)
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_right(13) as u8)
+            .collect();
+        src.buffers()[0].write(0, &src_bytes).unwrap();
+        let reg = prefill.register(src.clone()).unwrap();
+        prefill.publish(key, &reg, &[5, 6, 7], Duration::ZERO, false).unwrap();
+        let addr = prefill.address().unwrap().to_string();
+        let dst = layered(&sim(1, false), "decode-kv", half);
+        let keys = [key];
+        let get = |blocks: Vec<u32>, select: Selection| {
+            decode.get(
+                &addr,
+                &keys,
+                Destination::new(dst.clone(), vec![blocks]).with_selection(Some(select)),
+                in_secs(5),
+            )
+        };
+        // A selection the producer cannot serve (position 9 of 3 blocks): its typed
+        // refusal, nothing staged, nothing written.
+        let bad = Selection::new(Some(vec![9]), None, None).unwrap();
+        let f = get(vec![2], bad).await.unwrap_err();
+        match &f.error {
+            PeerError::Remote {
+                kind: ErrorKind::BadSelection,
+                message,
+            } => assert!(message.contains("block position 9 of 3"), "{message}"),
+            other => panic!("{transport}: expected the producer's BadSelection, got {other:?}"),
+        }
+        assert!(!f.dirty, "{transport}: nothing was written");
+        // The selected get.
+        let landed = get(vec![1, 4], select.clone()).await.unwrap();
+        let selected = 2 * PIECES * half;
+        assert_eq!((landed.chunks, landed.bytes), (1, selected), "{transport}");
+        let got = dst.buffers()[0].to_vec(0, PIECES * BLOCKS as usize * half).unwrap();
+        for (sb, db) in [(7usize, 1usize), (5, 4)] {
+            for p in 0..PIECES {
+                let s_at = (p * BLOCKS as usize + sb) * piece + half;
+                let d_at = (p * BLOCKS as usize + db) * half;
+                assert_eq!(
+                    &got[d_at..d_at + half],
+                    &src_bytes[s_at..s_at + half],
+                    "{transport}: block {sb} piece {p}"
+                );
+            }
+        }
+        for db in (0..BLOCKS as usize).filter(|b| ![1, 4].contains(b)) {
+            for p in 0..PIECES {
+                let d_at = (p * BLOCKS as usize + db) * half;
+                assert!(
+                    got[d_at..d_at + half].iter().all(|b| *b == 0),
+                    "{transport}: block {db} piece {p} untouched"
+                );
+            }
+        }
+        let stats = decode.stats().consumer;
+        match transport {
+            Transport::Auto => {
+                assert_eq!(stats.device_ipc_transfers, 1, "{stats:?}");
+                assert_eq!(stats.device_ipc_bytes, selected as u64, "only the selection copied");
+                assert_eq!(stats.cma_transfers, 0, "not read through staging");
+                assert_eq!(prefill.stats().producer.bytes_sent, 0, "nothing on the socket");
+            }
+            _ => {
+                assert_eq!(stats.device_ipc_transfers, 0, "{stats:?}");
+                assert_eq!(prefill.stats().producer.bytes_sent, selected as u64);
+            }
+        }
+        landed_by.push(got);
+        let t = in_secs(5);
+        while prefill.stats().producer.staged_now > 0 {
+            assert!(
+                Instant::now() < t,
+                "{transport}: the producer's leases were never released"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for e in [prefill, decode] {
+            assert!(e.close(in_secs(5)).await.is_clean());
+        }
+    }
+    assert!(
+        landed_by[0] == landed_by[1],
+        "device IPC and the staged path land the same bytes"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -174,6 +174,38 @@ fn message() -> impl Strategy<Value = Message> {
                 runs,
             }),
         (any::<u128>(), any::<u64>()).prop_map(|(lease_id, incarnation)| Message::PullMapped { lease_id, incarnation }),
+        (keys(), any::<u32>(), "[a-z-]{0,12}", proptest::option::of(selection())).prop_map(
+            |(keys, ttl_ms, kind, select)| Message::GetDeviceMapped {
+                keys,
+                ttl_ms,
+                kind,
+                select
+            }
+        ),
+        (
+            (any::<u128>(), any::<u64>(), vec(chunk_meta(), 0..10)),
+            (
+                any::<u64>(),
+                "[a-z-]{0,12}",
+                vec((vec(any::<u8>(), 0..16), any::<u64>()), 0..4)
+            ),
+            proptest::option::of((0u32..1000, vec(any::<u64>(), 0..20))),
+            vec((any::<u32>(), any::<u64>(), any::<u64>()), 0..20)
+        )
+            .prop_map(
+                |((lease_id, incarnation, chunks), (export_id, kind, buffers), shape, runs)| {
+                    Message::StagedDeviceMapped {
+                        lease_id,
+                        incarnation,
+                        chunks,
+                        export_id,
+                        kind,
+                        buffers,
+                        shape: shape.map(|(blocks, pieces)| SelectedShape { blocks, pieces }),
+                        runs,
+                    }
+                }
+            ),
     ]
 }
 

@@ -32,7 +32,8 @@
 //! frame's crc32c is made of the crcs of 4 KiB units taken at publication, see
 //! `unit_crcs`, and computed over the bytes only where units do not cover a range
 //! exactly), or gathers only them
-//! into staging pages from a device cache. The consumer reads them straight into its
+//! into staging pages from a device cache (or, to a same-host device destination on
+//! the device-IPC mover, names them in its exported device memory: no gather). The consumer reads them straight into its
 //! destination ranges (direct) or into staging pages it then scatters (staged, host or
 //! device).
 //!

@@ -18,7 +18,8 @@
 //!   producer offers this consumer; see `peer::mover`).
 //! - Device IPC (same host, device memory): `DeviceIpcHello` → `DeviceIpcOffer`, and
 //!   `GetDeviceMapped` → `StagedDeviceMapped` (the lease, checksums, the export of the
-//!   producer's device cache, and `(buffer, offset, length)` runs in it).
+//!   producer's device cache, and `(buffer, offset, length)` runs in it; with a
+//!   selection, the selected ranges only, and the stream's shape).
 //! - Mapped get (the CMA mover): `GetMapped` → `StagedMapped` (the lease and where its
 //!   bytes are); the consumer reads them itself, then `Done` → `DoneAck`. A delayed
 //!   pull by CMA: `PullMapped` (a lease from `Staged`) → `StagedMapped`, read, `Done`.
@@ -394,6 +395,9 @@ pub enum Message {
         ttl_ms: u32,
         /// The device-IPC kind of the consumer's destination.
         kind: String,
+        /// A partial get: the ranges of the published blocks to copy (see
+        /// [`Message::GetSelected`]); the reply then carries the stream's shape.
+        select: Option<WireSelection>,
     },
     /// Reply to [`Message::GetDeviceMapped`]: the lease, its chunks with checksums
     /// taken at the grant, the export of the device cache they live in (made once per
@@ -411,6 +415,9 @@ pub enum Message {
         kind: String,
         /// Each exported buffer's handle and length.
         buffers: Vec<(Vec<u8>, u64)>,
+        /// A selected stream's shape (`None` for whole chunks): its frames are the
+        /// chunks above.
+        shape: Option<SelectedShape>,
         /// `(buffer, offset, length)` runs whose concatenation is the stream.
         runs: Vec<(u32, u64, u64)>,
     },
@@ -493,17 +500,25 @@ impl Message {
                     _ => Ok(()),
                 }
             }
-            Message::GetDeviceMapped { keys, kind, .. } => {
+            Message::GetDeviceMapped { keys, kind, select, .. } => {
                 check("key list", keys.len(), limits.max_keys)?;
-                check("device IPC kind", kind.len(), MAX_DEVICE_IPC_KIND_BYTES)
+                check("device IPC kind", kind.len(), MAX_DEVICE_IPC_KIND_BYTES)?;
+                match select {
+                    Some(s) => s.check_bounds().map_err(selection_oversize),
+                    None => Ok(()),
+                }
             }
             Message::StagedDeviceMapped {
                 chunks,
                 kind,
                 buffers,
+                shape,
                 runs,
                 ..
             } => {
+                if let Some(shape) = shape {
+                    shape.validate().map_err(selection_oversize)?;
+                }
                 check("chunk list", chunks.len(), limits.max_keys)?;
                 check("device IPC kind", kind.len(), MAX_DEVICE_IPC_KIND_BYTES)?;
                 check("exported buffers", buffers.len(), MAX_EXPORTED_BUFFERS)?;

@@ -2,7 +2,9 @@
 //! producer's `StagedDeviceMapped` grant. The consumer opens the producer's export once
 //! per incarnation on its destination cache's device, copies device to device on the
 //! cache's own stream, verifies every chunk against the grant's checksums and sends
-//! `Done`. While the copy runs it watches the producer's process (a pidfd): a producer
+//! `Done`. A selected grant's frames land in the destination's selected ranges, in
+//! order (the grant's shape is checked against the destination first, as for a
+//! selected socket stream). While the copy runs it watches the producer's process (a pidfd): a producer
 //! that ends is `PeerLost` at once.
 //!
 //! # Cancellation
@@ -20,7 +22,7 @@ use super::shared::unexpected;
 use super::transfer::{Mapped, Sink, TransferCtx};
 use crate::device::{DeviceError, DeviceKvCache};
 use crate::net::{NetError, PooledConnection};
-use crate::wire::{ChunkKey, ChunkMeta, Message};
+use crate::wire::{ChunkKey, ChunkMeta, Message, SelectedShape};
 
 /// A producer's device-IPC grant (`StagedDeviceMapped`).
 pub(super) struct DeviceGrant {
@@ -30,6 +32,8 @@ pub(super) struct DeviceGrant {
     pub(super) export_id: u64,
     pub(super) kind: String,
     pub(super) buffers: Vec<(Vec<u8>, u64)>,
+    /// A selected stream's shape (its frames are `chunks`).
+    pub(super) shape: Option<SelectedShape>,
     pub(super) runs: Vec<(u32, u64, u64)>,
 }
 
@@ -62,6 +66,7 @@ impl TransferCtx<'_> {
             export_id,
             kind,
             buffers,
+            shape,
             runs,
         } = grant;
         if lease_id != 0 {
@@ -70,12 +75,30 @@ impl TransferCtx<'_> {
         if chunks.is_empty() {
             return Ok(Mapped::Landed { chunks, reuse: true });
         }
-        check_granted_keys(&chunks, keys)?;
+        // Where each chunk lands: its destination blocks, or (a selected stream)
+        // the next ranges of the destination's selection.
+        let landing = match &shape {
+            Some(shape) => {
+                self.plan_landing(&chunks, shape)?;
+                self.landing.take()
+            }
+            None => {
+                check_granted_keys(&chunks, keys)?;
+                None
+            }
+        };
+        let mut cursor = landing.as_ref().map(|l| l.cursor());
         let mut dst = Vec::new();
         let mut per_chunk = Vec::with_capacity(chunks.len());
         for (i, meta) in chunks.iter().enumerate() {
-            check_fits(meta, caps[i])?;
-            let ranges = cache.chunk_ranges(&self.dst.chunks[i], meta.len as usize)?;
+            let len = meta.len as usize;
+            let ranges = match cursor.as_mut() {
+                Some(cursor) => cursor.take(len)?,
+                None => {
+                    check_fits(meta, caps[i])?;
+                    cache.chunk_ranges(&self.dst.chunks[i], len)?
+                }
+            };
             dst.extend_from_slice(&ranges);
             per_chunk.push(ranges);
         }

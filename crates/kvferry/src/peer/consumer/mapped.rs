@@ -206,14 +206,15 @@ impl TransferCtx<'_> {
         let inner = &self.consumer.inner;
         let ttl_ms = inner.cfg.lease_ttl.as_millis() as u32;
         let selected = select.is_some();
-        // A device destination of a kind the producer grants by: device IPC.
-        let device = match (&self.dst.target, selected) {
-            (KvCacheRef::Device(cache), false) => cache.device().ipc_kind().filter(|k| {
+        // A device destination of a kind the producer grants by: device IPC (a
+        // selection too: the producer names the selected ranges of its device memory).
+        let device = match &self.dst.target {
+            KvCacheRef::Device(cache) => cache.device().ipc_kind().filter(|k| {
                 let peer = self.pool.addr();
                 let movers = inner.movers.lock();
                 movers.get(peer).is_some_and(|m| m.device_ipc.iter().any(|o| o == k))
             }),
-            _ => None,
+            KvCacheRef::Host(_) => None,
         };
         // Device IPC copies in place; every other grant lands through staging pages
         // (a device destination's, taken now), before the request.
@@ -225,6 +226,7 @@ impl TransferCtx<'_> {
                 keys: keys.to_vec(),
                 ttl_ms,
                 kind: kind.to_string(),
+                select,
             },
             None => Message::GetMapped {
                 keys: keys.to_vec(),
@@ -251,8 +253,14 @@ impl TransferCtx<'_> {
                 export_id,
                 kind,
                 buffers,
+                shape,
                 runs,
             } if device.is_some() => {
+                if shape.is_some() != selected {
+                    return Err(PeerError::Net(NetError::Protocol(
+                        "a device grant's shape does not match the request".into(),
+                    )));
+                }
                 let KvCacheRef::Device(cache) = &self.dst.target else {
                     return Err(PeerError::Net(NetError::Protocol(
                         "device grant for a host destination".into(),
@@ -266,6 +274,7 @@ impl TransferCtx<'_> {
                     export_id,
                     kind,
                     buffers,
+                    shape,
                     runs,
                 };
                 return self.land_device_ipc(conn, keys, sink, caps, &cache, grant, pid).await;

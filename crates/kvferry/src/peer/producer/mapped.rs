@@ -33,7 +33,11 @@
 //! memory; see `device::shm`), the lease pins those publications (no gather, no
 //! staging pages), their checksums are taken now from the device memory, and the reply
 //! (`StagedDeviceMapped`) names the cache's export (made once per registration) and
-//! `(buffer, offset, length)` runs of it. Otherwise the request is served exactly as
+//! `(buffer, offset, length)` runs of it. With a selection every key must be such a
+//! publication: the grant then names only the selected ranges, as the frames of the
+//! selected stream (planned as for `GetSelected`), with the stream's shape; a selection
+//! that does not fit is refused `BadSelection` as a staged one is. Otherwise the
+//! request is served exactly as
 //! `GetMapped` (staged, `StagedMapped`). The lease is tied to the connection as a
 //! mapped get's; the publications stay pinned until `Done`, so the exported
 //! allocations stay alive (an importer's mapping keeps them alive beyond that).
@@ -52,11 +56,15 @@ use super::guards::Staging;
 use super::staged::{StagedData, StagedLease};
 use super::Producer;
 use crate::device::DeviceKvCache;
+use crate::peer::error::PeerError;
 use crate::peer::ledger::{LeaseTerms, Who};
 use crate::peer::mover::{device_ipc_kinds, Transport};
 use crate::peer::publish::{PubSource, Publication};
 use crate::peer::quota::Holder;
-use crate::wire::{ChunkKey, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Message, SelectedShape, MAX_MAPPED_RUNS};
+use crate::peer::selection::plan_source;
+use crate::wire::{
+    ChunkKey, ChunkMeta, CmaOffer, ErrorKind, LeaseId, Limits, Message, SelectedShape, WireSelection, MAX_MAPPED_RUNS,
+};
 
 /// The `(address, length)` runs of this process's memory whose concatenation is
 /// `lease`'s stream (adjacent parts merged), or `TooLarge` when one reply cannot name
@@ -212,40 +220,47 @@ impl Producer {
     }
 
     /// Serves a `GetDeviceMapped`: by device IPC when the leading keys are published
-    /// blocks of one exportable device cache of `kind`, else exactly as `GetMapped`.
+    /// blocks of one exportable device cache of `kind` (with a selection: every key,
+    /// and only the selected ranges), else exactly as `GetMapped`.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn device_mapped(
         &self,
         keys: &[ChunkKey],
         ttl: Duration,
         kind: &str,
+        select: Option<&WireSelection>,
         holder: &Holder,
         incarnation: Option<u64>,
         who: &Who,
         conn: u64,
     ) -> Result<Message, (ErrorKind, String)> {
-        if let Some(reply) = self.grant_device(keys, ttl, kind, holder, incarnation, who, conn)? {
+        if let Some(reply) = self.grant_device(keys, ttl, kind, select, holder, incarnation, who, conn)? {
             return Ok(reply);
         }
-        let staged = self.stage_for(keys, ttl, holder, incarnation, None).await;
+        let staged = self.stage_for(keys, ttl, holder, incarnation, select).await;
         let (lease_id, chunks, _ttl_ms, shape) = staged.map_err(|e| (super::serving::kind_of(&e), e.to_string()))?;
         self.map_lease(lease_id, chunks, shape, who, conn)
     }
 
-    /// The device-IPC grant, or `None` when the leading keys are not published device
-    /// blocks of one exportable cache of `kind` (the caller stages them instead).
+    /// The device-IPC grant, or `None` when the keys are not published device blocks
+    /// of one exportable cache of `kind` (the caller stages them instead). Without a
+    /// selection the leading such keys are granted whole; with one, every key must be
+    /// (a selection spans them all) and the grant names the selected ranges only, as
+    /// frames of the selected stream.
     #[allow(clippy::too_many_arguments)]
     fn grant_device(
         &self,
         keys: &[ChunkKey],
         ttl: Duration,
         kind: &str,
+        select: Option<&WireSelection>,
         holder: &Holder,
         incarnation: Option<u64>,
         who: &Who,
         conn: u64,
     ) -> Result<Option<Message>, (ErrorKind, String)> {
         let internal = |e: String| (ErrorKind::Internal, e);
+        let refused = |e: PeerError| (super::serving::kind_of(&e), e.to_string());
         // The leading publications of one exportable device cache, held by a new lease
         // from the same instant (under one lock).
         let (cache, pubs, staging) = {
@@ -267,6 +282,11 @@ impl Producer {
                 .take_while(|(_, p)| p.source.is_of_device(&cache))
                 .map(|(id, p)| (*id, Arc::clone(p)))
                 .collect();
+            if select.is_some() && pubs.len() < keys.len() {
+                // A selection spans every key: staged (a miss, or the error that
+                // names why the keys cannot be selected from together).
+                return Ok(None);
+            }
             let terms = LeaseTerms {
                 owner: holder.identity.clone(),
                 owner_incarnation: incarnation,
@@ -285,22 +305,54 @@ impl Producer {
                 },
             )
         };
+        // What each chunk (or frame of a selected stream) is made of, in the cache.
+        // On an error the guard drops: the lease ends.
+        let (frames, shape) = match select {
+            None => {
+                let frames: Vec<_> = pubs.iter().map(|p| (p.key, p.len, p.ranges.clone())).collect();
+                (frames, None)
+            }
+            Some(select) => {
+                let lists: Vec<(ChunkKey, &[u32])> = pubs.iter().map(|p| (p.key, p.blocks.as_slice())).collect();
+                let limits = Limits::default();
+                let plan = plan_source(&lists, cache.map(), select, limits.max_keys, limits.max_bulk_bytes)
+                    .map_err(|e| refused(e.into()))?;
+                let frames = plan
+                    .all_ranges()
+                    .map_err(|e| refused(e.into()))?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, ranges)| {
+                        let (key, len) = plan.frame(i);
+                        (key, len, ranges)
+                    })
+                    .collect();
+                (frames, Some(plan.shape.clone()))
+            }
+        };
         let export = cache.export().map_err(internal)?.clone();
         // Checksums now, from the device memory: the engine promised not to write
         // published blocks; a producer that does is caught by the consumer.
-        let mut chunks = Vec::with_capacity(pubs.len());
-        let mut runs = Vec::new();
-        for p in &pubs {
-            let checksum = cache.checksum_ranges(&p.ranges).map_err(|e| internal(e.to_string()))?;
+        let mut chunks = Vec::with_capacity(frames.len());
+        let mut runs: Vec<(u32, u64, u64)> = Vec::new();
+        for (key, len, ranges) in &frames {
+            let checksum = cache.checksum_ranges(ranges).map_err(|e| internal(e.to_string()))?;
             chunks.push(ChunkMeta {
-                key: p.key,
-                len: p.len as u64,
+                key: *key,
+                len: *len as u64,
                 checksum,
             });
-            runs.extend(cache.export_runs(&p.ranges).map_err(|e| internal(e.to_string()))?);
+            for (buffer, offset, n) in cache.export_runs(ranges).map_err(|e| internal(e.to_string()))? {
+                match runs.last_mut() {
+                    // Contiguous with the previous run: one run (a selection's ranges
+                    // often are).
+                    Some((b, o, l)) if *b == buffer && *o + *l == offset => *l += n,
+                    _ => runs.push((buffer, offset, n)),
+                }
+            }
         }
         if runs.len() > MAX_MAPPED_RUNS {
-            // The guard drops: the lease ends.
+            // The guard drops: the lease ends; the caller stages the keys instead.
             drop(staging);
             return Ok(None);
         }
@@ -310,9 +362,7 @@ impl Producer {
             _charge: None,
             publications: pubs,
         };
-        let lease_id = staging
-            .grant(payload, 0, ttl)
-            .map_err(|e| (super::serving::kind_of(&e), e.to_string()))?;
+        let lease_id = staging.grant(payload, 0, ttl).map_err(refused)?;
         // Tied to this connection until `Done`, as a mapped get's lease.
         self.check_out(lease_id, who, Some(conn))?.check_in();
         Ok(Some(Message::StagedDeviceMapped {
@@ -322,6 +372,7 @@ impl Producer {
             export_id: export.id,
             kind: export.kind.to_string(),
             buffers: export.buffers,
+            shape,
             runs,
         }))
     }

@@ -254,7 +254,12 @@ impl Producer {
                 Err((kind, message)) => refuse(conn, id, kind, message).await,
             },
             Message::DeviceIpcHello { kinds } => conn.send(id, &self.device_ipc_offer(&kinds)).await,
-            Message::GetDeviceMapped { keys, ttl_ms, kind } => {
+            Message::GetDeviceMapped {
+                keys,
+                ttl_ms,
+                kind,
+                select,
+            } => {
                 if keys.is_empty() {
                     return refuse(conn, id, ErrorKind::BadRequest, "empty key list".into()).await;
                 }
@@ -264,7 +269,16 @@ impl Producer {
                 };
                 let ttl = Duration::from_millis(ttl_ms as u64);
                 let served = self
-                    .device_mapped(&keys, ttl, &kind, &holder, incarnation, &who, conn.id())
+                    .device_mapped(
+                        &keys,
+                        ttl,
+                        &kind,
+                        select.as_ref(),
+                        &holder,
+                        incarnation,
+                        &who,
+                        conn.id(),
+                    )
                     .await;
                 match served {
                     Ok(reply) => {
