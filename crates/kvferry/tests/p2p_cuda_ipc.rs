@@ -2,7 +2,9 @@
 //! this test binary again as the producer (`cuda_ipc_producer_child`), which publishes
 //! a device cache of cuda:0 and prints its address; the parent pulls the chunk into
 //! its own device cache of cuda:0, by `cuIpcOpenMemHandle` + `cuMemcpyDtoDAsync` on
-//! its own stream, and compares every byte read back from the device.
+//! its own stream, and compares every byte read back from the device; then a selected
+//! get (half of one block, as heterogeneous TP takes a head slice) by the same mover,
+//! only the selected bytes written.
 //!
 //! **Never run on a GPU yet.** It skips, saying why, without a CUDA device or without
 //! `KVFERRY_CUDA_IPC=1` (the consumer offers CUDA IPC only then; `scripts/gpu-check.sh`
@@ -17,7 +19,7 @@ use std::time::Duration;
 
 use common::child::{line_after, spawn_self_test};
 use kvferry::device::{CudaDevice, Device, DeviceError, DeviceKvCache};
-use kvferry::engine::{Engine, EngineConfig};
+use kvferry::engine::{Engine, EngineConfig, Selection};
 use kvferry::peer::Destination;
 use kvferry::wire::ChunkKey;
 use tokio::time::Instant;
@@ -116,6 +118,25 @@ async fn cuda_ipc_two_processes_one_gpu() {
         stats.consumer, stats.movers
     );
     assert_eq!(dst.imports_open(), (1, 1));
+    // A selected get: the second half of the publication's second block (block 3)
+    // into the first half of block 12; the rest of block 12 untouched.
+    let before = dst.buffers()[0].to_vec(12 * BLOCK, BLOCK).unwrap();
+    let half = BLOCK / 2;
+    let select = Selection::new(Some(vec![1]), Some(vec![(half, half)]), Some(vec![(0, half)])).unwrap();
+    let landed = engine
+        .get(
+            &addr,
+            &[ChunkKey::from_name("cuda-ipc")],
+            Destination::new(dst.clone(), vec![vec![12]]).with_selection(Some(select)),
+            Instant::now() + Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    assert_eq!(landed.bytes, half);
+    let got = dst.buffers()[0].to_vec(12 * BLOCK, BLOCK).unwrap();
+    assert!(got[..half] == pattern(3)[half..], "the selected half differs");
+    assert!(got[half..] == before[half..], "bytes outside the selection were written");
+    assert_eq!(engine.stats().consumer.device_ipc_transfers, 2, "the selected get went another way");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success(), "the producer failed");
     assert!(engine.close(Instant::now() + Duration::from_secs(10)).await.is_clean());
