@@ -236,7 +236,8 @@ fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
 /// `--keys-per-get 2`: each transfer gets two consecutive chunks of one request into a
 /// two-chunk slot, on the same-host mover, the socket and the staged path, and over
 /// more destination slots than transfers in flight (`--slots`); every chunk still moves
-/// once, lands right and is verified, and nothing leaks. A count that does not divide
+/// once, lands right and is verified, and nothing leaks; by default the destination
+/// holds the whole working set. A count that does not divide
 /// the chunks per request is refused by name.
 #[test]
 fn bench_json_keys_per_get_moves_whole_batches_and_refuses_a_bad_count() {
@@ -256,7 +257,9 @@ fn bench_json_keys_per_get_moves_whole_batches_and_refuses_a_bad_count() {
         );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["keys_per_get"], 2, "{extra:?}: {v}");
-        let slots = if extra.contains(&"--slots") { 16 } else { 4 };
+        // By default the destination is as large as the source's working set: 4
+        // requests × 4 chunks, in slots of 2 chunks.
+        let slots = if extra.contains(&"--slots") { 16 } else { 8 };
         assert_eq!(v["slots"], slots, "{extra:?}: {v}");
         let chunk = v["chunk_bytes"].as_u64().unwrap();
         assert_eq!(v["chunks"].as_u64().unwrap(), (8 << 20) / chunk, "{extra:?}: {v}");

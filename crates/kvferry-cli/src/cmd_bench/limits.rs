@@ -29,15 +29,24 @@ use kvferry::layout::KvLayout;
 ///
 /// With `source: None` every writer sends one 4 MiB buffer over and over and every
 /// reader reads into one 4 MiB buffer: both stay in cache, the most flattering limit.
-/// With `source: Some((memory, piece))` the writers send `memory` in turn, `piece` bytes
-/// per write, and each reader reads into its own `piece`-sized buffer: the same bytes as
-/// the transfers, as cold in cache as theirs.
-pub async fn tcp_limit(conns: usize, bytes: u64, source: Option<(&Arc<Vec<u8>>, usize)>) -> anyhow::Result<f64> {
+/// With `source: Some((memory, piece, destination))` the writers send `memory` in turn,
+/// `piece` bytes per write, and the readers fill `piece`-sized slots of a destination of
+/// `destination` bytes in all (each its share, in huge pages like the consumer's
+/// region, slot after slot): the same bytes as the transfers, landing in memory as
+/// large as theirs.
+pub async fn tcp_limit(
+    conns: usize,
+    bytes: u64,
+    source: Option<(&Arc<Vec<u8>>, usize, usize)>,
+) -> anyhow::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (data, piece) = match source {
-        Some((memory, piece)) => (memory.clone(), piece),
-        None => (Arc::new(vec![0x5Au8; 4 << 20]), 4 << 20),
+    let (data, piece, destination) = match source {
+        Some((memory, piece, destination)) => (memory.clone(), piece, destination),
+        None => (Arc::new(vec![0x5Au8; 4 << 20]), 4 << 20, 0),
     };
+    // Each reader's slots (at least one), allocated and touched before the clock.
+    let share = (destination / conns / piece.max(1)).max(1);
+    let mut buffers: Vec<Vec<u8>> = (0..conns).map(|_| huge_source(share * piece)).collect();
     let source_len = data.len();
     anyhow::ensure!(
         piece >= 1 && source_len >= piece,
@@ -51,15 +60,20 @@ pub async fn tcp_limit(conns: usize, bytes: u64, source: Option<(&Arc<Vec<u8>>, 
         let mut readers = Vec::new();
         for _ in 0..conns {
             let (mut s, _) = listener.accept().await?;
+            let mut buf = buffers.pop().expect("one buffer per connection");
             readers.push(tokio::spawn(async move {
-                let mut buf = vec![1u8; piece];
-                let mut got = 0u64;
+                let (mut slot, mut filled, mut got) = (0usize, 0usize, 0u64);
                 while got < per {
-                    let n = s.read(&mut buf).await?;
+                    let at = slot * piece + filled;
+                    let n = s.read(&mut buf[at..(slot + 1) * piece]).await?;
                     if n == 0 {
                         break;
                     }
                     got += n as u64;
+                    filled += n;
+                    if filled == piece {
+                        (slot, filled) = ((slot + 1) % share, 0);
+                    }
                 }
                 std::io::Result::Ok(got)
             }));

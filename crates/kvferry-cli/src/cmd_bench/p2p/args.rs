@@ -7,6 +7,9 @@ use serde::Serialize;
 
 use crate::util::parse_model;
 
+/// The largest destination `--slots` makes by default (NIXL's benchmark working set).
+pub const DEFAULT_DESTINATION_CAP: usize = 1 << 30;
+
 /// Parser of counts that must be at least 1 (zero is refused with exit status 2).
 fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
@@ -45,10 +48,12 @@ pub struct P2pBenchArgs {
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     pub keys_per_get: usize,
     /// Destination slots the transfers rotate over, oldest free slot first (default:
-    /// one per transfer in flight). A few slots stay in the last-level cache; a real KV
-    /// cache does not: give enough for a destination as large as the source's working
-    /// set to measure landing in memory (e.g. 64 slots of 4 MiB = 256 MiB). The
-    /// one-copy limit writes a destination of the same size.
+    /// enough for a destination as large as the source's working set — requests ×
+    /// chunks per request × chunk size — up to 1 GiB, and at least one per transfer in
+    /// flight). A real KV cache does not sit in the last-level cache, so neither does
+    /// the default destination; a few slots (e.g. `--slots 4`) stay in cache and
+    /// measure landing into cache instead. The one-copy limit writes a destination of
+    /// the same size.
     #[arg(long, value_name = "N", value_parser = at_least_one)]
     pub slots: Option<usize>,
     /// Total bytes to move (under --sweep: per point, at most 1GiB).
@@ -222,8 +227,15 @@ impl std::fmt::Display for BenchPath {
 }
 
 impl P2pBenchArgs {
-    /// Destination slots: `--slots`, at least one per transfer in flight.
-    pub fn slot_count(&self) -> usize {
-        self.slots.unwrap_or(self.in_flight).max(self.in_flight)
+    /// Destination slots for chunks of `chunk_bytes`: `--slots`, or as many as make
+    /// the destination as large as the source's working set (at most
+    /// [`DEFAULT_DESTINATION_CAP`]); at least one per transfer in flight.
+    pub fn slot_count(&self, chunk_bytes: usize) -> usize {
+        let slots = self.slots.unwrap_or_else(|| {
+            let working_set = self.requests * self.chunks_per_request * chunk_bytes;
+            let slot_bytes = (self.keys_per_get * chunk_bytes).max(1);
+            working_set.min(DEFAULT_DESTINATION_CAP).div_ceil(slot_bytes)
+        });
+        slots.max(self.in_flight)
     }
 }

@@ -46,7 +46,7 @@ pub(super) async fn start(args: &P2pBenchArgs, shape: &Shape, ca: Option<&Epheme
     } = *shape;
     let layout = KvLayout::preset(
         args.model.parse()?,
-        (args.slot_count() * args.keys_per_get * bpc) as u32,
+        (args.slot_count(chunk_bytes) * args.keys_per_get * bpc) as u32,
         Arrangement::FullyContiguous,
     )?;
     let region = Arc::new(Region::host("bench-consumer", layout.region_bytes())?);

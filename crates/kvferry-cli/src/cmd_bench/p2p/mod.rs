@@ -377,7 +377,7 @@ async fn run_point(args: &P2pBenchArgs, cpu: &CpuClock, contend: usize) -> anyho
         chunk_bytes,
         in_flight: args.in_flight,
         keys_per_get: args.keys_per_get,
-        slots: args.slot_count(),
+        slots: args.slot_count(chunk_bytes),
         connections: args.connections,
         producers: args.producers,
         chunks: total_chunks,

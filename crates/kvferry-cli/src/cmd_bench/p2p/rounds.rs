@@ -125,7 +125,7 @@ pub(super) async fn run(
     };
     // Free destination slots, oldest first: every slot is written in turn.
     let slots = Arc::new(parking_lot::Mutex::new(
-        (0..args.slot_count()).collect::<std::collections::VecDeque<usize>>(),
+        (0..args.slot_count(chunk_bytes)).collect::<std::collections::VecDeque<usize>>(),
     ));
     let sem = Arc::new(Semaphore::new(args.in_flight));
     let errors = Arc::new(AtomicU64::new(0));
@@ -283,8 +283,9 @@ pub(super) async fn run(
         round_gbps.push(g);
         best_round = best_round.max(g);
         let u0 = cpu.usage();
+        let destination_bytes = args.slot_count(chunk_bytes) * k * chunk_bytes;
         perf_phase("tcp", true);
-        tcp = tcp.max(tcp_limit(conns, limit_bytes, Some((&source, chunk_bytes))).await?);
+        tcp = tcp.max(tcp_limit(conns, limit_bytes, Some((&source, chunk_bytes, destination_bytes))).await?);
         perf_phase("tcp", false);
         tcp_usage += cpu.usage() - u0;
         tcp_hot = tcp_hot.max(tcp_limit(conns, limit_bytes, None).await?);
@@ -293,10 +294,14 @@ pub(super) async fn run(
             let pid = producers.pid;
             let limit = |verify| {
                 tokio::task::block_in_place(|| {
-                    cma_limit(pid, &chunks, cma_threads, args.slot_count() * k, limit_bytes, verify)
+                    cma_limit(pid, &chunks, cma_threads, args.slot_count(chunk_bytes) * k, limit_bytes, verify)
                 })
             };
-            (cma, cma_verified) = match (limit(false), limit(true)) {
+            let unverified = limit(false);
+            perf_phase("cma", true);
+            let verified = limit(true);
+            perf_phase("cma", false);
+            (cma, cma_verified) = match (unverified, verified) {
                 (Ok(g), Ok(v)) => (Some(best.max(g)), Some(best_verified.max(v))),
                 (Err(e), _) | (_, Err(e)) => {
                     tracing::warn!("one-copy limit not measured: {e:#}");
