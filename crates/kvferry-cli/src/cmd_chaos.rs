@@ -106,8 +106,10 @@ pub struct ChaosArgs {
     json: bool,
     /// The consumer's movers: "auto" reads the producer processes (on this host)
     /// from their memory with process_vm_readv, so producer kills land mid-read and
-    /// copy-thread faults hit the reads; "tcp" receives every byte on the socket,
-    /// where the producers' send delays and corrupted frames apply.
+    /// copy-thread faults hit the reads, and the device link copies device to device
+    /// by device IPC (the sim device's shared memory); "tcp" receives every byte on
+    /// the socket, where the producers' send delays and corrupted frames apply, and
+    /// the device link stages through host memory.
     #[arg(long, default_value = "auto")]
     transport: kvferry::peer::Transport,
     /// Break one promise on purpose, to prove the checks catch it (for tests).
@@ -243,7 +245,7 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
     }
     let slots = Arc::new(Slots::new(SLOTS)?);
     let sim = device::SimRig::new(mix(seed, &[5]))?;
-    let link = device_link::DeviceLink::new(mix(seed, &[6])).await?;
+    let link = device_link::DeviceLink::new(mix(seed, &[6]), args.transport).await?;
     let ctx = Arc::new(Ctx::new(
         consumer,
         work,
@@ -354,6 +356,7 @@ async fn drive(args: &ChaosArgs, seed: u64) -> anyhow::Result<Summary> {
         wall: started.elapsed(),
         transport: args.transport.to_string(),
         cma_transfers: ctx.consumer.stats().cma_transfers,
+        device_ipc_transfers: ctx.link.device_ipc_transfers(),
     }))
 }
 

@@ -58,6 +58,9 @@ fn a_short_soak_under_every_fault_keeps_the_three_promises() {
         assert!(v["faults"][kind].as_u64().unwrap_or(0) > 0, "no {kind}: {v:#}");
     }
     assert!(n(&v, "verified_bytes") > 0, "{v:#}");
+    // The default transport: the device link copies device to device (device IPC),
+    // whole chunks and selected halves, under the same faults.
+    assert!(n(&v, "device_ipc_transfers") > 0, "{v:#}");
     assert!(v["max_overrun_ms"].as_f64().is_some(), "{v:#}");
     assert!(n(&v, "quarantined_pages") <= 256, "{v:#}");
     let arenas = v["arenas"].as_array().unwrap();

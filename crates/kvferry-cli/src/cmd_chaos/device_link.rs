@@ -1,18 +1,24 @@
 //! Device KV on the transfer path under faults: an in-process producer engine whose
 //! published KV lives in one sim device and a consumer engine landing into another,
-//! over real loopback sockets. Each transfer gathers device blocks into staging
-//! (device-to-host), sends them, and scatters them into the consumer's device blocks
-//! (host-to-device); never-completing events and failing copies are injected at random
-//! on either side, and every landed byte is compared with its pattern. A destination
-//! slot is reused only after its transfer's fence fired (the device confirmed); what
-//! the devices never confirm stays quarantined and is reported, not counted as leaked.
+//! over real loopback sockets. With `--transport tcp` each transfer gathers device
+//! blocks into staging (device-to-host), sends them, and scatters them into the
+//! consumer's device blocks (host-to-device). With `--transport auto` the producer's
+//! device memory is shared (the sim device's analogue of CUDA IPC) and the consumer
+//! copies device to device by the device-IPC mover (no gather, no staging, no
+//! socket). A share of the transfers are selected gets (half of one block, as a
+//! heterogeneous-TP decode rank takes its heads). Never-completing events and failing
+//! copies are injected at random on either side (under device IPC the producer's
+//! device runs no copy, so its faults go to the consumer's device-to-device copy), and every
+//! landed byte is compared with its pattern. A destination slot is reused only after
+//! its transfer's fence fired (the device confirmed); what the devices never confirm
+//! stays quarantined and is reported, not counted as leaked.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvferry::device::{Device, DeviceBuffer, DeviceKvCache, Fault, FaultRule, SimConfig, SimDevice, Trigger};
-use kvferry::engine::{Engine, EngineConfig, StoreConfig};
-use kvferry::peer::Destination;
+use kvferry::engine::{Engine, EngineConfig, Selection, StoreConfig};
+use kvferry::peer::{Destination, Transport};
 use kvferry::wire::ChunkKey;
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
@@ -50,6 +56,9 @@ pub struct LinkPlan {
     pub timeout: Duration,
     /// Let both devices complete their stuck work first (late completion).
     pub release_stuck: bool,
+    /// A selected get: the second half of the chunk's second block, into the first
+    /// half of the slot's first block.
+    pub selected: bool,
 }
 
 /// The two engines, their sim devices and caches.
@@ -63,6 +72,9 @@ pub struct DeviceLink {
     patterns: Vec<Vec<u8>>,
     addr: String,
     free_slots: Arc<Mutex<Vec<u32>>>,
+    /// The consumer copies device to device (device IPC): the producer's device runs
+    /// no copy.
+    ipc: bool,
     background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -70,7 +82,7 @@ fn key(chunk: u32) -> ChunkKey {
     ChunkKey::from_name(&format!("chaos/device/{chunk}"))
 }
 
-async fn engine(listen: bool) -> anyhow::Result<Engine> {
+async fn engine(listen: bool, transport: Transport) -> anyhow::Result<Engine> {
     let mut cfg = EngineConfig::default()
         .listen(listen.then_some("127.0.0.1:0"))
         .peer_id(if listen {
@@ -85,23 +97,26 @@ async fn engine(listen: bool) -> anyhow::Result<Engine> {
         bytes: 64 << 10,
         block_bytes: 64 << 10,
     };
+    cfg.producer.transport = transport;
     cfg.producer.max_ttl = Duration::from_secs(24 * 3600);
     cfg.producer.default_ttl = Duration::from_secs(24 * 3600);
     Ok(Engine::start(cfg).await?)
 }
 
 impl DeviceLink {
-    /// Both engines and devices, the producer's chunks published. Needs a runtime.
-    pub async fn new(seed: u64) -> anyhow::Result<DeviceLink> {
-        let sim = |rank| {
+    /// Both engines and devices, the producer's chunks published; with `transport`
+    /// `auto` the producer's device memory is shared (device IPC). Needs a runtime.
+    pub async fn new(seed: u64, transport: Transport) -> anyhow::Result<DeviceLink> {
+        let sim = |rank, shared| {
             SimDevice::new(
                 SimConfig::new(rank)
                     .with_latency(Duration::from_micros(100))
-                    .with_bandwidth(2_000_000_000),
+                    .with_bandwidth(2_000_000_000)
+                    .with_shared_memory(shared),
             )
         };
-        let (pdev, cdev) = (sim(10)?, sim(11)?);
-        let (producer, consumer) = (engine(true).await?, engine(false).await?);
+        let (pdev, cdev) = (sim(10, transport == Transport::Auto)?, sim(11, false)?);
+        let (producer, consumer) = (engine(true, transport).await?, engine(false, transport).await?);
         let pd: Arc<dyn Device> = pdev.clone();
         let src_buf = pd.alloc(BLOCK * (CHUNKS * BLOCKS_PER_CHUNK) as usize)?;
         let src = producer.register(DeviceKvCache::contiguous(
@@ -142,6 +157,7 @@ impl DeviceLink {
             patterns,
             addr,
             free_slots: Arc::new(Mutex::new((0..SLOTS).collect())),
+            ipc: transport == Transport::Auto,
             background: Mutex::new(Vec::new()),
         })
     }
@@ -171,7 +187,13 @@ impl DeviceLink {
             fault,
             timeout: Duration::from_millis(rng.gen_range(100..=1_000)),
             release_stuck: rng.gen_bool(0.1),
+            selected: rng.gen_bool(0.3),
         }
+    }
+
+    /// Device-to-device copies by the device-IPC mover so far.
+    pub fn device_ipc_transfers(&self) -> u64 {
+        self.consumer.stats().consumer.device_ipc_transfers
     }
 
     /// Runs one device transfer and books it.
@@ -187,6 +209,10 @@ impl DeviceLink {
             return;
         };
         if let Some((side, fault)) = p.fault {
+            let side = match side {
+                Side::Producer if self.ipc => Side::Consumer,
+                other => other,
+            };
             let dev = match side {
                 Side::Producer => &self.pdev,
                 Side::Consumer => &self.cdev,
@@ -212,16 +238,29 @@ impl DeviceLink {
         }
         let blocks: Vec<u32> = (slot * BLOCKS_PER_CHUNK..(slot + 1) * BLOCKS_PER_CHUNK).collect();
         let deadline = Instant::now() + p.timeout;
-        let dst = Destination::new(&self.dst, vec![blocks]);
+        let half = BLOCK / 2;
+        let (dst, want_at, len) = match p.selected {
+            true => {
+                let select = Selection::new(Some(vec![1]), Some(vec![(half, half)]), Some(vec![(0, half)]))
+                    .expect("a valid selection");
+                let dst = Destination::new(&self.dst, vec![vec![blocks[0]]]).with_selection(Some(select));
+                (dst, BLOCK + half, half)
+            }
+            false => (
+                Destination::new(&self.dst, vec![blocks]),
+                0,
+                BLOCK * BLOCKS_PER_CHUNK as usize,
+            ),
+        };
         let transfer = self.consumer.start_get(&self.addr, &[key(p.chunk)], dst, deadline);
         let fence = transfer.fence();
         let r = transfer.await;
         ledger.returned("device transfer", deadline, Instant::now());
         match r {
             Ok(l) if l.chunks == 1 => {
-                let len = BLOCK * BLOCKS_PER_CHUNK as usize;
-                let got = self.dst_buf.to_vec(slot as usize * len, len).unwrap_or_default();
-                let want = &self.patterns[p.chunk as usize];
+                let slot_bytes = BLOCK * BLOCKS_PER_CHUNK as usize;
+                let got = self.dst_buf.to_vec(slot as usize * slot_bytes, len).unwrap_or_default();
+                let want = &self.patterns[p.chunk as usize][want_at..want_at + len];
                 let bad = got.iter().zip(want).filter(|(a, b)| a != b).count() + want.len().saturating_sub(got.len());
                 ledger.verified(len, bad);
                 if bad > 0 {

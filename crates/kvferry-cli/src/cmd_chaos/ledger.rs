@@ -236,6 +236,7 @@ impl Ledger {
             wall_s: end.wall.as_secs_f64(),
             transport: end.transport,
             cma_transfers: end.cma_transfers,
+            device_ipc_transfers: end.device_ipc_transfers,
         }
     }
 }
@@ -304,6 +305,8 @@ pub struct EndState {
     pub transport: String,
     /// Transfers whose bytes were read from a producer's memory (CMA).
     pub cma_transfers: u64,
+    /// Device-link transfers copied device to device by device IPC.
+    pub device_ipc_transfers: u64,
 }
 
 /// The printed ledger.
@@ -387,6 +390,8 @@ pub struct Summary {
     pub transport: String,
     /// Transfers whose bytes were read from a producer's memory (CMA).
     pub cma_transfers: u64,
+    /// Device-link transfers copied device to device by device IPC.
+    pub device_ipc_transfers: u64,
 }
 
 impl Summary {
@@ -408,8 +413,8 @@ impl Summary {
             self.completed, self.misses, self.partial_hits, self.cancelled, self.timed_out, self.failed
         );
         s += &format!(
-            "  mover       transport {}: {} transfers read from producer memory (cma)\n",
-            self.transport, self.cma_transfers
+            "  mover       transport {}: {} transfers read from producer memory (cma), {} device copies by device IPC\n",
+            self.transport, self.cma_transfers, self.device_ipc_transfers
         );
         s += &format!(
             "  faults      {} injected: {}\n",
