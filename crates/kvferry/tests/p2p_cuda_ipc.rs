@@ -135,8 +135,15 @@ async fn cuda_ipc_two_processes_one_gpu() {
     assert_eq!(landed.bytes, half);
     let got = dst.buffers()[0].to_vec(12 * BLOCK, BLOCK).unwrap();
     assert!(got[..half] == pattern(3)[half..], "the selected half differs");
-    assert!(got[half..] == before[half..], "bytes outside the selection were written");
-    assert_eq!(engine.stats().consumer.device_ipc_transfers, 2, "the selected get went another way");
+    assert!(
+        got[half..] == before[half..],
+        "bytes outside the selection were written"
+    );
+    assert_eq!(
+        engine.stats().consumer.device_ipc_transfers,
+        2,
+        "the selected get went another way"
+    );
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success(), "the producer failed");
     assert!(engine.close(Instant::now() + Duration::from_secs(10)).await.is_clean());

@@ -304,26 +304,15 @@ async fn a_selected_get_lands_by_device_ipc_only_the_selected_ranges() {
         let selected = 2 * PIECES * half;
         assert_eq!((landed.chunks, landed.bytes), (1, selected), "{transport}");
         let got = dst.buffers()[0].to_vec(0, PIECES * BLOCKS as usize * half).unwrap();
-        for (sb, db) in [(7usize, 1usize), (5, 4)] {
-            for p in 0..PIECES {
-                let s_at = (p * BLOCKS as usize + sb) * piece + half;
-                let d_at = (p * BLOCKS as usize + db) * half;
-                assert_eq!(
-                    &got[d_at..d_at + half],
-                    &src_bytes[s_at..s_at + half],
-                    "{transport}: block {sb} piece {p}"
-                );
-            }
-        }
-        for db in (0..BLOCKS as usize).filter(|b| ![1, 4].contains(b)) {
-            for p in 0..PIECES {
-                let d_at = (p * BLOCKS as usize + db) * half;
-                assert!(
-                    got[d_at..d_at + half].iter().all(|b| *b == 0),
-                    "{transport}: block {db} piece {p} untouched"
-                );
-            }
-        }
+        common::halves::assert_second_halves_landed(
+            &got,
+            &src_bytes,
+            &[(7, 1), (5, 4)],
+            PIECES,
+            BLOCKS as usize,
+            piece,
+            &transport.to_string(),
+        );
         let stats = decode.stats().consumer;
         match transport {
             Transport::Auto => {

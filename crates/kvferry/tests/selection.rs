@@ -647,26 +647,15 @@ async fn sim_device_gathers_and_scatters_only_the_selection() {
         "only the selection crossed"
     );
     let got = dst.buffers()[0].to_vec(0, PIECES * blocks as usize * half).unwrap();
-    for (sb, db) in [(7usize, 1usize), (5, 4)] {
-        for p_ in 0..PIECES {
-            let s_at = (p_ * blocks as usize + sb) * piece + half;
-            let d_at = (p_ * blocks as usize + db) * half;
-            assert_eq!(
-                &got[d_at..d_at + half],
-                &src_bytes[s_at..s_at + half],
-                "block {sb} piece {p_}"
-            );
-        }
-    }
-    for db in (0..blocks as usize).filter(|b| ![1, 4].contains(b)) {
-        for p_ in 0..PIECES {
-            let d_at = (p_ * blocks as usize + db) * half;
-            assert!(
-                got[d_at..d_at + half].iter().all(|b| *b == 0),
-                "block {db} piece {p_} untouched"
-            );
-        }
-    }
+    common::halves::assert_second_halves_landed(
+        &got,
+        &src_bytes,
+        &[(7, 1), (5, 4)],
+        PIECES,
+        blocks as usize,
+        piece,
+        "sim device",
+    );
     // A stage of a device selection holds staging pages for the selected bytes only.
     let staged = p.decode.stage_selected(&p.addr, &[key("d")], &s, soon()).await.unwrap();
     let pages = p.prefill.arena().pages_for(selected as usize);

@@ -34,11 +34,7 @@ use kvferry::layout::KvLayout;
 /// `destination` bytes in all (each its share, in huge pages like the consumer's
 /// region, slot after slot): the same bytes as the transfers, landing in memory as
 /// large as theirs.
-pub async fn tcp_limit(
-    conns: usize,
-    bytes: u64,
-    source: Option<(&Arc<Vec<u8>>, usize, usize)>,
-) -> anyhow::Result<f64> {
+pub async fn tcp_limit(conns: usize, bytes: u64, source: Option<(&Arc<Vec<u8>>, usize, usize)>) -> anyhow::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (data, piece, destination) = match source {
         Some((memory, piece, destination)) => (memory.clone(), piece, destination),

@@ -124,6 +124,7 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 pub mod child;
 pub mod drain;
 pub mod engines;
+pub mod halves;
 pub mod p2p;
 pub mod raw;
 pub mod tls;

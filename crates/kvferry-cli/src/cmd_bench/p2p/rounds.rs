@@ -294,7 +294,14 @@ pub(super) async fn run(
             let pid = producers.pid;
             let limit = |verify| {
                 tokio::task::block_in_place(|| {
-                    cma_limit(pid, &chunks, cma_threads, args.slot_count(chunk_bytes) * k, limit_bytes, verify)
+                    cma_limit(
+                        pid,
+                        &chunks,
+                        cma_threads,
+                        args.slot_count(chunk_bytes) * k,
+                        limit_bytes,
+                        verify,
+                    )
                 })
             };
             let unverified = limit(false);
