@@ -15,21 +15,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::super::error::PeerError;
 use super::client::Counters;
-pub(super) use super::shared::verify_landed;
+pub(super) use super::shared::{check_granted_keys, verify_landed};
 use super::transfer::{Mapped, TransferCtx};
-use crate::net::{NetError, PooledConnection};
-use crate::wire::{ChunkKey, ChunkMeta};
-
-/// A producer's grant names the requested keys, in order (a selected stream's frames
-/// are checked by its landing plan instead).
-pub(super) fn check_granted_keys(chunks: &[ChunkMeta], keys: &[ChunkKey]) -> Result<(), PeerError> {
-    if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
-        return Err(PeerError::Net(NetError::Protocol(
-            "staged chunks do not match the keys".to_string(),
-        )));
-    }
-    Ok(())
-}
+use crate::net::PooledConnection;
+use crate::wire::ChunkMeta;
 
 /// A granted chunk fits the destination blocks it lands in (`cap` bytes).
 pub(super) fn check_fits(meta: &ChunkMeta, cap: usize) -> Result<(), PeerError> {

@@ -1,7 +1,8 @@
 //! What the consumer's files share: the request a transfer task runs ([`Request`]),
 //! the outcome labels of its latency histograms ([`OUTCOMES`]), a failed transfer as
 //! the task reports it ([`TaskError`]), two checks of a producer's replies
-//! ([`check_frames`], [`unexpected`]), the check of a request's keys
+//! ([`check_frames`], [`unexpected`]) and of a grant's keys ([`check_granted_keys`]),
+//! the check of a request's keys
 //! ([`check_keys`]) and of a landed chunk's checksum ([`verify_landed`]). Kept apart so
 //! that `client`, `exchange`, `get`, `transfer`, `one_sided` and `peer_watch` do not
 //! import each other in a cycle.
@@ -12,7 +13,7 @@ use super::super::error::PeerError;
 use super::types::{GetFailure, StagedHandle};
 use crate::copy::DrainFence;
 use crate::net::NetError;
-use crate::wire::{ChunkKey, Message, SelectionError, WireSelection};
+use crate::wire::{ChunkKey, ChunkMeta, Message, SelectionError, WireSelection};
 
 /// Outcome labels of the latency histograms, indexing `Inner::latency`.
 pub(super) const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
@@ -93,6 +94,17 @@ pub(super) fn verify_landed(meta: &crate::wire::ChunkMeta, actual: u32) -> Resul
             expected: meta.checksum,
             actual,
         });
+    }
+    Ok(())
+}
+
+/// A producer's grant (a socket `Staged` or a one-sided mover's) names the requested
+/// keys, in order (a selected stream's frames are checked by its landing plan instead).
+pub(super) fn check_granted_keys(chunks: &[ChunkMeta], keys: &[ChunkKey]) -> Result<(), PeerError> {
+    if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
+        return Err(PeerError::Net(NetError::Protocol(
+            "staged chunks do not match the keys".to_string(),
+        )));
     }
     Ok(())
 }

@@ -19,6 +19,7 @@
 //! (`land_device`) are bounded by the cache's own op timeout as well as by
 //! cancellation.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -28,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use super::super::error::PeerError;
 use super::super::selection::LandingPlan;
 use super::client::Consumer;
-use super::shared::{check_frames, unexpected, verify_landed, Request, TaskError, OUTCOMES};
+use super::shared::{check_frames, check_granted_keys, unexpected, verify_landed, Request, TaskError, OUTCOMES};
 use super::types::{Destination, Landed, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
 use crate::device::KvCacheRef;
@@ -45,6 +46,22 @@ pub(super) enum Mapped {
     /// The producer could not grant these bytes by memory (`TooLarge`: more runs than
     /// a reply may name); nothing was staged or written: get them over the socket.
     Socket,
+}
+
+impl Mapped {
+    /// `Break` with the landed chunks (the connection back to the pool when it may be
+    /// reused), or `Continue` with the connection to get the bytes over the socket.
+    fn settle(self, conn: PooledConnection) -> ControlFlow<Vec<ChunkMeta>, PooledConnection> {
+        match self {
+            Mapped::Landed { chunks, reuse } => {
+                if reuse {
+                    conn.finish();
+                }
+                ControlFlow::Break(chunks)
+            }
+            Mapped::Socket => ControlFlow::Continue(conn),
+        }
+    }
 }
 
 /// How long a transfer's drain waits for a device to settle a landing copy that
@@ -362,17 +379,13 @@ impl TransferCtx<'_> {
                     let mapped = self
                         .receive_mapped(&mut conn, id, &keys, select.clone(), sink, caps, pid)
                         .await?;
-                    match mapped {
-                        Mapped::Landed { chunks, reuse } => {
-                            if reuse {
-                                conn.finish();
-                            }
-                            return Ok(chunks);
-                        }
-                        // The producer cannot grant this one by memory: the socket,
-                        // on the same connection.
-                        Mapped::Socket => id = conn.next_request_id(),
-                    }
+                    // The producer cannot grant this one by memory: the socket, on the
+                    // same connection.
+                    conn = match mapped.settle(conn) {
+                        ControlFlow::Break(chunks) => return Ok(chunks),
+                        ControlFlow::Continue(conn) => conn,
+                    };
+                    id = conn.next_request_id();
                 }
                 self.take_staging(sink, caps)?;
                 let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
@@ -408,11 +421,7 @@ impl TransferCtx<'_> {
                         if lease_id != 0 {
                             self.lease_to_release = Some(lease_id);
                         }
-                        if chunks.len() > keys.len() || chunks.iter().zip(&keys).any(|(c, k)| c.key != *k) {
-                            return Err(PeerError::Net(NetError::Protocol(
-                                "staged chunks do not match the keys".into(),
-                            )));
-                        }
+                        check_granted_keys(&chunks, &keys)?;
                         chunks
                     }
                     other => {
@@ -429,15 +438,12 @@ impl TransferCtx<'_> {
                     let peer = self.pool.addr().to_string();
                     if let Some(pid) = self.consumer.cma_on(&peer, &mut conn).await? {
                         id = conn.next_request_id(); // past the probe's, if one was sent
-                        match self.pull_mapped(&mut conn, id, &handle, sink, caps, pid).await? {
-                            Mapped::Landed { chunks, reuse } => {
-                                if reuse {
-                                    conn.finish();
-                                }
-                                return Ok(chunks);
-                            }
-                            Mapped::Socket => id = conn.next_request_id(),
-                        }
+                        let mapped = self.pull_mapped(&mut conn, id, &handle, sink, caps, pid).await?;
+                        conn = match mapped.settle(conn) {
+                            ControlFlow::Break(chunks) => return Ok(chunks),
+                            ControlFlow::Continue(conn) => conn,
+                        };
+                        id = conn.next_request_id();
                     }
                 }
                 self.take_staging(sink, caps)?;
