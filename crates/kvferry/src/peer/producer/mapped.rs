@@ -334,7 +334,6 @@ impl Producer {
         // Checksums now, from the device memory: the engine promised not to write
         // published blocks; a producer that does is caught by the consumer.
         let mut chunks = Vec::with_capacity(frames.len());
-        let mut runs: Vec<(u32, u64, u64)> = Vec::new();
         for (key, len, ranges) in &frames {
             let checksum = cache.checksum_ranges(ranges).map_err(|e| internal(e.to_string()))?;
             chunks.push(ChunkMeta {
@@ -342,15 +341,10 @@ impl Producer {
                 len: *len as u64,
                 checksum,
             });
-            for (buffer, offset, n) in cache.export_runs(ranges).map_err(|e| internal(e.to_string()))? {
-                match runs.last_mut() {
-                    // Contiguous with the previous run: one run (a selection's ranges
-                    // often are).
-                    Some((b, o, l)) if *b == buffer && *o + *l == offset => *l += n,
-                    _ => runs.push((buffer, offset, n)),
-                }
-            }
         }
+        // Where the stream lies in the export, adjacent ranges as one run.
+        let stream: Vec<(usize, usize)> = frames.iter().flat_map(|f| f.2.iter().copied()).collect();
+        let runs = cache.export_runs(&stream).map_err(|e| internal(e.to_string()))?;
         if runs.len() > MAX_MAPPED_RUNS {
             // The guard drops: the lease ends; the caller stages the keys instead.
             drop(staging);
