@@ -4,8 +4,8 @@
 //! cache's own stream, verifies every chunk against the grant's checksums and sends
 //! `Done`. A selected grant's frames land in the destination's selected ranges, in
 //! order (the grant's shape is checked against the destination first, as for a
-//! selected socket stream). While the copy runs it watches the producer's process (a pidfd): a producer
-//! that ends is `PeerLost` at once.
+//! selected socket stream). While the copy runs it watches the producer's process (a
+//! pidfd): a producer that ends is `PeerLost` at once.
 //!
 //! # Cancellation
 //!
