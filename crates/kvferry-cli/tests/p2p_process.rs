@@ -179,16 +179,11 @@ fn put_and_get_commands_round_trip_and_fail_clearly() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The same-host mover between two real processes: `kvferry get` reads a
-/// `kvferry serve` on this host straight from its memory (`via cma`), bytes exact;
-/// `--transport tcp` keeps the socket; and the same get as another uid (nobody), whom
-/// the kernel does not let read the server, falls back to the socket, says why, and
-/// still lands the right bytes (that part needs root to switch uid, and says when it
-/// skipped).
-#[test]
-fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() {
-    use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+/// A `kvferry serve` started from binary `bin`, holding a 200,000-byte document put
+/// as `cma-doc`; returns it, the `get` arguments for the document, its checksum as
+/// `get` prints it, and the folder of the input file (removed by the caller).
+fn serve_a_document(bin: &std::path::Path) -> (Serve, Vec<String>, String, std::path::PathBuf) {
+    let mut cmd = Command::new(bin);
     cmd.args([
         "serve",
         "--listen",
@@ -201,29 +196,84 @@ fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() 
     .args(["--arena", "16MiB", "--page-size", "64KiB"])
     .stderr(Stdio::piped());
     let p = Serve::start(&mut cmd, Duration::from_secs(30), false);
-    let dir = std::env::temp_dir().join(format!("kvferry-cma-test-{}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "kvferry-cma-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.bin");
     let data: Vec<u8> = (0..200_000u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
     std::fs::write(&input, &data).unwrap();
-    let bin = env!("CARGO_BIN_EXE_kvferry");
     let out = Command::new(bin)
         .args(put_args(&p.addr, "cma-doc", input.to_str().unwrap()))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let crc = format!("crc32c {:#010x}", kvferry::checksum::checksum(&data));
-    let get = [&get_args(&p.addr, "cma-doc")[..], &["--max-blocks", "128"]].concat();
-    let text = |o: &std::process::Output| {
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8_lossy(&o.stdout).to_string()
+    let get = [&get_args(&p.addr, "cma-doc")[..], &["--max-blocks", "128"]]
+        .concat()
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    (p, get, crc, dir)
+}
+
+/// Stdout of a command that succeeded.
+fn stdout_of(o: &std::process::Output) -> String {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+/// The refused part (root only): `get` run as uid 65534, whom the kernel does not let
+/// read the server's memory, falls back to the socket, says why (`EPERM`) and lands
+/// the right bytes. The binary is run from where that user can reach it (a copy when
+/// `bin` lies in a private folder: issue 60); the test skips, saying why, only when no
+/// such place exists.
+fn refused_get_falls_back_to_the_socket(bin: &std::path::Path, get: &[String], crc: &str) {
+    use std::os::unix::process::CommandExt;
+    let runnable = match common::other_uid::runnable_by_others(bin) {
+        Ok(r) => r,
+        Err(why) => {
+            eprintln!("skipped the refused part: {why}");
+            return;
+        }
     };
-    let out = text(&Command::new(bin).args(&get).output().unwrap());
+    let out = Command::new(runnable.path())
+        .args(get)
+        .current_dir("/")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap_or_else(|e| panic!("spawning {} as uid 65534: {e}", runnable.path().display()));
+    let out = stdout_of(&out);
+    assert!(out.contains(crc), "{out}");
+    assert!(out.contains("via socket") && out.contains("EPERM"), "{out}");
+}
+
+/// Whether this process may switch to another uid.
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The same-host mover between two real processes: `kvferry get` reads a
+/// `kvferry serve` on this host straight from its memory (`via cma`), bytes exact;
+/// `--transport tcp` keeps the socket; and the same get as another uid (nobody), whom
+/// the kernel does not let read the server, falls back to the socket, says why, and
+/// still lands the right bytes (that part needs root to switch uid, and says when it
+/// skipped).
+#[test]
+fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_kvferry"));
+    let (_p, get, crc, dir) = serve_a_document(bin);
+    let out = stdout_of(&Command::new(bin).args(&get).output().unwrap());
     assert!(out.contains("got 200000 bytes") && out.contains(&crc), "{out}");
     assert!(out.trim_end().ends_with("via cma"), "{out}");
-    let out = text(
+    let out = stdout_of(
         &Command::new(bin)
             .args(&get)
             .args(["--transport", "tcp"])
@@ -231,13 +281,44 @@ fn get_reads_a_serve_on_this_host_from_its_memory_and_falls_back_when_refused() 
             .unwrap(),
     );
     assert!(out.contains(&crc) && out.trim_end().ends_with("via socket"), "{out}");
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped the refused part: switching to another uid needs root");
+    if is_root() {
+        refused_get_falls_back_to_the_socket(bin, &get, &crc);
     } else {
-        let out = text(&Command::new(bin).args(&get).uid(65534).gid(65534).output().unwrap());
-        assert!(out.contains(&crc), "{out}");
-        assert!(out.contains("via socket") && out.contains("EPERM"), "{out}");
+        eprintln!("skipped the refused part: switching to another uid needs root");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 60: the refused part with the checkout in a private folder (mode 0700, like
+/// root's home or a `mktemp -d` folder), where uid 65534 cannot reach the binary: the
+/// spawn itself fails there, yet the test runs the refused get and checks its bytes.
+#[test]
+fn the_refused_part_runs_when_the_checkout_is_in_a_private_folder() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !is_root() {
+        eprintln!("skipped: switching to another uid needs root");
+        return;
+    }
+    let private = std::env::temp_dir().join(format!("kvferry-private-checkout-{}", std::process::id()));
+    std::fs::create_dir_all(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let bin = private.join("kvferry");
+    std::fs::copy(env!("CARGO_BIN_EXE_kvferry"), &bin).unwrap();
+    assert!(!common::other_uid::reachable_by_others(&bin));
+    // The failure of issue 60, reproduced: uid 65534 cannot even start it.
+    let direct = Command::new(&bin)
+        .arg("--version")
+        .current_dir("/")
+        .uid(65534)
+        .gid(65534)
+        .output();
+    assert_eq!(
+        direct.map(|o| o.status.success()).map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::PermissionDenied)
+    );
+    let (_p, get, crc, dir) = serve_a_document(&bin);
+    refused_get_falls_back_to_the_socket(&bin, &get, &crc);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&private);
 }

@@ -1,6 +1,8 @@
 //! What the CLI tests share: [`Serve`], a running `kvferry serve` child process.
 #![allow(dead_code)]
 
+pub mod other_uid;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Output, Stdio};
