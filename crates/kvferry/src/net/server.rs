@@ -8,12 +8,17 @@
 //! Before authentication (see [`handshake`](super::handshake)):
 //!
 //! - the accept loop never waits: a new connection is *silent* until its first byte
-//!   arrives, and silent connections have a budget of their own
-//!   ([`SILENT_PER_PLACE`] × `max_unauthenticated`); when it is full, the oldest silent
-//!   connection is closed **at once**. A client that speaks first (every kvferry and
-//!   TLS client sends its hello right after connecting) leaves the silent set within a
-//!   round trip, so any number of silent strangers, reopened as fast as they are
-//!   closed, only close each other;
+//!   is seen, and silent connections have a budget of their own
+//!   ([`SILENT_PER_PLACE`] × `max_unauthenticated`); when it is full, the
+//!   longest-silent connection is closed **at once**. Before closing one, the accept
+//!   loop looks into its socket (a non-blocking peek): a connection whose first bytes
+//!   have arrived but whose task has not yet run (a loaded machine, thousands of
+//!   connections churning) has spoken and is passed over, as is every such one among
+//!   the [`SILENT_SCAN`] longest held; only where all of those have spoken is the
+//!   oldest closed regardless (a flood of speakers, which the handshaking places below
+//!   then share out). A client that speaks first (every kvferry and TLS client sends
+//!   its hello right after connecting) is therefore never the one closed while silent
+//!   strangers are held, however fast they are reopened: they only close each other;
 //! - a connection that has spoken takes one of `max_unauthenticated` handshaking
 //!   places, not one of the `max_connections`. When all are taken, a newcomer closes at
 //!   once a connection of the source holding at least two places more than its own
@@ -139,7 +144,7 @@ struct Shared {
     counters: Counters,
     /// Connections that have sent nothing yet, by accept order: closing one is
     /// cancelling its token.
-    silent: Mutex<BTreeMap<u64, CancellationToken>>,
+    silent: Mutex<BTreeMap<u64, Silent>>,
     /// Connections handshaking (they have spoken), by accept order.
     places: Mutex<Places>,
     /// Signalled when a connection leaves `places`.
@@ -151,6 +156,30 @@ struct Shared {
 
 /// Silent connections kept per handshaking place (`max_unauthenticated`).
 pub const SILENT_PER_PLACE: usize = 16;
+
+/// How many of the longest-held silent connections the accept loop looks into (one
+/// non-blocking peek each) for one that has really sent nothing, before it closes the
+/// oldest regardless: bounds the work a flood of speakers can cost each accept.
+pub const SILENT_SCAN: usize = 64;
+
+/// A connection that had sent nothing when last looked at: closing it is cancelling
+/// its token; its socket is shared with its task so that the accept loop can look for
+/// bytes that arrived before the task ran.
+struct Silent {
+    token: CancellationToken,
+    stream: Arc<tokio::net::TcpStream>,
+}
+
+impl Silent {
+    /// Whether bytes are waiting in its socket (false if none yet, or if it is closed
+    /// or broken, which leaves it nothing to lose).
+    fn has_spoken(&self) -> bool {
+        let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        // tokio's sockets are non-blocking, so an empty buffer is `WouldBlock`, not a
+        // wait; peeking consumes nothing, so the connection's task reads these bytes.
+        matches!(socket2::SockRef::from(&*self.stream).peek(&mut byte), Ok(n) if n > 0)
+    }
+}
 
 /// A running server. Dropping it stops it.
 pub struct Server {
@@ -290,10 +319,11 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, handler: Arc<dy
             counters.rate_limited.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(target: "kvferry::net", %peer, "suspect connection: too many failed authentications");
         }
-        // Silent until its first byte: the oldest silent one goes at once when full.
+        // Silent until its first byte: the longest-silent one goes at once when full.
         let token = stop.child_token();
         seq += 1;
-        shared.admit_silent(seq, &token);
+        let stream = Arc::new(stream);
+        shared.admit_silent(seq, &token, &stream);
         counters.active.fetch_add(1, Ordering::Relaxed);
         let (shared, handler, id) = (shared.clone(), handler.clone(), seq);
         tasks.spawn(async move {
@@ -317,17 +347,33 @@ fn stale_after(cfg: &NetConfig) -> Duration {
 }
 
 impl Shared {
-    /// Enters connection `id` among the silent ones, closing the oldest if full.
-    fn admit_silent(&self, id: u64, token: &CancellationToken) {
+    /// Enters connection `id` among the silent ones; if they are full, closes the
+    /// longest-held one that has really sent nothing among the [`SILENT_SCAN`] longest
+    /// held (the oldest of all where every one of those has spoken).
+    fn admit_silent(&self, id: u64, token: &CancellationToken, stream: &Arc<tokio::net::TcpStream>) {
         let cap = self.cfg.max_unauthenticated.saturating_mul(SILENT_PER_PLACE);
         let mut silent = self.silent.lock();
         while silent.len() >= cap {
-            let Some((_, oldest)) = silent.pop_first() else { break };
-            oldest.cancel();
+            let victim = silent
+                .iter()
+                .take(SILENT_SCAN)
+                .find(|(_, c)| !c.has_spoken())
+                .or_else(|| silent.first_key_value())
+                .map(|(id, _)| *id);
+            let Some(closed) = victim.and_then(|v| silent.remove(&v)) else {
+                break;
+            };
+            closed.token.cancel();
             self.counters.evicted_silent.fetch_add(1, Ordering::Relaxed);
             self.counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
         }
-        silent.insert(id, token.clone());
+        silent.insert(
+            id,
+            Silent {
+                token: token.clone(),
+                stream: stream.clone(),
+            },
+        );
     }
 
     fn leave_silent(&self, id: u64) {
@@ -427,7 +473,7 @@ fn admit(counters: &Counters, max: usize) -> Result<Slot<'_>, String> {
 }
 
 async fn serve_connection(
-    stream: tokio::net::TcpStream,
+    stream: Arc<tokio::net::TcpStream>,
     addr: SocketAddr,
     id: u64,
     suspect: bool,
@@ -447,6 +493,13 @@ async fn serve_connection(
         }
     }
     shared.leave_silent(id);
+    // The silent set held the only other handle, and only under its lock: out of it,
+    // this task owns the socket alone.
+    let Ok(stream) = Arc::try_unwrap(stream) else {
+        counters.handshake_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(target: "kvferry::net", "closing a connection from {addr}: its socket is still shared");
+        return;
+    };
     let class = shared.class_of(addr.ip(), suspect, Instant::now());
     let token = CancellationToken::new();
     if !shared.wait_for_place(id, addr.ip(), class, &token, deadline).await {
@@ -622,17 +675,80 @@ mod tests {
             .is_none());
     }
 
-    #[test]
-    fn the_oldest_silent_connection_goes_at_once() {
+    /// `n` accepted server-side sockets, with their clients (kept open); the first
+    /// `speaking` clients have sent a byte, which has reached the server's socket.
+    async fn accepted(n: usize, speaking: usize) -> Vec<(Arc<tokio::net::TcpStream>, tokio::net::TcpStream)> {
+        use tokio::io::AsyncWriteExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut out = Vec::new();
+        for i in 0..n {
+            let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (server, _) = listener.accept().await.unwrap();
+            if i < speaking {
+                client.write_all(b"h").await.unwrap();
+                let mut b = [0u8; 1];
+                assert_eq!(server.peek(&mut b).await.unwrap(), 1);
+            }
+            out.push((Arc::new(server), client));
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn the_oldest_silent_connection_goes_at_once() {
         let s = shared(1);
-        let tokens: Vec<CancellationToken> = (0..=SILENT_PER_PLACE).map(|_| CancellationToken::new()).collect();
-        for (i, t) in tokens.iter().enumerate() {
-            s.admit_silent(i as u64, t);
+        let conns = accepted(SILENT_PER_PLACE + 1, 0).await;
+        let tokens: Vec<CancellationToken> = conns.iter().map(|_| CancellationToken::new()).collect();
+        for (i, (t, (server, _))) in tokens.iter().zip(&conns).enumerate() {
+            s.admit_silent(i as u64, t, server);
         }
         assert!(tokens[0].is_cancelled());
         assert!(tokens[1..].iter().all(|t| !t.is_cancelled()));
         assert_eq!(s.silent.lock().len(), SILENT_PER_PLACE);
         assert_eq!(s.counters.evicted_silent.load(Ordering::Relaxed), 1);
+    }
+
+    /// Issue 61: a client whose hello had reached the server, but whose task had not
+    /// run yet, was the oldest "silent" connection and was closed by the next stranger.
+    #[tokio::test]
+    async fn a_connection_whose_bytes_arrived_is_not_closed_as_silent() {
+        let s = shared(1);
+        // The oldest connection has spoken; every later one is silent.
+        let conns = accepted(SILENT_PER_PLACE + 3, 1).await;
+        let tokens: Vec<CancellationToken> = conns.iter().map(|_| CancellationToken::new()).collect();
+        for (i, (t, (server, _))) in tokens.iter().zip(&conns).enumerate() {
+            s.admit_silent(i as u64, t, server);
+        }
+        assert!(
+            !tokens[0].is_cancelled(),
+            "the speaking connection was closed as silent"
+        );
+        // The longest-silent strangers went instead, oldest first.
+        assert!(tokens[1].is_cancelled() && tokens[2].is_cancelled() && tokens[3].is_cancelled());
+        assert!(tokens[4..].iter().all(|t| !t.is_cancelled()));
+        assert_eq!(s.counters.evicted_silent.load(Ordering::Relaxed), 3);
+        // Its task takes it out of the silent set and owns the socket alone.
+        s.leave_silent(0);
+        let (server, _client) = conns.into_iter().next().unwrap();
+        assert!(Arc::try_unwrap(server).is_ok());
+    }
+
+    #[tokio::test]
+    async fn where_every_scanned_connection_has_spoken_the_oldest_goes() {
+        let s = shared(8);
+        let cap = 8 * SILENT_PER_PLACE;
+        assert!(cap > SILENT_SCAN);
+        // The SILENT_SCAN longest held have spoken, the rest are silent: the scan
+        // stops there and the oldest goes (a flood of speakers costs each accept at
+        // most SILENT_SCAN peeks).
+        let conns = accepted(cap + 1, SILENT_SCAN).await;
+        let tokens: Vec<CancellationToken> = conns.iter().map(|_| CancellationToken::new()).collect();
+        for (i, (t, (server, _))) in tokens.iter().zip(&conns).enumerate() {
+            s.admit_silent(i as u64, t, server);
+        }
+        assert!(tokens[0].is_cancelled());
+        assert!(tokens[1..].iter().all(|t| !t.is_cancelled()));
     }
 
     #[test]
