@@ -450,3 +450,90 @@ def wait_for(pred: Any, timeout: float, interval: float = 0.5) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+# -- P/D set-ups -------------------------------------------------------------------------
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tcp-staged": {"transport": "tcp", "path": "staged"},
+}
+
+
+@dataclass
+class PD:
+    """One P/D set-up: a prefill, a decode (``KvferryConnector``) and the router."""
+
+    name: str
+    model: Path
+    prefill: Server
+    decode: Server
+    router: Router
+
+    def restart(self, which: Server) -> None:
+        """Start ``which`` again on its port (after a kill) and wait until the router
+        serves through it again (each wait bounded)."""
+        which.stop()
+        start_all(self.model, which)
+        ok = wait_for(lambda: complete(self.router.port, "ready?", timeout=20, max_tokens=1).error is None, 90)
+        assert ok, f"the router does not serve through the restarted {which.name} within 90 s"
+
+    def stop(self) -> None:
+        self.router.stop()
+        self.decode.stop()
+        self.prefill.stop()
+
+
+class Cluster:
+    """The P/D set-ups of the session, one running at a time."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.running: PD | None = None
+
+    def get(self, name: str) -> PD:
+        if self.running is not None and self.running.name == name:
+            pd = self.running
+            if pd.prefill.alive() and pd.decode.alive():
+                return pd
+        self.stop()
+        extra = CONFIGS[name]
+        prefill = Server(f"prefill-{name}", kv_config("kv_producer", **extra))
+        decode = Server(f"decode-{name}", kv_config("kv_consumer", **extra))
+        prefill.port, decode.port = free_port(), free_port()
+        router = Router(prefill.port, decode.port)
+        start_all(self.model, prefill, decode, router=router)
+        self.running = PD(name, self.model, prefill, decode, router)
+        return self.running
+
+    def stop(self) -> None:
+        if self.running is not None:
+            self.running.stop()
+            self.running = None
+
+
+
+# -- checks ----------------------------------------------------------------------------
+
+
+def assert_identical(ref: list[Outcome], got: list[Outcome], prompts: list[str]) -> None:
+    """Every reference succeeded, every P/D answer succeeded with the same token ids."""
+    errors = [(i, o.error) for i, o in enumerate(ref) if o.error]
+    assert not errors, f"the single instance failed: {errors[:3]}"
+    errors = [(i, o.error) for i, o in enumerate(got) if o.error]
+    assert not errors, f"{len(errors)}/{len(got)} P/D requests failed: {errors[:3]}"
+    differ = [i for i, (r, g) in enumerate(zip(ref, got)) if r.tokens != g.tokens]
+    assert not differ, (
+        f"{len(differ)}/{len(got)} P/D answers differ from the single instance's, first: prompt {differ[0]!r} "
+        f"{prompts[differ[0]][:60]!r}: {ref[differ[0]].tokens} != {got[differ[0]].tokens}"
+    )
+    print(f"tokens identical: {len(got)}/{len(got)} requests, {sum(len(o.tokens or []) for o in got)} tokens")
+
+
+def assert_no_blocks_held(pd: PD, single: Server | None = None, within: float = 30.0) -> None:
+    """Both instances' KV usage returns to 0 within ``within`` seconds (a request's last
+    blocks are freed a step after its answer; the prefill's at the decode's ``Done``)."""
+    for s in [pd.prefill, pd.decode] + ([single] if single else []):
+        assert wait_for(lambda s=s: s.kv_usage() == 0.0, within), (
+            f"{s.name}: vllm:kv_cache_usage_perc still {s.kv_usage()} {within} s after the load"
+        )

@@ -24,23 +24,21 @@ import socket
 import threading
 
 import serving_harness as h
-from conftest import PD
-from test_identity import assert_identical, assert_no_blocks_held
 
 TIMEOUT = 10.0  # the connector's timeout (serving_harness.kv_config)
 LEASE_TTL = 20.0
 BOUND = TIMEOUT + 5.0
 
 
-def serves_again(pd: PD, single: h.Server, seed: int, n: int = 8) -> None:
+def serves_again(pd: h.PD, single: h.Server, seed: int, n: int = 8) -> None:
     """After a fault: KV usage 0 on both (bounded by the lease) and ``n`` fresh prompts,
     8 at a time, token-identical to the single instance."""
-    assert_no_blocks_held(pd, within=LEASE_TTL + 10)
+    h.assert_no_blocks_held(pd, within=LEASE_TTL + 10)
     ps = h.prompts(n, seed=seed)
     ref = h.complete_many(single.port, ps, 8)
     got = h.complete_many(pd.router.port, ps, 8)
-    assert_identical(ref, got, ps)
-    assert_no_blocks_held(pd)
+    h.assert_identical(ref, got, ps)
+    h.assert_no_blocks_held(pd)
 
 
 def check_outcomes(outcomes: list[h.Outcome], ref: list[h.Outcome], what: str) -> None:
@@ -53,7 +51,7 @@ def check_outcomes(outcomes: list[h.Outcome], ref: list[h.Outcome], what: str) -
     print(f"{what}: {ok} succeeded (identical), {len(outcomes) - ok} failed, slowest {max(o.elapsed_s for o in outcomes):.1f} s")
 
 
-def test_prefill_killed_mid_transfer(pd: PD, single: h.Server) -> None:
+def test_prefill_killed_mid_transfer(pd: h.PD, single: h.Server) -> None:
     ps = h.prompts(32, seed=300, min_words=150, max_words=250)
     ref = h.complete_many(single.port, ps, 32)
     assert all(o.tokens for o in ref)
@@ -93,7 +91,7 @@ def _stream_and_drop(port: int, prompt: str, after_chunks: int) -> int:
         s.close()
 
 
-def test_client_disconnects_mid_stream(pd: PD, single: h.Server) -> None:
+def test_client_disconnects_mid_stream(pd: h.PD, single: h.Server) -> None:
     ps = h.prompts(8, seed=400)
     with cf.ThreadPoolExecutor(8) as ex:
         seen = list(ex.map(lambda p: _stream_and_drop(pd.router.port, p, 2), ps))
@@ -103,7 +101,7 @@ def test_client_disconnects_mid_stream(pd: PD, single: h.Server) -> None:
     serves_again(pd, single, seed=401)
 
 
-def test_decode_killed_and_restarted(pd: PD, single: h.Server) -> None:
+def test_decode_killed_and_restarted(pd: h.PD, single: h.Server) -> None:
     ps = h.prompts(16, seed=500, min_words=150, max_words=250)
     with cf.ThreadPoolExecutor(16) as ex:
         futs = [ex.submit(h.complete, pd.router.port, p, 60.0) for p in ps]
@@ -118,7 +116,7 @@ def test_decode_killed_and_restarted(pd: PD, single: h.Server) -> None:
     serves_again(pd, single, seed=501)
 
 
-def test_random_client_aborts(pd: PD, single: h.Server, requests: int = 200) -> None:
+def test_random_client_aborts(pd: h.PD, single: h.Server, requests: int = 200) -> None:
     """``requests`` completions, 32 at a time, each given up by its client after a
     random 0–1.5 s (some before the prefill answered, some mid-pull, some while
     decoding, some never)."""

@@ -11,32 +11,8 @@ from __future__ import annotations
 
 import pytest
 import serving_harness as h
-from conftest import PD
 
 CONCURRENT = 32
-
-
-def assert_identical(ref: list[h.Outcome], got: list[h.Outcome], prompts: list[str]) -> None:
-    """Every reference succeeded, every P/D answer succeeded with the same token ids."""
-    errors = [(i, o.error) for i, o in enumerate(ref) if o.error]
-    assert not errors, f"the single instance failed: {errors[:3]}"
-    errors = [(i, o.error) for i, o in enumerate(got) if o.error]
-    assert not errors, f"{len(errors)}/{len(got)} P/D requests failed: {errors[:3]}"
-    differ = [i for i, (r, g) in enumerate(zip(ref, got)) if r.tokens != g.tokens]
-    assert not differ, (
-        f"{len(differ)}/{len(got)} P/D answers differ from the single instance's, first: prompt {differ[0]!r} "
-        f"{prompts[differ[0]][:60]!r}: {ref[differ[0]].tokens} != {got[differ[0]].tokens}"
-    )
-    print(f"tokens identical: {len(got)}/{len(got)} requests, {sum(len(o.tokens or []) for o in got)} tokens")
-
-
-def assert_no_blocks_held(pd: PD, single: h.Server | None = None, within: float = 30.0) -> None:
-    """Both instances' KV usage returns to 0 within ``within`` seconds (a request's last
-    blocks are freed a step after its answer; the prefill's at the decode's ``Done``)."""
-    for s in [pd.prefill, pd.decode] + ([single] if single else []):
-        assert h.wait_for(lambda s=s: s.kv_usage() == 0.0, within), (
-            f"{s.name}: vllm:kv_cache_usage_perc still {s.kv_usage()} {within} s after the load"
-        )
 
 
 def external_counts(d: h.Server) -> tuple[float, float, float]:
@@ -49,7 +25,7 @@ def external_counts(d: h.Server) -> tuple[float, float, float]:
     )
 
 
-def check_through_kvferry(pd: PD, before: tuple[float, float, float], outcomes: list[h.Outcome]) -> None:
+def check_through_kvferry(pd: h.PD, before: tuple[float, float, float], outcomes: list[h.Outcome]) -> None:
     """Every prompt token the decode admitted for ``outcomes`` came from the prefill: the
     decode's ``prompt_tokens_by_source{source="external_kv_transfer"}`` grew by the
     prompts' tokens (vLLM's scheduler always computes a prompt's last token itself when
@@ -65,26 +41,26 @@ def check_through_kvferry(pd: PD, before: tuple[float, float, float], outcomes: 
 
 
 @pytest.mark.parametrize("config", ["default", "tcp-staged"])
-def test_one_at_a_time(config: str, single: h.Server, cluster: object) -> None:
+def test_one_at_a_time(config: str, single: h.Server, cluster: h.Cluster) -> None:
     """8 prompts of 40–160 words, one after another: P/D tokens == single's."""
-    pd = cluster.get(config)  # type: ignore[attr-defined]
+    pd = cluster.get(config)
     ps = h.prompts(8, seed=100 + len(config))
     ref = [h.complete(single.port, p) for p in ps]
     before = external_counts(pd.decode)
     got = [h.complete(pd.router.port, p) for p in ps]
-    assert_identical(ref, got, ps)
+    h.assert_identical(ref, got, ps)
     check_through_kvferry(pd, before, got)
-    assert_no_blocks_held(pd)
+    h.assert_no_blocks_held(pd)
 
 
 @pytest.mark.parametrize("config", ["default", "tcp-staged"])
-def test_concurrent(config: str, single: h.Server, cluster: object) -> None:
+def test_concurrent(config: str, single: h.Server, cluster: h.Cluster) -> None:
     """32 prompts at once: P/D tokens == single's (the reference also taken 32 at once)."""
-    pd = cluster.get(config)  # type: ignore[attr-defined]
+    pd = cluster.get(config)
     ps = h.prompts(CONCURRENT, seed=200 + len(config))
     ref = h.complete_many(single.port, ps, CONCURRENT)
     before = external_counts(pd.decode)
     got = h.complete_many(pd.router.port, ps, CONCURRENT)
-    assert_identical(ref, got, ps)
+    h.assert_identical(ref, got, ps)
     check_through_kvferry(pd, before, got)
-    assert_no_blocks_held(pd, single)
+    h.assert_no_blocks_held(pd, single)

@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 import serving_harness as h
-from conftest import PD
-from test_identity import assert_no_blocks_held
 
 pytestmark = pytest.mark.xfail(
     strict=False,
@@ -26,7 +24,7 @@ pytestmark = pytest.mark.xfail(
 )
 
 
-def prefill(pd: PD, prompt: str) -> dict[str, Any]:
+def prefill(pd: h.PD, prompt: str) -> dict[str, Any]:
     """The prefill step a P/D router makes; the ``kv_transfer_params`` it returns."""
     r = h.request(
         pd.prefill.port, "POST", "/v1/completions",
@@ -37,7 +35,7 @@ def prefill(pd: PD, prompt: str) -> dict[str, Any]:
     return dict(params)
 
 
-def same_length_pair(pd: PD, seed: int) -> tuple[str, str]:
+def same_length_pair(pd: h.PD, seed: int) -> tuple[str, str]:
     """Two different prompts of the same token count."""
     by_len: dict[int, str] = {}
     for i, p in enumerate(h.prompts(200, seed=seed, min_words=60, max_words=70)):
@@ -48,7 +46,7 @@ def same_length_pair(pd: PD, seed: int) -> tuple[str, str]:
     raise AssertionError("no two prompts of the same token count among 200")
 
 
-def test_swapped_params_never_give_wrong_tokens(pd: PD, single: h.Server) -> None:
+def test_swapped_params_never_give_wrong_tokens(pd: h.PD, single: h.Server) -> None:
     a, b = same_length_pair(pd, seed=700)
     ref_a, ref_b = h.complete(single.port, a), h.complete(single.port, b)
     assert ref_a.tokens and ref_b.tokens and ref_a.tokens != ref_b.tokens
@@ -63,4 +61,4 @@ def test_swapped_params_never_give_wrong_tokens(pd: PD, single: h.Server) -> Non
             f"prompt {name} decoded with the other prompt's KV returned other tokens (HTTP 200): "
             f"{got.tokens} != {ref.tokens}"
         )
-    assert_no_blocks_held(pd, within=30)
+    h.assert_no_blocks_held(pd, within=30)
