@@ -27,16 +27,15 @@ def external_counts(d: h.Server) -> tuple[float, float, float]:
 
 def check_through_kvferry(pd: h.PD, before: tuple[float, float, float], outcomes: list[h.Outcome]) -> None:
     """Every prompt token the decode admitted for ``outcomes`` came from the prefill: the
-    decode's ``prompt_tokens_by_source{source="external_kv_transfer"}`` grew by the
-    prompts' tokens (vLLM's scheduler always computes a prompt's last token itself when
-    the rest is external, so ``local_compute`` grows by at most one per request)."""
+    decode's ``prompt_tokens_by_source{source="external_kv_transfer"}`` grew by exactly
+    the prompts' tokens (the usage the answers report) and ``local_compute`` not at all."""
     after = external_counts(pd.decode)
     total, external, local = (a - b for a, b in zip(after, before))
     n = len(outcomes)
     prompt_tokens = sum(o.prompt_tokens for o in outcomes)
     assert total == prompt_tokens, (total, prompt_tokens)
-    assert external >= prompt_tokens - n, f"only {external} of {prompt_tokens} prompt tokens came through kvferry"
-    assert local <= n, f"the decode computed {local} prompt tokens itself for {n} requests"
+    assert external == prompt_tokens, f"{external} of {prompt_tokens} prompt tokens came through kvferry"
+    assert local == 0, f"the decode computed {local} prompt tokens itself for {n} requests"
     print(f"decode: {external:.0f} of {prompt_tokens} prompt tokens through kvferry, {local:.0f} computed")
 
 
