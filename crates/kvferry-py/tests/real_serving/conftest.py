@@ -26,6 +26,23 @@ import tiny_model
 from serving_harness import PD, Cluster
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests of one P/D configuration together (``default`` first), so each
+    configuration starts once per session (a start costs about a minute here), and the
+    fault tests after the others of their configuration."""
+
+    def config(item: pytest.Item) -> tuple[int, bool]:
+        params = getattr(item, "callspec", None)
+        name = params.params.get("config", "default") if params is not None else "default"
+        return list(h.CONFIGS).index(name), Path(str(item.fspath)).name == "test_faults.py"
+
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).parents]
+    mine = sorted((items[i] for i in slots), key=config)  # stable: file order within one
+    for i, item in zip(slots, mine):
+        items[i] = item
+
+
 @pytest.fixture(scope="session")
 def serve_env() -> None:
     why = h.missing()
