@@ -5,9 +5,9 @@
         instance against P/D through vllm-router, the same prompts
     python crates/kvferry-py/tests/real_serving/serve_tool.py soak --requests 2000 [--rounds 3]
         the long fault soak: per round, ``--requests`` completions aborted by their
-        clients at random times, then the prefill SIGKILLed under load and restarted;
-        after each, no block held and tokens identical to one instance (exits 1 on a
-        failed check)
+        clients at random times, the prefill SIGKILLed under load and restarted, the
+        decode too, clients gone mid-stream; after each, no block held and tokens
+        identical to one instance (exits 1 on a failed check)
 
 Both start a single instance, a prefill, a decode and the router (as the suite does) and
 stop them all at the end.
@@ -72,6 +72,8 @@ def soak(args: argparse.Namespace) -> int:
             for name, check in (
                 ("random client aborts", lambda: tf.test_random_client_aborts(pd, single, requests=args.requests)),
                 ("prefill SIGKILLed", lambda: tf.test_prefill_killed_mid_transfer(pd, single)),
+                ("decode SIGKILLed", lambda: tf.test_decode_killed_and_restarted(pd, single)),
+                ("clients gone mid-stream", lambda: tf.test_client_disconnects_mid_stream(pd, single)),
             ):
                 t = time.monotonic()
                 try:
