@@ -20,6 +20,7 @@ import concurrent.futures as cf
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,12 +70,13 @@ def soak(args: argparse.Namespace) -> int:
         h.start_all(model, single)
         pd = cluster.get("default")
         for r in range(args.rounds):
-            for name, check in (
+            checks: list[tuple[str, Callable[[], None]]] = [
                 ("random client aborts", lambda: tf.test_random_client_aborts(pd, single, requests=args.requests)),
                 ("prefill SIGKILLed", lambda: tf.test_prefill_killed_mid_transfer(pd, single)),
-                ("decode SIGKILLed", lambda: tf.test_decode_killed_and_restarted(pd, single)),
+                ("decode SIGKILLed", lambda: tf.decode_killed_and_restarted(pd, single)),
                 ("clients gone mid-stream", lambda: tf.test_client_disconnects_mid_stream(pd, single)),
-            ):
+            ]
+            for name, check in checks:
                 t = time.monotonic()
                 try:
                     check()

@@ -114,6 +114,12 @@ def test_client_disconnects_mid_stream(pd: h.PD, single: h.Server) -> None:
     reason="a decode restart costs about a minute on 2 cores: KVFERRY_SERVE_LONG=1 runs it (and serve_tool.py soak)",
 )
 def test_decode_killed_and_restarted(pd: h.PD, single: h.Server) -> None:
+    decode_killed_and_restarted(pd, single)
+
+
+def decode_killed_and_restarted(pd: h.PD, single: h.Server) -> None:
+    """16 long prompts in flight, the decode SIGKILLed once it admitted one: every
+    request ends within ``BOUND``; the decode restarted serves again, nothing held."""
     ps = h.prompts(16, seed=500, min_words=150, max_words=250)
     with cf.ThreadPoolExecutor(16) as ex:
         started = _decode_admitted(pd)
