@@ -210,7 +210,7 @@ class Server:
             "--model", str(model), "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
-            "--max-num-seqs", "64", "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--max-num-seqs", "64", "--enforce-eager",
         ]  # fmt: skip
         if self.kv is not None:
             a += ["--kv-transfer-config", json.dumps(self.kv)]
