@@ -37,10 +37,12 @@ cargo test --workspace $profile_flag "$@"
 echo "== python package (maturin develop $profile_flag)"
 (cd crates/kvferry-py && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop -q $profile_flag)
 
-echo "== python types: the stubs against the built module (stubtest); mypy --strict on the package core and on its core tests (tests/*.py, not tests/vllm/ nor tests/with_lmcache/)"
+echo "== python types: the stubs against the built module (stubtest); mypy --strict on the package core and on its core tests (tests/*.py, not tests/vllm/ nor tests/with_lmcache/) and the real-serving suite's"
 (cd crates/kvferry-py/python && "$venv/bin/python" -m mypy.stubtest kvferry._kvferry \
     && "$venv/bin/python" -m mypy --strict kvferry --exclude 'kvferry/integrations/')
-(cd crates/kvferry-py && MYPYPATH=python "$venv/bin/python" -m mypy --strict tests --exclude 'tests/(vllm|with_lmcache)/')
+(cd crates/kvferry-py && MYPYPATH=python "$venv/bin/python" -m mypy --strict tests --exclude 'tests/(vllm|with_lmcache|real_serving)/')
+# The real-serving suite on its own (its conftest.py would be a second module "conftest").
+(cd crates/kvferry-py/tests/real_serving && MYPYPATH=../../python "$venv/bin/python" -m mypy --strict .)
 
 echo "== python tests"
 # shellcheck disable=SC2086
