@@ -103,6 +103,27 @@ async fn a_staged_get_before_the_publication_lands_when_it_comes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_pull_before_the_publication_lands_when_it_comes() {
+    let p = pair().await;
+    let (src, dst, out) = caches(&p);
+    let k = ChunkKey::from_name("staged-later");
+    let d = Destination::new(dst.cache.clone(), vec![vec![6]])
+        .with_path(TransferPath::Staged)
+        .with_await_published(Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pull = p.decode.start_pull(&p.addr, &[k], d, deadline);
+    let pull = tokio::spawn(pull);
+    eventually("the first stage missed", || served(&p, RequestKind::Stage, RequestOutcome::Miss) == 1).await;
+    p.prefill.publish(k, &src, &[3], Duration::from_secs(30), true).unwrap();
+    assert_eq!(pull.await.unwrap().unwrap().chunks, 1);
+    assert_eq!(served(&p, RequestKind::Stage, RequestOutcome::Miss), 1, "one miss");
+    assert_eq!(served(&p, RequestKind::Stage, RequestOutcome::Hit), 1, "one stage after the wait");
+    assert_eq!(served(&p, RequestKind::Lookup, RequestOutcome::Hit), 1, "one wait, ended by the key");
+    assert_eq!(served(&p, RequestKind::Lookup, RequestOutcome::Miss), 0, "no wait ended by its timer");
+    assert!(out.to_vec(6 * BLOCK, BLOCK).unwrap().iter().all(|&b| b == 7));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_wait_a_get_before_the_publication_misses_at_once() {
     let p = pair().await;
     let (_src, dst, _out) = caches(&p);
