@@ -113,13 +113,28 @@ async fn a_delayed_pull_before_the_publication_lands_when_it_comes() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let pull = p.decode.start_pull(&p.addr, &[k], d, deadline);
     let pull = tokio::spawn(pull);
-    eventually("the first stage missed", || served(&p, RequestKind::Stage, RequestOutcome::Miss) == 1).await;
+    eventually("the first stage missed", || {
+        served(&p, RequestKind::Stage, RequestOutcome::Miss) == 1
+    })
+    .await;
     p.prefill.publish(k, &src, &[3], Duration::from_secs(30), true).unwrap();
     assert_eq!(pull.await.unwrap().unwrap().chunks, 1);
     assert_eq!(served(&p, RequestKind::Stage, RequestOutcome::Miss), 1, "one miss");
-    assert_eq!(served(&p, RequestKind::Stage, RequestOutcome::Hit), 1, "one stage after the wait");
-    assert_eq!(served(&p, RequestKind::Lookup, RequestOutcome::Hit), 1, "one wait, ended by the key");
-    assert_eq!(served(&p, RequestKind::Lookup, RequestOutcome::Miss), 0, "no wait ended by its timer");
+    assert_eq!(
+        served(&p, RequestKind::Stage, RequestOutcome::Hit),
+        1,
+        "one stage after the wait"
+    );
+    assert_eq!(
+        served(&p, RequestKind::Lookup, RequestOutcome::Hit),
+        1,
+        "one wait, ended by the key"
+    );
+    assert_eq!(
+        served(&p, RequestKind::Lookup, RequestOutcome::Miss),
+        0,
+        "no wait ended by its timer"
+    );
     assert!(out.to_vec(6 * BLOCK, BLOCK).unwrap().iter().all(|&b| b == 7));
 }
 
@@ -142,6 +157,36 @@ async fn without_a_wait_a_get_before_the_publication_misses_at_once() {
         0,
         "no wait asked"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_arrives_unannounced_is_found_when_the_wait_ends() {
+    // Written into the store behind the producer's back (`ChunkStore::insert_blocks`
+    // wakes no one): the wait ends by its bound, finds the key there, and the get
+    // goes on — counted as a wait ended by its timer.
+    let p = pair().await;
+    let (_src, dst, _out) = caches(&p);
+    let k = ChunkKey::from_name("unannounced");
+    let d = Destination::new(dst.cache.clone(), vec![vec![0]]).with_await_published(Duration::from_millis(600));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let get = tokio::spawn({
+        let (decode, addr) = (p.decode.clone(), p.addr.clone());
+        async move { decode.get(&addr, &[k], d, deadline).await }
+    });
+    eventually("the first get missed", || {
+        served(&p, RequestKind::Get, RequestOutcome::Miss) == 1
+    })
+    .await;
+    let store = p.prefill.producer().store();
+    let blocks = store.alloc_blocks(1).unwrap();
+    store.insert_blocks(k, blocks, 100).unwrap();
+    assert_eq!(get.await.unwrap().unwrap().chunks, 1, "found when the wait ended");
+    assert_eq!(
+        served(&p, RequestKind::Lookup, RequestOutcome::Miss),
+        1,
+        "the wait ended by its bound"
+    );
+    assert_eq!(served(&p, RequestKind::Get, RequestOutcome::Hit), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

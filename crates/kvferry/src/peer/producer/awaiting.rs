@@ -28,7 +28,24 @@ use crate::wire::ChunkKey;
 
 /// The longest one `AwaitPublished` is held, whatever it asks (a consumer wanting
 /// longer asks again).
-pub const MAX_AWAIT: Duration = Duration::from_secs(10);
+const MAX_AWAIT: Duration = Duration::from_secs(10);
+
+/// How an `AwaitPublished` ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Awaited {
+    /// The key was there when asked, or arrived (woken by its publication or put).
+    Here,
+    /// The wait passed; `here`: whether the key is there after all (it arrived in the
+    /// same instant). Counted as a miss either way: the request was ended by a timer.
+    Passed { here: bool },
+}
+
+impl Awaited {
+    /// What the reply says: whether the key is there now.
+    pub(super) fn here(self) -> bool {
+        matches!(self, Awaited::Here | Awaited::Passed { here: true })
+    }
+}
 
 impl Producer {
     /// Whether `key` can be served now: published, or in the store.
@@ -42,10 +59,10 @@ impl Producer {
         published || self.inner.store.lookup(std::slice::from_ref(key)) > 0
     }
 
-    /// Waits until `key` is published or stored (true), or `wait` (at most
-    /// [`MAX_AWAIT`]) passed without it (false). Woken by the arrival, never by a
-    /// timer, except the one that ends the wait.
-    pub(super) async fn await_key(&self, key: &ChunkKey, wait: Duration) -> bool {
+    /// Waits until `key` is published or stored, or `wait` (at most [`MAX_AWAIT`])
+    /// passed without it. Woken by the arrival, never by a timer, except the one that
+    /// ends the wait.
+    pub(super) async fn await_key(&self, key: &ChunkKey, wait: Duration) -> Awaited {
         let until = Instant::now() + wait.min(MAX_AWAIT);
         loop {
             // Registered before the check: an arrival between the check and the
@@ -54,15 +71,17 @@ impl Producer {
             tokio::pin!(arrived);
             arrived.as_mut().enable();
             if self.has_key(key) {
-                return true;
+                return Awaited::Here;
             }
             if Instant::now() >= until {
-                return false;
+                return Awaited::Passed { here: false };
             }
             tokio::select! {
+                // An arrival and the end of the wait in the same instant: the arrival.
+                biased;
                 _ = arrived => {}
-                _ = tokio::time::sleep_until(until) => return self.has_key(key),
-                _ = self.inner.stop.cancelled() => return self.has_key(key),
+                _ = tokio::time::sleep_until(until) => return Awaited::Passed { here: self.has_key(key) },
+                _ = self.inner.stop.cancelled() => return Awaited::Passed { here: self.has_key(key) },
             }
         }
     }

@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::accounting;
+use super::awaiting::Awaited;
 use super::fault_hooks::corrupted;
 use super::staged::StagedLease;
 use super::Producer;
@@ -254,9 +255,11 @@ impl Producer {
                 Err((kind, message)) => refuse(conn, id, kind, message).await,
             },
             Message::AwaitPublished { key, wait_ms } => {
-                let here = self.await_key(&key, Duration::from_millis(wait_ms as u64)).await;
-                accounting::note_found(here);
-                conn.send(id, &Message::LookupReply { hits: here as u32 }).await
+                let awaited = self.await_key(&key, Duration::from_millis(wait_ms as u64)).await;
+                // Counted a hit only when the key ended the wait, not its timer.
+                accounting::note_found(awaited == Awaited::Here);
+                let hits = awaited.here() as u32;
+                conn.send(id, &Message::LookupReply { hits }).await
             }
             Message::DeviceIpcHello { kinds } => conn.send(id, &self.device_ipc_offer(&kinds)).await,
             Message::GetDeviceMapped {
