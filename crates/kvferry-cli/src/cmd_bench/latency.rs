@@ -145,7 +145,10 @@ async fn measure(args: &LatencyBenchArgs) -> anyhow::Result<Report> {
     let nblocks = 2 * args.blocks;
     let prefill = Engine::start(engine_config("latency-prefill", args.mover)).await?;
     let decode = Engine::start(engine_config("latency-decode", args.mover)).await?;
-    let addr = prefill.address().context("the producer engine does not listen")?.to_string();
+    let addr = prefill
+        .address()
+        .context("the producer engine does not listen")?
+        .to_string();
     let src_mem = Arc::new(Region::host("latency-src", nblocks as usize * block)?);
     for b in 0..nblocks as usize {
         src_mem.write(b * block, &vec![(b % 251) as u8 + 1; block])?;

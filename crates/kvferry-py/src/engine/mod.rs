@@ -311,7 +311,9 @@ impl PyEngine {
     ) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
         if !(await_published.is_finite() && await_published >= 0.0) {
-            return Err(ErrInfo::invalid(format!("await_published must be >= 0 seconds, got {await_published}")).into());
+            return Err(
+                ErrInfo::invalid(format!("await_published must be >= 0 seconds, got {await_published}")).into(),
+            );
         }
         let dst = self
             .destination(region, block_ids, path, incarnation, select)?
