@@ -9,6 +9,8 @@ mod copy;
 mod cpu;
 #[path = "cmd_bench/device.rs"]
 mod device;
+#[path = "cmd_bench/latency.rs"]
+mod latency;
 #[path = "cmd_bench/limits.rs"]
 mod limits;
 #[path = "cmd_bench/p2p/mod.rs"]
@@ -59,6 +61,10 @@ enum BenchWhat {
     /// Device layer: CPU cost of a 1 s wait on a pending event, wake-up latency
     /// (p50/p99) per backend, and host-backend D2H/H2D vs single-thread memcpy.
     Device(device::DeviceBenchArgs),
+    /// One transfer at a time between two engines over loopback: the latency of each
+    /// (p50, p99) per mover and path; with --publish-delay-ms, a get that reaches the
+    /// producer before the key is published, as in disaggregated serving.
+    Latency(latency::LatencyBenchArgs),
     /// The end-to-end transfer benchmark (the default): producers and a consumer over
     /// loopback, every byte verified, against raw TCP measured in the same run.
     #[command(after_help = AFTER_HELP)]
@@ -69,6 +75,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         Some(BenchWhat::Copy(a)) => copy::run(a),
         Some(BenchWhat::Device(a)) => device::run(a),
+        Some(BenchWhat::Latency(a)) => latency::run(a),
         Some(BenchWhat::P2p(a)) => p2p::run(a),
         None => p2p::run(args.p2p),
     }

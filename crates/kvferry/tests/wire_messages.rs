@@ -206,6 +206,7 @@ fn message() -> impl Strategy<Value = Message> {
                     }
                 }
             ),
+        (key(), any::<u32>()).prop_map(|(key, wait_ms)| Message::AwaitPublished { key, wait_ms }),
     ]
 }
 

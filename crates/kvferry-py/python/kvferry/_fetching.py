@@ -56,6 +56,7 @@ class Fetching:
         path: str = "direct",
         incarnation: int | None = None,
         select: Selection | None = None,
+        await_published: float = 0.0,
     ) -> Transfer:
         """Starts fetching ``key`` (or a batch of keys, with one block-id list each)
         from ``peer`` into ``block_ids`` of ``dst``; returns at once. ``path``:
@@ -68,10 +69,24 @@ class Fetching:
         subset of its blocks, byte ranges of every per-layer piece) into ``block_ids``
         (then one flat list, or one list per key, concatenated); all keys must be
         published by one region of the peer (a key not published yet is a miss,
-        ``NotFoundError``); a selection that does not fit raises ``SelectionError``."""
+        ``NotFoundError``); a selection that does not fit raises ``SelectionError``.
+        ``await_published``: seconds to wait, should the peer not have published the
+        first key yet, for it to publish it (the peer answers the moment it does, and
+        the get goes on; within ``timeout``) before the get misses — for a producer
+        that publishes just after it handed out the keys, instead of retrying."""
         keys, blocks, sel = _fetch_args(key, block_ids, select)
         return Transfer(
-            self._e.get(keys, self._peer(peer), dst, blocks, float(timeout), _path(path), _incarnation(incarnation), sel)
+            self._e.get(
+                keys,
+                self._peer(peer),
+                dst,
+                blocks,
+                float(timeout),
+                _path(path),
+                _incarnation(incarnation),
+                sel,
+                float(await_published),
+            )
         )
 
     def get_blocking(

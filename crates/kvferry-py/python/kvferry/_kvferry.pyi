@@ -338,11 +338,14 @@ class Engine:
         path: str,
         incarnation: int | None = None,
         select: _Selection | None = None,
+        await_published: float = 0.0,
     ) -> Transfer:
         """Starts an eager get of ``keys`` from ``peer`` into ``block_ids`` (one list per
         key) of ``region``; ``path`` is ``"direct"`` or ``"staged"``. With
         ``incarnation``, any other incarnation of the peer fails the transfer with
-        ``PeerRestartedError`` before anything is staged. Returns at once."""
+        ``PeerRestartedError`` before anything is staged. With ``await_published``
+        (seconds), a first key not published yet is waited for that long (the peer
+        answers when it is published) before the get misses. Returns at once."""
     def pull(
         self,
         keys: list[_Key],

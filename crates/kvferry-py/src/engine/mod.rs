@@ -292,8 +292,11 @@ impl PyEngine {
 
     /// Starts an eager get of `keys` from `peer` into `block_ids` of `region`. With
     /// `incarnation`, a peer that is any other incarnation (it restarted) fails the
-    /// transfer with `PeerRestartedError` before anything is staged.
-    #[pyo3(signature = (keys, peer, region, block_ids, timeout, path, incarnation=None, select=None))]
+    /// transfer with `PeerRestartedError` before anything is staged. With
+    /// `await_published` (seconds), a first key the peer has not published yet is
+    /// waited for that long (the peer answers when it is published) before the get
+    /// misses.
+    #[pyo3(signature = (keys, peer, region, block_ids, timeout, path, incarnation=None, select=None, await_published=0.0))]
     fn get(
         &self,
         keys: &Bound<'_, PyList>,
@@ -304,9 +307,17 @@ impl PyEngine {
         path: &str,
         incarnation: Option<u64>,
         select: Option<PySelection>,
+        await_published: f64,
     ) -> PyResult<PyTransfer> {
         let keys = Self::keys(keys)?;
-        let dst = self.destination(region, block_ids, path, incarnation, select)?;
+        if !(await_published.is_finite() && await_published >= 0.0) {
+            return Err(
+                ErrInfo::invalid(format!("await_published must be >= 0 seconds, got {await_published}")).into(),
+            );
+        }
+        let dst = self
+            .destination(region, block_ids, path, incarnation, select)?
+            .with_await_published(Duration::from_secs_f64(await_published.min(timeout.max(0.0))));
         let t = required(timeout, "timeout")?;
         let _guard = self.handle().enter();
         let deadline = tokio::time::Instant::now() + t;

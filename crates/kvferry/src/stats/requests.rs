@@ -16,7 +16,8 @@ use super::{Histogram, HistogramSnapshot};
 pub enum RequestKind {
     /// `Ping`.
     Ping,
-    /// `Lookup`: how many of these keys are stored.
+    /// `Lookup`: how many of these keys are stored (and `AwaitPublished`: whether a
+    /// key arrived within a wait).
     Lookup,
     /// `Stage`: stage chunks for a later pull.
     Stage,

@@ -432,6 +432,19 @@ pub enum Message {
         /// The producer incarnation that granted it.
         incarnation: u64,
     },
+    /// Asks the producer to answer once `key` is published (or in its store), or
+    /// after `wait_ms` (capped by the producer) if it is still not. Reply:
+    /// [`Message::LookupReply`] with `hits` 1 (it is there now) or 0. A consumer whose
+    /// get missed a key the producer is about to publish (a prefill publishes a step
+    /// after it answered) sends this instead of retrying on a timer: the producer's
+    /// publication wakes the waiting request, so the retried get starts one round trip
+    /// after the key appears.
+    AwaitPublished {
+        /// The key to wait for.
+        key: ChunkKey,
+        /// The longest the producer holds the request before answering 0.
+        wait_ms: u32,
+    },
 }
 
 impl Message {
@@ -541,7 +554,8 @@ impl Message {
             | Message::PutAck { .. }
             | Message::Ping
             | Message::Pong
-            | Message::WelcomeAuth { .. } => Ok(()),
+            | Message::WelcomeAuth { .. }
+            | Message::AwaitPublished { .. } => Ok(()),
         }
     }
 
@@ -581,6 +595,7 @@ impl Message {
             Message::GetDeviceMapped { .. } => "GetDeviceMapped",
             Message::StagedDeviceMapped { .. } => "StagedDeviceMapped",
             Message::PullMapped { .. } => "PullMapped",
+            Message::AwaitPublished { .. } => "AwaitPublished",
         }
     }
 }

@@ -21,7 +21,7 @@ use super::client::Consumer;
 use super::shared::{check_frames, check_keys, unexpected};
 use super::types::{StagedHandle, StagedSelection};
 use crate::net::{NetError, Pool};
-use crate::wire::{ChunkKey, Message, WireSelection};
+use crate::wire::{ChunkKey, ErrorKind, Message, WireSelection};
 
 impl Consumer {
     /// How many leading `keys` the peer holds.
@@ -98,6 +98,56 @@ impl Consumer {
                 op: "request",
                 waited: start.elapsed(),
             }),
+        }
+    }
+
+    /// [`stage_with`](Self::stage_with), and while it misses the first key and `wait`
+    /// (from the call, within `deadline`) has not passed: `AwaitPublished` of that key,
+    /// and the stage again the moment the producer says it arrived (no retry timer;
+    /// see `Destination::await_published`).
+    pub(super) async fn stage_awaiting(
+        &self,
+        peer: &str,
+        keys: &[ChunkKey],
+        select: Option<(Selection, WireSelection)>,
+        wait: Duration,
+        deadline: Instant,
+    ) -> Result<StagedHandle, PeerError> {
+        let until = (Instant::now() + wait).min(deadline);
+        loop {
+            let handle = self.stage_with(peer, keys, select.clone(), deadline).await?;
+            let now = Instant::now();
+            if !handle.chunks.is_empty() || keys.is_empty() || now >= until {
+                return Ok(handle);
+            }
+            if !self.await_key(peer, &keys[0], until - now, deadline).await? {
+                return Ok(handle);
+            }
+        }
+    }
+
+    /// Asks `peer` to answer once `key` is published, waiting at most `wait` (cut to
+    /// half the I/O timeout, within which the reply must start): true when it is
+    /// there. A producer that does not know the request (an older build) answers
+    /// `BadRequest`: false, as if the wait passed.
+    pub(super) async fn await_key(
+        &self,
+        peer: &str,
+        key: &ChunkKey,
+        wait: Duration,
+        deadline: Instant,
+    ) -> Result<bool, PeerError> {
+        let wait = wait.min(self.inner.cfg.net.io_timeout / 2);
+        let wait_ms = wait.as_millis().clamp(1, u32::MAX as u128) as u32;
+        let msg = Message::AwaitPublished { key: *key, wait_ms };
+        match self.simple_request(peer, &msg, deadline).await {
+            Ok(Message::LookupReply { hits }) => Ok(hits > 0),
+            Ok(other) => Err(unexpected("LookupReply", &other)),
+            Err(PeerError::Remote {
+                kind: ErrorKind::BadRequest,
+                ..
+            }) => Ok(false),
+            Err(e) => Err(e),
         }
     }
 

@@ -91,7 +91,8 @@ impl Consumer {
         // The call's instant (see `start_resolve`).
         let started = Instant::now();
         let fut = async move {
-            match this.stage_with(&peer, &keys, select, deadline).await {
+            let wait = dst.await_published;
+            match this.stage_awaiting(&peer, &keys, select, wait, deadline).await {
                 Ok(handle) => this.resolve_fenced(handle, dst, deadline, started, signal, f).await,
                 Err(error) => {
                     drop(signal);

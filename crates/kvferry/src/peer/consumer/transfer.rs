@@ -36,7 +36,7 @@ use crate::device::KvCacheRef;
 use crate::layout::KvCache;
 use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
-use crate::wire::{ChunkMeta, Message, SelectedShape, SelectionError};
+use crate::wire::{ChunkKey, ChunkMeta, Message, SelectedShape, SelectionError};
 
 /// How a mapped get ended.
 pub(super) enum Mapped {
@@ -146,7 +146,7 @@ impl Consumer {
             landing: None,
             copy_fence: None,
         };
-        let result = ctx.run(req).await;
+        let result = ctx.run_awaiting(req).await;
         let outcome = match &result {
             Ok(l) => {
                 counters.completed.fetch_add(1, Ordering::Relaxed);
@@ -245,6 +245,72 @@ impl Consumer {
 }
 
 impl TransferCtx<'_> {
+    /// [`run`](Self::run), and for an eager get whose destination waits for
+    /// publication (`Destination::await_published`): a miss of the first key is
+    /// followed by `AwaitPublished` on a pooled connection, and the get is sent again
+    /// the moment the producer says the key arrived — not after a retry timer. Ends
+    /// with the miss once the wait (or the deadline) passed without it.
+    async fn run_awaiting(&mut self, req: Request) -> Result<Landed, PeerError> {
+        let (keys, select) = match req {
+            Request::Get { keys, select } if !self.dst.await_published.is_zero() && !keys.is_empty() => (keys, select),
+            req => return self.run(req).await,
+        };
+        let until = (Instant::now() + self.dst.await_published).min(self.connect_bound);
+        loop {
+            let get = Request::Get {
+                keys: keys.clone(),
+                select: select.clone(),
+            };
+            let landed = self.run(get).await?;
+            // A hit, or a miss holding a lease to release (never expected): as is.
+            if landed.chunks > 0 || self.lease_to_release.is_some() {
+                return Ok(landed);
+            }
+            let now = Instant::now();
+            if now >= until || !self.await_published(&keys[0], until - now).await? {
+                return Ok(landed);
+            }
+        }
+    }
+
+    /// Asks the producer to answer once `key` is published, waiting at most `wait`:
+    /// true when it is there now. A producer that does not know the request (an older
+    /// build) answers `BadRequest`: false, as if the wait passed.
+    ///
+    /// # Cancellation
+    ///
+    /// Watches the transfer's token; cancelled, the connection is dropped (closed).
+    async fn await_published(&mut self, key: &ChunkKey, wait: std::time::Duration) -> Result<bool, PeerError> {
+        let mut conn = self.pool.checkout(self.connect_bound).await?;
+        // The reply comes when the key does: the first byte may take the wait, then
+        // the usual progress bound applies.
+        let io = conn.io_timeout();
+        conn.set_io_timeout(io + wait);
+        let wait_ms = wait.as_millis().clamp(1, u32::MAX as u128) as u32;
+        let msg = Message::AwaitPublished { key: *key, wait_ms };
+        let cancel = self.cancel.clone();
+        let reply = tokio::select! {
+            r = conn.request(&msg) => r,
+            _ = cancel.cancelled() => return Err(PeerError::Cancelled),
+        };
+        conn.set_io_timeout(io);
+        match reply {
+            Ok(Message::LookupReply { hits }) => {
+                conn.finish();
+                Ok(hits > 0)
+            }
+            Ok(other) => Err(unexpected("LookupReply", &other)),
+            Err(NetError::Remote {
+                kind: crate::wire::ErrorKind::BadRequest,
+                ..
+            }) => {
+                conn.finish();
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     async fn run(&mut self, req: Request) -> Result<Landed, PeerError> {
         let inner = &self.consumer.inner;
         // A selected transfer is one stream into the destination's selected ranges:

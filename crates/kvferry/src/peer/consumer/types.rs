@@ -99,6 +99,12 @@ pub struct Destination {
     /// blocks are `chunks` concatenated (one list is enough): the selected blocks land
     /// into them in order. `None`: every chunk whole, chunk `i` into `chunks[i]`.
     pub select: Option<Selection>,
+    /// How long an eager get that misses its first key waits for the producer to
+    /// publish it (zero, the default: a miss is answered at once). The producer holds
+    /// an `AwaitPublished` request and answers when the key arrives, and the get is
+    /// sent again then: no retry timer on either side. Bounded by the transfer's
+    /// deadline. For a prefill that publishes a step after it answered (vLLM).
+    pub await_published: std::time::Duration,
     /// The registration hold the engine took for this transfer: released with the
     /// transfer's drain signal, once nothing writes the blocks.
     pub(crate) hold: Option<Arc<crate::peer::Hold>>,
@@ -119,6 +125,7 @@ impl Destination {
             path,
             incarnation: None,
             select: None,
+            await_published: std::time::Duration::ZERO,
             hold: None,
         }
     }
@@ -150,6 +157,7 @@ impl Destination {
             path: TransferPath::Staged,
             incarnation: None,
             select: None,
+            await_published: std::time::Duration::ZERO,
             hold: None,
         })
     }
@@ -164,6 +172,13 @@ impl Destination {
     /// (eager gets; a delayed pull checks its handle's incarnation anyway).
     pub fn with_incarnation(mut self, incarnation: Option<u64>) -> Destination {
         self.incarnation = incarnation;
+        self
+    }
+
+    /// The same destination, whose eager get waits up to `wait` for a first key the
+    /// producer has not published yet (see [`Destination::await_published`]).
+    pub fn with_await_published(mut self, wait: std::time::Duration) -> Destination {
+        self.await_published = wait;
         self
     }
 

@@ -51,7 +51,7 @@ pub(super) fn note_found(found: bool) {
 pub(super) fn kind_of(msg: &Message) -> RequestKind {
     match msg {
         Message::Ping => RequestKind::Ping,
-        Message::Lookup { .. } => RequestKind::Lookup,
+        Message::Lookup { .. } | Message::AwaitPublished { .. } => RequestKind::Lookup,
         Message::Stage { .. } | Message::StageSelected { .. } => RequestKind::Stage,
         Message::Get { .. } | Message::GetSelected { .. } | Message::GetMapped { .. } => RequestKind::Get,
         Message::Pull { .. } => RequestKind::Pull,

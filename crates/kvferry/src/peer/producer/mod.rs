@@ -49,6 +49,8 @@
 //! - `serving`: the request handler (the [`Handler`](crate::net::Handler) impl) and the
 //!   socket writes;
 //! - `puts`: pushes into the store (remote and local);
+//! - `awaiting`: requests held until a key arrives (`AwaitPublished`), woken by the
+//!   publication or put that brings it;
 //! - `mapped`: the same-host offer and mapped gets (the CMA mover: the grant names
 //!   where the bytes are, and the consumer reads them itself);
 //! - `guards`: the guards that report to the ledger when they drop (`Staging`,
@@ -67,6 +69,7 @@
 //! releases what only it held).
 
 mod accounting;
+mod awaiting;
 mod fault_hooks;
 mod guards;
 mod mapped;
@@ -209,6 +212,9 @@ struct Inner {
     releases: ReleaseQueue,
     /// Woken when a deregistration completes (the last holder let go).
     deregistered: tokio::sync::Notify,
+    /// Woken when a key is published or put into the store: requests waiting for a
+    /// key (`AwaitPublished`, see `awaiting`) look again.
+    arrivals: tokio::sync::Notify,
     /// Staging pages charged per peer, connection and source (staged and checked-out
     /// leases, puts being received).
     quotas: Arc<Quotas>,
@@ -291,6 +297,7 @@ impl Producer {
             ledger: Mutex::new(Ledger::new(LedgerLimits::default())),
             releases: ReleaseQueue::default(),
             deregistered: tokio::sync::Notify::new(),
+            arrivals: tokio::sync::Notify::new(),
             counters: Counters::default(),
             requests: RequestStats::default(),
             faults: ProducerFaults::default(),

@@ -117,6 +117,7 @@ impl Producer {
                     *self.inner.last_host_pub.lock() = Arc::downgrade(&p);
                 }
                 self.act(out);
+                self.note_arrival();
                 Ok(())
             }
             Err(e) => Err(PeerError::InvalidArgument(format!("publish {key}: the cache is {e}"))),

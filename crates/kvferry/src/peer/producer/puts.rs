@@ -34,7 +34,9 @@ impl Producer {
             at += len;
         }
         let checksum = crate::checksum::checksum(data);
-        self.inner.store.insert_checked(key, blocks, data.len(), checksum)
+        self.inner.store.insert_checked(key, blocks, data.len(), checksum)?;
+        self.note_arrival();
+        Ok(())
     }
 
     /// Push: bytes land straight into fresh store blocks (their quota charged like
@@ -98,6 +100,7 @@ impl Producer {
             return refuse(conn, id, ErrorKind::Internal, e.to_string()).await;
         }
         inner.counters.pushed.fetch_add(1, Ordering::Relaxed);
+        self.note_arrival();
         conn.send(id, &Message::PutAck { key }).await
     }
 }

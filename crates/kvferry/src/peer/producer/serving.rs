@@ -2,8 +2,8 @@
 //! every request of a connection. Each request is measured (its kind, outcome and
 //! handling latency, see `accounting`) and answered here: lookups, stages and eager
 //! gets (capped: over `max_concurrent_gets`, or while the producer is refusing, an
-//! immediate `Busy`), pulls of staged leases, `Done`, a consumer's `Release`, and
-//! pushes (see `puts`). A refusal is an `Error` reply with its kind.
+//! immediate `Busy`), pulls of staged leases, `Done`, a consumer's `Release`,
+//! pushes (see `puts`), and waits for a key to arrive (see `awaiting`). A refusal is an `Error` reply with its kind.
 //!
 //! A requester is who its connection proves or claims it is: under TLS the
 //! certificate's identity, otherwise the claimed id, and its leases are then bound to
@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::accounting;
+use super::awaiting::Awaited;
 use super::fault_hooks::corrupted;
 use super::staged::StagedLease;
 use super::Producer;
@@ -253,6 +254,13 @@ impl Producer {
                 Ok(reply) => conn.send(id, &reply).await,
                 Err((kind, message)) => refuse(conn, id, kind, message).await,
             },
+            Message::AwaitPublished { key, wait_ms } => {
+                let awaited = self.await_key(&key, Duration::from_millis(wait_ms as u64)).await;
+                // Counted a hit only when the key ended the wait, not its timer.
+                accounting::note_found(awaited == Awaited::Here);
+                let hits = awaited.here() as u32;
+                conn.send(id, &Message::LookupReply { hits }).await
+            }
             Message::DeviceIpcHello { kinds } => conn.send(id, &self.device_ipc_offer(&kinds)).await,
             Message::GetDeviceMapped {
                 keys,

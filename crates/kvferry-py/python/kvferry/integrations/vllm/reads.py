@@ -7,9 +7,11 @@ Semantics
 its prefill rank's address and under its own reader-slot key, and looks like a
 :class:`kvferry.Transfer` to the worker (``done()``, ``error``, ``cancel()``,
 ``wait()``): done when every get finished, failed on the first get that fails for good.
-A get that misses (the prefill publishes a step after it answered) is retried, alone,
-every 2-50 ms until ``retry_until``; a get that landed is never repeated (its slot was
-released by its ``Done``).
+A key the prefill has not published yet (it publishes a step after it answered) is
+waited for on the prefill until ``retry_until`` (``await_published``: the prefill
+answers the moment it publishes, and the get goes on); a get that still misses (a
+prefill that cannot wait) is retried, alone, every 2-50 ms until ``retry_until``; a get
+that landed is never repeated (its slot was released by its ``Done``).
 
 How a read lands:
 
@@ -169,17 +171,37 @@ class RankReads:
     def _launch(self, s: _Sub) -> None:
         s.attempts += 1
         s.retry_at = None
-        left = max(0.001, self.deadline - time.monotonic())
+        now = time.monotonic()
+        left = max(0.001, self.deadline - now)
+        # A key the prefill has not published yet (it publishes a step after it
+        # answered) is waited for on the prefill, which answers when it publishes:
+        # no retry timer (the retries below remain for a prefill that cannot wait).
+        wait = max(0.0, min(self.retry_until, self.deadline) - now)
         rd = s.read
         if self._whole(rd):
             s.transfer = self.engine.get(
-                s.address, rd.key, self.region, rd.dst_blocks, timeout=left, path=self.path, incarnation=s.incarnation
+                s.address,
+                rd.key,
+                self.region,
+                rd.dst_blocks,
+                timeout=left,
+                path=self.path,
+                incarnation=s.incarnation,
+                await_published=wait,
             )
             return
         if has_selection():
             sel = _selection_of(rd)
             s.transfer = self.engine.get(
-                s.address, rd.key, self.region, rd.dst_blocks, timeout=left, path=self.path, incarnation=s.incarnation, select=sel
+                s.address,
+                rd.key,
+                self.region,
+                rd.dst_blocks,
+                timeout=left,
+                path=self.path,
+                incarnation=s.incarnation,
+                select=sel,
+                await_published=wait,
             )
             return
         if s.scratch_region is None:
@@ -191,7 +213,14 @@ class RankReads:
             # One [blocks, piece_bytes] tensor per piece, in region order (views of one).
             s.scratch_region = self._register({f"piece{i}": whole[i] for i in range(whole.shape[0])}, n, f"scratch-{rd.key}")
         s.transfer = self.engine.get(
-            s.address, rd.key, s.scratch_region, list(range(self.geo.npub)), timeout=left, path=self.path, incarnation=s.incarnation
+            s.address,
+            rd.key,
+            s.scratch_region,
+            list(range(self.geo.npub)),
+            timeout=left,
+            path=self.path,
+            incarnation=s.incarnation,
+            await_published=wait,
         )
 
     def _land_scratch(self, s: _Sub) -> None:

@@ -354,11 +354,24 @@ class KvferryConnectorWorker:
     def _launch(self, pull: _Pull) -> None:
         assert self.engine is not None and pull.address is not None and pull.dst is not None
         self.ledger.launched(pull)
-        left = max(0.001, pull.deadline - time.monotonic())
+        now = time.monotonic()
+        left = max(0.001, pull.deadline - now)
+        # A key the prefill has not published yet (it publishes a step after it
+        # answered) is waited for on the prefill, which answers the moment it
+        # publishes: no retry timer between the publication and the get (the ledger's
+        # retries remain for a prefill that cannot wait).
+        wait = max(0.0, min(pull.retry_until, pull.deadline) - now) if pull.retries_misses else 0.0
         # Naming the incarnation that published: a restarted prefill instance is refused
         # at once (PeerRestartedError, a load error) instead of missing until timeout.
         pull.transfer = self.engine.get(
-            pull.address, pull.spec.key, pull.dst, pull.dst_ids, timeout=left, path=self.config.path, incarnation=pull.incarnation
+            pull.address,
+            pull.spec.key,
+            pull.dst,
+            pull.dst_ids,
+            timeout=left,
+            path=self.config.path,
+            incarnation=pull.incarnation,
+            await_published=wait,
         )
 
     def _scratch(self, n: int) -> dict[str, torch.Tensor]:
