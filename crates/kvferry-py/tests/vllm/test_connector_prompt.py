@@ -28,6 +28,7 @@ from vllm_harness import (
     DECODE_SALT,
     Instance,
     check_landed,
+    needed,
     prefill,
     prompts,
     scheduler_leaks,
@@ -141,8 +142,8 @@ def _mixed_up_pair_is_recomputed(prefill: Any, decode: Any, how: str) -> None:
     assert len(refusals) == 2 and any(r1 in m for m in refusals) and any(r2 in m for m in refusals), log.records
     assert all("another prompt" in m and "kv_load_failure_policy=recompute" in m for m in refusals), refusals
     check_landed(d, r3, p3)
-    landed = wire(d) - wire0
-    assert landed > 0 and not any(r in d.landed for r in (r1, r2)), "only the third request's bytes were read"
+    assert wire(d) - wire0 == needed(BLOCK_SIZE, d, len(p3)), "only the third request's bytes were read"
+    assert not any(r in d.landed for r in (r1, r2))
     for rid, prompt in ((r1, p1), (r2, p2)):
         _check_computed_here(d, rid, prompt)
     d.run_until(lambda: {r1, r2, r3} <= set(d.final), 10, "the decodes")
