@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from kvferry.integrations.vllm.prompt import prompt_digest, publication_key
 from vllm_harness import check_landed, one_rank, prefill_process, prompts
 
 LEASE_TTL = 8.0  # the conftest ``prefill``'s lease: short, as the expiry tests need
@@ -33,7 +34,8 @@ def test_lifecycle_prefill_to_decode(prefill, decode, kv_device):
     (rid, prompt), = prompts(1, seed=1, lo=50, hi=51)
     params = prefill.prefill([(rid, prompt)])[rid]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert params["remote_request_id"] == rid
+    # The key is bound to the prompt (prompt.py): the request id and the prompt's digest.
+    assert params["remote_request_id"] == publication_key(rid, prompt_digest(prompt))
     assert len(params["remote_block_ids"]) == 4  # 50 tokens, 16 per block
     host, port = prefill.address.rsplit(":", 1)
     assert params["remote_host"] == host and params["remote_port"] == int(port)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from kvferry.integrations.vllm.prompt import prompt_digest, publication_key
 from vllm_harness import (
     Instance,
     RemoteInstance,
@@ -91,7 +92,9 @@ def test_a_member_never_published_fails_alone(made, case):
     reqs = prompts(9, seed=63, lo=20, hi=60)
     params = prefill(p, reqs)
     ghost_prompt = reqs[4][1]
-    ghost = dict(params[reqs[4][0]], remote_request_id="ghost", kvferry_expires_at=time.time() + 1.0)
+    # A key bound to the ghost's own prompt (it passes the prompt check) that no one published.
+    ghost_key = publication_key("ghost", prompt_digest(ghost_prompt))
+    ghost = dict(params[reqs[4][0]], remote_request_id=ghost_key, kvferry_expires_at=time.time() + 1.0)
     order = reqs[:4] + [("ghost", ghost_prompt)] + reqs[4:]
     for rid, prompt in order:
         d.add(rid, prompt, max_tokens=2, params=ghost if rid == "ghost" else params[rid])

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+from kvferry.integrations.vllm.prompt import prompt_digest, publication_key
 from vllm_harness import (
     BACKENDS,
     HEAD32,
@@ -356,7 +357,8 @@ def test_a_planned_pull_that_missed_until_its_end_is_a_miss_not_relaunched(made)
     made += [p, d]
     (rid, prompt), = prompts(1, seed=77, lo=40, hi=60)
     params = dict(prefill(p, [(rid, prompt)])[rid])
-    params["remote_request_id"] = "never-published"  # a key the prefill never publishes
+    # A key the prefill never publishes, bound to this prompt (it passes the prompt check).
+    params["remote_request_id"] = publication_key("never-published", prompt_digest(prompt))
     d.add(rid, prompt, max_tokens=2, params=params)
     d.step()  # the pulls start on both ranks
     for w in d.workers():

@@ -309,8 +309,10 @@ def test_unusable_params_are_computed_locally_with_a_warning(prefill, decode, ca
     # The prefill could not be told (its lease is the documented backstop); release it
     # by hand so the module's prefill instance is empty for the tests after this one.
     assert rid in prefill.state()["held"]
-    # Every reader slot it published (reader_slots "auto": more than one key).
-    keys = [rid] + [f"{rid}#s{i}" for i in range(1, int(params["kvferry_desc"]["slots"]))]
+    # Every reader slot it published (reader_slots "auto": more than one key), under
+    # the key bound to the prompt.
+    key = params["remote_request_id"]
+    keys = [key] + [f"{key}#s{i}" for i in range(1, int(params["kvferry_desc"]["slots"]))]
     d.worker.engine.release_remote(prefill.address, keys, timeout=5.0).wait(5.0)
     prefill.wait_freed({rid}, timeout=RELEASE_BOUND)
 

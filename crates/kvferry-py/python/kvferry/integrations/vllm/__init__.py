@@ -111,7 +111,8 @@ or ``vllm serve ... --kv-transfer-config '{"kv_connector": "KvferryConnector",
 
 ``kv_transfer_params`` returned by a prefill instance: ``do_remote_prefill`` (True),
 ``do_remote_decode`` (False), ``remote_block_ids``, ``remote_engine_id``,
-``remote_request_id`` (the publication's key), ``remote_host``, ``remote_port``,
+``remote_request_id`` (the publication's key, bound to the prompt: ``<request
+id>@prompt-<digest>``, see :mod:`.prompt`), ``remote_host``, ``remote_port``,
 ``remote_num_tokens``, ``tp_size``, ``pp_size``, ``remote_dp_rank`` and ``dp_size`` (the
 engine core's data-parallel rank and vLLM's ``data_parallel_size``), ``kvferry_peer_id``,
 ``kvferry_incarnation`` (rank 0's; a restarted instance has a new incarnation),
@@ -147,7 +148,11 @@ miss too: the release retries until the lease's advertised end, so a prefill tha
 publishes after the decode gave up is released as soon as it does), and when vLLM gives
 the request 0 external tokens (``prompt_logprobs``, a full local prefix hit). Lease
 expiry remains the backstop when the decode side dies or the release cannot reach the
-prefill instance. Params without kvferry's fields (a proxy written for NIXL) are pulled
+prefill instance. A decode reads only a publication whose key is bound to its own
+request's prompt (:mod:`.prompt`): params naming another prompt's KV (a router that
+mixed up two requests' params), or a key with no digest, are a load error of kind
+``wrong_prompt``, refused before any read, and the named publication is released.
+Params without kvferry's fields (a proxy written for NIXL) are pulled
 from ``remote_host:remote_port`` when the prefill has one rank, else computed locally
 with a warning that says why.
 KV caches in CPU memory move zero copy; CUDA caches move through pinned staging and
@@ -161,7 +166,8 @@ The package (a facade over one module per concern, in the style of vLLM's
 NixlConnector): :mod:`.connector` (the class vLLM loads), :mod:`.config` (these
 keys), :mod:`.metadata` (handshake and per-step metadata), :mod:`.scheduler` and
 :mod:`.worker` (the two halves), :mod:`.reads` and :mod:`.hetero` (reads, batches and
-heterogeneous plans), :mod:`.parallel` (data-parallel ranks and pipeline stages), :mod:`.mapping` and :mod:`.layout` (pure byte geometry, no vLLM
+heterogeneous plans), :mod:`.parallel` (data-parallel ranks and pipeline stages), :mod:`.prompt` (the
+prompt digest binding a publication to its prompt), :mod:`.mapping` and :mod:`.layout` (pure byte geometry, no vLLM
 needed), :mod:`.alloc` (KV caches from vLLM's own allocator, for tests and benches),
 :mod:`.stats`, :mod:`.bench` (``python -m kvferry.integrations.vllm.bench``) and
 :mod:`.bounded_output` (the vLLM plugin ``kvferry_bounded_output``).

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from ... import errors
 from .mapping import GroupDesc, IncompatibleError, KvDescriptor, RankPlan, check, plan_request
 from .parallel import pp_differences, remote_dp_rank, stages_of
+from .prompt import WrongPromptError
 from .reads import RankReads, _Geometry, launch_batched
 
 if TYPE_CHECKING:
@@ -248,16 +249,19 @@ def plan(sched: Any, request: Any, blocks: Any, params: dict[str, Any], spec_cls
 # -- prefill worker ------------------------------------------------------------------
 
 
-def publish_slots(worker: Any, req_id: str, block_ids: list[int]) -> None:
-    """Publishes ``block_ids`` under every reader slot of ``req_id`` and records the
-    slots in the worker's ledger (raises what the first publish raises; a later slot
-    that fails to publish is simply not one of the request's slots)."""
+def publish_slots(worker: Any, req_id: str, block_ids: list[int], key: str | None = None) -> None:
+    """Publishes ``block_ids`` under every reader slot of ``key`` (default: the
+    request id; the connector passes the key bound to the prompt, :mod:`.prompt`) and
+    records the slots as ``req_id``'s in the worker's ledger (raises what the first
+    publish raises; a later slot that fails to publish is simply not one of the
+    request's slots)."""
     from .mapping import slot_key
 
-    worker.engine.publish(req_id, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
-    keys = [req_id]
+    key = req_id if key is None else key
+    worker.engine.publish(key, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
+    keys = [key]
     for s in range(1, worker.reader_slots):
-        k = slot_key(req_id, s)
+        k = slot_key(key, s)
         try:
             worker.engine.publish(k, worker.region, block_ids, ttl=worker.config.lease_ttl, once=True)
             keys.append(k)
@@ -381,7 +385,7 @@ def start_reads(worker: Any, pull: Any) -> None:
     for q, keys in by_rank.items():
         _release(worker, pull.req_id, spec.peers, pull.expires_at, q, keys)
     if spec.refused is not None:
-        raise IncompatibleError([spec.refused])
+        raise WrongPromptError(spec.refused) if spec.wrong_prompt else IncompatibleError([spec.refused])
     geo = _Geometry(pieces=worker._pieces, src_piece_bytes=spec.src_piece_bytes, npub=spec.npub)
     pull.transfer = RankReads(
         worker.engine,

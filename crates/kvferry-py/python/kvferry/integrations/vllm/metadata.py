@@ -53,6 +53,9 @@ class RecvSpec:
     # rank's reads and releases, or why the pair was refused.
     plans: list[Any] | None = None
     refused: str | None = None
+    # The refusal is the prompt check's (prompt.py): the publication is not this
+    # request's prompt's; reported as a WrongPromptError (kind ``wrong_prompt``).
+    wrong_prompt: bool = False
     npub: int = 0
     src_piece_bytes: int = 0
     # Params without a descriptor (a proxy written for NIXL): the other reader slots
@@ -99,6 +102,9 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_send: dict[str, list[int]] = field(default_factory=dict)
+    # The key each of ``reqs_to_send`` is published under (prompt.publication_key);
+    # a request absent here is published under its request id.
+    publish_keys: dict[str, str] = field(default_factory=dict)
     expires_at: dict[str, float] = field(default_factory=dict)  # wall clock, per pull
     reqs_to_release: dict[str, ReleaseSpec] = field(default_factory=dict)
     idle: bool = False  # this step schedules no tokens: no forward pass runs

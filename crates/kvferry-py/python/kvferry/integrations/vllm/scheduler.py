@@ -12,8 +12,9 @@ from vllm.logger import init_logger
 
 from . import hetero as vllm_hetero
 from . import parallel
+from . import prompt as vllm_prompt
 from .config import KvferryConfig
-from .mapping import slot_key
+from .mapping import RankPlan, slot_key
 from .metadata import KvferryConnectorMetadata, KvferryHandshakeMetadata, RecvSpec, ReleaseSpec, _flat_block_ids
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class KvferryConnectorScheduler:
         self.log_error = logger.error
         self._need_recv: dict[str, RecvSpec] = {}
         self._need_send: dict[str, list[int]] = {}
+        self._need_keys: dict[str, str] = {}  # publication key of each of _need_send
         self._need_expiry: dict[str, float] = {}
         self._need_release: dict[str, ReleaseSpec] = {}
 
@@ -208,6 +210,10 @@ class KvferryConnectorScheduler:
                 stages=stages,
             )
             return
+        why = vllm_prompt.refusal(str(params["remote_request_id"]), request.prompt_token_ids or ())
+        if why is not None:
+            self._refuse_wrong_prompt(request, blocks, params, why)
+            return
         if isinstance(params.get("kvferry_desc"), dict):
             # The prefill advertised its KV geometry: a planned pull (vllm_hetero.py).
             expires = params.get("kvferry_expires_at")
@@ -235,10 +241,53 @@ class KvferryConnectorScheduler:
             remote_dp_rank=parallel.remote_dp_rank(params),
         )
 
+    def _refuse_wrong_prompt(self, request: Request, blocks: KVCacheBlocks, params: dict[str, Any], why: str) -> None:
+        """The publication the params name is not bound to this request's prompt
+        (:mod:`.prompt`): nothing is read. The request gets a refused pull — every
+        worker reports its blocks as a load error (kind ``wrong_prompt``), which
+        ``kv_load_failure_policy`` turns into a local recompute or a failed request —
+        and every slot of the named publication is released at once, so the prefill
+        frees its blocks within a round trip instead of at lease expiry."""
+        req_id = request.request_id
+        key = str(params["remote_request_id"])
+        peers = list(params["kvferry_peers"])
+        stages = parallel.stages_of(params, self.pp_size)
+        kvc = self.vllm_config.kv_transfer_config
+        logger.warning(
+            "KvferryConnector: refusing the KV named for %s (prefill engine %s): %s; a load error, which "
+            "kv_load_failure_policy=%s turns into %s",
+            req_id,
+            params.get("remote_engine_id"),
+            why,
+            getattr(kvc, "kv_load_failure_policy", "?"),
+            "a local recompute" if getattr(kvc, "kv_load_failure_policy", None) == "recompute" else "a failed request",
+        )
+        per_rank = vllm_hetero.release_all(self, params, stages)
+        if per_rank is None:  # one key per prefill rank, spread over the decode ranks
+            per_rank = [[(q, key) for q in range(len(peers) // stages) if q % self.tp_size == r] for r in range(self.tp_size)]
+        expires = params.get("kvferry_expires_at")
+        if expires is not None:
+            self._need_expiry[req_id] = float(expires)
+        self._need_recv[req_id] = RecvSpec(
+            key=key,
+            peers=peers,
+            remote_block_ids=[],
+            local_block_ids=[
+                b.block_id for g in blocks.blocks for b in g if not getattr(b, "is_null", False) and b.block_hash is None
+            ],
+            plans=[RankPlan(releases=list(per_rank[r]) if r < len(per_rank) else []) for r in range(self.tp_size)],
+            refused=why,
+            wrong_prompt=True,
+            stages=stages,
+            remote_engine_id=None if params.get("remote_engine_id") is None else str(params["remote_engine_id"]),
+            remote_dp_rank=parallel.remote_dp_rank(params),
+        )
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(
             reqs_to_recv=self._need_recv,
             reqs_to_send=self._need_send,
+            publish_keys=self._need_keys,
             expires_at=self._need_expiry,
             reqs_to_release=self._need_release,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
@@ -246,6 +295,7 @@ class KvferryConnectorScheduler:
         )
         self._need_recv = {}
         self._need_send = {}
+        self._need_keys = {}
         self._need_expiry = {}
         self._need_release = {}
         return meta
@@ -278,6 +328,10 @@ class KvferryConnectorScheduler:
         if not ids:
             return False, None
         self._need_send[request.request_id] = ids
+        # The key is bound to the prompt (prompt.py): a decode reads it only for a
+        # request with this very prompt.
+        key = vllm_prompt.publication_key(request.request_id, vllm_prompt.prompt_digest(request.prompt_token_ids or ()))
+        self._need_keys[request.request_id] = key
         ranks = [self.workers[w] for w in sorted(self.workers)]  # stage-major: pp x TP + tp
         first = ranks[0]
         host, _, port = (first.address or ":0").rpartition(":")
@@ -286,7 +340,7 @@ class KvferryConnectorScheduler:
             "do_remote_decode": False,
             "remote_block_ids": ids,
             "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": key,
             "remote_host": self.config.advertise_host or host,
             "remote_port": int(port),
             "remote_num_tokens": request.num_prompt_tokens,

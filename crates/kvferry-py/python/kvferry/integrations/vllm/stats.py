@@ -16,7 +16,9 @@ the plain ``data`` dict to the front end, rebuilds it there with
   first attempt to the bytes landing), ``vllm:kvferry_pull_bytes`` (histogram),
   ``vllm:kvferry_bytes_total``, ``vllm:kvferry_blocks_total``,
   ``vllm:kvferry_failed_pulls_total{kind=…}`` (``miss``, ``timeout``, ``peer_lost``,
-  ``restarted``, ``checksum``, ``device``, ``lease_expired``, ``other``),
+  ``restarted``, ``checksum``, ``device``, ``lease_expired``, ``wrong_prompt`` — the
+  params named KV not bound to the request's prompt (:mod:`.prompt`), refused unread
+  —, ``other``),
   ``vllm:kvferry_releases_total`` (prefill instances told to free blocks a decode
   will not pull: aborts, give-ups, 0 external tokens),
   ``vllm:kvferry_publications_released_total{reason=…}`` (prefill side: ``done`` —
@@ -46,11 +48,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from ... import errors
+from .prompt import WrongPromptError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-FAILURE_KINDS = ("miss", "timeout", "peer_lost", "restarted", "checksum", "device", "lease_expired", "other")
+FAILURE_KINDS = ("miss", "timeout", "peer_lost", "restarted", "checksum", "device", "lease_expired", "wrong_prompt", "other")
 RELEASE_REASONS = ("done", "declined", "expired", "released", "shutdown")
 
 
@@ -64,6 +67,7 @@ def failure_kind(error: BaseException | None) -> str:
         (errors.ChecksumError, "checksum"),
         (errors.DeviceError, "device"),
         (errors.LeaseExpiredError, "lease_expired"),
+        (WrongPromptError, "wrong_prompt"),
     ]
     for cls, kind in table:
         if isinstance(error, cls):

@@ -93,6 +93,7 @@ class KvferryConnectorWorker:
         self._pieces: list[Any] = []  # raw per-layer pieces [num_blocks, piece_bytes] (hetero.py)
         self._geo: dict[str, Any] = {}
         self._read_defer: list[Any] | None = None  # vllm_hetero.batched_gets
+        self._pub_keys: dict[str, str] = {}  # request -> its publication key, until published
         self.phys: dict[str, torch.Tensor] = {}  # what is registered (sleep.py registers it again)
         self.asleep = False  # sleep.py: the KV cache is deregistered
 
@@ -218,7 +219,7 @@ class KvferryConnectorWorker:
         self._done_meta = meta
         self._idle = meta.idle
         for req_id, block_ids in meta.reqs_to_send.items():
-            self._publish(req_id, block_ids)
+            self._publish(req_id, block_ids, meta.publish_keys.get(req_id, req_id))
         # The step's releases go as one message per prefill rank (at most max_keys
         # keys each); its reads as batched gets.
         with vllm_hetero.batched_releases(self), vllm_hetero.batched_gets(self):
@@ -287,11 +288,12 @@ class KvferryConnectorWorker:
             ev.record()
             self._step_done = ev
 
-    def _publish(self, req_id: str, block_ids: list[int]) -> None:
-        """Publishes a finished prefill's blocks; on a CUDA cache, not before the step
-        that computed them has completed on the GPU (polled each step, bounded by
-        ``timeout``: a GPU that never completes frees the blocks unpublished, and the
-        decode gets a miss)."""
+    def _publish(self, req_id: str, block_ids: list[int], key: str) -> None:
+        """Publishes a finished prefill's blocks under ``key`` (bound to its prompt:
+        :mod:`.prompt`); on a CUDA cache, not before the step that computed them has
+        completed on the GPU (polled each step, bounded by ``timeout``: a GPU that
+        never completes frees the blocks unpublished, and the decode gets a miss)."""
+        self._pub_keys[req_id] = key
         if self.device is not None and self.device.startswith("cuda"):
             self.ledger.computing(req_id, block_ids, time.monotonic() + self.config.timeout)
             self._publish_computed()
@@ -306,12 +308,14 @@ class KvferryConnectorWorker:
         for rec in go:
             self._publish_now(rec.req_id, rec.block_ids)
         for rec in lost:
+            self._pub_keys.pop(rec.req_id, None)
             logger.error("KvferryConnector: the GPU did not finish computing %s within %ss; not published", rec.req_id, self.config.timeout)
 
     def _publish_now(self, req_id: str, block_ids: list[int]) -> None:
         assert self.engine is not None and self.region is not None
+        key = self._pub_keys.pop(req_id, req_id)
         try:
-            vllm_hetero.publish_slots(self, req_id, block_ids)
+            vllm_hetero.publish_slots(self, req_id, block_ids, key)
         except errors.Error as e:
             # Nothing pins the blocks: free them now; the decode side gets a miss.
             logger.error("KvferryConnector: publishing %s failed: %s", req_id, e)
