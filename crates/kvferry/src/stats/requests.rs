@@ -14,7 +14,8 @@ use super::{Histogram, HistogramSnapshot};
 /// What a request asked for (the request message's kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RequestKind {
-    /// `Ping`.
+    /// `Ping`, and a mover's offer asked for (`MoverHello`, `DeviceIpcHello`): a
+    /// question about the peer, not about data.
     Ping,
     /// `Lookup`: how many of these keys are stored (and `AwaitPublished`: whether a
     /// key arrived within a wait).

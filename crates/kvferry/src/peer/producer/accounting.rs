@@ -47,19 +47,49 @@ pub(super) fn note_found(found: bool) {
     });
 }
 
-/// The kind of a request message.
+/// The kind of a request message: every get-like request counts the same way,
+/// whichever mover serves it (a socket get, a selected get, a same-host or device-IPC
+/// mapped get are all `Get`; a delayed pull over the socket or mapped is `Pull`). The
+/// match names every variant, so a new request cannot fall into `Other` unnoticed.
 pub(super) fn kind_of(msg: &Message) -> RequestKind {
     match msg {
-        Message::Ping => RequestKind::Ping,
+        Message::Ping | Message::MoverHello { .. } | Message::DeviceIpcHello { .. } => RequestKind::Ping,
         Message::Lookup { .. } | Message::AwaitPublished { .. } => RequestKind::Lookup,
         Message::Stage { .. } | Message::StageSelected { .. } => RequestKind::Stage,
-        Message::Get { .. } | Message::GetSelected { .. } | Message::GetMapped { .. } => RequestKind::Get,
-        Message::Pull { .. } => RequestKind::Pull,
+        Message::Get { .. }
+        | Message::GetSelected { .. }
+        | Message::GetMapped { .. }
+        | Message::GetDeviceMapped { .. } => RequestKind::Get,
+        Message::Pull { .. } | Message::PullMapped { .. } => RequestKind::Pull,
         // A release without a pull frees publications as `Done` frees leases.
         Message::Done { .. } | Message::Release { .. } => RequestKind::Done,
         Message::Put { .. } => RequestKind::Put,
-        _ => RequestKind::Other,
+        // Handshake messages and replies: not requests a client may send here.
+        Message::Hello { .. }
+        | Message::Challenge { .. }
+        | Message::Auth { .. }
+        | Message::Welcome
+        | Message::WelcomeAuth { .. }
+        | Message::LookupReply { .. }
+        | Message::Staged { .. }
+        | Message::StagedSelected { .. }
+        | Message::StagedMapped { .. }
+        | Message::StagedDeviceMapped { .. }
+        | Message::PullDone { .. }
+        | Message::DoneAck
+        | Message::PutAck { .. }
+        | Message::ReleaseAck { .. }
+        | Message::MoverOffer { .. }
+        | Message::DeviceIpcOffer { .. }
+        | Message::Error { .. }
+        | Message::Pong => RequestKind::Other,
     }
+}
+
+/// Whether a request of `kind` takes new staging (a stage or a get of any mover):
+/// what a producer that is refusing (no longer in the peer directory) turns away.
+pub(super) fn takes_staging(kind: RequestKind) -> bool {
+    matches!(kind, RequestKind::Stage | RequestKind::Get)
 }
 
 /// Runs `handler` (one request of `kind`) and records its outcome and latency.
@@ -88,6 +118,51 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// Issue 55: device-IPC gets and mapped pulls were counted as `other` (the kind of
+    /// an unexpected message) while the handler served them as gets and pulls.
+    #[test]
+    fn every_get_like_request_counts_as_a_get_or_pull_whatever_its_mover() {
+        let key = crate::wire::ChunkKey::from_name("k");
+        let gets = [
+            Message::Get {
+                keys: vec![key],
+                ttl_ms: 1,
+            },
+            Message::GetMapped {
+                keys: vec![key],
+                ttl_ms: 1,
+                select: None,
+            },
+            Message::GetDeviceMapped {
+                keys: vec![key],
+                ttl_ms: 1,
+                kind: "sim".into(),
+                select: None,
+            },
+        ];
+        for m in &gets {
+            assert_eq!(kind_of(m), RequestKind::Get, "{}", m.name());
+            assert!(takes_staging(kind_of(m)), "{}", m.name());
+        }
+        let pulls = [
+            Message::Pull {
+                lease_id: 1,
+                incarnation: 2,
+            },
+            Message::PullMapped {
+                lease_id: 1,
+                incarnation: 2,
+            },
+        ];
+        for m in &pulls {
+            assert_eq!(kind_of(m), RequestKind::Pull, "{}", m.name());
+            assert!(!takes_staging(kind_of(m)), "a granted lease is served while refusing");
+        }
+        let offer = Message::MoverHello { boot_id: String::new() };
+        assert_eq!(kind_of(&offer), RequestKind::Ping);
+        assert_eq!(kind_of(&Message::Pong), RequestKind::Other);
+    }
 
     #[tokio::test]
     async fn the_last_note_wins_and_errors_override() {

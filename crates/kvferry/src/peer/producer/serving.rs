@@ -120,15 +120,7 @@ impl Producer {
                 ttl_ms,
             },
         };
-        if self.inner.refusing.load(Ordering::Acquire)
-            && matches!(
-                msg,
-                Message::Stage { .. }
-                    | Message::Get { .. }
-                    | Message::GetMapped { .. }
-                    | Message::GetDeviceMapped { .. }
-            )
-        {
+        if self.inner.refusing.load(Ordering::Acquire) && accounting::takes_staging(accounting::kind_of(&msg)) {
             self.inner.counters.busy.fetch_add(1, Ordering::Relaxed);
             let why = "not registered in the peer directory (its lease was lost; registering again)";
             return refuse(conn, id, ErrorKind::Busy, why.into()).await;
