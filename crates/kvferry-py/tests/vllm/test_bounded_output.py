@@ -37,6 +37,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 
 
+# How late past its 0.3 s bound a wait may end and still count as bounded: the
+# scheduler's allowance on a loaded 2-core machine (100 ms failed there once, issue 61's
+# treatment of load-sensitive tests); the unbounded original never ends at all.
+SLACK_S = 3.0
+
+
 @pytest.fixture(autouse=True)
 def _vllm(need_vllm: None) -> None:
     """Every test here needs vLLM 0.33.0 (conftest's ``need_vllm``)."""
@@ -122,7 +128,7 @@ def test_wrapped_get_output_raises_within_the_deadline(plugin):
     with pytest.raises(plugin.OutputTimeoutError) as info:
         _async_output(CopyEvent()).get_output()
     elapsed = time.monotonic() - t0
-    assert 0.3 <= elapsed < 0.3 + 0.1, elapsed
+    assert 0.3 <= elapsed < 0.3 + SLACK_S, elapsed
     e = info.value
     assert isinstance(e, kvferry.TimeoutError)
     assert e.step is not None and e.step >= 1
@@ -173,7 +179,7 @@ def test_enqueue_output_turns_the_timeout_into_a_failure_naming_the_rank(plugin)
     t0 = time.monotonic()
     wp.enqueue_output(_async_output(CopyEvent()))
     elapsed = time.monotonic() - t0
-    assert elapsed < 0.3 + 0.1
+    assert elapsed < 0.3 + SLACK_S, elapsed
     [(status, message)] = wp.worker_response_mq.sent
     assert status == WorkerProc.ResponseStatus.FAILURE
     assert "rank 3" in message
@@ -209,7 +215,7 @@ def test_step_timing_collect_is_bounded(plugin):
     t0 = time.monotonic()
     with pytest.raises(plugin.OutputTimeoutError, match="StepTimingCollector"):
         _timed_collect(collector, CopyEvent())
-    assert time.monotonic() - t0 < 0.3 + 0.1
+    assert time.monotonic() - t0 < 0.3 + SLACK_S
     # The original's cleanup ran: nothing left collecting.
     assert collector._timed == [] and collector._collecting is False
     samples = _timed_collect(collector, CopyEvent(done=True))
