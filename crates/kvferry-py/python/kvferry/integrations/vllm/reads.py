@@ -67,6 +67,12 @@ MIN_GET = 0.010
 after that the miss is final (a get launched with less would time out instead)."""
 
 
+WAIT_MARGIN = 0.25
+"""How long before its deadline a get stops waiting on the prefill for a publication
+(``await_published``), so that a key never published ends as a miss within the
+deadline — a load error of kind ``miss`` — not as the get's timeout."""
+
+
 def has_selection() -> bool:
     """Whether this kvferry has partial gets (``kvferry.Selection``)."""
     return hasattr(kvferry, "Selection")
@@ -176,7 +182,9 @@ class RankReads:
         # A key the prefill has not published yet (it publishes a step after it
         # answered) is waited for on the prefill, which answers when it publishes:
         # no retry timer (the retries below remain for a prefill that cannot wait).
-        wait = max(0.0, min(self.retry_until, self.deadline) - now)
+        # The wait ends WAIT_MARGIN before the deadline: a key still missing then is
+        # reported as the miss it is, not as the get's own timeout.
+        wait = max(0.0, min(self.retry_until, self.deadline - WAIT_MARGIN) - now)
         rd = s.read
         if self._whole(rd):
             s.transfer = self.engine.get(

@@ -27,7 +27,7 @@ from .config import KvferryConfig
 from .ledger import PullRecord, RequestLedger, Seen
 from .mapping import RankPlan
 from .metadata import KvferryConnectorMetadata, KvferryHandshakeMetadata, RecvSpec
-from .reads import RankReads
+from .reads import WAIT_MARGIN, RankReads
 from .stats import KvferryConnectorStats
 
 if TYPE_CHECKING:
@@ -364,7 +364,8 @@ class KvferryConnectorWorker:
         # answered) is waited for on the prefill, which answers the moment it
         # publishes: no retry timer between the publication and the get (the ledger's
         # retries remain for a prefill that cannot wait).
-        wait = max(0.0, min(pull.retry_until, pull.deadline) - now) if pull.retries_misses else 0.0
+        # It ends WAIT_MARGIN before the deadline, so a key never published is a miss.
+        wait = max(0.0, min(pull.retry_until, pull.deadline - WAIT_MARGIN) - now) if pull.retries_misses else 0.0
         # Naming the incarnation that published: a restarted prefill instance is refused
         # at once (PeerRestartedError, a load error) instead of missing until timeout.
         pull.transfer = self.engine.get(
