@@ -134,6 +134,22 @@ def _tail(log: Path, n: int = 40) -> str:
         return "(no log)"
 
 
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, name: str, log: Path, deadline: float, every: float) -> None:
+    """Until ``/health`` on ``port`` answers 200, polling every ``every`` seconds; raises
+    (with the log's tail) if ``proc`` exits or ``deadline`` (monotonic) passes."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            request(port, "GET", "/health", timeout=2)
+            return
+        except (OSError, HttpError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} not ready within the start-up bound:\n{_tail(log)}")
+        time.sleep(every)
+
+
 # -- HTTP ------------------------------------------------------------------------------
 
 
@@ -237,17 +253,7 @@ class Server:
         """Until ``/health`` answers 200; raises (with the log's tail) if the process
         exits or ``deadline`` (monotonic) passes."""
         assert self.proc is not None
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{_tail(self.log)}")
-            try:
-                request(self.port, "GET", "/health", timeout=2)
-                return
-            except (OSError, HttpError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready within the start-up bound:\n{_tail(self.log)}")
-            time.sleep(0.5)
+        _wait_healthy(self.proc, self.port, self.name, self.log, deadline, every=0.5)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -315,17 +321,7 @@ class Router:
 
     def wait_ready(self, deadline: float) -> None:
         assert self.proc is not None
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{_tail(self.log)}")
-            try:
-                request(self.port, "GET", "/health", timeout=2)
-                return
-            except (OSError, HttpError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"router not ready within the start-up bound:\n{_tail(self.log)}")
-            time.sleep(0.3)
+        _wait_healthy(self.proc, self.port, "router", self.log, deadline, every=0.3)
 
     def stop(self) -> None:
         if self.proc is not None:
