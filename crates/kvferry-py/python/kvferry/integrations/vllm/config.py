@@ -18,6 +18,7 @@ _DEFAULTS: dict[str, Any] = {
     "timeout": 30.0,
     "lease_ttl": 60.0,
     "secret": None,
+    "secret_file": None,
     "path": "direct",
     "io_timeout": 5.0,
     "connect_timeout": 3.0,
@@ -67,7 +68,7 @@ class KvferryConfig:
             advertise_host=extra.get("advertise_host"),
             timeout=float(extra.get("timeout", _DEFAULTS["timeout"])),
             lease_ttl=float(extra.get("lease_ttl", _DEFAULTS["lease_ttl"])),
-            secret=extra.get("secret"),
+            secret=_secret(extra.get("secret"), extra.get("secret_file")),
             path=str(extra.get("path", _DEFAULTS["path"])),
             io_timeout=float(extra.get("io_timeout", _DEFAULTS["io_timeout"])),
             connect_timeout=float(extra.get("connect_timeout", _DEFAULTS["connect_timeout"])),
@@ -94,6 +95,23 @@ class KvferryConfig:
         if not 0 <= cfg.port < 65536:
             raise ValueError(f"KvferryConnector: port out of range: {cfg.port}")
         return cfg
+
+def _secret(secret: Any, secret_file: Any) -> str | None:
+    """The shared secret: ``secret`` as given, or the content of ``secret_file`` stripped
+    of surrounding whitespace (as ``kvferry serve --secret-file`` reads it), so that the
+    secret stays out of the command line; both set is refused."""
+    if secret_file is None:
+        return None if secret is None else str(secret)
+    if secret is not None:
+        raise ValueError("KvferryConnector: set secret or secret_file, not both")
+    try:
+        text = open(str(secret_file), encoding="utf-8").read().strip()
+    except OSError as e:
+        raise ValueError(f"KvferryConnector: cannot read secret_file {secret_file!r}: {e.strerror or e}") from None
+    if not text:
+        raise ValueError(f"KvferryConnector: secret_file {secret_file!r} is empty")
+    return text
+
 
 def _transport(v: Any) -> str:
     if v not in ("auto", "tcp"):
