@@ -76,3 +76,12 @@ def test_a_bad_secret_file_is_refused_naming_the_key(made, tmp_path, extra, matc
         extra = {"secret_file": _secret_file(tmp_path, "empty", " \n")}
     with pytest.raises(ValueError, match=match):
         Instance("kv_producer", tp=1, tag="p", extra=extra)
+
+
+def test_listening_beyond_loopback_without_a_secret_is_warned_about(made, caplog):
+    with caplog.at_level("WARNING", logger="kvferry.integrations.vllm.config"):
+        made.append(Instance("kv_producer", tp=1, tag="p", extra={"host": "127.0.0.1"}))
+        assert not [r for r in caplog.records if "without a shared secret" in r.getMessage()]
+        made.append(Instance("kv_producer", tp=1, tag="p2", extra={"host": "0.0.0.0", "advertise_host": "127.0.0.1"}))
+    warned = [r.getMessage() for r in caplog.records if "without a shared secret" in r.getMessage()]
+    assert warned and "0.0.0.0" in warned[0] and "secret_file" in warned[0], warned

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+_log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
 
@@ -94,7 +98,23 @@ class KvferryConfig:
             raise ValueError(f"KvferryConnector: path must be 'direct' or 'staged', got {cfg.path!r}")
         if not 0 <= cfg.port < 65536:
             raise ValueError(f"KvferryConnector: port out of range: {cfg.port}")
+        if cfg.secret is None and not _loopback(cfg.host):
+            _log.warning(
+                "KvferryConnector: the kvferry engine listens on %s without a shared secret: whoever reaches "
+                "that port may read published KV; set secret_file (or secret) on every instance (docs/security.md)",
+                cfg.host,
+            )
         return cfg
+
+def _loopback(host: str) -> bool:
+    """``host`` names the loopback interface only (``localhost``, ``127.0.0.0/8``, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 def _secret(secret: Any, secret_file: Any) -> str | None:
     """The shared secret: ``secret`` as given, or the content of ``secret_file`` stripped
