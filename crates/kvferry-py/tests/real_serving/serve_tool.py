@@ -1,8 +1,11 @@
 """Commands around the real-serving set-up (run with the CPU-build environment's Python):
 
-    python crates/kvferry-py/tests/real_serving/serve_tool.py ttft [--requests 16] [--config default]
-        client TTFT (streamed, first token) p50 / p90 at 1 and 8 concurrent: one
-        instance against P/D through vllm-router, the same prompts
+    python crates/kvferry-py/tests/real_serving/serve_tool.py ttft [--requests 16] [--rounds 5]
+            [--concurrency 1 8 32] [--config default|tcp-staged|two-hosts] [--json]
+        starts one instance and a P/D set-up, then runs the package's
+        ``python -m kvferry.integrations.vllm.serve_bench`` against them: client TTFT
+        (one instance against P/D through vllm-router, interleaved rounds) and the
+        hand-off (the prefill's answer to the decode's first token)
     python crates/kvferry-py/tests/real_serving/serve_tool.py soak --requests 2000 [--rounds 3]
         the long fault soak: per round, ``--requests`` completions aborted by their
         clients at random times, the prefill SIGKILLed under load and restarted, the
@@ -16,8 +19,6 @@ stop them all at the end.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,31 +30,25 @@ import serving_harness as h  # noqa: E402
 import tiny_model  # noqa: E402
 
 
-def _ttft(port: int, prompts: list[str], concurrency: int) -> list[float]:
-    with cf.ThreadPoolExecutor(concurrency) as ex:
-        return list(ex.map(lambda p: h.stream_ttft(port, p), prompts))
-
-
 def ttft(args: argparse.Namespace) -> int:
+    """Starts one instance and a P/D set-up, then runs the package's command
+    (``python -m kvferry.integrations.vllm.serve_bench``) against them."""
+    from kvferry.integrations.vllm import serve_bench
+
     model = tiny_model.ensure()
     single = h.Server("single")
     cluster = h.Cluster(model)
     try:
         h.start_all(model, single)
         pd = cluster.get(args.config)
-        # Warm both paths (first requests pay one-off costs).
-        _ttft(single.port, h.prompts(4, seed=1), 4)
-        _ttft(pd.router.port, h.prompts(4, seed=2), 4)
-        print(f"client TTFT, tiny Llama on vLLM CPU 0.32.0, {args.requests} requests per row (ms)")
-        print(f"{'set-up':<22}{'concurrent':>11}{'p50':>9}{'p90':>9}")
-        for conc in (1, 8):
-            for name, port in (("one instance", single.port), (f"P/D ({args.config})", pd.router.port)):
-                ps = h.prompts(args.requests, seed=1000 + conc)
-                t = sorted(_ttft(port, ps, conc))
-                p50 = statistics.median(t) * 1e3
-                p90 = t[int(0.9 * (len(t) - 1))] * 1e3
-                print(f"{name:<22}{conc:>11}{p50:>9.1f}{p90:>9.1f}")
-        return 0
+        argv = [
+            "--single", single.url, "--router", f"http://127.0.0.1:{pd.router.port}",
+            "--prefill", pd.prefill.url, "--decode", pd.decode.url,
+            "--concurrency", *map(str, args.concurrency), "--rounds", str(args.rounds),
+            "--requests", str(args.requests),
+        ] + (["--json"] if args.json else [])  # fmt: skip
+        print(f"tiny Llama on vLLM CPU 0.32.0, P/D config {args.config!r}", file=sys.stderr)
+        return serve_bench.main(argv)
     finally:
         cluster.stop()
         single.stop()
@@ -93,9 +88,12 @@ def soak(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("ttft", help="client TTFT, P/D against one instance")
+    a = sub.add_parser("ttft", help="client TTFT and hand-off, P/D against one instance (serve_bench)")
     a.add_argument("--requests", type=int, default=16)
-    a.add_argument("--config", default="default", choices=["default", "tcp-staged"])
+    a.add_argument("--rounds", type=int, default=5)
+    a.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    a.add_argument("--config", default="default", choices=list(h.CONFIGS))
+    a.add_argument("--json", action="store_true")
     b = sub.add_parser("soak", help="the long fault soak")
     b.add_argument("--requests", type=int, default=2000)
     b.add_argument("--rounds", type=int, default=3)
