@@ -27,7 +27,7 @@ def test_serve_bench_reports_ttft_and_hand_off(pd: h.PD, single: h.Server) -> No
     out = json.loads(p.stdout)
     assert out["model"] == "tiny"
     rows = {(r["what"], r["concurrency"]): r for r in out["rows"]}
-    for what in ("TTFT one instance", "TTFT P/D (router)", "prefill (max_tokens=1)", "hand-off"):
+    for what in ("TTFT one instance", "TTFT P/D (router)", "prefill (max_tokens=1)", "hand-off", "decode floor (1-word prompt)"):
         for conc in (1, 4):
             r = rows[(what, conc)]
             assert r["n"] == 4, r

@@ -19,7 +19,9 @@ three commands", and one instance without a connector started the same way)::
   arrives, to the decode (streamed) with the ``kv_transfer_params`` it returned — and
   times the second half: from the prefill's answer to the decode's first token (the
   decode's admission, kvferry's pull, the decode's first step). The prefill's own time
-  is printed beside it.
+  is printed beside it, and the decode's floor: its TTFT for a one-word prompt sent
+  straight to it (admission and a first step of its own, no pull), so that hand-off
+  minus floor is what the transfer and its bookkeeping add.
 
 Prompts are words of a seeded generator (``--prompt-words``), sent with
 ``ignore_eos`` so every answer has ``--max-tokens`` tokens. Prints a table, or one JSON
@@ -199,6 +201,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     vals = [g[idx] for g in got]
                     row.samples += vals
                     row.round_medians.append(statistics.median(vals))
+                short = [f"[{seed}:{i}]" for i in range(n)]
+                vals = _many(lambda p: first_token(args.decode, model, p, args.max_tokens, args.timeout), short, conc)
+                row = rows.setdefault(("decode floor", conc), Row("decode floor (1-word prompt)", conc))
+                row.samples += vals
+                row.round_medians.append(statistics.median(vals))
     return {
         "model": model,
         "prompt_words": args.prompt_words,
