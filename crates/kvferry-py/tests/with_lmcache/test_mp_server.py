@@ -53,6 +53,22 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
+def server_cmd(port: int, server: str, secret: str) -> list[str]:
+    """The MP server's command line with the kvferry L2 adapter (the form docs/lmcache.md gives)."""
+    spec = {
+        "type": "plugin",
+        "module_path": "kvferry.integrations.lmcache",
+        "class_name": "KvferryL2Adapter",
+        "adapter_params": {"server": server, "secret": secret, "timeout": TIMEOUT},
+    }
+    return [
+        sys.executable, "-m", "lmcache.v1.multiprocess.server",
+        "--host", "127.0.0.1", "--port", str(port), "--chunk-size", "16",
+        "--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--disable-metrics",
+        "--l2-adapter", json.dumps(spec),
+    ]  # fmt: skip
+
+
 class Mp:
     """The MP server process, LMCache's CPU client, and the kvferry server behind it."""
 
@@ -62,18 +78,7 @@ class Mp:
 
         self.serve = serve
         port = _port()
-        spec = {
-            "type": "plugin",
-            "module_path": "kvferry.integrations.lmcache",
-            "class_name": "KvferryL2Adapter",
-            "adapter_params": {"server": serve.address, "secret": SECRET, "timeout": TIMEOUT},
-        }
-        cmd = [
-            sys.executable, "-m", "lmcache.v1.multiprocess.server",
-            "--host", "127.0.0.1", "--port", str(port), "--chunk-size", "16",
-            "--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--disable-metrics",
-            "--l2-adapter", json.dumps(spec),
-        ]  # fmt: skip
+        cmd = server_cmd(port, serve.address, SECRET)
         self.log: list[str] = []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
         t0 = time.monotonic()
@@ -311,3 +316,18 @@ def test_hung_peer_is_a_bounded_miss(mp: Mp, peer: Serve) -> None:
         peer.proc.send_signal(signal.SIGCONT)
     mp.retrieve_from_l2(21, want)
 
+
+
+def test_wrong_secret_refused_at_start(mp: Mp) -> None:
+    """An MP server whose adapter has a secret the kvferry server refuses does not
+    start: it exits, its log naming the kvferry server and the secret setting."""
+    proc = subprocess.Popen(server_cmd(_port(), mp.serve.address, "not-the-secret-0123456789abcdef01"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=START_BUDGET)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode != 0
+    assert "AuthError" in out and f"server {mp.serve.address} refused this client's secret" in out, out[-3000:]
+    assert "cache server is running" not in out
