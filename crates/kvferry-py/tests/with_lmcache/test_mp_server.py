@@ -172,14 +172,15 @@ class Mp:
         return list(ipc_key_to_object_keys(key, hashes, [0])[0])
 
     def held_by_kvferry(self, seq: int) -> int:
-        """How many leading chunks of the sequence the kvferry server holds (data and size
-        record), asked with a kvferry client of its own."""
+        """How many leading chunks of the sequence the kvferry server holds (data, of one
+        chunk's size, and size record), asked with a kvferry client of its own."""
         import kvferry
         from kvferry.integrations.lmcache._l2 import data_key, size_key
 
+        chunk = 2 * 2 * 16 * 4 * 64 * 2  # layers x K/V x tokens x heads x head size x float16
         names: list[str] = []
         for k in self.object_keys(seq):
-            names += [size_key(k), data_key(k)]
+            names += [size_key(k), data_key(k, chunk)]
         with kvferry.Engine(listen=None, secret=SECRET) as e:
             return int(e.lookup(self.serve.address, names, timeout=5.0)) // 2
 

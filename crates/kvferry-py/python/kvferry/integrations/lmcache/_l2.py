@@ -18,16 +18,18 @@ keys: :class:`~._options.RemoteOptions`).
 How it moves bytes (the kvferry client calls are the remote tier's):
 
 - **store**: each object's bytes are pushed into the peer's store straight from L1 (no
-  Python copy), then a 16-byte size record under a derived key. Data first, so a reader
-  never finds the record without its data.
-- **lookup**: one kvferry ``lookup`` round trip for the batch (record and data of every
-  key); the hits are the leading keys held.
-- **load**: the size records of the batch in one round trip, then the data straight into
-  the L1 objects LMCache hands in: L1 is registered with the kvferry engine once (the
-  allocator's aligned blocks, :class:`~._landing.Landing`), so the socket (or, for a
-  peer on this host, ``process_vm_readv``) writes each chunk in place. A chunk whose
-  stored size is not the object's size is a miss (a short chunk would otherwise land
-  and leave the object's tail stale).
+  Python copy) under a key that names the object's size (:func:`data_key`), then a
+  16-byte size record (:func:`size_key`). Data first, so a lookup never finds the record
+  without its data.
+- **lookup**: one kvferry ``lookup`` round trip for the batch's size records; the hits
+  are the leading keys held.
+- **load**: one kvferry ``get`` round trip (cut into up to ``parallel`` concurrent
+  transfers) straight into the L1 objects LMCache hands in: L1 is registered with the
+  kvferry engine once (the allocator's aligned blocks, :class:`~._landing.Landing`), so
+  the socket (or, for a peer on this host, ``process_vm_readv``) writes each chunk in
+  place. The data key names the object's size, so a chunk stored for an object of
+  another size is a miss (a shorter chunk would otherwise land and leave the object's
+  tail stale).
 
 The promises at LMCache's boundary:
 
@@ -43,8 +45,8 @@ The promises at LMCache's boundary:
   signalled) only after every transfer writing its objects has drained — a failed or
   timed-out transfer is cancelled, and ``Transfer.cancel`` returns only after the drain.
   A store task completes only after its pushes returned (they read the objects until
-  then). The size records' buffer is deregistered after each load; ``close`` waits for
-  the running tasks, deregisters L1 and closes the engine.
+  then). ``close`` waits for the running tasks, deregisters L1 and closes the engine
+  (its report is :attr:`KvferryL2Adapter.close_report`).
 - **Refused secret.** A peer that refuses the secret (or TLS certificate) fails the
   adapter's construction with :class:`kvferry.AuthError` naming the peer and the
   setting, so the LMCache server does not start with a tier that can never work. An
@@ -66,7 +68,6 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, Optional
 
-import numpy as np
 from lmcache.lmcache_native import Bitmap
 from lmcache.logging import init_logger
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -85,7 +86,7 @@ DRAIN_GRACE = 2.0
 """Seconds a load waits beyond ``timeout`` before it cancels its transfers."""
 
 SIZE_SLOT = 16
-"""Bytes of one size record (and of its slot in a load's record buffer)."""
+"""Bytes of one size record."""
 
 _SIZE_MAGIC = b"KVFL2S1\0"
 _PROBE = "lmc-l2-probe"
@@ -96,13 +97,16 @@ def object_key_name(key: Any) -> str:
     return f"{key.model_name}@{key.kv_rank}@{key.object_group_id}@{key.cache_salt}@{bytes(key.chunk_hash).hex()}"
 
 
-def data_key(key: Any) -> str:
-    """The kvferry key holding an object's bytes."""
-    return "lmc-l2/" + object_key_name(key)
+def data_key(key: Any, size: int) -> str:
+    """The kvferry key holding the bytes of an object of ``size`` bytes: the size is part
+    of the key, so a load into an object of another size is a miss, never a short
+    landing that would leave the object's tail stale."""
+    return f"lmc-l2/{size}/" + object_key_name(key)
 
 
 def size_key(key: Any) -> str:
-    """The kvferry key holding an object's size record (:func:`encode_size`)."""
+    """The kvferry key of an object's size record (:func:`encode_size`), pushed after its
+    data: what a lookup asks for."""
     return "lmc-l2-size/" + object_key_name(key)
 
 
@@ -250,7 +254,7 @@ class KvferryL2Adapter(L2AdapterInterface):
         try:
             for key, obj in items:
                 n = int(obj.get_size())
-                self.engine.push(self.opts.server, data_key(key), obj.byte_array, timeout=self.opts.timeout)
+                self.engine.push(self.opts.server, data_key(key, n), obj.byte_array, timeout=self.opts.timeout)
                 self.engine.push(self.opts.server, size_key(key), encode_size(n), timeout=self.opts.timeout)
                 stored.append(key)
                 sizes.append(n)
@@ -275,7 +279,7 @@ class KvferryL2Adapter(L2AdapterInterface):
 
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> int:
         """Looks the keys up in one round trip; the hits are the leading keys whose
-        data and size record the peer holds. (A ``kvferry serve`` has no locks: a chunk
+        size record (pushed after the data) the peer holds. (A ``kvferry serve`` has no locks: a chunk
         it evicts before the load is a load miss.)"""
         keys = list(keys)
         return self._submit(lambda tid: self._lookup(tid, keys))
@@ -284,10 +288,7 @@ class KvferryL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         try:
             if keys:
-                names: list[str] = []
-                for k in keys:
-                    names += [size_key(k), data_key(k)]
-                hits = self.engine.lookup(self.opts.server, names, timeout=self.opts.timeout) // 2
+                hits = self.engine.lookup(self.opts.server, [size_key(k) for k in keys], timeout=self.opts.timeout)
                 for i in range(hits):
                     bitmap.set(i)
             self._healthy = True
@@ -310,8 +311,8 @@ class KvferryL2Adapter(L2AdapterInterface):
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
         """Loads the keys' bytes straight into ``objects`` (L1); the bitmap marks every
-        object that received its whole chunk, checksummed, with the stored size equal
-        to the object's. Signalled only after every transfer into ``objects`` drained."""
+        object that received its whole chunk, checksummed, stored for an object of its
+        size. Signalled only after every transfer into ``objects`` drained."""
         items = list(zip(keys, objects, strict=True))
         return self._submit(lambda tid: self._load(tid, items))
 
@@ -338,15 +339,10 @@ class KvferryL2Adapter(L2AdapterInterface):
         transfer writes any of the objects."""
         if not items:
             return []
-        sizes = self._sizes([k for k, _ in items])
         regions: list[Any] = []
         plan: list[tuple[int, list[int]]] = []  # (index, block ids), one region
         for i, (key, obj) in enumerate(items):
-            if i >= len(sizes) or sizes[i] != int(obj.get_size()):
-                if i < len(sizes):
-                    logger.warning("kvferry L2 adapter: %s is %d bytes on the peer, %d in L1: miss", key, sizes[i], obj.get_size())
-                break
-            place = self._landing.place(obj, sizes[i])
+            place = self._landing.place(obj, int(obj.get_size()))
             if place is None or (regions and place[0] is not regions[0]):
                 logger.warning("kvferry L2 adapter: %s cannot be landed in place in L1: miss", key)
                 break
@@ -358,7 +354,7 @@ class KvferryL2Adapter(L2AdapterInterface):
         step = -(-len(plan) // max(1, min(self.opts.parallel, len(plan))))
         pieces = [plan[s : s + step] for s in range(0, len(plan), step)]
         transfers = [
-            self.engine.get(self.opts.server, [data_key(items[i][0]) for i, _ in p], region, [b for _, b in p], timeout=self.opts.timeout)
+            self.engine.get(self.opts.server, [data_key(items[i][0], int(items[i][1].get_size())) for i, _ in p], region, [b for _, b in p], timeout=self.opts.timeout)
             for p in pieces
         ]
         out: list[int] = []
@@ -389,29 +385,6 @@ class KvferryL2Adapter(L2AdapterInterface):
         writer."""
         while not t.cancel(DRAIN_GRACE):
             logger.error("kvferry L2 adapter: a cancelled transfer is still draining after %.1f s; waiting (L1 stays held)", DRAIN_GRACE)
-
-    def _sizes(self, keys: list[Any]) -> list[int]:
-        """The stored sizes of the leading keys whose size record the peer holds."""
-        buf = np.zeros(len(keys) * SIZE_SLOT, dtype=np.uint8)
-        region = self.engine.register_kv_cache(buf, block_bytes=SIZE_SLOT, name="lmc-l2-sizes")
-        try:
-            t = self.engine.get(self.opts.server, [size_key(k) for k in keys], region, [[i] for i in range(len(keys))], timeout=self.opts.timeout)
-            try:
-                n = t.wait(self.opts.timeout + DRAIN_GRACE)
-            except kvferry.NotFoundError:
-                n = 0
-            finally:
-                if t.result is None:
-                    self._drain(t)
-        finally:
-            self.engine.deregister(region, timeout=self.opts.timeout)
-        out: list[int] = []
-        for i in range(n):
-            size = decode_size(buf[i * SIZE_SLOT : (i + 1) * SIZE_SLOT].tobytes())
-            if size is None:
-                break
-            out.append(size)
-        return out
 
     # -- status and close ------------------------------------------------------------
 
