@@ -4,7 +4,7 @@
 adapter, through LMCache's own L2 adapter bench runner.
 
 ``python -m kvferry.integrations.lmcache.bench_l2 [--num-keys 32] [--data-size-kb 1024]
-[--runs 5] [--rounds 3] [--fs-dir DIR] [--json]``
+[--runs 5] [--rounds 3] [--fs-dir DIR] [--param KEY=VALUE ...] [--json]``
 
 Both adapters are built by LMCache's ``--l2-adapter`` parsing and factory over one
 aligned L1 buffer (LMCache's bench helpers), hold the same bytes under the same keys
@@ -64,6 +64,14 @@ def _serve(total_bytes: int) -> tuple[subprocess.Popen[str], str]:
     raise SystemExit("bench_l2: kvferry serve did not start")
 
 
+def _param(kv: str) -> tuple[str, Any]:
+    k, _, v = kv.partition("=")
+    try:
+        return k, json.loads(v)
+    except ValueError:
+        return k, v
+
+
 def _adapter(spec: dict[str, Any], l1_desc: Any) -> Any:
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
@@ -90,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fs-dir", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="an extra adapter_params entry of the kvferry adapter (e.g. transport=tcp, parallel=8)")
     a = p.parse_args(argv)
     size = a.data_size_kb << 10
     n = a.num_keys
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "type": "plugin",
                 "module_path": "kvferry.integrations.lmcache",
                 "class_name": "KvferryL2Adapter",
-                "adapter_params": {"server": address, "secret": SECRET, "timeout": 30.0},
+                "adapter_params": {"server": address, "secret": SECRET, "timeout": 30.0, **dict(_param(x) for x in a.param)},
             },
             l1,
         )
