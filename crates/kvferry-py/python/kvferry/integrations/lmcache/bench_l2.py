@@ -4,7 +4,8 @@
 adapter, through LMCache's own L2 adapter bench runner.
 
 ``python -m kvferry.integrations.lmcache.bench_l2 [--num-keys 32] [--data-size-kb 1024]
-[--runs 5] [--rounds 3] [--fs-dir DIR] [--param KEY=VALUE ...] [--json]``
+[--runs 5] [--rounds 3] [--fs-dir DIR] [--serve-model llama3-8b|tiny] [--param KEY=VALUE ...]
+[--json]``
 
 Both adapters are built by LMCache's ``--l2-adapter`` parsing and factory over one
 aligned L1 buffer (LMCache's bench helpers), hold the same bytes under the same keys
@@ -51,10 +52,15 @@ def _kvferry_bin() -> str:
     return found
 
 
-def _serve(total_bytes: int) -> tuple[subprocess.Popen[str], str]:
+_BLOCK_BYTES = {"tiny": 2 << 10, "llama3-8b": 2 << 20}
+"""Bytes of one block of the ``kvferry serve`` model presets used here (its store's unit)."""
+
+
+def _serve(total_bytes: int, chunks: int, model: str) -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ, KVFERRY_SECRET=SECRET)
-    blocks = max(16384, total_bytes // (16 << 10) * 4)
-    cmd = [_kvferry_bin(), "serve", "--listen", "127.0.0.1:0", "--model", "tiny", "--blocks", str(blocks), "--arena", "64MiB", "--page-size", "1MiB"]
+    # a chunk takes whole blocks: room for twice the chunks, rounded up, so nothing is evicted
+    blocks = 16 + 2 * (chunks + total_bytes // _BLOCK_BYTES[model])
+    cmd = [_kvferry_bin(), "serve", "--listen", "127.0.0.1:0", "--model", model, "--blocks", str(blocks), "--arena", "64MiB", "--page-size", "1MiB"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fs-dir", default=None)
+    p.add_argument("--serve-model", choices=sorted(_BLOCK_BYTES), default="llama3-8b", help="the kvferry serve's model preset: its block size is its store's unit")
     p.add_argument("--json", action="store_true")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="an extra adapter_params entry of the kvferry adapter (e.g. transport=tcp, parallel=8)")
     a = p.parse_args(argv)
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dst = list(make_memory_objects(buf, n, size, total))
 
     fs_dir = a.fs_dir or tempfile.mkdtemp(prefix="kvferry-bench-l2-fs-")
-    proc, address = _serve(total)
+    proc, address = _serve(total, n, a.serve_model)
     adapters: dict[str, Any] = {}
     try:
         adapters["kvferry"] = _adapter(
