@@ -222,17 +222,21 @@ class Mp:
         assert self.client._req_client is not None
         return _wait_for_result(self.client._req_client.noop()) not in (_TIMEOUT, None)
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stops the client and the server (SIGINT, LMCache's shutdown path); True when
+        the server shut down within 20 s, else it is killed."""
         try:
             self.client.close()
         finally:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGINT)
                 try:
-                    self.proc.wait(10)
+                    self.proc.wait(20)
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait(10)
+                    return False
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +247,14 @@ def mp(need_lmcache: None) -> Iterator[Mp]:
         m = Mp(serve)
         print(f"MP server started in {m.started_s:.1f} s")
         yield m
+        stopped = m.close()
+        # LMCache's shutdown closes the adapter: its engine reports nothing outstanding
+        # (no staging page out, no transfer draining, L1 deregistered first).
+        time.sleep(0.2)  # the output thread has the last lines
+        closing = [x for x in m.log if "kvferry L2 adapter: closed" in x or "kvferry L2 adapter: engine closed with" in x]
+        assert stopped and closing and "closed clean" in closing[-1], m.tail()
     finally:
-        if m is not None:
+        if m is not None and m.proc.poll() is None:
             m.close()
         serve.kill()
 

@@ -405,7 +405,9 @@ class KvferryL2Adapter(L2AdapterInterface):
         self._landing.close(self.opts.timeout)
         report = self.engine.close(self.opts.timeout)
         self.close_report = report
-        if not report.get("clean", True):
+        if report.get("clean", True):
+            logger.info("kvferry L2 adapter: closed clean (%s)", report)
+        else:
             logger.warning("kvferry L2 adapter: engine closed with %s", report)
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()
