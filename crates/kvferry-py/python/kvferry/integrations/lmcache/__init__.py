@@ -1,10 +1,13 @@
 # mypy: disable-error-code="import-untyped"
 # mypy: allow-subclassing-any
 # (lmcache ships no type information: its classes are Any here.)
-"""kvferry for LMCache (``lmcache==0.5.6``): a remote KV tier and a P2P/PD transfer channel.
+"""kvferry for LMCache (``lmcache==0.5.6``): an MP-mode L2 adapter, a remote KV tier and a P2P/PD transfer channel.
 
-Two pieces, each documented in ``docs/lmcache.md``:
+Three pieces, each documented in ``docs/lmcache.md``:
 
+- :class:`KvferryL2Adapter`: an L2 adapter for LMCache's multiprocess (MP) server,
+  loaded through its ``plugin`` adapter type (``module_path`` / ``class_name`` /
+  ``adapter_params``), over a kvferry peer.
 - :class:`KvferryRemoteConnector` (and :class:`KvferryConnectorAdapter` for
   ``kvferry://HOST:PORT`` and ``plugin://kvferry`` URLs): LMCache's remote storage
   tier over a kvferry peer (a ``kvferry serve`` process, or any engine named by peer
@@ -40,6 +43,7 @@ except ImportError as e:  # pragma: no cover - exercised by the test of the mess
     raise ImportError(f"{_HOW} ({e})") from e
 
 from ._channel import ChannelError, KvferryTransferChannel, install
+from ._l2 import KvferryL2Adapter, KvferryL2AdapterConfig
 from ._options import RemoteOptions
 from ._remote import KvferryConnectorAdapter, KvferryRemoteConnector
 from ._version import installed_version
@@ -53,4 +57,6 @@ __all__ = [
     "KvferryTransferChannel",
     "ChannelError",
     "install",
+    "KvferryL2Adapter",
+    "KvferryL2AdapterConfig",
 ]

@@ -5,8 +5,8 @@ once, so a chunk's bytes are written by the socket straight into the ``MemoryObj
 LMCache allocated (zero copy). :class:`Landing`.
 
 Semantics: a buffer (a CPU tensor's storage) is registered the first time an object in
-it is landed, as a region of the allocator's aligned blocks (``align`` bytes each; the
-buffer's tail short of a whole block is left out), and stays registered for the
+it is landed, as a region of the allocator's aligned blocks (``align`` bytes each, aligned in memory;
+the buffer's head and tail short of a whole block are left out), and stays registered for the
 engine's life — the region holds a view of the storage, so the memory outlives every
 transfer into it. A buffer seen again with another size is registered anew. An object
 lands in place only when it starts on a block boundary and the whole blocks its length
@@ -20,9 +20,12 @@ import threading
 from typing import Any
 
 import torch
+from lmcache.logging import init_logger
 from lmcache.v1.memory_management import MemoryObj
 
 import kvferry
+
+logger = init_logger(__name__)
 
 
 class Landing:
@@ -48,21 +51,33 @@ class Landing:
             entry = self._regions.get(base)
             if entry is None or entry[0] != nbytes:
                 block = self._align
-                usable = nbytes // block * block
+                pad = (-base) % block  # blocks are aligned in memory, whatever the storage's start
+                usable = max(0, nbytes - pad) // block * block
                 if usable == 0:
                     return None
                 # The buffer's whole aligned blocks, shared (no copy); the region holds
                 # the view, so the memory outlives every transfer into it.
-                view = torch.empty(0, dtype=torch.uint8).set_(storage)[:usable]
+                view = torch.empty(0, dtype=torch.uint8).set_(storage)[pad : pad + usable]
                 region = self._engine.register_kv_cache(view, block_bytes=block, name="lmcache-cpu")
                 entry = (nbytes, block, region, view)
                 self._regions[base] = entry
         _, block, region, view = entry
-        off = raw.data_ptr() - base
+        off = raw.data_ptr() - view.data_ptr()
         phys = raw.numel() * raw.element_size()
         nblocks = -(-length // block)
         # land only inside this object: aligned start, whole blocks within its physical size
-        if off % block or nblocks * block > phys or length > phys or off + nblocks * block > view.numel():
+        if off < 0 or off % block or nblocks * block > phys or length > phys or off + nblocks * block > view.numel():
             return None
         first = off // block
         return region, list(range(first, first + nblocks))
+
+    def close(self, timeout: float) -> None:
+        """Deregisters every buffer (call once no transfer lands any more: each waits at
+        most ``timeout`` seconds for its users). Landing in place ends here."""
+        with self._lock:
+            entries, self._regions = list(self._regions.values()), {}
+        for _, _, region, _ in entries:
+            try:
+                self._engine.deregister(region, timeout=timeout)
+            except kvferry.Error as e:  # still held: the engine's close drains and reports it
+                logger.warning("kvferry: an LMCache buffer is still in use at close (%s)", e)
