@@ -4,7 +4,7 @@ Each integration lives in its own module and imports its server lazily, so
 ``import kvferry`` (and ``import kvferry.integrations``) never needs the server:
 
 - :mod:`kvferry.integrations.vllm`: ``KvferryConnector``, a vLLM V1 KV connector for
-  disaggregated prefill/decode (needs ``vllm==0.33.0``; see ``docs/vllm.md``): a
+  disaggregated prefill/decode (see ``docs/vllm.md`` for the vLLM versions it supports): a
   package with one module per concern. Its pure modules import without vLLM:
   :mod:`~kvferry.integrations.vllm.mapping` (which bytes each decode rank reads from
   which prefill rank, and the compatibility check),
@@ -18,8 +18,10 @@ Each integration lives in its own module and imports its server lazily, so
 - :mod:`kvferry.integrations._kv_layout`: what both the vLLM connector and the SGLang
   backend share, pure: the KV descriptor, which heads a rank holds, and the byte ranges
   of one token and head inside a piece. Integrations import it; it imports none of them.
-- :mod:`kvferry.integrations.lmcache`: LMCache's remote tier and P2P/PD channel (needs
-  ``lmcache==0.5.6``; see ``docs/lmcache.md``).
+- :mod:`kvferry.integrations.lmcache`: for LMCache's multiprocess server, an L2 adapter
+  (``KvferryL2Adapter``, loaded through LMCache's plugin adapter type); for its
+  in-process engine, a remote tier and the P2P/PD channel (needs ``lmcache==0.5.6``;
+  see ``docs/lmcache.md``).
 """
 
 __all__: list[str] = []
