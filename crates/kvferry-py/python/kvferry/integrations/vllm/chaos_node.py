@@ -1,11 +1,11 @@
-"""One vLLM instance for the chaos soak (:mod:`.chaos`): vLLM 0.33's real
+"""One vLLM instance for the chaos soak (:mod:`.chaos`): vLLM 0.33's or 0.34's real
 ``Scheduler`` with ``KvferryConnector`` in both roles, minus the model.
 
 A :class:`Node` is a scheduler plus one worker-side connector per tensor-parallel
 rank, each made by vLLM's ``KVConnectorFactory`` over KV tensors allocated by vLLM's
 own allocation path (:mod:`.alloc`: real ``Attention`` layers, the resolved layout,
 ``get_kv_cache_configs``, ``allocate_kv_cache``), driven as vLLM's model runner
-drives its connector (``_get_kv_connector_output`` around a "forward"), the ranks'
+drives its connector (:class:`.runner.ConnectorDriver` around a "forward"), the ranks'
 outputs combined by vLLM's ``KVOutputAggregator``. The "forward" writes into every
 scheduled token's slots a pattern that depends only on (token, position, layer, K/V,
 global KV head), written and read through the backend's own K/V views: a decode checks
@@ -22,6 +22,8 @@ import multiprocessing as mp
 import os
 import time
 from typing import Any, Literal
+
+from .runner import ConnectorDriver, model_runner_output
 
 __all__ = ["Node", "RemoteNode", "LAYERS"]
 
@@ -96,11 +98,13 @@ class Node:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(block_size, sha256)
         self.ranks: list[Any] = []
+        self.drivers: list[ConnectorDriver] = []  # each rank's connector driven as vLLM's model runner drives it
         self.kvv: list[dict[str, tuple[Any, ...]]] = []
         for r in range(tp):
             c = KVConnectorFactory.create_connector(configs[r], KVConnectorRole.WORKER, self.kv_cache_config)
             c.register_kv_caches(caches[r])
             self.ranks.append(c)
+            self.drivers.append(ConnectorDriver(c, self.vllm_config, caches[r]))
             self.kvv.append({n: kv_views(BACKEND, t, head_size) for n, t in caches[r].items()})
         hs = {(0, r): c.get_handshake_metadata() for r, c in enumerate(self.ranks)}
         sched_conn = self.scheduler.get_kv_connector()
@@ -175,24 +179,17 @@ class Node:
         return int(bad.sum())
 
     def step(self) -> None:
-        from vllm.distributed.kv_transfer import kv_transfer_state
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-
         so = self.scheduler.schedule()
         req_ids = list(so.num_scheduled_tokens)
         self._forward(so)
-        outs: list[ModelRunnerOutput | None] = []
-        for conn in self.ranks:
-            kv_transfer_state._KV_CONNECTOR_AGENT = conn
+        outs: list[Any] = []
+        for driver in self.drivers:
             sampled = []
-            with set_forward_context(None, self.vllm_config), KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo:
+            with driver.step(so) as kvo:
                 for rid in req_ids:
                     req = self.scheduler.requests[rid]
                     sampled.append([3 + (req.num_computed_tokens * 17) % 1000] if req.num_computed_tokens >= req.num_tokens else [])
-            outs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled, kv_connector_output=kvo))
-        kv_transfer_state._KV_CONNECTOR_AGENT = None
+            outs.append(model_runner_output(req_ids, sampled, kvo))
         mro = self.aggregator.aggregate(outs)
         assert mro is not None and mro.kv_connector_output is not None
         kvo = mro.kv_connector_output

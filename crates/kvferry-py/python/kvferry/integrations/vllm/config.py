@@ -11,9 +11,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+from .versions import NEWEST, SUPPORTED
+
 _log = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = NEWEST
+"""The newest vLLM the connector supports; :data:`VLLM_VERSIONS` lists every one
+(:mod:`.versions`)."""
+
+VLLM_VERSIONS: tuple[str, ...] = tuple(SUPPORTED)
+"""Every vLLM version the connector supports, newest first (0.32.0: the CPU build)."""
 
 _DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",

@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from . import versions
+
+# Refused at load, before anything of vLLM's connector API is imported: another
+# version's API differs (versions.py lists the supported ones and what each gets).
+SUPPORT = versions.check_installed()
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
@@ -15,16 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.logger import init_logger
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.logger import init_logger  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from . import preemption, sleep
-
-from .config import VLLM_VERSION
-from .metadata import KvferryConnectorMetadata
-from .scheduler import KvferryConnectorScheduler
-from .stats import KvferryConnectorStats, KvferryPromMetrics
-from .worker import KvferryConnectorWorker
+from . import preemption, sleep  # noqa: E402
+from .metadata import KvferryConnectorMetadata  # noqa: E402
+from .scheduler import KvferryConnectorScheduler  # noqa: E402
+from .stats import KvferryConnectorStats, KvferryPromMetrics  # noqa: E402
+from .worker import KvferryConnectorWorker  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,15 +90,29 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return "LBHNC"
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM 0.34: ``KVCacheAccess.IN_PROCESS``. kvferry's workers reach the KV
+        cache in process only: CPU caches are read and written in place, CUDA caches
+        through kvferry's own device copies on its own stream (the engine checks that
+        each byte is device memory, walking adjacent mappings, so a driver-mapped
+        extensible cache of several physical chunks per segment is fine). Nothing is
+        registered with UCX or RDMA, nothing exported to another process (a same-host
+        decode reads the prefill's *host* memory, never device memory), so vLLM may
+        allocate the cache any way, the extensible KV cache included."""
+        access: Any = importlib.import_module("vllm.config.kv_transfer").KVCacheAccess
+        return access.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM 0.34: True. Lookahead hashes change what vLLM's block hashes cover;
+        kvferry keys nothing by them (a publication's key is the request id bound to
+        a digest of its prompt tokens, :mod:`.prompt`) and emits no KV cache events
+        (:meth:`take_events`), so either setting moves the same blocks."""
+        return True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
-        try:
-            import vllm
-
-            if vllm.__version__ != VLLM_VERSION:
-                logger.warning("KvferryConnector is pinned to vllm==%s; this is %s", VLLM_VERSION, vllm.__version__)
-        except Exception:  # pragma: no cover
-            pass
         self.connector_scheduler: KvferryConnectorScheduler | None = None
         self.connector_worker: KvferryConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -116,6 +135,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # The request's own blocks are transferred: every transfer group is restored.
         return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34: whether ``get_num_new_matched_tokens`` may answer
+        asynchronously for ``request`` — only remote prefills kvferry can pull
+        (:meth:`.KvferryConnectorScheduler.may_load_async`; cheap, no side effects)."""
+        return self._s().may_load_async(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)

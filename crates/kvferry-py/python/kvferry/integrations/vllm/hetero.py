@@ -327,6 +327,7 @@ def geometry(worker: Any, caches: dict[str, torch.Tensor]) -> tuple[dict[str, to
         backends=backends,
         mla=mla,
         head_size_v=None if head_size_v in (None, 0) else int(head_size_v),
+        head_major_slots=bool(getattr(spec, "kv_head_major_slots", False)),  # vLLM 0.34's field
     )
     phys: dict[str, torch.Tensor] = {}
     pieces: list[torch.Tensor] = []

@@ -1,9 +1,9 @@
-"""Where every K and V head vector of a vLLM 0.33 worker's KV cache lies in memory,
+"""Where every K and V head vector of a vLLM 0.33 or 0.34 worker's KV cache lies in memory,
 read from what vLLM says about it — never guessed from a tensor's shape.
 
 Semantics
 ---------
-vLLM 0.33 allocates every attention layer's cache the same way
+vLLM 0.33 and 0.34 allocate every attention layer's cache the same way
 (``vllm.v1.worker.utils.allocate_kv_cache``): one backing allocation, viewed per layer
 as a 4-D ``[B, H, N, C]`` tensor (blocks, head slots, tokens per block, content bytes
 per cell as elements of the cache dtype) whose strides follow the
@@ -28,7 +28,8 @@ packed ``LBHNC`` cache, ``HKND`` for the CPU backend's, ``NHD`` for MLA. The
 heterogeneous-transfer planner (``mapping``) computes every byte range from that
 order.
 
-Anything else — an unknown backend, a layout whose blocks of one layer are not one run
+Anything else — a spec with ``kv_head_major_slots`` (vLLM 0.34: head slots grouped by
+KV head, ``H2ND``), an unknown backend, a layout whose blocks of one layer are not one run
 (``LHBNC``, ``BHLNC``, block-outermost packing), kernel blocks splitting a manager
 block, padded pages, a content size that is not ``2 × head_size`` (``packed``,
 ``planes``) or ``head_size`` (``latent``) elements, separate V head size, NVFP4 head
@@ -129,14 +130,22 @@ def describe(
     backends: list[str],
     mla: bool,
     head_size_v: int | None = None,
+    head_major_slots: bool = False,
 ) -> CacheLayout:
     """The :class:`CacheLayout` of ``caches`` (``{layer: tensor}`` as vLLM registers
     them, shared tensors already dropped), or :class:`LayoutError`.
 
     ``heads``: the rank's KV heads (1 for MLA); ``head_size``: elements of one head
     vector (MLA: the latent); ``kv_layout``: the resolved ``KVCacheLayout`` name;
-    ``backends``: the attention backend names of the layers."""
+    ``backends``: the attention backend names of the layers; ``head_major_slots``:
+    the spec's ``kv_head_major_slots`` (vLLM 0.34), refused by name."""
     backend = ",".join(backends) or "unknown"
+    if head_major_slots:
+        raise LayoutError(
+            f"KvferryConnector: the KV cache spec sets kv_head_major_slots (backend {backend}): its head slots are "
+            "grouped by KV head (H2ND, a packed page whose K and V slots of one head are adjacent), a layout kvferry "
+            "has not mapped; refusing rather than guessing (kvferry maps one slot per KV head: packed, planes, latent)"
+        )
     content = content_of(backends, mla)
     if head_size_v is not None and not mla and head_size_v != head_size:
         raise LayoutError(f"KvferryConnector: V head size {head_size_v} differs from K head size {head_size} (backend {backend})")

@@ -119,10 +119,7 @@ class KvferryConnectorScheduler:
         this instance's: computed locally with a warning that says why, and the
         prefill told to free its blocks now. Returns whether the request was refused.
         (With a descriptor a PP mismatch is the handshake's refusal: hetero.plan.)"""
-        why = parallel.dp_problem(params)
-        if why is None and not isinstance(params.get("kvferry_desc"), dict):
-            diffs = parallel.pp_differences(params, self.pp_size, self.stages)
-            why = "; ".join(diffs) if diffs else None
+        why = self._placement_problem(params)
         if why is None:
             return False
         params["do_remote_prefill"] = False
@@ -151,6 +148,51 @@ class KvferryConnectorScheduler:
             stages=stages,
         )
 
+    def may_load_async(self, request: Request) -> bool:
+        """Whether :meth:`get_num_new_matched_tokens` may answer ``(n, True)`` for
+        ``request`` (vLLM 0.34 asks each time the request enters a waiting queue): its
+        params ask for a remote prefill that kvferry can pull — kvferry's own fields,
+        or a NIXL-style proxy's for a one-rank prefill — from a placement this
+        instance can read. Reads the params only: no warning, no release, nothing
+        changed (those happen when the scheduler asks for the tokens). It can only
+        be wrong the way vLLM allows: a request whose prompt turns out to be all local
+        prefix hits is answered ``(0, False)`` later."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return False
+        if not self._valid_remote(params) and self._foreign_problem(params) is not None:
+            return False
+        return self._placement_problem(params) is None
+
+    def _placement_problem(self, params: dict[str, Any]) -> str | None:
+        """Why params cannot be pulled from their DP rank or pipeline stages (without
+        a descriptor; with one, a mismatch is the handshake's refusal), or None."""
+        why = parallel.dp_problem(params)
+        if why is None and not isinstance(params.get("kvferry_desc"), dict):
+            diffs = parallel.pp_differences(params, self.pp_size, self.stages)
+            why = "; ".join(diffs) if diffs else None
+        return why
+
+    def _foreign_problem(self, params: dict[str, Any]) -> str | None:
+        """Why params without kvferry's fields (a proxy written for NIXL) cannot be
+        pulled (see :meth:`_adopt_foreign`), or None."""
+        host, port, key = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+        tp = params.get("tp_size", 1)
+        if not params.get("remote_block_ids"):
+            return "no remote_block_ids"
+        if not host or not isinstance(port, int) or not 0 < port < 65536:
+            return "no kvferry_peers and no usable remote_host/remote_port"
+        if key is None:
+            return "no remote_request_id (the key the prefill instance published under)"
+        if tp != 1:
+            return f"no kvferry_peers and the prefill instance has tp_size {tp} (its ranks' addresses are unknown)"
+        if params.get("pp_size", 1) != 1 or self.pp_size != 1:
+            return (
+                f"no kvferry_peers, and pipeline parallel (prefill pp_size {params.get('pp_size', 1)}, "
+                f"decode {self.pp_size}): each stage's address is unknown"
+            )
+        return None
+
     def _adopt_foreign(self, req_id: str, params: dict[str, Any]) -> bool:
         """Remote-prefill params without kvferry's own fields, as a proxy written for
         NIXL forwards them (``remote_host``, ``remote_port``, ``remote_block_ids``,
@@ -160,22 +202,8 @@ class KvferryConnectorScheduler:
         (the handshake then says which incarnation answers). Otherwise the request is
         computed locally, with a warning that says why — never silently. Returns
         whether the params are usable now (they gain ``kvferry_peers``)."""
-        why = None
-        host, port, key = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
-        tp = params.get("tp_size", 1)
-        if not params.get("remote_block_ids"):
-            why = "no remote_block_ids"
-        elif not host or not isinstance(port, int) or not 0 < port < 65536:
-            why = "no kvferry_peers and no usable remote_host/remote_port"
-        elif key is None:
-            why = "no remote_request_id (the key the prefill instance published under)"
-        elif tp != 1:
-            why = f"no kvferry_peers and the prefill instance has tp_size {tp} (its ranks' addresses are unknown)"
-        elif params.get("pp_size", 1) != 1 or self.pp_size != 1:
-            why = (
-                f"no kvferry_peers, and pipeline parallel (prefill pp_size {params.get('pp_size', 1)}, "
-                f"decode {self.pp_size}): each stage's address is unknown"
-            )
+        why = self._foreign_problem(params)
+        host, port = params.get("remote_host"), params.get("remote_port")
         if why is not None:
             params["do_remote_prefill"] = False  # warned once; the prompt is computed here
             logger.warning(

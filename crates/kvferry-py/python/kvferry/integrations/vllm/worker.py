@@ -99,6 +99,8 @@ class KvferryConnectorWorker:
 
     # setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Starts this rank's engine and registers its KV cache; called again (vLLM
+        0.34's grown cache), registers the new views instead (:mod:`.extend`)."""
         caches: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in kv_caches.items():
@@ -109,6 +111,11 @@ class KvferryConnectorWorker:
             caches[name] = t
         if not caches:
             raise ValueError("KvferryConnector: no KV caches to register")
+        if self.engine is not None:
+            from .extend import register_again
+
+            register_again(self, caches)
+            return
         self.device = self._device_for(caches)
         first = next(iter(caches.values()))
         nb = self.num_blocks
