@@ -181,22 +181,27 @@ fn bench_json_names_the_checksum_implementation_and_the_override_takes_effect() 
     );
 }
 
-/// The mover: on one host (one boot id) `--mover auto` (the default) runs the producers
-/// in a process of their own and the consumer reads their granted bytes with
+/// The mover: on one host (one boot id) `--transport auto` (the default) runs the
+/// producers in a process of their own and the consumer reads their granted bytes with
 /// `process_vm_readv` (`mover` "cma", with the one-copy limit measured in the same
-/// run); `--mover tcp` keeps every byte on the socket. Both land every byte right and
-/// leak nothing (the producer process counts its own pages).
+/// run); `--transport tcp` (or its older spelling `--mover tcp`) keeps every byte on
+/// the socket. Both land every byte right and leak nothing (the producer process
+/// counts its own pages).
 #[test]
-fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
-    for (extra, want) in [(None, "cma"), (Some("tcp"), "socket")] {
+fn bench_json_names_the_mover_cma_by_default_and_socket_with_transport_tcp() {
+    for (extra, want) in [
+        (None, "cma"),
+        (Some(["--transport", "tcp"]), "socket"),
+        (Some(["--mover", "tcp"]), "socket"),
+    ] {
         let mut cmd = small_bench_json("4", "8MiB");
-        if let Some(m) = extra {
-            cmd.args(["--mover", m]);
+        if let Some(args) = extra {
+            cmd.args(args);
         }
         let out = cmd.output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(v["mover"], want, "--mover {extra:?}: {v}");
+        assert_eq!(v["mover"], want, "{extra:?}: {v}");
         assert_eq!(v["corrupted_bytes"], 0, "{v}");
         assert_eq!(v["leaked_pages"], 0, "{v}");
         assert_eq!(v["errors"], 0, "{v}");
@@ -243,7 +248,7 @@ fn bench_json_names_the_mover_cma_by_default_and_socket_with_mover_tcp() {
 fn bench_json_keys_per_get_moves_whole_batches_and_refuses_a_bad_count() {
     for extra in [
         vec![],
-        vec!["--mover", "tcp"],
+        vec!["--transport", "tcp"],
         vec!["--path", "staged"],
         vec!["--slots", "16"],
     ] {

@@ -2,7 +2,7 @@
 //! between a producer and a consumer engine over loopback.
 //!
 //! Each transfer is an eager get of one freshly published key (`--blocks` blocks of
-//! `--block-bytes`) into a registered destination, on `--mover` (tcp or auto) and
+//! `--block-bytes`) into a registered destination, on `--transport` (tcp or auto) and
 //! `--path` (direct or staged), timed from the call to the bytes landed and verified.
 //! Transfers never overlap: what is measured is the cost of one, not a throughput.
 //!
@@ -33,10 +33,11 @@ use tokio::time::Instant;
 /// Options for `bench latency`.
 #[derive(Args, Debug, Clone)]
 pub struct LatencyBenchArgs {
-    /// Which mover carries the bytes: `tcp` (every byte on the socket) or `auto` (the
+    /// Which movers carry the bytes (the engines' `transport`; `--mover` is an older
+    /// spelling, still accepted): `tcp` (every byte on the socket) or `auto` (the
     /// same-host mover, `process_vm_readv`, where it qualifies).
-    #[arg(long, default_value = "tcp")]
-    mover: Transport,
+    #[arg(long, alias = "mover", default_value = "tcp")]
+    transport: Transport,
     /// `direct` (the socket reads into the destination blocks) or `staged` (through
     /// staging pages, then landed).
     #[arg(long, default_value = "staged")]
@@ -96,9 +97,9 @@ fn quantile(sorted: &[Duration], q: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e3
 }
 
-fn engine_config(id: &str, mover: Transport) -> EngineConfig {
+fn engine_config(id: &str, transport: Transport) -> EngineConfig {
     let mut cfg = EngineConfig::default().peer_id(id).arena(64 << 20, 64 << 10);
-    cfg.producer.transport = mover;
+    cfg.producer.transport = transport;
     cfg
 }
 
@@ -143,8 +144,8 @@ async fn measure(args: &LatencyBenchArgs) -> anyhow::Result<Report> {
     let block = args.block_bytes.0 as usize;
     anyhow::ensure!(block > 0, "--block-bytes must be greater than zero");
     let nblocks = 2 * args.blocks;
-    let prefill = Engine::start(engine_config("latency-prefill", args.mover)).await?;
-    let decode = Engine::start(engine_config("latency-decode", args.mover)).await?;
+    let prefill = Engine::start(engine_config("latency-prefill", args.transport)).await?;
+    let decode = Engine::start(engine_config("latency-decode", args.transport)).await?;
     let addr = prefill
         .address()
         .context("the producer engine does not listen")?
@@ -216,7 +217,7 @@ async fn measure(args: &LatencyBenchArgs) -> anyhow::Result<Report> {
     total.sort();
     after.sort();
     Ok(Report {
-        mover: args.mover.to_string(),
+        mover: args.transport.to_string(),
         path: args.path,
         on_miss: args.on_miss,
         publish_delay_ms: args.publish_delay_ms,

@@ -34,7 +34,7 @@ pub use engine::{CopyBody, CopyConfig, CopyEngine, CopyStats, MemcpyBody, SliceW
 pub use job::{CopyFailure, CopyJob, DrainFence, DrainSignal};
 pub use plan::{CopyPlan, Endpoint, RawBuffer, Segment};
 pub use remote::{read_remote, RemoteReadError, RemoteSource};
-pub use stage::{stage, StageError, Staged};
+pub use stage::{stage, StageError, StagedBytes};
 
 #[cfg(kvferry_loom)]
 pub use ledger::SliceLedger;

@@ -38,9 +38,10 @@ impl StageError {
     }
 }
 
-/// Staged bytes: the lease holding them and the source handed back.
+/// Staged bytes: the lease holding them and the source handed back (not the wire
+/// reply `Message::Staged`, which announces a lease to a consumer).
 #[derive(Debug)]
-pub struct Staged {
+pub struct StagedBytes {
     /// Arena pages holding the ranges back to back from offset 0.
     pub lease: Lease,
     /// The source endpoint, handed back.
@@ -56,7 +57,7 @@ pub async fn stage(
     src: impl Into<Endpoint>,
     ranges: &[(usize, usize)],
     deadline: Instant,
-) -> Result<Staged, StageError> {
+) -> Result<StagedBytes, StageError> {
     let bytes: usize = ranges.iter().map(|r| r.1).sum();
     let lease = arena.alloc(arena.pages_for(bytes), deadline).await?;
     let mut plan = CopyPlan::new(src, lease);
@@ -69,7 +70,7 @@ pub async fn stage(
         Ok(plan) => {
             let (src, dst) = plan.into_parts();
             let lease = dst.into_lease().expect("destination is the lease we built");
-            Ok(Staged { lease, src, bytes })
+            Ok(StagedBytes { lease, src, bytes })
         }
         // Dropping the failure's plan returns the pages; the job has drained.
         Err(failure) => Err(StageError::Copy(failure.error)),

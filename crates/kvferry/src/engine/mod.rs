@@ -107,7 +107,7 @@ pub struct EngineStats {
     /// Caches registered now.
     pub registered: usize,
     /// The mover chosen per producer this engine has read from, and why (see
-    /// [`crate::peer::mover`]).
+    /// [`crate::peer::movers`]).
     pub movers: Vec<crate::peer::PeerMover>,
 }
 

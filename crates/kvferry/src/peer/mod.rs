@@ -20,7 +20,7 @@
 mod consumer;
 mod error;
 mod ledger;
-pub mod mover;
+pub mod movers;
 mod producer;
 pub mod publish;
 mod quota;
@@ -33,7 +33,7 @@ pub use consumer::{
 };
 pub use error::PeerError;
 pub use ledger::LeaseRefusal;
-pub use mover::{Mover, PeerMover, Transport};
+pub use movers::{Mover, PeerMover, Transport};
 pub(crate) use producer::DeregisterError;
 pub use producer::{
     ChunkLocation, ChunkPins, ChunkStore, Hold, PinnedRegion, Producer, ProducerConfig, ProducerFaults, ProducerStats,

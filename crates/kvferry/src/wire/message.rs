@@ -15,7 +15,7 @@
 //!   not fit is answered `Error { kind: BadSelection }`, the connection kept.
 //! - Push: `Put` + one bulk frame → `PutAck`.
 //! - Mover probe: `MoverHello` → `MoverOffer` (which movers besides the socket the
-//!   producer offers this consumer; see `peer::mover`).
+//!   producer offers this consumer; see `peer::movers`).
 //! - Device IPC (same host, device memory): `DeviceIpcHello` → `DeviceIpcOffer`, and
 //!   `GetDeviceMapped` → `StagedDeviceMapped` (the lease, checksums, the export of the
 //!   producer's device cache, and `(buffer, offset, length)` runs in it; with a

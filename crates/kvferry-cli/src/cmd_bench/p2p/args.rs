@@ -115,18 +115,19 @@ pub struct P2pBenchArgs {
     /// (checksum the landed chunk again after the transfer).
     #[arg(long, default_value = "receive")]
     pub verify: Verify,
-    /// Which mover carries the bytes (the producer and consumer engines' `transport`):
-    /// `auto` lets the consumer read the producers' granted bytes itself with
-    /// `process_vm_readv` when they run on this host (the same-host "CMA" mover, one
-    /// copy, every chunk still verified), `tcp` keeps every byte on the socket (the
-    /// path this benchmark measured before the same-host mover existed).
-    #[arg(long, default_value = "auto")]
-    pub mover: kvferry::peer::Transport,
+    /// Which movers carry the bytes (the producer and consumer engines' `transport`;
+    /// `--mover` is an older spelling, still accepted): `auto` lets the consumer read
+    /// the producers' granted bytes itself with `process_vm_readv` when they run on
+    /// this host (the same-host "CMA" mover, one copy, every chunk still verified),
+    /// `tcp` keeps every byte on the socket (the path this benchmark measured before
+    /// the same-host mover existed).
+    #[arg(long, alias = "mover", default_value = "auto")]
+    pub transport: kvferry::peer::Transport,
     /// Run the producers in a process of their own (this program re-run as a child),
     /// so that a same-host read crosses a process boundary as it does in production
-    /// (a read inside one process proves nothing). Default: on with `--mover auto`,
-    /// off with `--mover tcp`; `--producer-process false` keeps them in this process,
-    /// `--producer-process` (or `true`) forces the child with `--mover tcp` too.
+    /// (a read inside one process proves nothing). Default: on with `--transport auto`,
+    /// off with `--transport tcp`; `--producer-process false` keeps them in this process,
+    /// `--producer-process` (or `true`) forces the child with `--transport tcp` too.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub producer_process: Option<bool>,
     /// Internal: run as the producer process of a parent benchmark (reads its setup
@@ -163,7 +164,7 @@ impl Default for P2pBenchArgs {
             tls: false,
             contend: 0,
             verify: Verify::Receive,
-            mover: kvferry::peer::Transport::Auto,
+            transport: kvferry::peer::Transport::Auto,
             producer_process: None,
             serve_producers: false,
             json: false,
@@ -174,10 +175,10 @@ impl Default for P2pBenchArgs {
 
 impl P2pBenchArgs {
     /// Whether the producers run in a child process (`--producer-process`, by default
-    /// on with `--mover auto`).
+    /// on with `--transport auto`).
     pub fn in_child(&self) -> bool {
         self.producer_process
-            .unwrap_or(self.mover == kvferry::peer::Transport::Auto)
+            .unwrap_or(self.transport == kvferry::peer::Transport::Auto)
     }
 }
 

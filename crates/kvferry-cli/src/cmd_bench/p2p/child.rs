@@ -196,8 +196,8 @@ fn child_args(args: &P2pBenchArgs) -> Vec<String> {
         &args.producers.to_string(),
         "--path",
         &args.path.to_string(),
-        "--mover",
-        args.mover.as_str(),
+        "--transport",
+        args.transport.as_str(),
     ]
     .iter()
     .map(|s| s.to_string())

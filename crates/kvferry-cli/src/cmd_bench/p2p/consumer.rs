@@ -81,7 +81,7 @@ pub(super) async fn start(args: &P2pBenchArgs, shape: &Shape, ca: Option<&Epheme
         arena: ByteSize((consumer_pages * staging_page) as u64),
         page_size: ByteSize(staging_page as u64),
         copy_threads: args.copy_threads,
-        transport: args.mover,
+        transport: args.transport,
         ..EngineArgs::default()
     };
     let mut ccfg = cnode.config(None, "bench-consumer")?;

@@ -224,7 +224,7 @@ pub(super) async fn start_local(
         max_gets: 1024,
         max_ttl: Some(Duration::from_secs(24 * 3600)),
         peer_quota_pages: Some(usize::MAX / 2),
-        transport: args.mover,
+        transport: args.transport,
         ..EngineArgs::default()
     };
     let mut producers = Vec::new();

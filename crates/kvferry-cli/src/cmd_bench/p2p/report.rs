@@ -95,7 +95,7 @@ fn mover_line(p: &Point) -> String {
             "cma (the consumer reads granted bytes from the producers' memory with process_vm_readv)".to_string()
         }
         (m, Some(why)) => format!("{m} (same-host mover not used: {why})"),
-        (m, None) => format!("{m} (--mover tcp)"),
+        (m, None) => format!("{m} (--transport tcp)"),
     };
     let place = if p.producer_process {
         "producers in a process of their own (their CPU counted, their pages accounted there)"

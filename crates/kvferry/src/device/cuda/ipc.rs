@@ -1,7 +1,7 @@
 //! CUDA IPC: exporting this process's device allocations to another process of the
 //! host (`cuIpcGetMemHandle`), opening another's (`cuIpcOpenMemHandle`, closed with
 //! `cuIpcCloseMemHandle` when the last holder of the import is gone), the device side
-//! of the device-IPC mover (see `peer::mover`).
+//! of the device-IPC mover (see `peer::movers`).
 //!
 //! **Never run on a GPU**: this is compiled and checked by `cargo clippy --features
 //! cuda`, and `scripts/gpu-check.sh` has the two-process case that exercises it; the

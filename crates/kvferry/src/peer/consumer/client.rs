@@ -40,7 +40,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::super::error::PeerError;
-use super::super::mover::PeerMover;
+use super::super::movers::PeerMover;
 use super::peer_watch::{PeerGone, PeerWatch};
 use super::shared::{Request, OUTCOMES};
 use super::types::{ConsumerConfig, ConsumerStats};
@@ -50,48 +50,48 @@ use crate::net::{Pool, PoolStats};
 use crate::stats::{Histogram, HistogramSnapshot};
 
 #[derive(Default)]
-pub(super) struct Counters {
-    pub(super) completed: AtomicU64,
-    pub(super) failed: AtomicU64,
-    pub(super) cancelled: AtomicU64,
-    pub(super) checksum_failures: AtomicU64,
-    pub(super) bytes: AtomicU64,
-    pub(super) draining: AtomicU64,
-    pub(super) timeouts: AtomicU64,
-    pub(super) bytes_received: AtomicU64,
-    pub(super) chunks_received: AtomicU64,
-    pub(super) chunks_landed: AtomicU64,
-    pub(super) device_unconfirmed: AtomicU64,
-    pub(super) cma_transfers: AtomicU64,
-    pub(super) cma_bytes: AtomicU64,
-    pub(super) mover_fallbacks: AtomicU64,
-    pub(super) device_ipc_transfers: AtomicU64,
-    pub(super) device_ipc_bytes: AtomicU64,
-    pub(super) device_ipc_fallbacks: AtomicU64,
+pub(in crate::peer) struct Counters {
+    pub(in crate::peer) completed: AtomicU64,
+    pub(in crate::peer) failed: AtomicU64,
+    pub(in crate::peer) cancelled: AtomicU64,
+    pub(in crate::peer) checksum_failures: AtomicU64,
+    pub(in crate::peer) bytes: AtomicU64,
+    pub(in crate::peer) draining: AtomicU64,
+    pub(in crate::peer) timeouts: AtomicU64,
+    pub(in crate::peer) bytes_received: AtomicU64,
+    pub(in crate::peer) chunks_received: AtomicU64,
+    pub(in crate::peer) chunks_landed: AtomicU64,
+    pub(in crate::peer) device_unconfirmed: AtomicU64,
+    pub(in crate::peer) cma_transfers: AtomicU64,
+    pub(in crate::peer) cma_bytes: AtomicU64,
+    pub(in crate::peer) mover_fallbacks: AtomicU64,
+    pub(in crate::peer) device_ipc_transfers: AtomicU64,
+    pub(in crate::peer) device_ipc_bytes: AtomicU64,
+    pub(in crate::peer) device_ipc_fallbacks: AtomicU64,
 }
 
-pub(super) struct Inner {
-    pub(super) arena: Arena,
-    pub(super) engine: CopyEngine,
-    pub(super) cfg: ConsumerConfig,
-    pub(super) pools: Mutex<HashMap<String, Pool>>,
-    pub(super) runtime: tokio::runtime::Handle,
-    pub(super) counters: Counters,
+pub(in crate::peer) struct Inner {
+    pub(in crate::peer) arena: Arena,
+    pub(in crate::peer) engine: CopyEngine,
+    pub(in crate::peer) cfg: ConsumerConfig,
+    pub(in crate::peer) pools: Mutex<HashMap<String, Pool>>,
+    pub(in crate::peer) runtime: tokio::runtime::Handle,
+    pub(in crate::peer) counters: Counters,
     /// Transfer latency by outcome (as `OUTCOMES`).
-    pub(super) latency: [Histogram; 3],
+    pub(in crate::peer) latency: [Histogram; 3],
     /// Ids of transfers, for tracing.
-    pub(super) next_transfer: AtomicU64,
+    pub(in crate::peer) next_transfer: AtomicU64,
     /// Per peer address: the token that fails its transfers when the directory says
     /// it restarted or left.
-    pub(super) watches: Mutex<HashMap<String, Arc<PeerWatch>>>,
+    pub(in crate::peer) watches: Mutex<HashMap<String, Arc<PeerWatch>>>,
     /// The mover chosen per peer address, for the incarnation it names (see `mapped`).
-    pub(super) movers: Mutex<HashMap<String, PeerMover>>,
+    pub(in crate::peer) movers: Mutex<HashMap<String, PeerMover>>,
 }
 
 /// A consumer. Cheap to clone.
 #[derive(Clone)]
 pub struct Consumer {
-    pub(super) inner: Arc<Inner>,
+    pub(in crate::peer) inner: Arc<Inner>,
 }
 
 impl Consumer {
@@ -173,7 +173,7 @@ impl Consumer {
 
     /// A tracing span for one transfer (fields `outcome` and `bytes` are recorded at
     /// its end).
-    pub(super) fn transfer_span(&self, peer: &str, req: &Request) -> tracing::Span {
+    pub(in crate::peer) fn transfer_span(&self, peer: &str, req: &Request) -> tracing::Span {
         let id = self.inner.next_transfer.fetch_add(1, Ordering::Relaxed);
         let (kind, chunks) = match req {
             Request::Get { keys, .. } => ("get", keys.len()),
@@ -214,7 +214,7 @@ impl Consumer {
     }
 
     /// Keys a peer accepts in one request (the transport's limit).
-    pub(super) fn max_keys(&self) -> usize {
+    pub(in crate::peer) fn max_keys(&self) -> usize {
         self.inner.cfg.net.limits.max_keys
     }
 }
@@ -222,7 +222,7 @@ impl Consumer {
 /// Watches of the peers (see `peer_watch`).
 impl Consumer {
     /// The current watch of the peer at `addr`.
-    pub(super) fn peer_watch(&self, addr: &str) -> Arc<PeerWatch> {
+    pub(in crate::peer) fn peer_watch(&self, addr: &str) -> Arc<PeerWatch> {
         self.inner
             .watches
             .lock()

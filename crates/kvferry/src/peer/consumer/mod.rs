@@ -35,16 +35,13 @@
 //! (what those three share: the request a transfer runs, its error, reply checks), so
 //! that they do not import each other in a cycle.
 
-mod client;
-mod device_ipc;
+pub(in crate::peer) mod client;
 mod exchange;
 mod get;
 mod land_device;
-mod mapped;
-mod one_sided;
 mod peer_watch;
-mod shared;
-mod transfer;
+pub(in crate::peer) mod shared;
+pub(in crate::peer) mod transfer;
 pub mod types;
 
 pub use client::Consumer;

@@ -16,9 +16,9 @@ use crate::net::NetError;
 use crate::wire::{ChunkKey, ChunkMeta, Message, SelectionError, WireSelection};
 
 /// Outcome labels of the latency histograms, indexing `Inner::latency`.
-pub(super) const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
+pub(in crate::peer) const OUTCOMES: [&str; 3] = ["completed", "failed", "cancelled"];
 
-pub(super) enum Request {
+pub(in crate::peer) enum Request {
     /// An eager get; with a selection, its wire form (checked against the
     /// destination).
     Get {
@@ -40,7 +40,7 @@ pub(crate) struct TaskError {
 }
 
 impl TaskError {
-    pub(super) fn with_fence(self, fence: DrainFence) -> GetFailure {
+    pub(in crate::peer) fn with_fence(self, fence: DrainFence) -> GetFailure {
         GetFailure {
             error: self.error,
             fence,
@@ -51,7 +51,7 @@ impl TaskError {
 
 /// The frames a producer announced for a selected stream: their lengths add up to
 /// the stream's shape.
-pub(super) fn check_frames(chunks: &[crate::wire::ChunkMeta], total: u64) -> Result<(), SelectionError> {
+pub(in crate::peer) fn check_frames(chunks: &[crate::wire::ChunkMeta], total: u64) -> Result<(), SelectionError> {
     let sum = chunks.iter().fold(0u64, |a, c| a.saturating_add(c.len));
     if sum != total {
         return Err(SelectionError::Stream(format!(
@@ -62,7 +62,7 @@ pub(super) fn check_frames(chunks: &[crate::wire::ChunkMeta], total: u64) -> Res
 }
 
 /// A reply of the wrong kind, named without dumping its (possibly huge) contents.
-pub(super) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
+pub(in crate::peer) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
     PeerError::Net(NetError::Unexpected {
         expected,
         got: got.name(),
@@ -72,7 +72,7 @@ pub(super) fn unexpected(expected: &'static str, got: &Message) -> PeerError {
 /// A request's keys: at least one, and no more than a peer accepts in one request
 /// (`max_keys`, the transport's limit, which peers share by default): refused here with
 /// a clear error rather than by the peer closing the connection.
-pub(super) fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerError> {
+pub(in crate::peer) fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerError> {
     if keys.is_empty() {
         return Err(PeerError::InvalidArgument("empty key list".into()));
     }
@@ -87,7 +87,7 @@ pub(super) fn check_keys(keys: &[ChunkKey], max_keys: usize) -> Result<(), PeerE
 
 /// A landed chunk's bytes (`actual`: their checksum) are the ones the producer
 /// published (every mover checks this before a chunk counts as landed).
-pub(super) fn verify_landed(meta: &crate::wire::ChunkMeta, actual: u32) -> Result<(), PeerError> {
+pub(in crate::peer) fn verify_landed(meta: &crate::wire::ChunkMeta, actual: u32) -> Result<(), PeerError> {
     if actual != meta.checksum {
         return Err(PeerError::ChecksumMismatch {
             key: meta.key,
@@ -100,7 +100,7 @@ pub(super) fn verify_landed(meta: &crate::wire::ChunkMeta, actual: u32) -> Resul
 
 /// A producer's grant (a socket `Staged` or a one-sided mover's) names the requested
 /// keys, in order (a selected stream's frames are checked by its landing plan instead).
-pub(super) fn check_granted_keys(chunks: &[ChunkMeta], keys: &[ChunkKey]) -> Result<(), PeerError> {
+pub(in crate::peer) fn check_granted_keys(chunks: &[ChunkMeta], keys: &[ChunkKey]) -> Result<(), PeerError> {
     if chunks.len() > keys.len() || chunks.iter().zip(keys).any(|(c, k)| c.key != *k) {
         return Err(PeerError::Net(NetError::Protocol(
             "staged chunks do not match the keys".to_string(),

@@ -19,7 +19,6 @@
 //! (`land_device`) are bounded by the cache's own op timeout as well as by
 //! cancellation.
 
-use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -29,40 +28,15 @@ use tokio_util::sync::CancellationToken;
 use super::super::error::PeerError;
 use super::super::selection::LandingPlan;
 use super::client::Consumer;
-use super::shared::{check_frames, check_granted_keys, unexpected, verify_landed, Request, TaskError, OUTCOMES};
+use super::shared::{check_frames, unexpected, Request, TaskError, OUTCOMES};
 use super::types::{Destination, Landed, TransferPath};
 use crate::copy::{CopyPlan, DrainFence, DrainSignal, Endpoint};
 use crate::device::KvCacheRef;
 use crate::layout::KvCache;
 use crate::mem::{HostMemory, Lease};
 use crate::net::{NetError, Pool, PooledConnection};
+use crate::peer::movers::{BulkMover, Carried, Cma, DeviceIpc, Route, Socket};
 use crate::wire::{ChunkKey, ChunkMeta, Message, SelectedShape, SelectionError};
-
-/// How a mapped get ended.
-pub(super) enum Mapped {
-    /// Landed and verified; `reuse`: the connection is at a frame boundary and may go
-    /// back to the pool.
-    Landed { chunks: Vec<ChunkMeta>, reuse: bool },
-    /// The producer could not grant these bytes by memory (`TooLarge`: more runs than
-    /// a reply may name); nothing was staged or written: get them over the socket.
-    Socket,
-}
-
-impl Mapped {
-    /// `Break` with the landed chunks (the connection back to the pool when it may be
-    /// reused), or `Continue` with the connection to get the bytes over the socket.
-    fn settle(self, conn: PooledConnection) -> ControlFlow<Vec<ChunkMeta>, PooledConnection> {
-        match self {
-            Mapped::Landed { chunks, reuse } => {
-                if reuse {
-                    conn.finish();
-                }
-                ControlFlow::Break(chunks)
-            }
-            Mapped::Socket => ControlFlow::Continue(conn),
-        }
-    }
-}
 
 /// How long a transfer's drain waits for a device to settle a landing copy that
 /// outlived the transfer before declaring it unconfirmed.
@@ -73,7 +47,7 @@ fn inner_done_timeout(c: &Consumer) -> std::time::Duration {
 }
 
 /// Where a chunk's received bytes go.
-pub(super) enum Sink {
+pub(in crate::peer) enum Sink {
     /// Receiver staging pages, chunk `i` at `offsets[i]`.
     Staging { lease: Lease, offsets: Vec<usize> },
     /// Straight into the destination blocks of a host cache (a device cache is
@@ -89,32 +63,32 @@ pub(super) enum Sink {
 }
 
 /// Everything one transfer needs, owned by its task.
-pub(super) struct TransferCtx<'a> {
-    pub(super) consumer: &'a Consumer,
-    pub(super) pool: Pool,
-    pub(super) dst: Destination,
+pub(in crate::peer) struct TransferCtx<'a> {
+    pub(in crate::peer) consumer: &'a Consumer,
+    pub(in crate::peer) pool: Pool,
+    pub(in crate::peer) dst: Destination,
     /// Upper bound for the connection pool's checkout (the transfer's deadline, which
     /// `run_fenced` enforces by cancelling `cancel`).
     connect_bound: Instant,
-    pub(super) cancel: CancellationToken,
+    pub(in crate::peer) cancel: CancellationToken,
     /// The producer lease to release with `Done` if the transfer did not already.
-    pub(super) lease_to_release: Option<crate::wire::LeaseId>,
+    pub(in crate::peer) lease_to_release: Option<crate::wire::LeaseId>,
     /// Set once bytes may have been written into the destination blocks.
-    pub(super) dirty: bool,
+    pub(in crate::peer) dirty: bool,
     /// A device copy into the destination that had not settled when the transfer
     /// ended: the fence waits for it.
-    pub(super) unconfirmed: Option<crate::device::Event>,
+    pub(in crate::peer) unconfirmed: Option<crate::device::Event>,
     /// A selected transfer's landing (set once the producer announced its stream).
-    pub(super) landing: Option<LandingPlan>,
+    pub(in crate::peer) landing: Option<LandingPlan>,
     /// A same-host read's copy job: started reads may outlive a cancelled receive,
     /// and the transfer's fence waits for this one first.
-    pub(super) copy_fence: Option<DrainFence>,
+    pub(in crate::peer) copy_fence: Option<DrainFence>,
 }
 
 impl Consumer {
     /// The transfer task body. `signal` drops (firing the caller's fence) only after
     /// everything that touched the destination or staging pages has stopped.
-    pub(super) async fn transfer(
+    pub(in crate::peer) async fn transfer(
         &self,
         peer: &str,
         req: Request,
@@ -419,13 +393,14 @@ impl TransferCtx<'_> {
         Ok(landed)
     }
 
-    /// Sends the request and receives the chunks' bytes into `sink`; returns the chunk
-    /// metadata (a prefix of what was asked; empty on a miss).
+    /// Sends the request and carries the chunks' bytes into `sink`, by the mover
+    /// [`choose_mover`](Self::choose_mover) picks (the one choice, gets and pulls
+    /// alike); returns the chunk metadata (a prefix of what was asked; empty on a
+    /// miss).
     async fn receive(&mut self, req: Request, sink: &mut Sink, caps: &[usize]) -> Result<Vec<ChunkMeta>, PeerError> {
         let mut conn: PooledConnection = self.pool.checkout(self.connect_bound).await?;
-        let mut id = conn.next_request_id();
-        let chunks = match req {
-            Request::Get { keys, select } => {
+        match &req {
+            Request::Get { .. } => {
                 // A connection's handshake names the incarnation it reached: a restarted
                 // peer is refused before anything is staged on it.
                 let current = conn.peer().incarnation;
@@ -436,173 +411,40 @@ impl TransferCtx<'_> {
                         current,
                     });
                 }
-                // Same host: the bytes may be read from the producer's memory
-                // (`mapped`); chosen once per incarnation, on this connection.
-                let peer = self.pool.addr().to_string();
-                let cma = self.consumer.cma_on(&peer, &mut conn).await?;
-                id = conn.next_request_id(); // past the probe's, if one was sent
-                if let Some(pid) = cma {
-                    let mapped = self
-                        .receive_mapped(&mut conn, id, &keys, select.clone(), sink, caps, pid)
-                        .await?;
-                    // The producer cannot grant this one by memory: the socket, on the
-                    // same connection.
-                    conn = match mapped.settle(conn) {
-                        ControlFlow::Break(chunks) => return Ok(chunks),
-                        ControlFlow::Continue(conn) => conn,
-                    };
-                    id = conn.next_request_id();
-                }
-                self.take_staging(sink, caps)?;
-                let ttl_ms = self.consumer.inner.cfg.lease_ttl.as_millis() as u32;
-                let selected = select.is_some();
-                let msg = match select {
-                    None => Message::Get {
-                        keys: keys.clone(),
-                        ttl_ms,
-                    },
-                    Some(select) => Message::GetSelected {
-                        keys: keys.clone(),
-                        ttl_ms,
-                        select,
-                    },
-                };
-                conn.send(id, &msg).await?;
-                match conn.recv_reply(id).await? {
-                    Message::StagedSelected {
-                        lease_id,
-                        chunks,
-                        shape,
-                        ..
-                    } if selected => {
-                        if lease_id != 0 {
-                            self.lease_to_release = Some(lease_id);
-                        }
-                        if !chunks.is_empty() {
-                            self.plan_landing(&chunks, &shape)?;
-                        }
-                        chunks
-                    }
-                    Message::Staged { lease_id, chunks, .. } if !selected => {
-                        if lease_id != 0 {
-                            self.lease_to_release = Some(lease_id);
-                        }
-                        check_granted_keys(&chunks, &keys)?;
-                        chunks
-                    }
-                    other => {
-                        let expected = if selected { "StagedSelected" } else { "Staged" };
-                        return Err(unexpected(expected, &other));
-                    }
-                }
             }
-            Request::Pull { handle } => {
-                self.lease_to_release = Some(handle.lease_id);
-                // Same host: whole staged chunks may be read from the producer's
-                // memory (a staged selection is pulled over the socket).
-                if handle.selection.is_none() {
-                    let peer = self.pool.addr().to_string();
-                    if let Some(pid) = self.consumer.cma_on(&peer, &mut conn).await? {
-                        id = conn.next_request_id(); // past the probe's, if one was sent
-                        let mapped = self.pull_mapped(&mut conn, id, &handle, sink, caps, pid).await?;
-                        conn = match mapped.settle(conn) {
-                            ControlFlow::Break(chunks) => return Ok(chunks),
-                            ControlFlow::Continue(conn) => conn,
-                        };
-                        id = conn.next_request_id();
-                    }
-                }
-                self.take_staging(sink, caps)?;
-                if let Some(s) = &handle.selection {
-                    self.plan_landing(&handle.chunks, &s.shape)?;
-                }
-                conn.send(
-                    id,
-                    &Message::Pull {
-                        lease_id: handle.lease_id,
-                        incarnation: handle.incarnation,
-                    },
-                )
-                .await?;
-                if handle.selection.is_some() {
-                    handle.chunks
-                } else {
-                    handle.chunks.into_iter().take(caps.len()).collect()
-                }
+            Request::Pull { handle } => self.lease_to_release = Some(handle.lease_id),
+        }
+        let route = self.choose_mover(&mut conn, &req).await?;
+        let id = conn.next_request_id(); // past the choice's requests, if any were sent
+        let carried = match route {
+            Route::Socket => Socket.carry(self, &mut conn, id, &req, sink, caps).await?,
+            Route::Cma { pid } => Cma { pid }.carry(self, &mut conn, id, &req, sink, caps).await?,
+            Route::DeviceIpc { pid, kind } => {
+                DeviceIpc { pid, kind }
+                    .carry(self, &mut conn, id, &req, sink, caps)
+                    .await?
             }
         };
-        if chunks.is_empty() {
-            conn.finish();
-            return Ok(chunks);
-        }
-        let landing = self.landing.take();
-        let mut cursor = landing.as_ref().map(|l| l.cursor());
-        let mut at = 0; // a selected stream's offset in the staging lease
-        for (i, meta) in chunks.iter().enumerate() {
-            if let Some(cur) = cursor.as_mut() {
-                // A selected stream: frame `i` fills the next `len` bytes.
-                let len = meta.len as usize;
-                let received = match sink {
-                    Sink::Staging { lease, .. } => {
-                        let mut parts = lease.io_slices_mut(at, len)?;
-                        at += len;
-                        conn.recv_bulk(id, &mut parts).await
-                    }
-                    Sink::Direct(cache) => {
-                        let ranges = cur.take(len)?;
-                        self.dirty = true;
-                        // SAFETY: the destination's blocks were checked distinct and
-                        // the selection's destination ranges disjoint and inside each
-                        // piece (`Destination::check_selected`, `LandingPlan::new`),
-                        // so the slices do not overlap; the task owns `dst` until it
-                        // has stopped, and the engine leaves the blocks alone until
-                        // the fence fires.
-                        let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
-                        conn.recv_bulk(id, &mut parts).await
-                    }
-                    Sink::Lent | Sink::Deferred => return Err(lent()),
-                };
-                self.verify(meta, received)?;
-                continue;
+        // A one-sided mover handed it back, nothing read: the socket, on the same
+        // connection.
+        let carried = match carried {
+            Carried::Refused if route != Route::Socket => {
+                let id = conn.next_request_id();
+                Socket.carry(self, &mut conn, id, &req, sink, caps).await?
             }
-            if meta.len as usize > caps[i] {
-                return Err(PeerError::InvalidArgument(format!(
-                    "chunk {} is {} bytes but its destination blocks hold {}",
-                    meta.key, meta.len, caps[i]
-                )));
+            c => c,
+        };
+        match carried {
+            Carried::Landed { chunks, reuse } => {
+                if reuse {
+                    conn.finish();
+                }
+                Ok(chunks)
             }
-            let len = meta.len as usize;
-            let received = match sink {
-                Sink::Staging { lease, offsets } => {
-                    let mut parts = lease.io_slices_mut(offsets[i], len)?;
-                    conn.recv_bulk(id, &mut parts).await
-                }
-                Sink::Direct(cache) => {
-                    let ranges = cache.chunk_ranges(&self.dst.chunks[i], len)?;
-                    self.dirty = true;
-                    // SAFETY: the destination's blocks were checked distinct
-                    // (`Destination::check`), so the slices do not overlap; the task
-                    // owns `dst` (and through it the memory) until it has stopped, and
-                    // the engine leaves the blocks alone until the transfer reports
-                    // them quiet (the fence).
-                    let mut parts = unsafe { cache.io_slices_mut(&ranges)? };
-                    conn.recv_bulk(id, &mut parts).await
-                }
-                Sink::Lent | Sink::Deferred => return Err(lent()),
-            };
-            self.verify(meta, received)?;
+            Carried::Refused => Err(PeerError::Net(NetError::Protocol(
+                "the socket mover refused a transfer".into(),
+            ))),
         }
-        // Kept for the landing copy of a staged selected stream.
-        self.landing = landing;
-        match conn.recv_reply(id).await? {
-            Message::PullDone { .. } => {}
-            other => return Err(unexpected("PullDone", &other)),
-        }
-        // Every byte is here: the producer's copy is no longer needed.
-        if self.release_on(&mut conn).await? {
-            conn.finish();
-        }
-        Ok(chunks)
     }
 }
 
@@ -625,7 +467,7 @@ impl TransferCtx<'_> {
 
     /// Takes a deferred sink's staging pages (any other sink is left as it is): called
     /// before a request whose bytes land through staging.
-    pub(super) fn take_staging(&self, sink: &mut Sink, caps: &[usize]) -> Result<(), PeerError> {
+    pub(in crate::peer) fn take_staging(&self, sink: &mut Sink, caps: &[usize]) -> Result<(), PeerError> {
         if matches!(sink, Sink::Deferred) {
             *sink = self.staging_sink(caps)?;
         }
@@ -644,7 +486,7 @@ impl TransferCtx<'_> {
     /// Awaits one request. Dropped mid-request, the lease is already released or is
     /// left to the producer's grace or TTL; every byte has landed before this is
     /// called, so nothing writes the destination after.
-    pub(super) async fn release_on(&mut self, conn: &mut PooledConnection) -> Result<bool, PeerError> {
+    pub(in crate::peer) async fn release_on(&mut self, conn: &mut PooledConnection) -> Result<bool, PeerError> {
         if let Some(lease_id) = self.lease_to_release.take() {
             match conn.request(&Message::Done { lease_id }).await {
                 Ok(Message::DoneAck) => {}
@@ -658,24 +500,13 @@ impl TransferCtx<'_> {
         Ok(true)
     }
 
-    /// Counts a received frame and checks its checksum against the announced one.
-    fn verify(&self, meta: &ChunkMeta, received: Result<u32, NetError>) -> Result<(), PeerError> {
-        let actual = match received {
-            Ok(crc) => crc,
-            // The frame's checksum is the one computed at staging: a mismatch
-            // means the bytes changed between staging and here.
-            Err(NetError::Wire(crate::wire::WireError::ChecksumMismatch { actual, .. })) => actual,
-            Err(e) => return Err(e.into()),
-        };
-        let counters = &self.consumer.inner.counters;
-        counters.bytes_received.fetch_add(meta.len, Ordering::Relaxed);
-        counters.chunks_received.fetch_add(1, Ordering::Relaxed);
-        verify_landed(meta, actual)
-    }
-
     /// Checks a selected stream the producer announced against the destination and
     /// its selection, and keeps the landing plan.
-    pub(super) fn plan_landing(&mut self, chunks: &[ChunkMeta], shape: &SelectedShape) -> Result<(), PeerError> {
+    pub(in crate::peer) fn plan_landing(
+        &mut self,
+        chunks: &[ChunkMeta],
+        shape: &SelectedShape,
+    ) -> Result<(), PeerError> {
         let select =
             self.dst.select.as_ref().ok_or_else(|| {
                 SelectionError::Stream("a selected stream for a destination without a selection".into())
@@ -685,9 +516,4 @@ impl TransferCtx<'_> {
         self.landing = Some(plan);
         Ok(())
     }
-}
-
-/// A receive found its staging pages lent to a same-host read (never expected).
-fn lent() -> PeerError {
-    PeerError::Net(NetError::Protocol("staging pages are lent to a same-host read".into()))
 }

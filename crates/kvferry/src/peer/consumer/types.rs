@@ -13,7 +13,7 @@ use crate::device::KvCacheRef;
 use crate::layout::{BlockMap, KvCache, KvLayout};
 use crate::mem::Region;
 use crate::net::NetConfig;
-use crate::peer::mover::Transport;
+use crate::peer::movers::Transport;
 use crate::wire::{ChunkMeta, SelectedShape, WireSelection};
 
 /// Consumer settings.
@@ -28,7 +28,7 @@ pub struct ConsumerConfig {
     /// Bound on sending `Done` after a transfer.
     pub done_timeout: Duration,
     /// Which movers to use: with [`Transport::Auto`] (the default), a producer on the
-    /// same host is read with `process_vm_readv` (see [`crate::peer::mover`]).
+    /// same host is read with `process_vm_readv` (see [`crate::peer::movers`]).
     pub transport: Transport,
 }
 
@@ -196,14 +196,14 @@ impl Destination {
     }
 
     /// The destination blocks as one list (`chunks` concatenated).
-    pub(super) fn flat_blocks(&self) -> Vec<u32> {
+    pub(in crate::peer) fn flat_blocks(&self) -> Vec<u32> {
         self.chunks.iter().flatten().copied().collect()
     }
 
     /// Checks a selected destination: distinct valid blocks, and the selection
     /// against the destination's pieces. Returns the wire form of the selection, with
     /// what this destination will land.
-    pub(super) fn check_selected(&self, select: &Selection) -> Result<WireSelection, PeerError> {
+    pub(in crate::peer) fn check_selected(&self, select: &Selection) -> Result<WireSelection, PeerError> {
         let all = self.flat_blocks();
         self.map()
             .check_blocks(&all)
@@ -213,18 +213,18 @@ impl Destination {
 
     /// Bytes a selected destination lands (its blocks times its pieces' selected
     /// bytes); 0 when the selection does not fit (checked elsewhere).
-    pub(super) fn selected_bytes(&self, wire: &WireSelection) -> usize {
+    pub(in crate::peer) fn selected_bytes(&self, wire: &WireSelection) -> usize {
         let per_block: u64 = wire.expect_pieces.iter().flatten().sum();
         (per_block as usize).saturating_mul(wire.expect_blocks.unwrap_or(0) as usize)
     }
 
-    pub(super) fn capacity(&self, i: usize) -> usize {
+    pub(in crate::peer) fn capacity(&self, i: usize) -> usize {
         self.map().chunk_bytes(self.chunks[i].len())
     }
 
     /// Checks the destination against `nkeys` requested chunks: enough chunks, valid
     /// block lists, and no block listed twice across the whole transfer.
-    pub(super) fn check(&self, nkeys: usize) -> Result<(), PeerError> {
+    pub(in crate::peer) fn check(&self, nkeys: usize) -> Result<(), PeerError> {
         if self.chunks.len() < nkeys {
             return Err(PeerError::InvalidArgument(format!(
                 "{nkeys} keys but destination blocks for only {} chunks",
@@ -272,7 +272,7 @@ pub struct GetFailure {
 }
 
 impl GetFailure {
-    pub(super) fn clean(error: PeerError, fence: DrainFence) -> GetFailure {
+    pub(in crate::peer) fn clean(error: PeerError, fence: DrainFence) -> GetFailure {
         GetFailure {
             error,
             fence,
@@ -302,8 +302,8 @@ impl std::error::Error for GetFailure {
 /// (from [`fence`](Self::fence), taken before the drop) fires when the destination
 /// blocks are quiet and the staging pages are back.
 pub struct Transfer {
-    pub(super) fence: DrainFence,
-    pub(super) fut: std::pin::Pin<Box<dyn std::future::Future<Output = Result<Landed, GetFailure>> + Send>>,
+    pub(in crate::peer) fence: DrainFence,
+    pub(in crate::peer) fut: std::pin::Pin<Box<dyn std::future::Future<Output = Result<Landed, GetFailure>> + Send>>,
 }
 
 impl std::fmt::Debug for Transfer {

@@ -1,4 +1,4 @@
-//! The producer's side of the CMA mover (see [`crate::peer::mover`]): the same-host
+//! The producer's side of the CMA mover (see [`crate::peer::movers`]): the same-host
 //! offer (`MoverHello` → `MoverOffer`) and mapped gets (`GetMapped` →
 //! `StagedMapped`).
 //!
@@ -58,7 +58,7 @@ use super::Producer;
 use crate::device::DeviceKvCache;
 use crate::peer::error::PeerError;
 use crate::peer::ledger::{LeaseTerms, Who};
-use crate::peer::mover::{device_ipc_kinds, Transport};
+use crate::peer::movers::{device_ipc_kinds, Transport};
 use crate::peer::publish::{PubSource, Publication};
 use crate::peer::quota::Holder;
 use crate::peer::selection::plan_source;

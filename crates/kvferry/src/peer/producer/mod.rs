@@ -98,7 +98,7 @@ use self::staged::ProducerLedger;
 pub use self::store::{ChunkLocation, ChunkPins, ChunkStore, PinnedRegion, StoreStats};
 use super::error::PeerError;
 use super::ledger::{Ledger, LedgerLimits};
-use super::mover::Transport;
+use super::movers::Transport;
 use super::publish::{Publication, ReleaseQueue};
 use super::quota::{QuotaLimits, Quotas};
 use crate::copy::CopyEngine;

@@ -5,7 +5,7 @@
 
 use rand::RngCore;
 
-use crate::peer::mover::boot_id;
+use crate::peer::movers::boot_id;
 
 /// This process's same-host identity: its boot id and a probe pattern that lives as
 /// long as the producer.

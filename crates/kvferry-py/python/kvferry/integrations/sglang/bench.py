@@ -21,7 +21,7 @@ The stamps of the two processes are ``time.perf_counter()`` (CLOCK_MONOTONIC, on
 for the host). ``--transport`` is kvferry's (``KVFERRY_SGLANG_TRANSPORT``): ``auto``
 reads the prefill's memory with ``process_vm_readv`` on one host, ``tcp`` keeps every
 byte on the socket, as between hosts (and as Mooncake's TCP transport does here).
-``--kvferry-bin`` adds ``kvferry bench --bytes --mover <transport> --producer-process
+``--kvferry-bin`` adds ``kvferry bench --bytes --transport <transport> --producer-process
 true`` (the CLI's end-to-end figure, its producer in a child process too) on the same
 byte count, with the raw TCP limit that run measures. ``--mooncake`` adds Mooncake's
 transfer engine over TCP (the transport under SGLang's ``mooncake_tcp`` backend;
@@ -142,7 +142,7 @@ def _kvferry_bench(binary: str, mib: int, transport: str) -> dict[str, Any]:
     """One ``kvferry bench`` run on the same byte count, its producer in a process of
     its own; its JSON, or ``{"error": ...}``."""
     cli = subprocess.run(
-        [binary, "bench", "--bytes", f"{mib}MiB", "--mover", transport, "--producer-process", "true", "--json"],
+        [binary, "bench", "--bytes", f"{mib}MiB", "--transport", transport, "--producer-process", "true", "--json"],
         capture_output=True, text=True, timeout=300,
     )
     try:

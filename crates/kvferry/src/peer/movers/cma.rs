@@ -1,16 +1,5 @@
-//! The consumer's side of the CMA mover (see [`crate::peer::mover`]): choosing the
-//! mover per producer incarnation, and the mapped get, in which the consumer reads the
-//! granted bytes from the producer's memory itself.
-//!
-//! # Choosing
-//!
-//! Once per producer incarnation the consumer asks (`MoverHello`, on the connection
-//! its transfer checked out, so under the transfer's deadline and with no second
-//! handshake) and, when offered, reads the producer's probe pattern through the
-//! kernel. The result — CMA with the
-//! producer's pid, or the socket and why — is kept per peer address and replaced when
-//! the incarnation changes. A transfer whose connection reached another incarnation
-//! than the one chosen for uses the socket.
+//! The CMA mover (same host, host memory): the consumer reads the granted bytes from
+//! the producer's memory itself, with `process_vm_readv` on its copy threads.
 //!
 //! # A mapped get
 //!
@@ -25,6 +14,10 @@
 //! producer that wrote its published blocks) is a `ChecksumMismatch`, and the
 //! destination is reported dirty. `Done` then follows on the same connection.
 //!
+//! A delayed pull of whole chunks goes the same way (`PullMapped` → `StagedMapped` for
+//! the staged lease). A producer that will not name the bytes in one reply hands the
+//! transfer back to the socket ([`Carried::Refused`]).
+//!
 //! A producer that dies mid-read turns the reads into `ESRCH`/`EFAULT` or short
 //! reads: the transfer fails with `PeerLost`, never hangs (a read is one system call).
 //!
@@ -32,190 +25,73 @@
 //!
 //! The transfer task may drop the read (its cancel, or its deadline). Started slices
 //! still run to their end: the copy job's [`DrainFence`](crate::copy::DrainFence) is
-//! kept in the transfer context, and the transfer's own fence fires only after it
-//! (see `transfer`), so no read writes a destination that was reported quiet.
+//! kept in the transfer context before the first slice starts, and the transfer's own
+//! fence fires only after it (see `consumer::transfer`), so no read writes a
+//! destination that was reported quiet.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::super::error::PeerError;
-use super::super::mover::{boot_id, device_ipc_kinds, Mover, PeerMover, Transport};
-use super::client::Consumer;
 use super::device_ipc::DeviceGrant;
 use super::one_sided::{check_fits, check_granted_keys, count_landed, verify_landed};
-use super::shared::unexpected;
-use super::transfer::{Mapped, Sink, TransferCtx};
-use super::types::StagedHandle;
+use super::{BulkMover, Carried};
 use crate::copy::{CopyError, CopyPlan, Endpoint, RemoteSource};
 use crate::device::KvCacheRef;
 use crate::mem::HostMemory;
 use crate::net::{NetError, PooledConnection};
+use crate::peer::consumer::shared::{unexpected, Request};
+use crate::peer::consumer::transfer::{Sink, TransferCtx};
+use crate::peer::consumer::types::StagedHandle;
+use crate::peer::error::PeerError;
 use crate::wire::{ChunkKey, ChunkMeta, ErrorKind, Message, WireSelection};
 
-impl Consumer {
-    /// The mover chosen for each peer so far, and why (sorted by peer address).
-    pub fn movers(&self) -> Vec<PeerMover> {
-        let mut v: Vec<PeerMover> = self.inner.movers.lock().values().cloned().collect();
-        v.sort_by(|a, b| a.peer.cmp(&b.peer));
-        v
-    }
+/// The CMA mover for one transfer: reads process `pid`'s granted memory.
+pub(in crate::peer) struct Cma {
+    /// The producer's pid, as probed for its incarnation.
+    pub(in crate::peer) pid: u32,
+}
 
-    /// The producer's pid when `peer`'s bytes are read by CMA on `conn` (a connection
-    /// checked out for a transfer): asks and probes once per producer incarnation, on
-    /// that connection (one handshake per transfer, as before). `Ok(None)`: the socket.
-    /// An error is the connection's (the transfer fails as it would have on its
-    /// request); nothing is recorded then.
-    pub(super) async fn cma_on(&self, peer: &str, conn: &mut PooledConnection) -> Result<Option<u32>, PeerError> {
-        if self.inner.cfg.transport == Transport::Tcp {
-            return Ok(None);
-        }
-        let incarnation = conn.peer().incarnation;
-        if let Some(m) = self.inner.movers.lock().get(peer) {
-            if m.incarnation == incarnation {
-                return Ok(m.pid);
-            }
-        }
-        let choice = self.choose_mover(peer, conn, incarnation).await?;
-        match &choice.fallback {
-            Some(why) => {
-                self.inner.counters.mover_fallbacks.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(target: "kvferry::peer", peer, reason = %why, "mover: socket (same-host read not available)");
-            }
-            None => tracing::debug!(target: "kvferry::peer", peer, pid = choice.pid, "mover: cma"),
-        }
-        if let Some(why) = &choice.device_fallback {
-            self.inner.counters.device_ipc_fallbacks.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(target: "kvferry::peer", peer, reason = %why, "device IPC not available: device memory over CMA");
-        }
-        let pid = choice.pid;
-        self.inner.movers.lock().insert(peer.to_string(), choice);
-        Ok(pid)
-    }
-
-    /// Asks the producer on `conn` (CMA already chosen) which device-IPC kinds it
-    /// grants by: `(kinds, why none)`. A refusal (an older producer) is "none".
-    async fn ask_device_ipc(&self, conn: &mut PooledConnection) -> Result<(Vec<String>, Option<String>), PeerError> {
-        let hello = Message::DeviceIpcHello {
-            kinds: device_ipc_kinds(),
-        };
-        match conn.request(&hello).await {
-            Ok(Message::DeviceIpcOffer { kinds, refused, .. }) if kinds.is_empty() => Ok((kinds, Some(refused))),
-            Ok(Message::DeviceIpcOffer { kinds, .. }) => Ok((kinds, None)),
-            Ok(other) => Ok((
-                Vec::new(),
-                Some(format!(
-                    "the producer answered the device-IPC hello with {}",
-                    other.name()
-                )),
-            )),
-            Err(NetError::Remote { kind, message }) => Ok((
-                Vec::new(),
-                Some(format!("the producer does not offer device IPC ({kind:?}: {message})")),
-            )),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Gives up device IPC for `peer`'s current choice (its export could not be
-    /// opened here): later transfers read device memory over CMA.
-    pub(super) fn device_ipc_refused(&self, peer: &str, why: String) {
-        self.inner.counters.device_ipc_fallbacks.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(target: "kvferry::peer", peer, reason = %why, "device IPC given up: device memory over CMA");
-        if let Some(m) = self.inner.movers.lock().get_mut(peer) {
-            m.device_ipc.clear();
-            m.device_fallback = Some(why);
-        }
-    }
-
-    /// Asks the producer on `conn` for its offer and probes it.
-    async fn choose_mover(
+impl BulkMover for Cma {
+    async fn carry(
         &self,
-        peer: &str,
+        t: &mut TransferCtx<'_>,
         conn: &mut PooledConnection,
-        incarnation: u64,
-    ) -> Result<PeerMover, PeerError> {
-        let socket = |why: String| PeerMover {
-            peer: peer.to_string(),
-            incarnation,
-            mover: Mover::Socket,
-            fallback: Some(why),
-            pid: None,
-            device_ipc: Vec::new(),
-            device_fallback: None,
-        };
-        let Some(mine) = boot_id() else {
-            return Ok(socket("this host's boot id cannot be read".into()));
-        };
-        let reply = match conn.request(&Message::MoverHello { boot_id: mine }).await {
-            Ok(reply) => reply,
-            // A refusal leaves the connection usable (an older producer, say).
-            Err(NetError::Remote { kind, message }) => {
-                return Ok(socket(format!(
-                    "the producer refused the mover probe ({kind:?}: {message})"
-                )))
+        id: u64,
+        req: &Request,
+        sink: &mut Sink,
+        caps: &[usize],
+    ) -> Result<Carried, PeerError> {
+        match req {
+            Request::Get { keys, select } => {
+                t.receive_mapped(conn, id, keys, select.clone(), None, sink, caps, self.pid)
+                    .await
             }
-            Err(e) => return Err(e.into()),
-        };
-        Ok(match reply {
-            Message::MoverOffer { cma: Some(offer), .. } => {
-                let mut got = [0u8; 32];
-                match crate::copy::read_remote(offer.pid, offer.probe_addr, &mut got) {
-                    Ok(()) if got == offer.probe => {
-                        let (device_ipc, device_fallback) = self.ask_device_ipc(conn).await?;
-                        PeerMover {
-                            peer: peer.to_string(),
-                            incarnation,
-                            mover: Mover::Cma,
-                            fallback: None,
-                            pid: Some(offer.pid),
-                            device_ipc,
-                            device_fallback,
-                        }
-                    }
-                    Ok(()) => socket(format!(
-                        "pid {} is another process from here (another pid namespace?)",
-                        offer.pid
-                    )),
-                    Err(e) => socket(format!("the kernel refused the probe read: {e}")),
-                }
-            }
-            Message::MoverOffer { refused, .. } => socket(refused),
-            other => socket(format!(
-                "the producer does not offer movers (it answered {})",
-                other.name()
-            )),
-        })
+            Request::Pull { handle } => t.pull_mapped(conn, id, handle, sink, caps, self.pid).await,
+        }
     }
 }
 
 impl TransferCtx<'_> {
     /// A mapped get on `conn` (request `id`): the producer grants and names its
-    /// memory, the copy engine reads it into `sink`. Returns the chunk metadata, as
-    /// the socket receive does.
+    /// memory, the copy engine reads it into `sink`. With `device` (a device IPC kind
+    /// the pair agreed on, for a device destination of that kind) it asks for device
+    /// memory (`GetDeviceMapped`, a selection too: the producer names the selected
+    /// ranges of its device memory), and a `StagedDeviceMapped` grant is landed device
+    /// to device; a `StagedMapped` answer is read by CMA either way.
     #[allow(clippy::too_many_arguments)]
-    pub(super) async fn receive_mapped(
+    pub(in crate::peer) async fn receive_mapped(
         &mut self,
         conn: &mut PooledConnection,
         id: u64,
         keys: &[ChunkKey],
         select: Option<WireSelection>,
+        device: Option<&'static str>,
         sink: &mut Sink,
         caps: &[usize],
         pid: u32,
-    ) -> Result<Mapped, PeerError> {
+    ) -> Result<Carried, PeerError> {
         let inner = &self.consumer.inner;
         let ttl_ms = inner.cfg.lease_ttl.as_millis() as u32;
         let selected = select.is_some();
-        // A device destination of a kind the producer grants by: device IPC (a
-        // selection too: the producer names the selected ranges of its device memory).
-        let device = match &self.dst.target {
-            KvCacheRef::Device(cache) => cache.device().ipc_kind().filter(|k| {
-                let peer = self.pool.addr();
-                let movers = inner.movers.lock();
-                movers.get(peer).is_some_and(|m| m.device_ipc.iter().any(|o| o == k))
-            }),
-            KvCacheRef::Host(_) => None,
-        };
         // Device IPC copies in place; every other grant lands through staging pages
         // (a device destination's, taken now), before the request.
         if device.is_none() {
@@ -291,7 +167,7 @@ impl TransferCtx<'_> {
                 message,
             } => {
                 tracing::debug!(target: "kvferry::peer", reason = %message, "mapped get refused: over the socket");
-                return Ok(Mapped::Socket);
+                return Ok(Carried::Refused);
             }
             other => return Err(unexpected("StagedMapped", &other)),
         };
@@ -302,7 +178,7 @@ impl TransferCtx<'_> {
         // is released if there is none to take).
         self.take_staging(sink, caps)?;
         if chunks.is_empty() {
-            return Ok(Mapped::Landed { chunks, reuse: true });
+            return Ok(Carried::Landed { chunks, reuse: true });
         }
         let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
         match (selected, &shape) {
@@ -318,10 +194,10 @@ impl TransferCtx<'_> {
     /// A delayed pull of `handle` (a staged lease of whole chunks) on `conn` (request
     /// `id`) by CMA: the producer names where the lease's bytes are and the copy
     /// engine reads them into `sink`, as [`receive_mapped`](Self::receive_mapped)
-    /// does. `Mapped::Socket` when the producer will not name them (too many runs, or
+    /// does. `Carried::Refused` when the producer will not name them (too many runs, or
     /// a lease it pulls over the socket only): nothing was read, pull it on the same
     /// connection. The caller has set the lease to release.
-    pub(super) async fn pull_mapped(
+    pub(in crate::peer) async fn pull_mapped(
         &mut self,
         conn: &mut PooledConnection,
         id: u64,
@@ -329,7 +205,7 @@ impl TransferCtx<'_> {
         sink: &mut Sink,
         caps: &[usize],
         pid: u32,
-    ) -> Result<Mapped, PeerError> {
+    ) -> Result<Carried, PeerError> {
         self.take_staging(sink, caps)?;
         let msg = Message::PullMapped {
             lease_id: handle.lease_id,
@@ -342,7 +218,7 @@ impl TransferCtx<'_> {
                 message,
             }) => {
                 tracing::debug!(target: "kvferry::peer", ?kind, reason = %message, "mapped pull refused: over the socket");
-                return Ok(Mapped::Socket);
+                return Ok(Carried::Refused);
             }
             other => other?,
         };
@@ -380,7 +256,7 @@ impl TransferCtx<'_> {
         sink: &mut Sink,
         caps: &[usize],
         pid: u32,
-    ) -> Result<Mapped, PeerError> {
+    ) -> Result<Carried, PeerError> {
         let inner = &self.consumer.inner;
         let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
         let source = RemoteSource::new(pid, runs).map_err(PeerError::Copy)?;

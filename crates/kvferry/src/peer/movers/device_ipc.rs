@@ -1,5 +1,7 @@
-//! The consumer's side of the device-IPC mover (see [`crate::peer::mover`]): landing a
-//! producer's `StagedDeviceMapped` grant. The consumer opens the producer's export once
+//! The device-IPC mover (same host, device memory, on top of a CMA choice): the
+//! consumer asks for device memory (`GetDeviceMapped`) and lands the producer's
+//! `StagedDeviceMapped` grant (a producer that answers `StagedMapped` instead is read
+//! by CMA, `cma.rs`). The consumer opens the producer's export once
 //! per incarnation on its destination cache's device, copies device to device on the
 //! cache's own stream, verifies every chunk against the grant's checksums and sends
 //! `Done`. A selected grant's frames land in the destination's selected ranges, in
@@ -16,25 +18,57 @@
 
 use std::sync::Arc;
 
-use super::super::error::PeerError;
 use super::one_sided::{check_fits, check_granted_keys, count_landed, verify_landed};
-use super::shared::unexpected;
-use super::transfer::{Mapped, Sink, TransferCtx};
+use super::{BulkMover, Carried};
 use crate::device::{DeviceError, DeviceKvCache};
 use crate::net::{NetError, PooledConnection};
+use crate::peer::consumer::shared::unexpected;
+use crate::peer::consumer::shared::Request;
+use crate::peer::consumer::transfer::{Sink, TransferCtx};
+use crate::peer::error::PeerError;
 use crate::wire::{ChunkKey, ChunkMeta, Message, SelectedShape};
 
+/// The device-IPC mover for one get: the destination's device opens exports of
+/// `kind`, which the producer (process `pid`) offered for its incarnation.
+pub(in crate::peer) struct DeviceIpc {
+    /// The producer's pid, as probed for its incarnation (watched during a copy).
+    pub(in crate::peer) pid: u32,
+    /// The device-IPC kind both sides speak.
+    pub(in crate::peer) kind: &'static str,
+}
+
+impl BulkMover for DeviceIpc {
+    async fn carry(
+        &self,
+        t: &mut TransferCtx<'_>,
+        conn: &mut PooledConnection,
+        id: u64,
+        req: &Request,
+        sink: &mut Sink,
+        caps: &[usize],
+    ) -> Result<Carried, PeerError> {
+        match req {
+            Request::Get { keys, select } => {
+                t.receive_mapped(conn, id, keys, select.clone(), Some(self.kind), sink, caps, self.pid)
+                    .await
+            }
+            // Never chosen for a pull (`choose`): the staged lease is host memory.
+            Request::Pull { .. } => Ok(Carried::Refused),
+        }
+    }
+}
+
 /// A producer's device-IPC grant (`StagedDeviceMapped`).
-pub(super) struct DeviceGrant {
-    pub(super) lease_id: crate::wire::LeaseId,
-    pub(super) incarnation: u64,
-    pub(super) chunks: Vec<ChunkMeta>,
-    pub(super) export_id: u64,
-    pub(super) kind: String,
-    pub(super) buffers: Vec<(Vec<u8>, u64)>,
+pub(in crate::peer) struct DeviceGrant {
+    pub(in crate::peer) lease_id: crate::wire::LeaseId,
+    pub(in crate::peer) incarnation: u64,
+    pub(in crate::peer) chunks: Vec<ChunkMeta>,
+    pub(in crate::peer) export_id: u64,
+    pub(in crate::peer) kind: String,
+    pub(in crate::peer) buffers: Vec<(Vec<u8>, u64)>,
     /// A selected stream's shape (its frames are `chunks`).
-    pub(super) shape: Option<SelectedShape>,
-    pub(super) runs: Vec<(u32, u64, u64)>,
+    pub(in crate::peer) shape: Option<SelectedShape>,
+    pub(in crate::peer) runs: Vec<(u32, u64, u64)>,
 }
 
 impl TransferCtx<'_> {
@@ -45,9 +79,9 @@ impl TransferCtx<'_> {
     /// destination reported busy until the device confirms), watches the producer's
     /// process meanwhile (gone: `PeerLost`), verifies every chunk against the grant's
     /// checksums, then sends `Done`. An export that cannot be opened releases the
-    /// lease and answers [`Mapped::Socket`] (and device IPC is given up for the peer).
+    /// lease and answers [`Carried::Refused`] (and device IPC is given up for the peer).
     #[allow(clippy::too_many_arguments)]
-    pub(super) async fn land_device_ipc(
+    pub(in crate::peer) async fn land_device_ipc(
         &mut self,
         conn: &mut PooledConnection,
         keys: &[ChunkKey],
@@ -56,7 +90,7 @@ impl TransferCtx<'_> {
         cache: &Arc<DeviceKvCache>,
         grant: DeviceGrant,
         pid: u32,
-    ) -> Result<Mapped, PeerError> {
+    ) -> Result<Carried, PeerError> {
         let inner = &self.consumer.inner;
         let protocol = |m: &str| PeerError::Net(NetError::Protocol(m.to_string()));
         let DeviceGrant {
@@ -73,7 +107,7 @@ impl TransferCtx<'_> {
             self.lease_to_release = Some(lease_id);
         }
         if chunks.is_empty() {
-            return Ok(Mapped::Landed { chunks, reuse: true });
+            return Ok(Carried::Landed { chunks, reuse: true });
         }
         // Where each chunk lands: its destination blocks, or (a selected stream)
         // the next ranges of the destination's selection.
@@ -123,7 +157,7 @@ impl TransferCtx<'_> {
                         Err(e) => return Err(e.into()),
                     }
                 }
-                return Ok(Mapped::Socket);
+                return Ok(Carried::Refused);
             }
         };
         let device_err = |error| PeerError::Device {

@@ -13,15 +13,16 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::super::error::PeerError;
-use super::client::Counters;
-pub(super) use super::shared::{check_granted_keys, verify_landed};
-use super::transfer::{Mapped, TransferCtx};
+use super::Carried;
 use crate::net::PooledConnection;
+use crate::peer::consumer::client::Counters;
+pub(in crate::peer) use crate::peer::consumer::shared::{check_granted_keys, verify_landed};
+use crate::peer::consumer::transfer::TransferCtx;
+use crate::peer::error::PeerError;
 use crate::wire::ChunkMeta;
 
 /// A granted chunk fits the destination blocks it lands in (`cap` bytes).
-pub(super) fn check_fits(meta: &ChunkMeta, cap: usize) -> Result<(), PeerError> {
+pub(in crate::peer) fn check_fits(meta: &ChunkMeta, cap: usize) -> Result<(), PeerError> {
     if meta.len as usize > cap {
         return Err(PeerError::InvalidArgument(format!(
             "chunk {} is {} bytes but its destination blocks hold {cap}",
@@ -33,7 +34,12 @@ pub(super) fn check_fits(meta: &ChunkMeta, cap: usize) -> Result<(), PeerError> 
 
 /// Counts a one-sided transfer of `chunks` (`total` bytes) in the consumer's counters
 /// and in the mover's own (`transfers`, `bytes`).
-pub(super) fn count_landed(counters: &Counters, transfers: &AtomicU64, bytes: &AtomicU64, chunks: &[ChunkMeta]) {
+pub(in crate::peer) fn count_landed(
+    counters: &Counters,
+    transfers: &AtomicU64,
+    bytes: &AtomicU64,
+    chunks: &[ChunkMeta],
+) {
     let total: u64 = chunks.iter().map(|c| c.len).sum();
     transfers.fetch_add(1, Ordering::Relaxed);
     bytes.fetch_add(total, Ordering::Relaxed);
@@ -47,12 +53,12 @@ impl TransferCtx<'_> {
     /// Every byte of `chunks` is in place and verified: release the producer's lease
     /// with `Done` on the same connection, as the socket receive does
     /// ([`TransferCtx::release_on`]).
-    pub(super) async fn done_after_landing(
+    pub(in crate::peer) async fn done_after_landing(
         &mut self,
         conn: &mut PooledConnection,
         chunks: Vec<ChunkMeta>,
-    ) -> Result<Mapped, PeerError> {
+    ) -> Result<Carried, PeerError> {
         let reuse = self.release_on(conn).await?;
-        Ok(Mapped::Landed { chunks, reuse })
+        Ok(Carried::Landed { chunks, reuse })
     }
 }
