@@ -32,6 +32,7 @@ instances (A, B, the plain one; about 3 minutes on 2 cores). Needs lmcache 0.5.6
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import statistics
@@ -64,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[4]
 def chunk_bytes() -> int:
     """One chunk of the tiny Llama's KV (float32): layers x K/V x tokens x KV heads x head size x 4."""
     s = tiny_model.SPEC
-    return s["num_hidden_layers"] * 2 * CHUNK * s["num_key_value_heads"] * s["head_dim"] * 4
+    return int(s["num_hidden_layers"]) * 2 * CHUNK * int(s["num_key_value_heads"]) * int(s["head_dim"]) * 4
 
 
 def kvferry_bin() -> str | None:
@@ -86,7 +87,7 @@ def lmcache_missing() -> str | None:
         return f"lmcache {have} is installed; this test runs lmcache==0.5.6"
     try:
         import kvferry.integrations.lmcache  # noqa: F401
-        import lmcache.integration.vllm.lmcache_mp_connector  # noqa: F401
+        importlib.import_module("lmcache.integration.vllm.lmcache_mp_connector")
     except ImportError as e:
         return f"LMCache's MP connector or kvferry's adapter does not import: {e}"
     if kvferry_bin() is None:
