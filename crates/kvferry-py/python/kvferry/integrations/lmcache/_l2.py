@@ -169,21 +169,7 @@ class KvferryL2Adapter(L2AdapterInterface):
         if isinstance(config, dict):
             config = KvferryL2AdapterConfig.from_dict(config)
         self.opts = config.options
-        self.engine = kvferry.Engine(
-            listen=None,
-            secret=self.opts.secret,
-            arena_bytes=4 << 20,
-            page_size=1 << 20,
-            store_bytes=1 << 20,
-            store_block_bytes=64 << 10,
-            io_timeout=self.opts.timeout,
-            connect_timeout=self.opts.connect_timeout,
-            transport=self.opts.transport,
-            directory=self.opts.directory,
-            tls_cert=self.opts.tls_cert,
-            tls_key=self.opts.tls_key,
-            tls_ca=self.opts.tls_ca,
-        )
+        self.engine = self.opts.client_engine()
         align = int(getattr(l1_memory_desc, "align_bytes", 0) or 4096)
         self._landing = Landing(self.engine, align)
         self._store_efd = create_event_notifier()

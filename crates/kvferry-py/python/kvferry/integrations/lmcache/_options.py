@@ -13,8 +13,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import parse_qs, urlparse
+
+if TYPE_CHECKING:
+    from kvferry import Engine
 
 PREFIX = "kvferry."
 """Prefix of this connector's keys in LMCache's ``extra_config``."""
@@ -108,6 +111,28 @@ class RemoteOptions:
             threads=int(opts.get("threads", 4)),
             parallel=int(opts.get("parallel", 4)),
             transport=_transport(opts.get("transport") or os.environ.get("KVFERRY_TRANSPORT") or "auto"),
+        )
+
+    def client_engine(self) -> Engine:
+        """A client-only ``kvferry.Engine`` for these options (no listener; a small
+        arena and store: the tier and the L2 adapter read into registered L1 memory)."""
+        import kvferry
+
+        directory: Any = self.directory
+        return kvferry.Engine(
+            listen=None,
+            secret=self.secret,
+            arena_bytes=4 << 20,
+            page_size=1 << 20,
+            store_bytes=1 << 20,
+            store_block_bytes=64 << 10,
+            io_timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+            transport=self.transport,
+            directory=directory,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_ca=self.tls_ca,
         )
 
 

@@ -79,22 +79,7 @@ class KvferryRemoteConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.opts = RemoteOptions.from_config(config, url)
-        directory: Any = self.opts.directory
-        self.engine = kvferry.Engine(
-            listen=None,
-            secret=self.opts.secret,
-            arena_bytes=4 << 20,
-            page_size=1 << 20,
-            store_bytes=1 << 20,
-            store_block_bytes=64 << 10,
-            io_timeout=self.opts.timeout,
-            connect_timeout=self.opts.connect_timeout,
-            transport=self.opts.transport,
-            directory=directory,
-            tls_cert=self.opts.tls_cert,
-            tls_key=self.opts.tls_key,
-            tls_ca=self.opts.tls_ca,
-        )
+        self.engine = self.opts.client_engine()
         self._pool = concurrent.futures.ThreadPoolExecutor(self.opts.threads, thread_name_prefix="kvferry-lmc")
         align = int(getattr(getattr(local_cpu_backend, "memory_allocator", None), "align_bytes", 0) or 4096)
         self._landing = Landing(self.engine, align)
